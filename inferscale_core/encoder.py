@@ -1,0 +1,110 @@
+"""Pre-RoPE encoder: one forward pass over `[window turns | fact]`, keeping only the fact's keys (after k_proj
+and k_norm, before rotary embedding) and values, per layer."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+from tqdm.auto import tqdm
+
+from .model_spec import ModelSpec
+from .types import EncodedFact
+
+Text = str | Sequence[int]
+
+
+@contextmanager
+def capture_pre_rope(model):
+    """Within the block, every forward pass of `model` fills two lists, one entry per layer:
+    keys after k_proj (and k_norm) before RoPE, and values, each `[B, T, H, D]`."""
+    spec = ModelSpec.from_config(model.config)
+    keys: list[torch.Tensor | None] = [None] * spec.num_layers
+    values: list[torch.Tensor | None] = [None] * spec.num_layers
+
+    def grabber(store, i):
+        def hook(_module, _inputs, out):
+            store[i] = out.reshape(out.shape[0], out.shape[1], spec.num_kv_heads, spec.head_dim)
+        return hook
+
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        key_module = attn.k_norm if spec.has_k_norm else attn.k_proj
+        hooks.append(key_module.register_forward_hook(grabber(keys, i)))
+        hooks.append(attn.v_proj.register_forward_hook(grabber(values, i)))
+    try:
+        yield keys, values
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+class PreRopeEncoder:
+    def __init__(self, model, tokenizer, max_window_tokens: int = 4096, store_dtype: torch.dtype | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = ModelSpec.from_config(model.config)
+        self.max_window_tokens = max_window_tokens
+        self.store_dtype = store_dtype  # e.g. bf16 storage for an fp32 encoder; None keeps the model dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def token_ids(self, text: Text) -> list[int]:
+        if isinstance(text, str):
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [int(t) for t in text]
+
+    def encode(self, fact: Text, window: Sequence[Text] = ()) -> EncodedFact:
+        return self.encode_batch([(fact, window)], progress=False)[0]
+
+    def encode_batch(self, items: Sequence[tuple[Text, Sequence[Text]]], batch_size: int = 8,
+                     progress: bool = True) -> list[EncodedFact]:
+        """Encode many `(fact, window_turns)` pairs; results come back in input order."""
+        prepared = []
+        for i, (fact, window) in enumerate(items):
+            fact_ids = self.token_ids(fact)
+            if not fact_ids:
+                raise ValueError(f"fact #{i} is empty")
+            context = [t for turn in window for t in self.token_ids(turn)]
+            context = context[len(context) - self.max_window_tokens:] if len(context) > self.max_window_tokens else context
+            prepared.append((context, fact_ids))
+        # Similar lengths together: less padding per batch.
+        order = sorted(range(len(prepared)), key=lambda i: len(prepared[i][0]) + len(prepared[i][1]))
+        out: list[EncodedFact | None] = [None] * len(prepared)
+        bar = tqdm(total=len(prepared), desc="encoding facts", unit="fact", disable=not progress)
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            for i, enc in zip(idx, self._forward([prepared[i] for i in idx])):
+                out[i] = enc
+            bar.update(len(idx))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _forward(self, batch: list[tuple[list[int], list[int]]]) -> list[EncodedFact]:
+        spec, dev = self.spec, self.device
+        seqs = [ctx + fact for ctx, fact in batch]
+        width = max(len(s) for s in seqs)
+        # Right padding: under a causal mask real tokens never attend to the pad that follows them.
+        input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            input_ids[b, :len(s)] = torch.tensor(s)
+            mask[b, :len(s)] = 1
+        positions = torch.arange(width).expand(len(seqs), width)
+        with capture_pre_rope(self.model) as (keys, values):
+            self.model.model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
+                             position_ids=positions.to(dev), use_cache=False)
+        k_all = torch.stack(keys)  # [L, B, W, H, D]
+        v_all = torch.stack(values)
+        results = []
+        for b, (ctx, fact) in enumerate(batch):
+            sl = slice(len(ctx), len(ctx) + len(fact))
+            k, v = k_all[:, b, sl], v_all[:, b, sl]
+            if self.store_dtype is not None:
+                k, v = k.to(self.store_dtype), v.to(self.store_dtype)
+            results.append(EncodedFact(torch.tensor(fact, dtype=torch.long), k.contiguous(), v.contiguous()))
+        return results

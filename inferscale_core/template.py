@@ -1,0 +1,67 @@
+"""The prompt layout both systems share, as token ids:
+
+    [prefix: chat header + instruction] [fact 1] ... [fact k] [query: end of system turn, user turn, assistant header]
+
+Memory = prefix + facts (positions 0..m-1); query at m. KV injection sends exactly the ids prompt injection
+sends, so the two differ only in how the memory's KV gets into the cache."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+DEFAULT_INSTRUCTION = (
+    "You are a helpful assistant with a memory of past conversations with the user. "
+    "Answer the question briefly, using these memories:\n")
+
+_MEMORY_MARK = "\u2063MEMORY\u2063"
+_QUESTION_MARK = "\u2063QUESTION\u2063"
+
+
+class PromptTemplate:
+    def __init__(self, tokenizer, instruction: str = DEFAULT_INSTRUCTION):
+        self.tokenizer = tokenizer
+        self.instruction = instruction
+        self._head, self._middle, self._tail = self._split_chat_template()
+        self.prefix_ids: list[int] = self._ids(self._head)
+
+    def _split_chat_template(self) -> tuple[str, str, str]:
+        """Render the model's own chat template around two marks and cut it there."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            try:
+                text = tok.apply_chat_template(
+                    [{"role": "system", "content": self.instruction + _MEMORY_MARK},
+                     {"role": "user", "content": _QUESTION_MARK}],
+                    tokenize=False, add_generation_prompt=True)
+            except Exception:  # templates without a system role: memory goes first in the user turn
+                text = tok.apply_chat_template(
+                    [{"role": "user", "content": self.instruction + _MEMORY_MARK + "\n" + _QUESTION_MARK}],
+                    tokenize=False, add_generation_prompt=True)
+        else:
+            text = f"{self.instruction}{_MEMORY_MARK}\nQuestion: {_QUESTION_MARK}\nAnswer:"
+        head, rest = text.split(_MEMORY_MARK)
+        middle, tail = rest.split(_QUESTION_MARK)
+        return head, middle, tail
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @staticmethod
+    def render_fact(text: str) -> str:
+        return f"- {text.strip()}\n"
+
+    def fact_ids(self, text: str) -> list[int]:
+        if not text or not text.strip():
+            raise ValueError("fact text is empty")
+        return self._ids(self.render_fact(text))
+
+    def query_ids(self, question: str) -> list[int]:
+        if not question or not question.strip():
+            raise ValueError("question is empty")
+        return self._ids(self._middle + question.strip() + self._tail)
+
+    def prompt_ids(self, fact_texts: Sequence[str], question: str) -> list[int]:
+        """The prompt-injection baseline: the same ids the composed prompt has."""
+        ids = list(self.prefix_ids)
+        for t in fact_texts:
+            ids += self.fact_ids(t)
+        return ids + self.query_ids(question)

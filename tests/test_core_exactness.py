@@ -1,0 +1,89 @@
+"""The paper's mechanism is exact: pre-RoPE capture + chunked RoPE + composition reproduce the model's own
+computation (fp32, CPU, real forward passes; tiny models have random weights)."""
+import pytest
+import torch
+
+from inferscale_core.compose import compose
+from inferscale_core.encoder import PreRopeEncoder, capture_pre_rope
+from inferscale_core.hf_inject import (block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits)
+from inferscale_core.rope import ChunkedRope
+from inferscale_core.template import PromptTemplate
+from tiny_models import FAMILIES, tiny_model
+
+FACTS = ["Caroline moved to Sweden four years ago with her family.",
+         "Melanie painted a sunrise over a lake last summer.",
+         "Caroline is researching adoption agencies because she wants to have kids."]
+QUESTION = "Where did Caroline move from?"
+
+
+@pytest.fixture(scope="module", params=FAMILIES + ("smollm2",))
+def model_and_tok(request, smollm2):
+    _, tok = smollm2  # tiny models share SmolLM2's tokenizer (same vocabulary size)
+    if request.param == "smollm2":
+        return smollm2
+    return tiny_model(request.param), tok
+
+
+def ids_of(model_and_tok):
+    model, tok = model_and_tok
+    tpl = PromptTemplate(tok)
+    return tpl.prefix_ids, [tpl.fact_ids(f) for f in FACTS], tpl.query_ids(QUESTION)
+
+
+@torch.no_grad()
+def test_rerotated_keys_equal_model_keys_at_arbitrary_positions(model_and_tok):
+    model, tok = model_and_tok
+    ids = torch.tensor(tok("The quick brown fox jumps over the lazy dog near the river bank.",
+                           add_special_tokens=False)["input_ids"])[None]
+    positions = (torch.arange(ids.shape[1]) * 7 + 1234)[None]  # arbitrary, non-contiguous
+    with capture_pre_rope(model) as (keys, _):
+        out = model(input_ids=ids, position_ids=positions, use_cache=True)
+    rope = ChunkedRope(model.config)
+    for layer, k_pre in enumerate(keys):
+        expected = out.past_key_values.layers[layer].keys[0].transpose(0, 1)  # [T, H, D] post-RoPE
+        got = rope.rotate(k_pre[0], positions[0])
+        assert (got - expected).abs().max().item() < 1e-5, f"layer {layer}"
+
+
+@torch.no_grad()
+def test_theorem1_joint_memory_injected_equals_prompt_injection(model_and_tok):
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    memory = prefix + [t for f in facts for t in f]
+    encoder = PreRopeEncoder(model, tok)
+    comp = compose(ChunkedRope(model.config), [encoder.encode(memory)], query)
+    assert comp.prompt_ids == memory + query and comp.memory_len == len(memory)
+
+    full = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, len(memory):]
+    injected = query_logits(model, comp)
+    assert (injected - full).abs().max().item() < 1e-4
+    assert greedy_with_injection(model, comp, 32) == greedy_prompt(model, comp.prompt_ids, 32)
+
+
+@torch.no_grad()
+def test_chunks_encoded_apart_equal_block_diagonal_reference(model_and_tok):
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    chunks = encoder.encode_batch([(c, ()) for c in [prefix] + facts], progress=False)
+    comp = compose(ChunkedRope(model.config), chunks, query)
+
+    lengths = [len(prefix)] + [len(f) for f in facts]
+    mask = block_diagonal_mask(lengths, len(query))
+    reference = model(input_ids=torch.tensor([comp.prompt_ids]), attention_mask=mask,
+                      position_ids=torch.arange(len(comp.prompt_ids))[None]).logits[0, comp.memory_len:]
+    assert (query_logits(model, comp) - reference).abs().max().item() < 1e-4
+    # Encoding apart is NOT the same as joint prompt injection (otherwise this test proves nothing).
+    joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
+    assert (reference - joint).abs().max().item() > 1e-3
+
+
+@torch.no_grad()
+def test_corollary2_windows_holding_preceding_facts_equal_joint_prompt(model_and_tok):
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    items = [(prefix, ())] + [(f, [prefix] + facts[:i]) for i, f in enumerate(facts)]
+    comp = compose(ChunkedRope(model.config), encoder.encode_batch(items, batch_size=2, progress=False), query)
+    joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
+    assert (query_logits(model, comp) - joint).abs().max().item() < 1e-4
