@@ -1,0 +1,175 @@
+"""The fact registry against a real redis-server (and the embedded fallback through the same tests)."""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from inferscale_core.errors import InvalidIdError, UnknownFactError
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+from services.registry import (DuplicateFactError, EmbeddedRegistry, NewFact, RedisRegistry,
+                               VersionConflictError, open_registry)
+
+
+@pytest.fixture(params=["redis", "embedded"])
+def reg(request, redis_url):  # noqa: F811
+    if request.param == "redis":
+        # A fresh key prefix per test: tests share one server but never see each other's keys.
+        r = RedisRegistry(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:")
+    else:
+        r = EmbeddedRegistry()
+    yield r
+    r.close()
+
+
+def test_create_get_list_count(reg):
+    recs = reg.create("alice", [NewFact("likes tea", {"src": "chat"}), NewFact("lives in Oslo")])
+    assert [r.text for r in recs] == ["likes tea", "lives in Oslo"]
+    assert all(r.version == 1 and r.user_id == "alice" and len(r.fact_id) == 32 for r in recs)
+    got = reg.get("alice", recs[0].fact_id)
+    assert got.text == "likes tea" and got.metadata == {"src": "chat"} and got.embedding is None
+    assert got.created_at == recs[0].created_at
+    listed, nxt = reg.list("alice")
+    assert [r.fact_id for r in listed] == [r.fact_id for r in recs] and nxt is None
+    assert reg.count("alice") == 2 and reg.count("nobody") == 0
+
+
+def test_list_pages_in_creation_order(reg):
+    ids = [r.fact_id for r in reg.create("u", [NewFact(f"fact {i}") for i in range(5)])]
+    ids += [r.fact_id for r in reg.create("u", [NewFact("fact 5")])]
+    page1, off = reg.list("u", 0, 4)
+    page2, off2 = reg.list("u", off, 4)
+    assert [r.fact_id for r in page1 + page2] == ids
+    assert off == 4 and off2 is None
+    with pytest.raises(ValueError):
+        reg.list("u", -1, 2)
+
+
+def test_embedding_round_trip_and_staleness(reg):
+    (rec,) = reg.create("u", [NewFact("x", embedding=np.arange(4, dtype=np.float32))])
+    assert np.array_equal(reg.get("u", rec.fact_id).embedding, np.arange(4, dtype=np.float32))
+    # metadata-only update keeps the embedding; a new text drops it (it described the old text)
+    r2 = reg.update("u", rec.fact_id, metadata={"a": 1})
+    assert r2.version == 2 and r2.embedding is not None and r2.metadata == {"a": 1}
+    r3 = reg.update("u", rec.fact_id, text="y")
+    assert r3.version == 3 and r3.embedding is None and reg.get("u", rec.fact_id).embedding is None
+    # an embedding computed for an old version is refused
+    assert reg.set_embedding("u", rec.fact_id, 2, np.ones(4)) is False
+    assert reg.set_embedding("u", rec.fact_id, 3, np.ones(4)) is True
+    assert np.array_equal(reg.get("u", rec.fact_id).embedding, np.ones(4, dtype=np.float32))
+
+
+def test_update_versions_and_metadata_merge(reg):
+    (rec,) = reg.create("u", [NewFact("a", {"k1": "v1"})])
+    r = reg.update("u", rec.fact_id, metadata={"k2": "v2"})
+    assert r.metadata == {"k1": "v1", "k2": "v2"} and r.version == 2
+    r = reg.update("u", rec.fact_id, metadata={"k3": "v3"}, replace_metadata=True)
+    assert r.metadata == {"k3": "v3"} and r.version == 3
+    assert r.updated_at >= r.created_at
+    with pytest.raises(VersionConflictError, match="at version 3"):
+        reg.update("u", rec.fact_id, text="b", expected_version=2)
+    assert reg.update("u", rec.fact_id, text="b", expected_version=3).version == 4
+    assert reg.get("u", rec.fact_id).text == "b"
+
+
+def test_owner_isolation(reg):
+    (mine,) = reg.create("alice", [NewFact("alice's secret")])
+    # bob can neither read, list, update nor delete alice's fact; the error does not reveal it exists
+    for call in (lambda: reg.get("bob", mine.fact_id), lambda: reg.update("bob", mine.fact_id, text="pwned"),
+                 lambda: reg.delete("bob", mine.fact_id), lambda: reg.get_many("bob", [mine.fact_id])):
+        with pytest.raises(UnknownFactError) as e:
+            call()
+        assert "alice" not in str(e.value) and "secret" not in str(e.value)
+    assert reg.list("bob") == ([], None)
+    assert reg.delete_user("bob") == 0
+    assert reg.get("alice", mine.fact_id).text == "alice's secret"
+
+
+def test_delete_and_delete_user(reg):
+    a, b, c = reg.create("u", [NewFact("a"), NewFact("b"), NewFact("c")])
+    (other,) = reg.create("v", [NewFact("other")])
+    assert reg.delete("u", b.fact_id).text == "b"
+    with pytest.raises(UnknownFactError):
+        reg.get("u", b.fact_id)
+    with pytest.raises(UnknownFactError):
+        reg.delete("u", b.fact_id)
+    assert [r.fact_id for r in reg.list("u")[0]] == [a.fact_id, c.fact_id]
+    reg.add_placement("u", "replica-1")
+    assert reg.delete_user("u") == 2
+    assert reg.count("u") == 0 and reg.placement("u") == set()
+    assert reg.get("v", other.fact_id).text == "other"
+
+
+def test_user_version_moves_on_every_change(reg):
+    assert reg.user_version("u") == 0
+    (r,) = reg.create("u", [NewFact("a")])
+    v1 = reg.user_version("u")
+    reg.update("u", r.fact_id, text="b")
+    v2 = reg.user_version("u")
+    reg.delete("u", r.fact_id)
+    v3 = reg.user_version("u")
+    reg.delete_user("u")
+    assert 0 < v1 < v2 < v3 < reg.user_version("u")
+    assert reg.user_version("someone-else") == 0
+
+
+def test_caller_chosen_ids_and_duplicates(reg):
+    (r,) = reg.create("u", [NewFact("a", fact_id="f-1")])
+    assert r.fact_id == "f-1"
+    with pytest.raises(DuplicateFactError):
+        reg.create("u", [NewFact("b", fact_id="f-1")])
+    with pytest.raises(DuplicateFactError):  # taken by another user: still refused, never overwritten
+        reg.create("v", [NewFact("b", fact_id="f-1")])
+    with pytest.raises(DuplicateFactError):
+        reg.create("u", [NewFact("c", fact_id="f-2"), NewFact("d", fact_id="f-2")])
+    assert reg.get("u", "f-1").text == "a" and reg.count("u") == 1
+
+
+def test_bad_input_is_rejected(reg):
+    with pytest.raises(InvalidIdError):
+        reg.create("", [NewFact("a")])
+    with pytest.raises(InvalidIdError):
+        reg.get("u", "../etc")
+    with pytest.raises(ValueError, match="non-empty"):
+        reg.create("u", [NewFact("   ")])
+    with pytest.raises(ValueError, match="1-D"):
+        reg.create("u", [NewFact("a", embedding=np.zeros((2, 2)))])
+    with pytest.raises(TypeError):
+        reg.create("u", [NewFact("a", {"k": object()})])
+    assert reg.count("u") == 0
+
+
+def test_placement_map(reg):
+    reg.add_placement("u1", "engine-a")
+    reg.add_placement("u1", "engine-b")
+    reg.add_placement("u2", "engine-a")
+    assert reg.placement("u1") == {"engine-a", "engine-b"}
+    assert reg.placements() == {"u1": {"engine-a", "engine-b"}, "u2": {"engine-a"}}
+    reg.remove_placement("u1", "engine-a")
+    reg.remove_placement("u2", "engine-a")
+    reg.remove_placement("u2", "engine-never")
+    assert reg.placements() == {"u1": {"engine-b"}}
+
+
+def test_restart_sees_the_data(redis_url):  # noqa: F811
+    prefix = f"restart{uuid.uuid4().hex[:8]}:"
+    first = RedisRegistry(redis_url, prefix=prefix)
+    (rec,) = first.create("u", [NewFact("survives", {"n": 1}, embedding=np.ones(3))])
+    first.add_placement("u", "engine-0")
+    ver = first.user_version("u")
+    first.close()
+    second = open_registry(redis_url, prefix=prefix)
+    got = second.get("u", rec.fact_id)
+    assert (got.text, got.metadata, got.version) == ("survives", {"n": 1}, 1)
+    assert np.array_equal(got.embedding, np.ones(3, dtype=np.float32))
+    assert second.placement("u") == {"engine-0"} and second.user_version("u") == ver
+    second.close()
+
+
+def test_open_registry_picks_backend(redis_url):  # noqa: F811
+    assert isinstance(open_registry(None), EmbeddedRegistry)
+    assert isinstance(open_registry(""), EmbeddedRegistry)
+    assert isinstance(open_registry(redis_url), RedisRegistry)
+    with pytest.raises(ValueError, match="not a redis"):
+        open_registry("http://localhost:6379")
