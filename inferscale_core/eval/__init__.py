@@ -1,0 +1,1 @@
+"""LoCoMo evaluation harness: dataset loading, scoring, statistics and reports (no engine needed)."""
