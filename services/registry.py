@@ -45,6 +45,7 @@ class FactRecord:
     created_at: float = 0.0
     updated_at: float = 0.0
     embedding: np.ndarray | None = None  # float32 [dim], None until indexed
+    window: tuple[str, ...] = ()  # conversation turns the fact was encoded behind (re-encoding needs them)
 
     def public(self) -> dict:
         """The fields a client may see (no embedding)."""
@@ -58,6 +59,7 @@ class NewFact:
     metadata: dict = field(default_factory=dict)
     embedding: np.ndarray | None = None
     fact_id: str | None = None  # None: the registry picks a uuid4
+    window: tuple[str, ...] = ()
 
 
 def _check_text(text) -> str:
@@ -73,6 +75,12 @@ def _check_metadata(metadata) -> dict:
         raise ValueError("fact metadata must be a dict with str keys")
     json.dumps(metadata)  # raises TypeError on values that cannot be stored
     return dict(metadata)
+
+
+def _check_window(window) -> tuple[str, ...]:
+    if not isinstance(window, (list, tuple)) or not all(isinstance(t, str) for t in window):
+        raise ValueError("a fact's window must be a list of str (conversation turns)")
+    return tuple(window)
 
 
 def _as_embedding(e) -> np.ndarray | None:
@@ -105,6 +113,10 @@ class Registry(ABC):
 
     @abstractmethod
     def count(self, user_id: str) -> int: ...
+
+    @abstractmethod
+    def fact_versions(self, user_id: str) -> dict[str, int]:
+        """fact_id -> version for every fact of the user: what a replica compares its cache against."""
 
     @abstractmethod
     def update(self, user_id: str, fact_id: str, text: str | None = None, metadata: dict | None = None,
@@ -160,7 +172,7 @@ class Registry(ABC):
                 raise DuplicateFactError(f"fact id {fid!r} appears twice in one request")
             seen.add(fid)
             out.append(FactRecord(fid, user_id, _check_text(f.text), _check_metadata(f.metadata), 1, now, now,
-                                  _as_embedding(f.embedding)))
+                                  _as_embedding(f.embedding), _check_window(f.window)))
         return out
 
 
@@ -193,13 +205,15 @@ class RedisRegistry(Registry):
             fact_id=fact_id, user_id=h[b"user_id"].decode(), text=h[b"text"].decode(),
             metadata=json.loads(h[b"metadata"]), version=int(h[b"version"]),
             created_at=float(h[b"created_at"]), updated_at=float(h[b"updated_at"]),
-            embedding=np.frombuffer(emb, dtype=np.float32).copy() if emb else None)
+            embedding=np.frombuffer(emb, dtype=np.float32).copy() if emb else None,
+            window=tuple(json.loads(h.get(b"window", b"[]"))))
 
     @staticmethod
     def _mapping(rec: FactRecord) -> dict:
         m = {"user_id": rec.user_id, "text": rec.text, "metadata": json.dumps(rec.metadata),
              "version": rec.version, "created_at": repr(rec.created_at), "updated_at": repr(rec.updated_at),
-             "embedding": rec.embedding.astype(np.float32).tobytes() if rec.embedding is not None else b""}
+             "embedding": rec.embedding.astype(np.float32).tobytes() if rec.embedding is not None else b"",
+             "window": json.dumps(list(rec.window))}
         return m
 
     def _owned(self, user_id: str, fact_id: str, h: dict) -> FactRecord:
@@ -263,6 +277,15 @@ class RedisRegistry(Registry):
     def count(self, user_id):
         check_id("user_id", user_id)
         return int(self.r.zcard(self._k("user", user_id, "facts")))
+
+    def fact_versions(self, user_id):
+        check_id("user_id", user_id)
+        ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), 0, -1)]
+        with self.r.pipeline(transaction=False) as pipe:
+            for f in ids:
+                pipe.hget(self._fact_key(f), "version")
+            vers = pipe.execute()
+        return {f: int(v) for f, v in zip(ids, vers) if v is not None}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
                expected_version=0):
@@ -452,6 +475,11 @@ class EmbeddedRegistry(Registry):
         check_id("user_id", user_id)
         with self._lock:
             return len(self._order.get(user_id, []))
+
+    def fact_versions(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return {f: self._facts[f].version for f in self._order.get(user_id, [])}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
                expected_version=0):

@@ -33,6 +33,9 @@ def test_create_get_list_count(reg):
     listed, nxt = reg.list("alice")
     assert [r.fact_id for r in listed] == [r.fact_id for r in recs] and nxt is None
     assert reg.count("alice") == 2 and reg.count("nobody") == 0
+    assert reg.fact_versions("alice") == {r.fact_id: 1 for r in recs}
+    (w,) = reg.create("alice", [NewFact("moved to Bergen", window=("user: I moved!", "assistant: where?"))])
+    assert reg.get("alice", w.fact_id).window == ("user: I moved!", "assistant: where?")
 
 
 def test_list_pages_in_creation_order(reg):
@@ -71,6 +74,7 @@ def test_update_versions_and_metadata_merge(reg):
         reg.update("u", rec.fact_id, text="b", expected_version=2)
     assert reg.update("u", rec.fact_id, text="b", expected_version=3).version == 4
     assert reg.get("u", rec.fact_id).text == "b"
+    assert reg.fact_versions("u") == {rec.fact_id: 4}
 
 
 def test_owner_isolation(reg):

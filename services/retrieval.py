@@ -1,0 +1,179 @@
+"""Retrieval deployment: per-user exact vector indices on the replica's device, kept in sync with the registry.
+
+The registry (Redis) is the truth; an index here is a cache of it. Every request first compares the user's
+version counter in the registry with the version this replica last synced (one read); on a mismatch it
+diffs fact versions and (re)indexes only what changed. So a write that reached another replica, or none
+(a push that failed), is still seen by the next search. Embeddings computed here are written back to the
+registry, so a replica that loads the user later does not embed them again.
+
+Users are multiplexed (`multiplexed_model_id` = user id): Serve routes a user to a replica that has the
+user's index loaded, and each replica keeps at most MAX_USERS indices (LRU), dropping the rest from memory.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import numpy as np
+import torch
+from ray import serve
+
+from inferscale_core.errors import UnknownFactError, UnknownUserError
+from inferscale_core.index import VectorIndex
+
+from .registry import Registry
+
+MAX_USERS = int(os.environ.get("INFERSCALE_RETRIEVAL_MAX_USERS", "1024"))
+
+
+class RetrievalCore:
+    """Registry-synced per-user indices. Thread-safe; blocking (call from a thread in async code)."""
+
+    def __init__(self, registry: Registry, embedder, device: str | torch.device = "cpu"):
+        self.registry = registry
+        self.embedder = embedder
+        self.index = VectorIndex(embedder.dim, device=device)
+        self._lock = threading.RLock()
+        self._synced: dict[str, int] = {}              # user -> registry user_version last synced
+        self._versions: dict[str, dict[str, int]] = {}  # user -> fact_id -> fact version indexed
+
+    # ----------------------------------------------------------------------------------- sync
+    def ensure(self, user_id: str) -> int:
+        """Bring the user's index up to the registry's state; returns the number of facts indexed."""
+        with self._lock:
+            version = self.registry.user_version(user_id)
+            if self._synced.get(user_id) == version:
+                return self.index.size(user_id)
+            # Read after `version`: a change that lands in between bumps the counter again, so the next
+            # call re-syncs; we can only be ahead of `version`, never silently behind.
+            wanted = self.registry.fact_versions(user_id)
+            have = self._versions.setdefault(user_id, {})
+            for fid in [f for f in have if f not in wanted]:
+                self._drop(user_id, fid)
+            stale = [f for f, v in wanted.items() if have.get(f) != v]
+            recs = []
+            for fid in stale:
+                try:
+                    recs.append(self.registry.get(user_id, fid))
+                except UnknownFactError:  # deleted since the listing: the next sync sees that too
+                    continue
+            self._add_records(user_id, recs)
+            self._synced[user_id] = version
+            return self.index.size(user_id)
+
+    def _add_records(self, user_id: str, recs) -> None:
+        if not recs:
+            return
+        dim = self.index.dim
+        reuse = [r for r in recs if r.embedding is not None and r.embedding.shape == (dim,)]
+        fresh = [r for r in recs if not (r.embedding is not None and r.embedding.shape == (dim,))]
+        rows, ids = [], []
+        if reuse:
+            rows.append(torch.as_tensor(np.stack([r.embedding for r in reuse])))
+            ids += [r.fact_id for r in reuse]
+        if fresh:
+            embs = self.embedder.embed([r.text for r in fresh]).cpu()
+            for r, e in zip(fresh, embs):
+                self.registry.set_embedding(user_id, r.fact_id, r.version, e.numpy())
+            rows.append(embs)
+            ids += [r.fact_id for r in fresh]
+        self.index.add_many(user_id, ids, torch.cat(rows).to(torch.float32))
+        versions = self._versions.setdefault(user_id, {})
+        for r in reuse + fresh:
+            versions[r.fact_id] = r.version
+
+    def _drop(self, user_id: str, fact_id: str) -> None:
+        self._versions.get(user_id, {}).pop(fact_id, None)
+        if self.index.contains(user_id, fact_id):
+            self.index.remove(user_id, fact_id)
+
+    # -------------------------------------------------------------------------------- writes
+    def index_facts(self, user_id: str, facts: list[tuple[str, int, str]]) -> int:
+        """Eagerly index just-written facts `(fact_id, version, text)`: embed, write the embeddings back to the
+        registry, add them here. Does not mark the user synced (other changes may be pending)."""
+        with self._lock:
+            recs = []
+            for fid, version, _text in facts:
+                try:
+                    rec = self.registry.get(user_id, fid)
+                except UnknownFactError:
+                    continue  # deleted meanwhile
+                if rec.version == version:
+                    recs.append(rec)
+            self._add_records(user_id, recs)
+            return len(recs)
+
+    def forget(self, user_id: str, fact_ids: list[str]) -> None:
+        with self._lock:
+            for fid in fact_ids:
+                self._drop(user_id, fid)
+
+    def unload(self, user_id: str) -> None:
+        """Drop the user's index from memory (LRU eviction or DeleteUser); the registry keeps everything."""
+        with self._lock:
+            self._synced.pop(user_id, None)
+            self._versions.pop(user_id, None)
+            try:
+                self.index.remove_user(user_id)
+            except UnknownUserError:
+                pass
+
+    # -------------------------------------------------------------------------------- reads
+    def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
+        """Top-k `(fact_id, score)` of the user, best first; [] for a user with no facts."""
+        with self._lock:
+            if self.ensure(user_id) == 0:
+                return []
+            q = self.embedder.embed([query])[0]
+            return [(f, float(s)) for f, s in self.index.search(user_id, q, k)]
+
+    def users(self) -> list[str]:
+        with self._lock:
+            return list(self._synced)
+
+
+class _LoadedUser:
+    """What the multiplexed loader hands Serve; Serve calls __del__ when it evicts the user (LRU)."""
+
+    def __init__(self, core: RetrievalCore, user_id: str):
+        self.core, self.user_id = core, user_id
+
+    def __del__(self):
+        self.core.unload(self.user_id)
+
+
+class Retrieval:
+    """The Serve deployment (options in services/app.py)."""
+
+    def __init__(self, registry_url: str | None = None, device: str = "cpu", embedder_path: str | None = None):
+        from inferscale_core.embedder import Embedder
+
+        from .registry import open_registry
+
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"retrieval replica asked for device {device!r} but no GPU is visible")
+        self.core = RetrievalCore(open_registry(registry_url), Embedder(embedder_path, device=device), device)
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
+    async def _user(self, user_id: str) -> _LoadedUser:
+        await asyncio.to_thread(self.core.ensure, user_id)
+        return _LoadedUser(self.core, user_id)
+
+    async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
+        await self._user(user_id)
+        return await asyncio.to_thread(self.core.search, user_id, query, k)
+
+    async def index_facts(self, user_id: str, facts: list[tuple[str, int, str]]) -> int:
+        await self._user(user_id)
+        return await asyncio.to_thread(self.core.index_facts, user_id, facts)
+
+    async def forget(self, user_id: str, fact_ids: list[str]) -> None:
+        await asyncio.to_thread(self.core.forget, user_id, fact_ids)
+
+    async def forget_user(self, user_id: str) -> None:
+        await asyncio.to_thread(self.core.unload, user_id)
+
+    async def health(self) -> str:
+        await asyncio.to_thread(self.core.registry.ping)
+        return "ok"

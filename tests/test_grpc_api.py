@@ -1,0 +1,272 @@
+"""The gRPC API `inferscale.v1.Memory` against a real grpc server on loopback, registry in a real redis-server.
+
+The gateway runs in registry-only mode (no Ray deployments): everything here is decided by validation and by
+the registry, before any engine would be involved. The Ray Serve end-to-end test lives with the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import grpc
+import pytest
+
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+from services import api, codegen
+from services.api import Limits, pb2, pb2_grpc
+from services.gateway import GatewayCore, build_http_app, start_grpc_server
+from services.registry import RedisRegistry
+
+LIMITS = Limits(max_facts_per_user=5)
+
+
+class _ServerThread:
+    """A grpc.aio server on its own event loop in a thread, so the tests can use the blocking client."""
+
+    def __init__(self, core: GatewayCore):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server, self.port = asyncio.run_coroutine_threadsafe(start_grpc_server(core), self.loop).result(30)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def registry(redis_url):  # noqa: F811
+    reg = RedisRegistry(redis_url, prefix=f"grpc{uuid.uuid4().hex[:8]}:")
+    yield reg
+    reg.close()
+
+
+@pytest.fixture(scope="module")
+def core(registry):
+    return GatewayCore(registry, backends=None, limits=LIMITS)
+
+
+@pytest.fixture(scope="module")
+def channel(core):
+    srv = _ServerThread(core)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    grpc.channel_ready_future(ch).result(timeout=30)
+    yield ch
+    ch.close()
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb2_grpc.MemoryStub(channel)
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def _user() -> str:
+    return f"user-{uuid.uuid4().hex[:8]}"
+
+
+def test_proto_compiles_and_defines_the_service():
+    out = codegen.generate(force=True)
+    assert (out / "memory_pb2.py").exists() and codegen.is_current()
+    methods = set(pb2.DESCRIPTOR.services_by_name["Memory"].methods_by_name)
+    assert methods == {"AddMemory", "AddFacts", "Search", "Answer", "GetMemory", "ListMemories",
+                       "UpdateMemory", "DeleteMemory", "DeleteUser", "Health"}
+    assert pb2.DESCRIPTOR.services_by_name["Memory"].methods_by_name["Answer"].server_streaming
+    assert set(api.REQUEST_TYPES) == methods
+
+
+def test_fact_crud_round_trip(stub):
+    uid = _user()
+    added = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[
+        pb2.FactInput(text="  likes green tea ", metadata={"src": "chat"}),
+        pb2.FactInput(text="has a dog named Rex", window=["user: I walked Rex today"])]))
+    a, b = added.facts
+    assert a.text == "likes green tea" and a.metadata == {"src": "chat"} and a.version == 1 and a.user_id == uid
+    got = stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=b.fact_id))
+    assert got.text == "has a dog named Rex"
+    upd = stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id=a.fact_id, text="likes black tea",
+                                                    expected_version=1))
+    assert upd.version == 2 and upd.text == "likes black tea" and upd.metadata == {"src": "chat"}
+    page1 = stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, page_size=1))
+    page2 = stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, page_size=1, page_token=page1.next_page_token))
+    assert [f.fact_id for f in [*page1.facts, *page2.facts]] == [a.fact_id, b.fact_id]
+    assert page2.next_page_token == ""
+    assert stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=uid, fact_id=a.fact_id)).fact_id == a.fact_id
+    assert stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid)).deleted == 1
+    assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid)).facts) == 0
+
+
+def test_add_memory_without_inference_stores_messages(stub):
+    uid = _user()
+    res = stub.AddMemory(pb2.AddMemoryRequest(user_id=uid, infer=False, metadata={"session": "s1"}, messages=[
+        pb2.Message(role="system", content="be nice"), pb2.Message(role="user", content="I am vegan"),
+        pb2.Message(role="assistant", content="Noted!")]))
+    assert [(e.event, e.text) for e in res.results] == [("ADD", "I am vegan"), ("ADD", "Noted!")]
+    got = stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=res.results[0].fact_id))
+    assert got.metadata == {"session": "s1", "role": "user"}
+
+
+EMPTY_USER_CALLS = {
+    "AddFacts": lambda s: s.AddFacts(pb2.AddFactsRequest(facts=[pb2.FactInput(text="x")])),
+    "AddMemory": lambda s: s.AddMemory(pb2.AddMemoryRequest(messages=[pb2.Message(role="user", content="x")])),
+    "Search": lambda s: s.Search(pb2.SearchRequest(query="x")),
+    "Answer": lambda s: list(s.Answer(pb2.AnswerRequest(query="x"))),
+    "GetMemory": lambda s: s.GetMemory(pb2.GetMemoryRequest(fact_id="f")),
+    "ListMemories": lambda s: s.ListMemories(pb2.ListMemoriesRequest()),
+    "UpdateMemory": lambda s: s.UpdateMemory(pb2.UpdateMemoryRequest(fact_id="f", text="x")),
+    "DeleteMemory": lambda s: s.DeleteMemory(pb2.DeleteMemoryRequest(fact_id="f")),
+    "DeleteUser": lambda s: s.DeleteUser(pb2.DeleteUserRequest()),
+}
+
+
+@pytest.mark.parametrize("rpc", sorted(EMPTY_USER_CALLS))
+def test_empty_user_is_invalid_argument(stub, rpc):
+    code, details = _code(lambda: EMPTY_USER_CALLS[rpc](stub))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "user_id" in details and "empty" in details
+
+
+def test_bad_ids_are_invalid_argument(stub):
+    code, details = _code(lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="a/b", fact_id="f")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "path separator" in details
+    code, details = _code(lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="u", fact_id="")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fact_id" in details
+
+
+def test_oversized_fact_and_request_are_resource_exhausted(stub):
+    uid = _user()
+    code, details = _code(lambda: stub.AddFacts(pb2.AddFactsRequest(
+        user_id=uid, facts=[pb2.FactInput(text="ok"), pb2.FactInput(text="x" * (LIMITS.max_fact_chars + 1))])))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"facts[1].text is {LIMITS.max_fact_chars + 1} characters" in details
+    big = pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="y" * 1500)] * 800)
+    code, details = _code(lambda: stub.AddFacts(big))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes, the limit is" in details
+    code, details = _code(lambda: stub.Search(pb2.SearchRequest(user_id=uid, query="q" * 5000)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "query is 5000 characters" in details
+    code, details = _code(lambda: stub.AddFacts(pb2.AddFactsRequest(
+        user_id=uid, facts=[pb2.FactInput(text="z")] * (LIMITS.max_facts_per_request + 1))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "per request" in details
+    # nothing was stored by any of the refused requests
+    assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid)).facts) == 0
+
+
+def test_per_user_quota_is_resource_exhausted(stub):
+    uid = _user()
+    stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text=f"f{i}") for i in range(4)]))
+    code, details = _code(lambda: stub.AddFacts(pb2.AddFactsRequest(
+        user_id=uid, facts=[pb2.FactInput(text="a"), pb2.FactInput(text="b")])))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 5 facts per user" in details
+
+
+def test_unknown_fact_is_not_found(stub):
+    uid = _user()
+    for call in (lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id="nope")),
+                 lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id="nope", text="t")),
+                 lambda: stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=uid, fact_id="nope"))):
+        code, details = _code(call)
+        assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
+    code, details = _code(lambda: stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid)))
+    assert code == grpc.StatusCode.NOT_FOUND and "unknown user" in details
+
+
+def test_another_users_fact_is_not_found(stub):
+    alice, bob = _user(), _user()
+    (fact,) = stub.AddFacts(pb2.AddFactsRequest(user_id=alice, facts=[pb2.FactInput(text="alice's PIN is 1234")])).facts
+    for call in (lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id=bob, fact_id=fact.fact_id)),
+                 lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=bob, fact_id=fact.fact_id, text="x")),
+                 lambda: stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=bob, fact_id=fact.fact_id))):
+        code, details = _code(call)
+        assert code == grpc.StatusCode.NOT_FOUND and "1234" not in details and alice not in details
+    assert stub.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact.fact_id)).text == "alice's PIN is 1234"
+    assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=bob)).facts) == 0
+
+
+@pytest.mark.parametrize("k", [-1, 65, 1000])
+def test_k_out_of_range_is_invalid_argument(stub, k):
+    code, details = _code(lambda: stub.Search(pb2.SearchRequest(user_id="u", query="q", k=k)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 64]" in details
+    code, details = _code(lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q", k=k))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 64]" in details
+
+
+def test_other_ranges_and_enums_are_invalid_argument(stub):
+    cases = [
+        (lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q", max_tokens=-5))), "max_tokens"),
+        (lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q", temperature=3.0))), "temperature"),
+        (lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q", mode="telepathy"))), "mode"),
+        (lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query=" "))), "query must not be empty"),
+        (lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id="u", page_size=5000)), "page_size"),
+        (lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id="u", page_token="abc")), "page_token"),
+        (lambda: stub.AddFacts(pb2.AddFactsRequest(user_id="u")), "facts must not be empty"),
+        (lambda: stub.AddFacts(pb2.AddFactsRequest(user_id="u", facts=[pb2.FactInput(text="  ")])),
+         "facts[0].text must not be empty"),
+        (lambda: stub.AddMemory(pb2.AddMemoryRequest(user_id="u", messages=[pb2.Message(role="bot", content="x")])),
+         "messages[0].role"),
+        (lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id="u", fact_id="f")), "nothing to update"),
+    ]
+    for call, needle in cases:
+        code, details = _code(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (needle, code, details)
+        assert needle in details, (needle, details)
+
+
+def test_malformed_request_is_invalid_argument(channel):
+    raw_call = channel.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
+                                   response_deserializer=pb2.Fact.FromString)
+    code, details = _code(lambda: raw_call(b"\x0a\xff\xff\xff\xff\x0f"))  # field 1, length past the end
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid inferscale.v1.GetMemoryRequest" in details
+
+
+def test_version_conflict_is_aborted(stub):
+    uid = _user()
+    (f,) = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="v1")])).facts
+    stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id=f.fact_id, text="v2"))
+    code, details = _code(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
+        user_id=uid, fact_id=f.fact_id, text="v3", expected_version=1)))
+    assert code == grpc.StatusCode.ABORTED and "at version 2" in details
+
+
+def test_registry_only_mode_answers_unavailable_for_serving(stub):
+    code, details = _code(lambda: stub.Search(pb2.SearchRequest(user_id="u", query="q")))
+    assert code == grpc.StatusCode.UNAVAILABLE and "registry-only" in details
+    code, _ = _code(lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q"))))
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_health(stub):
+    h = stub.Health(pb2.HealthRequest())
+    assert h.status == "SERVING" and h.components["registry"] == "ok"
+
+
+def test_health_reports_a_dead_registry():
+    reg = RedisRegistry("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    h = asyncio.run(GatewayCore(reg).Health(b""))
+    assert h.status == "DEGRADED" and h.components["registry"].startswith("error:")
+
+
+def test_http_chat_completions_validation(core):
+    from fastapi.testclient import TestClient
+
+    client = TestClient(build_http_app(lambda: core))
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "`user` is required" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"user": "u", "k": 999,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "k must be in" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"user": "u", "messages": [{"role": "system", "content": "x"}]})
+    assert r.status_code == 400 and "user message" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"user": "u", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+    assert client.get("/healthz").json()["components"]["registry"] == "ok"
