@@ -394,3 +394,134 @@ async def _sse(gen, first, cid: str, created: int, model: str):
         except StopAsyncIteration:
             break
     yield "data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------------------------ Ray Serve
+class ServeBackends:
+    """Backends over Serve deployment handles. Every per-user call carries multiplexed_model_id = user id,
+    so Serve routes it to a replica that already holds the user's index / KV store."""
+
+    def __init__(self, encoder, retrieval, engine, timeout_s: float = 120.0):
+        self.encoder, self.retrieval, self.engine, self.timeout_s = encoder, retrieval, engine, timeout_s
+
+    def _r(self, user_id: str):
+        return self.retrieval.options(multiplexed_model_id=user_id)
+
+    def _e(self, user_id: str, stream: bool = False):
+        return self.engine.options(multiplexed_model_id=user_id, stream=stream)
+
+    async def index_facts(self, user_id, records):
+        indexed = self._r(user_id).index_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records])
+        # The encoder's response is handed to the engine call unresolved: Serve passes it on as an object
+        # reference and the engine replica reads the KV tensors from the object store; they never come here.
+        encoded = self.encoder.encode.remote([(r.text, list(r.window)) for r in records])
+        placed = self._e(user_id).put_facts.remote(user_id, [(r.fact_id, r.version) for r in records], encoded)
+        await asyncio.wait_for(asyncio.gather(indexed, placed), self.timeout_s)
+
+    async def search(self, user_id, query, k):
+        return await asyncio.wait_for(self._r(user_id).search.remote(user_id, query, k), self.timeout_s)
+
+    async def answer(self, user_id, query, k, max_tokens, temperature, mode):
+        from inferscale_core.compose import serving_order
+
+        hits = await self.search(user_id, query, k)
+        fact_ids = serving_order(hits)  # most relevant last, next to the query
+        async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
+                                                                       temperature, mode):
+            yield piece
+
+    async def forget(self, user_id, fact_ids):
+        await asyncio.gather(self._r(user_id).forget.remote(user_id, fact_ids),
+                             self._e(user_id).forget.remote(user_id, fact_ids))
+
+    async def forget_user(self, user_id):
+        await asyncio.gather(self._r(user_id).forget_user.remote(user_id),
+                             self._e(user_id).forget_user.remote(user_id))
+
+    async def extract(self, user_id, messages, metadata):
+        # TODO(engine): Mem0 extraction (mem0.Memory with services.mem0_provider as its vector store and the
+        # engine replica's plain chat generation as its LLM) lands with the engine. Until then: say so.
+        raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
+                       "AddMemory with infer=true needs the serving LLM for Mem0 extraction, which this "
+                       "build does not wire yet; send infer=false or use AddFacts")
+
+    async def health(self):
+        out = {}
+        for name, handle in (("encoder_pool", self.encoder), ("retrieval", self.retrieval),
+                             ("engine", self.engine)):
+            try:
+                out[name] = await asyncio.wait_for(handle.health.remote(), 10)
+            except Exception as e:  # noqa: BLE001 - reported in the health answer
+                out[name] = f"error: {type(e).__name__}: {e}"
+        return out
+
+
+_http_core: dict[str, GatewayCore] = {}  # this replica's core, for the HTTP routes (one replica per process)
+http_app = build_http_app(lambda: _http_core["core"])
+
+
+class Gateway:
+    """The ingress deployment (Serve options in services/app.py). gRPC methods carry the RPC names; Ray
+    Serve's gRPC proxy calls them with the request's raw bytes (see api.add_MemoryServicer_to_server)."""
+
+    def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
+                 limits: dict | None = None):
+        from .registry import open_registry
+
+        # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
+        handles = (encoder, retrieval, engine)
+        if any(h is None for h in handles) and not all(h is None for h in handles):
+            raise ValueError("Gateway needs all three handles (encoder, retrieval, engine) or none")
+        backends = ServeBackends(*handles) if encoder is not None else None
+        self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})))
+        _http_core["core"] = self.core
+
+    async def _call(self, name: str, request, grpc_context):
+        try:
+            return await getattr(self.core, name)(request)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code for the proxy
+            err = api.to_api_error(e)
+            if err.code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", name)
+            grpc_context.set_code(err.code)
+            grpc_context.set_details(err.message)
+            raise err from None
+
+    async def AddMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("AddMemory", request, grpc_context)
+
+    async def AddFacts(self, request, grpc_context):  # noqa: N802
+        return await self._call("AddFacts", request, grpc_context)
+
+    async def Search(self, request, grpc_context):  # noqa: N802
+        return await self._call("Search", request, grpc_context)
+
+    async def GetMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("GetMemory", request, grpc_context)
+
+    async def ListMemories(self, request, grpc_context):  # noqa: N802
+        return await self._call("ListMemories", request, grpc_context)
+
+    async def UpdateMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("UpdateMemory", request, grpc_context)
+
+    async def DeleteMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("DeleteMemory", request, grpc_context)
+
+    async def DeleteUser(self, request, grpc_context):  # noqa: N802
+        return await self._call("DeleteUser", request, grpc_context)
+
+    async def Health(self, request, grpc_context):  # noqa: N802
+        return await self._call("Health", request, grpc_context)
+
+    async def Answer(self, request, grpc_context):  # noqa: N802 - server streaming
+        try:
+            async for chunk in self.core.Answer(request):
+                yield chunk
+        except Exception as e:  # noqa: BLE001
+            err = api.to_api_error(e)
+            if err.code == grpc.StatusCode.INTERNAL:
+                log.exception("Answer failed")
+            grpc_context.set_code(err.code)
+            grpc_context.set_details(err.message)
+            raise err from None

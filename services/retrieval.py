@@ -146,11 +146,13 @@ class _LoadedUser:
 class Retrieval:
     """The Serve deployment (options in services/app.py)."""
 
-    def __init__(self, registry_url: str | None = None, device: str = "cpu", embedder_path: str | None = None):
+    def __init__(self, registry_url: str | None = None, device: str = "auto", embedder_path: str | None = None):
         from inferscale_core.embedder import Embedder
 
+        from .encoder_pool import resolve_device
         from .registry import open_registry
 
+        device = resolve_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"retrieval replica asked for device {device!r} but no GPU is visible")
         self.core = RetrievalCore(open_registry(registry_url), Embedder(embedder_path, device=device), device)

@@ -1,0 +1,203 @@
+"""The Serve application and its config: the ONE place that says which deployments exist, how they are wired,
+and with which resources and autoscaling.
+
+    build_app(cfg)          the Application (serve.run(build_app(cfg)) in Python)
+    app_builder(args)       what a Serve config's import_path names (`services.app:app_builder`); args -> cfg
+    serve_config(cfg)       the Serve config file (serveConfigV2 of a KubeRay RayService) for cfg
+    python -m services.app --emit-serve-config charts/inferscale/files/serve-config.yaml
+                            writes serve_config for the chart's default values (tests/test_chart.py checks
+                            that the committed file, the chart's rendering and this module agree)
+
+Per-deployment numbers come from the chart's values (`ServiceConfig.from_chart_values`), so the chart and
+this module share one vocabulary: minReplicas, maxReplicas, targetOngoingRequests, numCpus, numGpus.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from .api import SERVICER_FUNCTION, Limits
+
+APP_NAME = "inferscale"
+IMPORT_PATH = "services.app:app_builder"
+DEPLOYMENTS = ("Gateway", "EncoderPool", "Retrieval", "EngineReplica")
+CHART_VALUES = Path(__file__).resolve().parent.parent / "charts" / "inferscale" / "values.yaml"
+
+
+@dataclass
+class DeploymentSpec:
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 8
+    max_ongoing_requests: int = 32
+    num_cpus: float = 1
+    num_gpus: float = 0
+
+    def options(self) -> dict:
+        """Serve deployment options. Autoscaling follows ongoing requests per replica."""
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"replicas must satisfy 0 <= min <= max, max >= 1; got {self.min_replicas}, "
+                             f"{self.max_replicas}")
+        return {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                   "initial_replicas": max(self.min_replicas, 1),
+                                   "target_ongoing_requests": self.target_ongoing_requests,
+                                   "upscale_delay_s": 10, "downscale_delay_s": 300},
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+        }
+
+
+def _default_deployments() -> dict[str, DeploymentSpec]:
+    # CPU-only defaults (a laptop, CI); the chart's values give the GPU layout.
+    return {
+        "Gateway": DeploymentSpec(1, 2, target_ongoing_requests=64, max_ongoing_requests=256),
+        "EncoderPool": DeploymentSpec(1, 2, target_ongoing_requests=4, max_ongoing_requests=16),
+        "Retrieval": DeploymentSpec(1, 2, target_ongoing_requests=32, max_ongoing_requests=128),
+        "EngineReplica": DeploymentSpec(1, 1, target_ongoing_requests=16, max_ongoing_requests=64),
+    }
+
+
+@dataclass
+class ServiceConfig:
+    model_path: str | None = None       # None: the packaged SmolLM2-135M-Instruct
+    embedder_path: str | None = None    # None: the packaged MiniLM
+    registry_url: str | None = None     # None: in-process registry (single node only)
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 4096
+    http_port: int = 8000
+    grpc_port: int = 9000
+    limits: dict = field(default_factory=dict)  # overrides of api.Limits
+    engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args, e.g. gpu_memory_utilization
+    deployments: dict[str, DeploymentSpec] = field(default_factory=_default_deployments)
+
+    def app_args(self) -> dict:
+        """What app_builder receives (the Serve config's `args`)."""
+        return {"model_path": self.model_path, "embedder_path": self.embedder_path,
+                "registry_url": self.registry_url, "dtype": self.dtype, "block_size": self.block_size,
+                "max_model_len": self.max_model_len, "limits": dict(self.limits),
+                "engine_overrides": dict(self.engine_overrides)}
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> "ServiceConfig":
+        args = dict(args or {})
+        known = {f.name for f in fields(cls)} - {"deployments", "http_port", "grpc_port"}
+        unknown = set(args) - known
+        if unknown:
+            raise ValueError(f"unknown application args: {sorted(unknown)}; known: {sorted(known)}")
+        Limits(**args.get("limits", {}) or {})  # fail early on a misspelled limit
+        return cls(**args)
+
+    @classmethod
+    def from_chart_values(cls, values: dict, release: str = "inferscale") -> "ServiceConfig":
+        """The config a chart release with these values runs (the template applies the same mapping)."""
+        deps = {}
+        for name in DEPLOYMENTS:
+            v = values["deployments"][name]
+            # Casts as in the chart's template (`--set x=0.5` gives a string there).
+            deps[name] = DeploymentSpec(min_replicas=int(v["minReplicas"]), max_replicas=int(v["maxReplicas"]),
+                                        target_ongoing_requests=float(v["targetOngoingRequests"]),
+                                        max_ongoing_requests=int(v["maxOngoingRequests"]),
+                                        num_cpus=float(v["numCpus"]), num_gpus=float(v["numGpus"]))
+        return cls(model_path=values["model"]["path"], embedder_path=values["model"].get("embedderPath"),
+                   registry_url=registry_url_for(values, release), dtype=values["model"]["dtype"],
+                   block_size=int(values["model"]["blockSize"]), max_model_len=int(values["model"]["maxModelLen"]),
+                   http_port=int(values["ports"]["http"]), grpc_port=int(values["ports"]["grpc"]),
+                   limits=dict(values.get("limits") or {}),
+                   engine_overrides=dict(values["model"].get("engineOverrides") or {}), deployments=deps)
+
+
+def registry_url_for(values: dict, release: str) -> str:
+    """Redis inside the release (the chart's StatefulSet), or the external URL the values name."""
+    if values["redis"]["enabled"]:
+        return f"redis://{release}-redis:{values['redis']['port']}/0"
+    return values["redis"]["externalUrl"]
+
+
+def deployment_options(cfg: ServiceConfig) -> dict[str, dict]:
+    missing = set(DEPLOYMENTS) - set(cfg.deployments)
+    if missing:
+        raise ValueError(f"deployment specs missing for {sorted(missing)}")
+    return {name: cfg.deployments[name].options() for name in DEPLOYMENTS}
+
+
+def build_app(cfg: ServiceConfig):
+    """Gateway(encoder, retrieval, engine) over the three backend deployments."""
+    from ray import serve
+
+    from .encoder_pool import EncoderPool
+    from .engine_replica import EngineReplica
+    from .gateway import Gateway, http_app
+    from .retrieval import Retrieval
+
+    opts = deployment_options(cfg)
+    encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
+        model_path=cfg.model_path, dtype=cfg.dtype)
+    retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
+        registry_url=cfg.registry_url, embedder_path=cfg.embedder_path)
+    engine = serve.deployment(EngineReplica, name="EngineReplica", **opts["EngineReplica"]).bind(
+        encoder, registry_url=cfg.registry_url, model_path=cfg.model_path, dtype=cfg.dtype,
+        block_size=cfg.block_size, max_model_len=cfg.max_model_len, engine_overrides=cfg.engine_overrides)
+    gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
+    return gateway.bind(encoder, retrieval, engine, registry_url=cfg.registry_url, limits=cfg.limits)
+
+
+def app_builder(args: dict):
+    """Serve's application builder: `import_path: services.app:app_builder` with `args:` in the config."""
+    return build_app(ServiceConfig.from_args(args))
+
+
+def grpc_options(cfg: ServiceConfig) -> dict:
+    return {"port": cfg.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]}
+
+
+def serve_config(cfg: ServiceConfig) -> dict:
+    """The Serve config file for cfg. Options set here override the code's @serve.deployment options."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": cfg.http_port},
+        "grpc_options": grpc_options(cfg),
+        "applications": [{
+            "name": APP_NAME,
+            "route_prefix": "/",
+            "import_path": IMPORT_PATH,
+            "args": cfg.app_args(),
+            "deployments": [{"name": name, **opts} for name, opts in deployment_options(cfg).items()],
+        }],
+    }
+
+
+def chart_serve_config(values_path: Path = CHART_VALUES, release: str = "inferscale") -> dict:
+    values = yaml.safe_load(values_path.read_text())
+    return serve_config(ServiceConfig.from_chart_values(values, release))
+
+
+def dump(cfg: dict) -> str:
+    return ("# Generated by `python -m services.app --emit-serve-config`; do not edit (tests/test_chart.py).\n"
+            + yaml.safe_dump(cfg, sort_keys=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.app")
+    p.add_argument("--emit-serve-config", metavar="PATH",
+                   help="write the Serve config for the chart's default values ('-' for stdout)")
+    p.add_argument("--values", default=str(CHART_VALUES), help="chart values file (default: the chart's)")
+    a = p.parse_args(argv)
+    if not a.emit_serve_config:
+        p.print_help()
+        return 2
+    text = dump(chart_serve_config(Path(a.values)))
+    if a.emit_serve_config == "-":
+        sys.stdout.write(text)
+    else:
+        Path(a.emit_serve_config).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
