@@ -1,0 +1,98 @@
+"""Scheduler half of InferScaleConnector: decide how many of a request's prompt tokens are injected, and tell
+the worker which positions to write into which blocks. Holds no KV; runs in the scheduler's process."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+from .connector import InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"):
+        self.block_size = vllm_config.cache_config.block_size
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                f"InferScaleConnector supports models with one KV cache group (full attention in every layer); "
+                f"this model has {len(kv_cache_config.kv_cache_groups)}")
+        # Requests granted an injection by update_state_after_alloc, until build_connector_meta hands them
+        # to the worker: req_id -> (params, number of tokens to load).
+        self._pending: dict[str, tuple[InjectionParams, int]] = {}
+        self._stats: dict[str, int] = {}
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self._stats[key] = self._stats.get(key, 0) + n
+
+    def take_stats(self) -> dict[str, int]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def _params(self, request: "Request") -> InjectionParams | None:
+        try:
+            return InjectionParams.from_kv_transfer_params(request.kv_transfer_params)
+        except (ValueError, TypeError) as e:
+            # Raising here would take the whole engine down; the request just runs without injection.
+            logger.warning("request %s: ignoring malformed InferScale parameters: %s", request.request_id, e)
+            self._count("requests_invalid")
+            return None
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        """Memory tokens to inject beyond the local prefix-cache hit `num_computed_tokens` (block aligned).
+        Called again for a request that could not be scheduled yet, and after a preemption; side-effect free
+        apart from counters."""
+        params = self._params(request)
+        if params is None:
+            return 0
+        self._count("requests_checked")
+        prompt = request.prompt_token_ids or []
+        m = params.memory_len
+        # Inject only a memory this prompt really starts with: the KV written must be the KV of these tokens.
+        if len(prompt) <= m or memory_hash(prompt[:m]) != params.memory_hash:
+            self._count("requests_mismatched")
+            return 0
+        return max(injectable_tokens(len(prompt), m, self.block_size) - num_computed_tokens, 0)
+
+    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            params = self._params(request)
+            assert params is not None  # we only granted tokens to requests with valid parameters
+            self._pending[request.request_id] = (params, num_external_tokens)
+        else:
+            self._pending.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> InjectionMetadata:
+        """Positions [num_computed - n, num_computed) of each granted request, where num_computed counts the
+        local hit plus the n injected tokens. Requests resumed after a preemption arrive among the cached
+        requests with their whole block list."""
+        meta = InjectionMetadata()
+        for req in scheduler_output.scheduled_new_reqs:
+            if req.req_id in self._pending:
+                meta.loads.append(self._load(req.req_id, req.block_ids[0], req.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._pending and req_id in cached.resumed_req_ids:
+                block_ids = cached.new_block_ids[i]
+                assert block_ids is not None, "a resumed request comes with all its block ids"
+                meta.loads.append(self._load(req_id, block_ids[0], cached.num_computed_tokens[i]))
+        if self._pending:  # granted at admission but not in this step's output: cannot happen for sync loads
+            logger.warning("InferScale: dropping %d injections that were not scheduled", len(self._pending))
+            self._pending.clear()
+        return meta
+
+    def _load(self, req_id: str, block_ids: list[int], num_computed_tokens: int) -> LoadSpec:
+        params, n = self._pending.pop(req_id)
+        return LoadSpec(req_id=req_id, user_id=params.user_id, fact_ids=params.fact_ids,
+                        memory_len=params.memory_len, memory_hash=params.memory_hash, block_ids=list(block_ids),
+                        start=num_computed_tokens - n, end=num_computed_tokens)
+
+    def request_finished(self, request: "Request") -> None:
+        self._pending.pop(request.request_id, None)

