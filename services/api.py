@@ -53,6 +53,9 @@ class ApiError(Exception):
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
 
+    def __reduce__(self):  # Ray ships it between processes (replica -> proxy)
+        return (ApiError, (self.code, self.message))
+
 
 def invalid(msg: str) -> ApiError:
     return ApiError(grpc.StatusCode.INVALID_ARGUMENT, msg)

@@ -456,8 +456,15 @@ class ServeBackends:
         return out
 
 
-_http_core: dict[str, GatewayCore] = {}  # this replica's core, for the HTTP routes (one replica per process)
-http_app = build_http_app(lambda: _http_core["core"])
+def _replica_core() -> GatewayCore:
+    """The GatewayCore of the Gateway replica serving this HTTP request. (The FastAPI app is pickled into
+    the replica, so it cannot close over module state; Serve's replica context names the instance.)"""
+    from ray import serve
+
+    return serve.get_replica_context().servable_object.core
+
+
+http_app = build_http_app(_replica_core)
 
 
 class Gateway:
@@ -474,7 +481,6 @@ class Gateway:
             raise ValueError("Gateway needs all three handles (encoder, retrieval, engine) or none")
         backends = ServeBackends(*handles) if encoder is not None else None
         self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})))
-        _http_core["core"] = self.core
 
     async def _call(self, name: str, request, grpc_context):
         try:

@@ -270,3 +270,62 @@ def test_http_chat_completions_validation(core):
     r = client.post("/v1/chat/completions", json={"user": "u", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
     assert client.get("/healthz").json()["components"]["registry"] == "ok"
+
+
+# ------------------------------------------------------------------ through Ray Serve's gRPC and HTTP proxies
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_ports(redis_url):  # noqa: F811
+    """The Gateway deployment (registry-only) behind Serve's own proxies, on a 2-CPU local Ray."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from services.gateway import Gateway, http_app
+
+    grpc_port, http_port = _free_port(), _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[api.SERVICER_FUNCTION]))
+        gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway",
+                                   ray_actor_options={"num_cpus": 0.5})
+        serve.run(gateway.bind(registry_url=redis_url), name="inferscale", route_prefix="/")
+        yield grpc_port, http_port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports):
+    grpc_port, http_port = serve_ports
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        grpc.channel_ready_future(ch).result(timeout=60)
+        s = pb2_grpc.MemoryStub(ch)
+        uid = _user()
+        (f,) = s.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="served by Ray")])).facts
+        assert s.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=f.fact_id)).text == "served by Ray"
+        code, details = _code(lambda: s.GetMemory(pb2.GetMemoryRequest(user_id=_user(), fact_id=f.fact_id)))
+        assert code == grpc.StatusCode.NOT_FOUND and "unknown fact" in details
+        code, details = _code(lambda: s.Search(pb2.SearchRequest(user_id=uid, query="q", k=999)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
+        raw = ch.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
+                             response_deserializer=pb2.Fact.FromString)
+        code, details = _code(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in details
+        code, details = _code(lambda: list(s.Answer(pb2.AnswerRequest(user_id=uid, query="q", k=-1))))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
+        assert s.Health(pb2.HealthRequest()).components["registry"] == "ok"
+    import httpx
+
+    r = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "`user` is required" in r.json()["error"]["message"]
