@@ -248,6 +248,21 @@ def test_health(stub):
     assert h.status == "SERVING" and h.components["registry"] == "ok"
 
 
+def test_python_client(channel):
+    from services.client import MemoryClient
+
+    c = MemoryClient(channel=channel)
+    uid = _user()
+    facts = c.add_facts(uid, ["a", "b", "c"], metadata={"src": "client"})
+    assert [f.fact_id for f in c.list(uid, page_size=2)] == [f.fact_id for f in facts]
+    assert c.update(uid, facts[0].fact_id, text="A", expected_version=1).version == 2
+    c.delete(uid, facts[1].fact_id)
+    assert c.delete_user(uid) == 2
+    with pytest.raises(grpc.RpcError) as e:
+        c.get(uid, facts[0].fact_id)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_health_reports_a_dead_registry():
     reg = RedisRegistry("redis://127.0.0.1:1/0")  # nothing listens on port 1
     h = asyncio.run(GatewayCore(reg).Health(b""))

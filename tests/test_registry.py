@@ -177,3 +177,29 @@ def test_open_registry_picks_backend(redis_url):  # noqa: F811
     assert isinstance(open_registry(redis_url), RedisRegistry)
     with pytest.raises(ValueError, match="not a redis"):
         open_registry("http://localhost:6379")
+
+
+def test_retrieval_replica_resyncs_from_the_registry(redis_url):  # noqa: F811
+    """A retrieval replica's index is a cache of the registry: writes made by someone else (another gateway,
+    or a push that never arrived) are seen by its next search, embeddings are written back, and deletes and
+    text updates drop or replace what it held."""
+    from inferscale_core.embedder import default_embedder
+    from services.retrieval import RetrievalCore
+
+    prefix = f"retr{uuid.uuid4().hex[:8]}:"
+    writer, reader = RedisRegistry(redis_url, prefix=prefix), RedisRegistry(redis_url, prefix=prefix)
+    core = RetrievalCore(reader, default_embedder())
+    assert core.search("u", "anything", 3) == []
+    tea, dog = writer.create("u", [NewFact("I like green tea"), NewFact("My dog is called Rex")])
+    (other,) = writer.create("v", [NewFact("My dog is called Bolt")])
+    hits = core.search("u", "what is my dog's name?", 1)
+    assert hits[0][0] == dog.fact_id
+    assert {f for f, _ in core.search("u", "dog", 10)} == {tea.fact_id, dog.fact_id}  # never v's fact
+    assert writer.get("u", dog.fact_id).embedding is not None  # written back for the next replica
+    writer.update("u", dog.fact_id, text="I have no pets")
+    writer.delete("u", tea.fact_id)
+    hits = core.search("u", "what is my dog's name?", 10)
+    assert [f for f, _ in hits] == [dog.fact_id]
+    assert core.index.size("u") == 1 and "v" not in core.index.users()  # v was never searched here
+    writer.delete_user("u")
+    assert core.search("u", "dog", 3) == []
