@@ -143,9 +143,10 @@ class EngineReplica:
     # ------------------------------------------------------------------------------ called by the gateway
     async def put_facts(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> int:
         """`encoded` arrives resolved from the object store (the encoder's response, passed on unresolved)."""
-        await self._user(user_id)
         async with self._lock(user_id):
             await self._put(user_id, ids_versions, encoded)
+        # Load (sync) after the put: a first load then finds these facts held and encodes only the others.
+        await self._user(user_id)
         return len(encoded)
 
     async def forget(self, user_id: str, fact_ids: list[str]) -> None:
