@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from .errors import check_id
 
@@ -62,7 +63,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -136,6 +136,29 @@ class InjectionParams:
         if not isinstance(fact_ids, (list, tuple)):
             raise ValueError("fact_ids must be a list of ids")
         return cls(p["user_id"], tuple(fact_ids), p["memory_len"], p["memory_hash"])
+
+
+def pack_fact(fact) -> bytes:
+    """An EncodedFact as safetensors bytes: what crosses into the worker when a fact is loaded. vLLM's RPC
+    encodes bytes natively in every mode; tensors inside untyped RPC arguments would not survive."""
+    from safetensors.torch import save
+
+    return save({"token_ids": fact.token_ids.detach().cpu().to(torch.int64).contiguous(),
+                 "k_pre": fact.k_pre.detach().cpu().contiguous(), "v": fact.v.detach().cpu().contiguous()})
+
+
+def unpack_fact(blob: bytes):
+    from safetensors.torch import load
+
+    from .types import EncodedFact
+
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a packed fact must be bytes (pack_fact), got {type(blob).__name__}")
+    try:
+        t = load(bytes(blob))
+        return EncodedFact(t["token_ids"], t["k_pre"], t["v"])
+    except Exception as e:  # safetensors raises several types for foreign bytes
+        raise ValueError(f"not a packed fact: {e}") from None
 
 
 def injectable_tokens(prompt_len: int, memory_len: int, block_size: int) -> int:
@@ -329,10 +352,10 @@ def worker_connector():
 class InjectionWorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`), so `llm.collective_rpc("inferscale_put", ...)`
     reaches the worker's fact store by name, in-process and multiprocess alike, without pickled callables.
-    Arguments are ids, ints and tensors only."""
+    Arguments are ids, ints and bytes only."""
 
     def inferscale_put(self, user_id: str, facts: list) -> int:
-        """facts: [(fact_id, version, token_ids int64[T], k_pre [L,T,H,D], v [L,T,H,D]), ...]; returns bytes."""
+        """facts: [(fact_id, pack_fact(fact)), ...]; returns the KV bytes stored."""
         return worker_connector().put(user_id, facts)
 
     def inferscale_delete(self, user_id: str, fact_ids: list[str] | None = None) -> int:

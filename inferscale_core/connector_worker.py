@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from .connector import WORKER_COUNTERS, SHARED_NAMESPACE, InjectionMetadata, LoadSpec, memory_hash
+from .connector import SHARED_NAMESPACE, WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
 from .errors import InferScaleError, check_id
 from .model_spec import ModelSpec
 from .rope import ChunkedRope
@@ -86,17 +86,21 @@ class WorkerSide:
     # ------------------------------------------------------------------ fact management (worker extension)
 
     def put(self, namespace: str, facts: list) -> int:
-        """Insert or replace `(fact_id, token_ids, k_pre, v)` tuples; converts to the cache's device/dtype."""
+        """Insert or replace `(fact_id, pack_fact(fact))` pairs, converted to the cache's dtype; all facts are
+        checked before any is stored."""
         store = self._require_store()
         check_id("user_id", namespace)
         converted = []
         for item in facts:
-            if len(item) != 4:
-                raise ValueError("each fact must be (fact_id, token_ids, k_pre, v)")
-            fact_id, token_ids, k_pre, v = item
+            if len(item) != 2:
+                raise ValueError("each fact must be (fact_id, pack_fact(fact))")
+            fact_id, blob = item
             check_id("fact_id", fact_id)
-            converted.append((fact_id, EncodedFact(torch.as_tensor(token_ids, dtype=torch.int64),
-                                                   k_pre.to(self.cache_dtype), v.to(self.cache_dtype))))
+            fact = unpack_fact(blob)
+            fact = EncodedFact(fact.token_ids, fact.k_pre.to(self.cache_dtype), fact.v.to(self.cache_dtype))
+            fact.validate(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
+                          max_tokens=store.max_fact_tokens)
+            converted.append((fact_id, fact))
         nbytes = 0
         for fact_id, fact in converted:
             store.put(namespace, fact_id, fact)

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from .connector import (CONNECTOR_MODULE, CONNECTOR_NAME, METRIC_PREFIX, SHARED_NAMESPACE, WORKER_EXTENSION,
-                        InjectionParams, cache_salt, check_vllm_version, memory_hash)
+                        InjectionParams, cache_salt, check_vllm_version, memory_hash, pack_fact)
 from .errors import check_id
 from .memory import PREFIX_FACT, PREFIX_USER, Memory
 
@@ -124,10 +124,10 @@ class _EngineCore:
         self._variants: dict[str, dict[str, set[int]]] = {}  # user -> fact -> ws held by the worker
         self._lock = threading.RLock()
 
-    # ---- payloads for the worker extension (ids, ints, tensors only)
+    # ---- payloads for the worker extension (ids and packed bytes)
     @staticmethod
     def payload(fact_id: str, fact) -> tuple:
-        return (fact_id, fact.token_ids.cpu(), fact.k_pre.cpu(), fact.v.cpu())
+        return (fact_id, pack_fact(fact))
 
     def prefix_payload(self) -> list[tuple]:
         return [self.payload(self.prefix_id, self.memory.store.get(PREFIX_USER, PREFIX_FACT))]

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from inferscale_core.connector import (SHARED_NAMESPACE, WORKER_EXTENSION, InjectionParams,  # noqa: E402
                                        UnsupportedVLLMError, cache_salt, check_vllm_version, injectable_tokens,
-                                       memory_hash)
+                                       memory_hash, pack_fact)
 from inferscale_core.types import EncodedFact  # noqa: E402
 
 BLOCK = 32
@@ -116,7 +116,7 @@ class Harness:
 
     def put(self, namespace: str, chunks: dict[str, EncodedFact]) -> None:
         self.llm.collective_rpc("inferscale_put", args=(namespace, [
-            (fid, c.token_ids, c.k_pre, c.v) for fid, c in chunks.items()]))
+            (fid, pack_fact(c)) for fid, c in chunks.items()]))
 
     def delete(self, namespace: str, fact_ids: list[str] | None) -> int:
         return self.llm.collective_rpc("inferscale_delete", args=(namespace, fact_ids))[0]
@@ -419,6 +419,17 @@ def test_two_users_resident_and_delete_removes_from_worker_store(harness):
     (still,) = h.run(h.injected("alice", "prefix-ab", ["f1", "f2", "f3", "f4"], chunks_a, query_a, version=4))
     assert still.num_cached_tokens == 128
     assert_same(still, refs[0])
+
+
+def test_put_rejects_facts_that_do_not_fit_the_model(harness):
+    h = harness
+    (good,) = h.encode_apart([random_ids(5, 11000)])
+    wrong_heads = EncodedFact(good.token_ids, good.k_pre[:, :, :1], good.v[:, :, :1])
+    with pytest.raises(Exception, match=r"expected \(2, 5, 2, 64\)"):
+        h.put("bad", {"f": wrong_heads})
+    with pytest.raises(Exception, match="not a packed fact"):
+        h.llm.collective_rpc("inferscale_put", args=("bad", [("f", b"junk")]))
+    assert h.has("bad", ["f"]) == [False]
 
 
 # --------------------------------------------------------------------------------------------- multiprocess
