@@ -306,7 +306,7 @@ def serve_ports(redis_url):  # noqa: F811
     from services.gateway import Gateway, http_app
 
     grpc_port, http_port = _free_port(), _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
