@@ -1,0 +1,119 @@
+"""The benchmark scripts run end to end in their small modes and write the JSON they promise.
+
+Speed is not asserted (KV faster than PI is the benchmark's question, not a test's); what is asserted is that
+every number is there, positive, labelled with the device it came from, and that bytes per fact follow the
+formula 2·L·c·h·d·b for the model's shape.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LOCOMO = REPO.parent / "shared" / "data" / "locomo_dev.json"
+
+
+def run_script(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args[0]} failed:\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"LoCoMo data not found at {LOCOMO}")
+def test_encode_quick_cpu(tmp_path):
+    from transformers import AutoConfig
+
+    from inferscale_core.model_spec import ModelSpec
+    from inferscale_core.models import default_model_path
+
+    out = tmp_path / "encode.json"
+    proc = run_script(["bench/encode.py", "--quick", "--limit", "3", "--device", "cpu", "--batch-size", "2",
+                       "--data", str(LOCOMO), "--out", str(out)])
+    assert "CPU" in proc.stdout and "| w (turns) |" in proc.stdout  # device named, table printed
+
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and res["device_description"].startswith("CPU")
+    assert res["num_facts"] == 3 and res["dtype"] == "float32"
+    assert [r["w"] for r in res["rows"]] == [0, 5]
+
+    spec = ModelSpec.from_config(AutoConfig.from_pretrained(default_model_path()))
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # float32
+    assert res["model"]["kv_bytes_per_token"] == per_token
+    for r in res["rows"]:
+        assert r["facts"] == 3 and r["seconds"] > 0
+        assert r["facts_per_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["kv_bytes_formula_ok"] is True
+        # Mean bytes per fact = formula per token x mean fact tokens (the fact's tokens only, any w).
+        assert r["kv_bytes_per_fact"] == pytest.approx(per_token * r["mean_fact_tokens"])
+        assert r["kv_bytes_total"] == round(per_token * r["mean_fact_tokens"] * r["facts"])
+        assert r["index_bytes_per_fact"] == res["embedder"]["dim"] * 4
+        assert r["total_bytes_per_fact"] == r["kv_bytes_per_fact"] + r["index_bytes_per_fact"]
+    w0, w5 = res["rows"]
+    assert w5["mean_context_tokens"] > w0["mean_context_tokens"] == res["prefix_tokens"]
+    assert w0["kv_bytes_per_fact"] == w5["kv_bytes_per_fact"]  # the window is context, never stored
+
+
+def test_encode_rejects_bad_arguments(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/encode.py", "--windows", "0,x", "--out", str(tmp_path / "x")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--windows must be comma-separated integers" in proc.stderr
+    proc = subprocess.run([sys.executable, "bench/encode.py", "--data", str(tmp_path / "missing.json"),
+                           "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode != 0 and "LoCoMo data file not found" in proc.stderr
+
+
+def test_gpu_script_tiny_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = run_script(["bench/gpu.py", "--device", "cpu", "--tiny", "--k", "5,10", "--repeats", "2",
+                       "--index-sizes", "1000,5000", "--out", str(out)])
+    assert "say nothing about a GPU" in proc.stdout
+
+    res = json.loads(out.read_text())
+    assert res["device_type"] == "cpu" and res["device_label"] == "CPU"
+    m = res["model"]
+    assert m["random_weights"] is True and m["shape"] == "tiny-llama3" and m["rope_type"] == "llama3"
+    assert m["kv_bytes_per_token"] == 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 2  # bf16
+
+    assert [r["k"] for r in res["ttft"]] == [5, 10]
+    for r in res["ttft"]:
+        assert r["device"] == "CPU"
+        assert r["memory_tokens"] == 30 * r["k"] and r["query_tokens"] == 30
+        assert r["memory_kv_bytes"] == m["kv_bytes_per_token"] * r["memory_tokens"]
+        assert r["pi_ttft_ms"] > 0 and r["kv_ttft_ms"] > 0 and r["kv_compose_ms"] > 0
+        assert r["pi"]["runs"] == 2
+
+    for r in res["bandwidth"]:
+        assert r["device"] == "CPU"
+        assert r["kv_bytes"] == m["kv_bytes_per_token"] * 30 * r["k"]
+        for key in ("compose_GBps", "compose_inject_GBps", "d2d_copy_GBps"):
+            assert r[key] > 0
+        assert r["h2d_pinned_GBps"] is None  # no pinned memory without CUDA; reported as missing, not made up
+
+    assert {(r["facts"], r["batch"]) for r in res["index"]} == {(1000, 1), (1000, 64), (5000, 1), (5000, 64)}
+    for r in res["index"]:
+        assert r["device"] == "CPU" and r["latency_ms"] > 0 and r["per_query_us"] > 0
+
+
+def test_gpu_script_refuses_full_model_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--out", str(tmp_path / "x")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "on CPU add --tiny" in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_script_tiny_cuda(tmp_path):
+    out = tmp_path / "gpu.json"
+    run_script(["bench/gpu.py", "--device", "cuda", "--tiny", "--k", "5", "--repeats", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["device_label"].startswith("GPU")
+    assert all(r["h2d_pinned_GBps"] > 0 for r in res["bandwidth"])
