@@ -140,11 +140,10 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         store = self._require_store()
-        hits_before = dict(store.stats()["hits"])
         keys, values, positions, slots = [], [], [], []
         for spec in meta.loads:
             try:
-                k_pre, v = self._gather(store, spec)
+                k_pre, v, tiers = self._gather(store, spec)
             except (KeyError, ValueError, LoadError, FileNotFoundError) as e:
                 # vLLM recomputes these blocks (kv_load_failure_policy="recompute"): slower, never wrong.
                 logger.warning("InferScale: request %s not injected: %s", spec.req_id, e)
@@ -157,6 +156,8 @@ class WorkerSide:
             values.append(v)
             positions.append(pos)
             slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+            for tier in tiers:
+                self._count(f"store_hits_{tier}")
             self._count("injected_requests")
             self._count("injected_tokens", spec.end - spec.start)
         if keys:
@@ -164,16 +165,17 @@ class WorkerSide:
             v = torch.cat(values, dim=1)
             slot_mapping = torch.cat(slots)
             for name, kv_cache in self.kv_caches.items():
-                layer = forward_context.no_compile_layers[name]
                 i = self.layer_index[name]
-                write_kv(layer, kv_cache, k[i], v[i], slot_mapping)
-        for tier, n in store.stats()["hits"].items():
-            self._count(f"store_hits_{tier}", n - hits_before.get(tier, 0))
+                write_kv(forward_context.no_compile_layers[name], kv_cache, k[i], v[i], slot_mapping)
         self._count("injection_seconds", time.perf_counter() - t0)
 
-    def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and values `[L, end-start, H, D]` of memory positions [start, end)."""
-        chunks = [store.get(SHARED_NAMESPACE, spec.fact_ids[0])] + store.get_many(spec.user_id, list(spec.fact_ids[1:]))
+    def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """Pre-RoPE keys and values `[L, end-start, H, D]` of memory positions [start, end), and the store
+        tier each chunk came from. The prefix chunk comes from the shared namespace, every other chunk from
+        the request's own user: ids never reach another user's facts."""
+        keys = [(SHARED_NAMESPACE, spec.fact_ids[0])] + [(spec.user_id, f) for f in spec.fact_ids[1:]]
+        tiers = [store.tier_of(ns, f) for ns, f in keys]  # raises for a missing fact before anything moves
+        chunks = [store.get(ns, f) for ns, f in keys]
         token_ids = torch.cat([c.token_ids for c in chunks])
         # The scheduler matched the prompt against memory_hash; the chunks must be exactly those tokens, or
         # the KV written would belong to other text (a fact replaced meanwhile, a wrong id).
@@ -182,7 +184,7 @@ class WorkerSide:
                             f"request was composed from ({token_ids.numel()} tokens, expected {spec.memory_len})")
         k_pre = torch.cat([c.k_pre for c in chunks], dim=1)[:, spec.start:spec.end]
         v = torch.cat([c.v for c in chunks], dim=1)[:, spec.start:spec.end]
-        return k_pre, v
+        return k_pre, v, tiers
 
     def _blocks_of(self, spec: LoadSpec) -> list[int]:
         first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size

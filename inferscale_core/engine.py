@@ -151,7 +151,7 @@ class _EngineCore:
             raise ValueError(f"ws must be distinct window sizes, got {ws!r}")
         facts = [facts] if isinstance(facts, str) else list(facts)
         full = [list(w) for w in windows] if windows is not None else [[] for _ in facts]
-        cut = lambda w: [win[len(win) - w:] if w else [] for win in full]  # noqa: E731 - the last w turns
+        cut = lambda w: [win[max(0, len(win) - w):] if w else [] for win in full]  # noqa: E731 - last w turns
         ids = self.memory.add(user_id, facts, cut(ws[0]), fact_ids, metadata={"w": ws[0]})
         payloads = [self.payload(variant_id(fid, ws[0]), self.memory.store.get(user_id, fid)) for fid in ids]
         for w in ws[1:]:

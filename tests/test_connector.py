@@ -435,15 +435,21 @@ def test_put_rejects_facts_that_do_not_fit_the_model(harness):
 # --------------------------------------------------------------------------------------------- multiprocess
 
 
-def _mp_check(folder: Path) -> dict:
+DEVICE_BUDGET = 400_000  # bytes: about a third of the facts below fit; the rest live on the disk tier
+
+
+def _mp_check(folder: Path, disk_dir: Path) -> dict:
     """Multiprocess engine (the worker in another process), a KV cache of 24 blocks and no prefix cache, so
-    concurrent requests get preempted and resumed requests must be injected again."""
+    concurrent requests get preempted and resumed requests must be injected again; the worker's fact store
+    has a small device budget over a disk tier."""
     from vllm import SamplingParams
     from transformers import AutoModelForCausalLM
 
-    from inferscale_core.engine import vllm_metrics
+    from inferscale_core.engine import kv_transfer_config, vllm_metrics
 
-    llm = start_engine(folder, num_gpu_blocks_override=24, max_model_len=512, enable_prefix_caching=False)
+    llm = start_engine(folder, num_gpu_blocks_override=24, max_model_len=512, enable_prefix_caching=False,
+                       kv_transfer_config=kv_transfer_config({"disk_dir": str(disk_dir),
+                                                              "device_budget_bytes": DEVICE_BUDGET}))
     h = Harness(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
     requests, refs = [], []
     for r in range(6):
@@ -455,21 +461,23 @@ def _mp_check(folder: Path) -> dict:
         (ref,) = h.run(({"prompt_token_ids": prompt["prompt_token_ids"]},
                         SamplingParams(temperature=0, max_tokens=96, logprobs=5)))
         refs.append(ref)
+    preloaded = llm.collective_rpc("inferscale_preload", args=("user0",))[0]
     outs = h.run(*requests)
     metrics = {m.name: m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"}
     stats = h.worker_stats()
     return {"same_tokens": [list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids) for o, r in zip(outs, refs)],
             "max_logprob_diff": max(max_logprob_diff(o, r) for o, r in zip(outs, refs)),
             "preemptions": metrics.get("vllm:num_preemptions", 0), "injected_requests": stats["injected_requests"],
-            "num_users": stats["num_users"], "external": vllm_metrics()["prompt_tokens_external_kv_transfer"]}
+            "num_users": stats["num_users"], "external": vllm_metrics()["prompt_tokens_external_kv_transfer"],
+            "preloaded": preloaded, "stats": stats, "files": len(list(disk_dir.rglob("*.safetensors")))}
 
 
 @pytest.mark.slow
 def test_multiprocess_engine_loads_facts_and_reinjects_after_preemption(tmp_path):
     folder = build_tiny_model("llama", tmp_path / "llama")
     env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--mp-check", str(folder)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, "--mp-check", str(folder), str(tmp_path / "facts")], env=env,
+                          capture_output=True, text=True, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("MP-CHECK ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     result = json.loads(lines[-1].removeprefix("MP-CHECK "))
@@ -479,10 +487,14 @@ def test_multiprocess_engine_loads_facts_and_reinjects_after_preemption(tmp_path
     assert result["preemptions"] > 0, result  # the scenario really preempted
     assert result["injected_requests"] > 6, result  # resumed requests were injected again
     assert result["external"] >= 6 * 128
+    stats = result["stats"]
+    assert result["preloaded"] == 4 and result["files"] == 6 * 5  # 6 users x 4 facts + 6 prefix chunks
+    assert stats["store_hits_disk"] > 0 and stats["store_hits_device"] > 0
+    assert 0 < stats["resident_bytes_device"] <= DEVICE_BUDGET < stats["resident_bytes_disk"]
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--mp-check":
-        print("MP-CHECK " + json.dumps(_mp_check(Path(sys.argv[2]))), flush=True)
+    if len(sys.argv) == 4 and sys.argv[1] == "--mp-check":
+        print("MP-CHECK " + json.dumps(_mp_check(Path(sys.argv[2]), Path(sys.argv[3]))), flush=True)
     else:
-        sys.exit("usage: python tests/test_connector.py --mp-check MODEL_FOLDER")
+        sys.exit("usage: python tests/test_connector.py --mp-check MODEL_FOLDER FACT_DIR")
