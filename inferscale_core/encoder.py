@@ -88,16 +88,14 @@ class PreRopeEncoder:
         spec, dev = self.spec, self.device
         seqs = [ctx + fact for ctx, fact in batch]
         width = max(len(s) for s in seqs)
-        # Right padding: under a causal mask real tokens never attend to the pad that follows them.
+        # Right padding and no attention mask: under the causal mask real tokens never attend to the pad
+        # that follows them, and without a padding mask SDPA keeps its fast causal path.
         input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
         for b, s in enumerate(seqs):
             input_ids[b, :len(s)] = torch.tensor(s)
-            mask[b, :len(s)] = 1
         positions = torch.arange(width).expand(len(seqs), width)
         with capture_pre_rope(self.model) as (keys, values):
-            self.model.model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
-                             position_ids=positions.to(dev), use_cache=False)
+            self.model.model(input_ids=input_ids.to(dev), position_ids=positions.to(dev), use_cache=False)
         k_all = torch.stack(keys)  # [L, B, W, H, D]
         v_all = torch.stack(values)
         results = []

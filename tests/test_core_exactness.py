@@ -87,3 +87,17 @@ def test_corollary2_windows_holding_preceding_facts_equal_joint_prompt(model_and
     comp = compose(ChunkedRope(model.config), encoder.encode_batch(items, batch_size=2, progress=False), query)
     joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
     assert (query_logits(model, comp) - joint).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_batched_encoding_with_padding_equals_one_at_a_time(model_and_tok):
+    model, tok = model_and_tok
+    prefix, facts, _ = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    items = [(facts[0], ()), (facts[1], [prefix]), (facts[2], [prefix, facts[0], facts[1]])]
+    batched = encoder.encode_batch(items, batch_size=3, progress=False)
+    for (fact, window), got in zip(items, batched):
+        alone = encoder.encode(fact, window)
+        assert got.token_ids.tolist() == list(fact)
+        assert (got.k_pre - alone.k_pre).abs().max().item() < 1e-5
+        assert (got.v - alone.v).abs().max().item() < 1e-5
