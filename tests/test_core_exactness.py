@@ -99,5 +99,6 @@ def test_batched_encoding_with_padding_equals_one_at_a_time(model_and_tok):
     for (fact, window), got in zip(items, batched):
         alone = encoder.encode(fact, window)
         assert got.token_ids.tolist() == list(fact)
-        assert (got.k_pre - alone.k_pre).abs().max().item() < 1e-5
-        assert (got.v - alone.v).abs().max().item() < 1e-5
+        # Different batch shapes reorder fp32 sums: agreement to float noise over 30 layers, not bit-exact.
+        torch.testing.assert_close(got.k_pre, alone.k_pre, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(got.v, alone.v, atol=1e-4, rtol=1e-5)
