@@ -77,6 +77,20 @@ def test_cache_salt_depends_on_user_facts_order_and_versions():
                 cache_salt("alice", ["p", "a", "b"], [0, 1, 2]), cache_salt("alice", ["p", "ab"], [0, 1, 1])}) == 5
 
 
+def test_worker_rejects_unknown_options_and_tensor_parallelism():
+    from types import SimpleNamespace
+
+    from inferscale_core.connector_worker import WorkerSide
+
+    def config(tp=1):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['disk'\]"):
+        WorkerSide(config(), {"disk": "/tmp/x"})
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        WorkerSide(config(tp=2), {})
+
+
 # --------------------------------------------------------------------------------------------- engine
 
 
