@@ -59,8 +59,10 @@ def demo(args) -> int:
                 print(f"  {label} {took * 1000:7.1f} ms  prompt {ans.prompt_len} tok, "
                       f"not prefilled {ans.num_cached_tokens}: {ans.text.strip()!r}")
         m = engine.metrics()
-        by_source = {k.split("source=")[-1].rstrip("}"): v for k, v in m.items() if "prompt_tokens_by_source" in k}
-        print(f"\nprompt tokens by source (vLLM counters): {by_source}")
+        by_source = {k.removeprefix("prompt_tokens_"): int(v) for k, v in m.items() if k.startswith("prompt_tokens_")}
+        print(f"\nprompt tokens by source (vLLM counters, both modes): {by_source}")
+        print(f"injected tokens: {int(m.get('injected_tokens', 0))}, injection time "
+              f"{m.get('injection_seconds', 0) * 1000:.1f} ms in all")
     finally:
         engine.shutdown()
     return 0
