@@ -25,33 +25,25 @@ def query_logits(model, comp: Composition) -> torch.Tensor:
     return out.logits[0]
 
 
-@torch.no_grad()
 def greedy_with_injection(model, comp: Composition, max_new_tokens: int) -> list[int]:
     """Greedy decoding after injecting the memory; the query is the only prefill."""
-    dev = next(model.parameters()).device
-    cache = as_past_key_values(comp)
-    ids = torch.tensor(comp.prompt_ids[comp.memory_len:], device=dev)[None]
-    pos = comp.memory_len
-    out_tokens: list[int] = []
-    for _ in range(max_new_tokens):
-        positions = torch.arange(pos, pos + ids.shape[1], device=dev)[None]
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
-        nxt = int(out.logits[0, -1].argmax())
-        out_tokens.append(nxt)
-        pos += ids.shape[1]
-        ids = torch.tensor([[nxt]], device=dev)
-    return out_tokens
+    return _greedy(model, as_past_key_values(comp), comp.prompt_ids[comp.memory_len:], comp.memory_len,
+                   max_new_tokens)
+
+
+def greedy_prompt(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding of a plain prompt with the same step-by-step loop (prompt injection reference)."""
+    from transformers import DynamicCache
+
+    return _greedy(model, DynamicCache(), prompt_ids, 0, max_new_tokens)
 
 
 @torch.no_grad()
-def greedy_prompt(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding of a plain prompt with the same step-by-step loop (prompt injection reference)."""
+def _greedy(model, cache, first_ids: list[int], start: int, max_new_tokens: int) -> list[int]:
+    """Feed `first_ids` at positions start.., then one greedy token at a time."""
     dev = next(model.parameters()).device
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    ids = torch.tensor(prompt_ids, device=dev)[None]
-    pos = 0
+    ids = torch.tensor(first_ids, device=dev)[None]
+    pos = start
     out_tokens: list[int] = []
     for _ in range(max_new_tokens):
         positions = torch.arange(pos, pos + ids.shape[1], device=dev)[None]
