@@ -16,21 +16,19 @@ def tiny_config(family: str, vocab_size: int = 49152, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     common.update(overrides)
-    if family == "llama":
-        return LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
-    if family == "llama3":
-        return LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 512}, **common)
+    rope = {"llama": {"rope_type": "default", "rope_theta": 10000.0},
+            "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 512}}.get(
+        family, {"rope_type": "default", "rope_theta": 1e6})
+    common = {"rope_parameters": rope, **common}  # an override's rope_parameters wins
+    if family in ("llama", "llama3"):
+        return LlamaConfig(**common)
     if family == "mistral":
-        return MistralConfig(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                             **common)
+        return MistralConfig(sliding_window=None, **common)
     if family == "qwen2":
-        return Qwen2Config(use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                           **common)
+        return Qwen2Config(use_sliding_window=False, **common)
     if family == "qwen3":
-        return Qwen3Config(use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                           **common)
+        return Qwen3Config(use_sliding_window=False, **common)
     raise ValueError(family)
 
 
