@@ -7,6 +7,12 @@ The engine sits on `memory.Memory` (texts, index, encoder, the service-side KV):
 there, then pushes its KV once into the fact store inside vLLM's worker (`collective_rpc`). Requests carry
 ids only. `w` names the context-window size a fact was encoded with: `add(..., ws=(0, 2))` keeps one encoding
 per w in the worker (keyed `"{fact_id}@w{w}"`); Memory itself keeps the first.
+
+Serving without a Memory (the Ray Serve replica, where retrieval and encoding are deployments of their own):
+`AsyncInjectingEngine(prefix=<the encoded instruction prefix>, model_path=...)`; the caller puts already
+encoded facts into the worker store under ids it chooses (`put_encoded` / `delete_encoded` / `has_encoded`),
+prepares requests for the facts it retrieved (`prepare_facts`) and streams them (`stream`). `chat` is plain
+chat generation (no memory), e.g. for Mem0's extraction step.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +30,8 @@ from .connector import (CONNECTOR_MODULE, CONNECTOR_NAME, METRIC_PREFIX, SHARED_
                         InjectionParams, cache_salt, check_vllm_version, memory_hash, pack_fact)
 from .errors import check_id
 from .memory import PREFIX_FACT, PREFIX_USER, Memory
+from .template import DEFAULT_INSTRUCTION, PromptTemplate
+from .types import EncodedFact
 
 Mode = Literal["kv", "pi"]
 MODES = ("kv", "pi")
@@ -112,17 +120,35 @@ class Answer:
     retrieve_s: float
     ttft_s: float | None = None  # submit -> first token (streaming engine only)
     logprobs: list | None = field(default=None, repr=False)
+    finish_reason: str | None = None  # vLLM's: "stop" (end of sequence or stop string) or "length"
 
 
 class _EngineCore:
-    """What both engines share: keeping the worker store in step with Memory, and preparing requests."""
+    """What both engines share: keeping the worker store in step with Memory, and preparing requests.
 
-    def __init__(self, memory: Memory):
+    `memory` is optional: without it the core only prepares requests for facts the caller names
+    (`prepare_facts`); the template and the encoded instruction prefix are then all it needs."""
+
+    def __init__(self, template: PromptTemplate, prefix: EncodedFact, memory: Memory | None = None):
+        if [int(t) for t in prefix.token_ids.tolist()] != list(template.prefix_ids):
+            raise ValueError("the prefix chunk's tokens are not the template's prefix: it was encoded with another "
+                             "tokenizer or instruction than this engine's template")
         self.memory = memory
-        self.template = memory.template
+        self.template = template
+        self.prefix = prefix
         self.prefix_id = f"prefix-{memory_hash(self.template.prefix_ids)[:16]}"
         self._variants: dict[str, dict[str, set[int]]] = {}  # user -> fact -> ws held by the worker
         self._lock = threading.RLock()
+
+    @classmethod
+    def of_memory(cls, memory: Memory) -> "_EngineCore":
+        return cls(memory.template, memory.store.get(PREFIX_USER, PREFIX_FACT), memory)
+
+    def need_memory(self, what: str) -> Memory:
+        if self.memory is None:
+            raise RuntimeError(f"{what} needs a Memory; this engine serves facts encoded elsewhere "
+                               "(use put_encoded / prepare_facts)")
+        return self.memory
 
     # ---- payloads for the worker extension (ids and packed bytes)
     @staticmethod
@@ -130,11 +156,13 @@ class _EngineCore:
         return (fact_id, pack_fact(fact))
 
     def prefix_payload(self) -> list[tuple]:
-        return [self.payload(self.prefix_id, self.memory.store.get(PREFIX_USER, PREFIX_FACT))]
+        return [self.payload(self.prefix_id, self.prefix)]
 
     def existing_payloads(self) -> dict[str, list[tuple]]:
         """Every fact Memory already holds (reopened from disk), as its recorded w variant."""
         out: dict[str, list[tuple]] = {}
+        if self.memory is None:
+            return out
         for user in self.memory.users():
             for rec in self.memory.get_all(user):
                 w = int(rec.metadata.get("w", len(rec.window)))
@@ -143,26 +171,33 @@ class _EngineCore:
                 self._variants.setdefault(user, {}).setdefault(rec.fact_id, set()).add(w)
         return out
 
+    @staticmethod
+    def encoded_payloads(items: Sequence[tuple[str, EncodedFact]]) -> list[tuple]:
+        """`(worker id, EncodedFact)` pairs from the caller -> worker payloads; every id checked first."""
+        out = []
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[1], EncodedFact):
+                raise ValueError(f"items[{i}] must be (fact id, EncodedFact), got {type(item).__name__}")
+            out.append(_EngineCore.payload(check_id("fact_id", item[0]), item[1]))
+        return out
+
     def encode_variants(self, user_id: str, facts: Sequence[str], windows: Sequence[Sequence[str]] | None,
                         fact_ids: Sequence[str] | None, ws: Sequence[int]) -> tuple[list[str], list[tuple]]:
         """Memory.add for the first w, plain encodes for the others; returns (fact ids, worker payloads)."""
+        memory = self.need_memory("add")
         ws = [_check_w(w) for w in ws]
         if not ws or len(set(ws)) != len(ws):
             raise ValueError(f"ws must be distinct window sizes, got {ws!r}")
         facts = [facts] if isinstance(facts, str) else list(facts)
         full = [list(w) for w in windows] if windows is not None else [[] for _ in facts]
         cut = lambda w: [win[max(0, len(win) - w):] if w else [] for win in full]  # noqa: E731 - last w turns
-        ids = self.memory.add(user_id, facts, cut(ws[0]), fact_ids, metadata={"w": ws[0]})
-        payloads = [self.payload(variant_id(fid, ws[0]), self.memory.store.get(user_id, fid)) for fid in ids]
+        ids = memory.add(user_id, facts, cut(ws[0]), fact_ids, metadata={"w": ws[0]})
+        payloads = [self.payload(variant_id(fid, ws[0]), memory.store.get(user_id, fid)) for fid in ids]
         for w in ws[1:]:
-            items = [(self.template.fact_ids(t), self._context(win)) for t, win in zip(facts, cut(w))]
-            for fid, enc in zip(ids, self.memory.encoder.encode_batch(items, progress=False)):
+            items = [(self.template.fact_ids(t), memory.context(win)) for t, win in zip(facts, cut(w))]
+            for fid, enc in zip(ids, memory.encoder.encode_batch(items, progress=False)):
                 payloads.append(self.payload(variant_id(fid, w), enc))
         return ids, payloads
-
-    def _context(self, window: Sequence[str]) -> list:
-        # Same context rule as Memory.add (instruction prefix first when Memory encodes behind it).
-        return ([self.template.prefix_ids] if self.memory.prefix_window else []) + list(window)
 
     def stale_variants(self, user_id: str, ids: Sequence[str], ws: Sequence[int]) -> list[str]:
         """Worker ids of encodings a re-add does not refresh (their text may be outdated)."""
@@ -187,19 +222,20 @@ class _EngineCore:
             return out
 
     # ---- requests
-    def prepare(self, q: Query) -> Prepared:
+    @staticmethod
+    def check_query(q: Query) -> None:
         check_id("user_id", q.user_id)
         _check_w(q.w)
         if q.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {q.mode!r}")
+
+    def prepare(self, q: Query) -> Prepared:
+        """Retrieve the user's top-k facts from Memory, then `prepare_facts`."""
+        memory = self.need_memory("prepare (retrieval)")
+        self.check_query(q)
         t0 = time.perf_counter()
-        fact_ids = self.memory.retrieve(q.user_id, q.query, q.k)
-        texts = [self.memory.get(q.user_id, f).text for f in fact_ids]
-        memory_ids = list(self.template.prefix_ids)
-        for t in texts:
-            memory_ids += self.template.fact_ids(t)
-        prompt_ids = memory_ids + self.template.query_ids(q.query)
-        params = salt = None
+        fact_ids = memory.retrieve(q.user_id, q.query, q.k)
+        recs = [memory.get(q.user_id, f) for f in fact_ids]
         if q.mode == "kv" and fact_ids:
             with self._lock:
                 held = self._variants.get(q.user_id, {})
@@ -207,18 +243,52 @@ class _EngineCore:
             if missing:
                 raise ValueError(f"facts {missing} of user {q.user_id!r} have no encoding with window w={q.w}; "
                                  f"add them with ws including {q.w}")
-            worker_ids = [self.prefix_id] + [variant_id(f, q.w) for f in fact_ids]
-            params = InjectionParams(q.user_id, tuple(worker_ids), len(memory_ids), memory_hash(memory_ids))
-            versions = [0] + [self.memory.get(q.user_id, f).version for f in fact_ids]
-            salt = cache_salt(q.user_id, worker_ids, versions)
+        return self.prepare_facts(q, fact_ids, [r.text for r in recs], [r.version for r in recs],
+                                  [variant_id(f, q.w) for f in fact_ids], started=t0)
+
+    def prepare_facts(self, q: Query, fact_ids: Sequence[str], texts: Sequence[str], versions: Sequence[int],
+                      worker_ids: Sequence[str] | None = None, started: float | None = None) -> Prepared:
+        """A request for facts already chosen (serving order, best last): prompt ids, and in KV mode the
+        connector parameters naming `worker_ids` (the facts' ids in the worker store; default
+        `variant_id(fact_id, q.w)`) and a cache salt over the facts' versions."""
+        self.check_query(q)
+        t0 = time.perf_counter() if started is None else started
+        fact_ids = list(fact_ids)
+        worker_ids = [variant_id(f, q.w) for f in fact_ids] if worker_ids is None else list(worker_ids)
+        if not len(texts) == len(versions) == len(worker_ids) == len(fact_ids):
+            raise ValueError(f"{len(fact_ids)} fact ids but {len(texts)} texts, {len(versions)} versions and "
+                             f"{len(worker_ids)} worker ids")
+        memory_ids = list(self.template.prefix_ids)
+        for t in texts:
+            memory_ids += self.template.fact_ids(t)
+        prompt_ids = memory_ids + self.template.query_ids(q.query)
+        params = salt = None
+        if q.mode == "kv" and fact_ids:
+            chunk_ids = [self.prefix_id] + worker_ids
+            params = InjectionParams(q.user_id, tuple(chunk_ids), len(memory_ids), memory_hash(memory_ids))
+            salt = cache_salt(q.user_id, chunk_ids, [0, *versions])
         return Prepared(q, fact_ids, prompt_ids, len(memory_ids), params, salt, time.perf_counter() - t0)
+
+    def chat_prompt(self, messages: Sequence[dict]) -> dict:
+        """Plain chat (no memory): the model's chat template over role/content messages."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content'")
+        ids = self.template.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                                                            for m in messages], tokenize=True,
+                                                           add_generation_prompt=True)
+        if isinstance(ids, dict):  # some tokenizers answer a BatchEncoding
+            ids = ids["input_ids"]
+        return {"prompt_token_ids": list(ids)}
 
     def answer(self, p: Prepared, out, ttft_s: float | None = None) -> Answer:
         c = out.outputs[0]
         return Answer(text=c.text, token_ids=list(c.token_ids), fact_ids=p.fact_ids, mode=p.query.mode,
                       k=p.query.k, w=p.query.w, prompt_len=len(p.prompt_ids), memory_len=p.memory_len,
                       num_cached_tokens=out.num_cached_tokens or 0, retrieve_s=p.retrieve_s, ttft_s=ttft_s,
-                      logprobs=c.logprobs)
+                      logprobs=c.logprobs, finish_reason=c.finish_reason)
 
 
 def default_sampling(max_tokens: int = 64):
@@ -253,7 +323,7 @@ class InjectingEngine:
         from vllm import LLM
 
         self.memory = memory if memory is not None else Memory(model_path, dtype=dtype)
-        self.core = _EngineCore(self.memory)
+        self.core = _EngineCore.of_memory(self.memory)
         path = _model_path(self.memory, model_path)
         self.llm = LLM(**engine_kwargs(path, dtype, block_size, max_model_len, enable_prefix_caching,
                                        store_options, **llm_kwargs))
@@ -321,16 +391,32 @@ class InjectingEngine:
 
 class AsyncInjectingEngine:
     """Streaming engine over vLLM's AsyncLLM: the serving path. Memory work (encoding, embedding) runs in a
-    thread so the event loop keeps streaming tokens."""
+    thread so the event loop keeps streaming tokens.
 
-    def __init__(self, memory: Memory | None = None, model_path=None, *, dtype: torch.dtype = torch.float32,
+    Two ways to build it: over a Memory (as InjectingEngine), or with `prefix=` (the EncodedFact of the
+    template's instruction prefix, encoded by whoever encodes the facts) and no Memory at all: the engine then
+    loads only the tokenizer besides vLLM, and facts arrive encoded through `put_encoded`."""
+
+    def __init__(self, memory: Memory | None = None, model_path=None, *, prefix: EncodedFact | None = None,
+                 instruction: str = DEFAULT_INSTRUCTION, dtype: torch.dtype = torch.float32,
                  block_size: int = 32, max_model_len: int = 4096, enable_prefix_caching: bool = True,
                  store_options: dict | None = None, **engine_overrides):
         check_vllm_version()
-        self.memory = memory if memory is not None else Memory(model_path, dtype=dtype)
-        self.core = _EngineCore(self.memory)
-        self._args = engine_kwargs(_model_path(self.memory, model_path), dtype, block_size, max_model_len,
-                                   enable_prefix_caching, store_options, **engine_overrides)
+        if prefix is not None:
+            if memory is not None:
+                raise ValueError("give either a Memory or a prefix chunk, not both (Memory has its own prefix)")
+            from transformers import AutoTokenizer
+
+            self.memory = None
+            path = _model_path(None, model_path)
+            self.core = _EngineCore(PromptTemplate(AutoTokenizer.from_pretrained(path), instruction), prefix)
+        else:
+            self.memory = memory if memory is not None else Memory(model_path, dtype=dtype)
+            self.core = _EngineCore.of_memory(self.memory)
+            path = _model_path(self.memory, model_path)
+        self.block_size = block_size
+        self._args = engine_kwargs(path, dtype, block_size, max_model_len, enable_prefix_caching, store_options,
+                                   **engine_overrides)
         self.engine = None
 
     async def start(self) -> "AsyncInjectingEngine":
@@ -343,11 +429,15 @@ class AsyncInjectingEngine:
             await self._rpc("inferscale_put", user, payloads)
         return self
 
-    async def _rpc(self, method: str, *args):
+    def _started(self):
         if self.engine is None:
             raise RuntimeError("AsyncInjectingEngine is not started: await engine.start() first")
-        return (await self.engine.collective_rpc(method, args=args))[0]
+        return self.engine
 
+    async def _rpc(self, method: str, *args):
+        return (await self._started().collective_rpc(method, args=args))[0]
+
+    # ---- Memory-backed management
     async def add(self, user_id: str, facts, windows=None, fact_ids=None, ws: Sequence[int] = (0,)) -> list[str]:
         ids, payloads = await asyncio.to_thread(self.core.encode_variants, user_id, facts, windows, fact_ids, ws)
         stale = self.core.stale_variants(user_id, ids, ws)
@@ -358,31 +448,88 @@ class AsyncInjectingEngine:
         return ids
 
     async def delete(self, user_id: str, fact_id: str) -> None:
-        await asyncio.to_thread(self.memory.delete, user_id, fact_id)
+        memory = self.core.need_memory("delete")
+        await asyncio.to_thread(memory.delete, user_id, fact_id)
         await self._rpc("inferscale_delete", user_id, self.core.forget(user_id, fact_id))
 
     async def delete_user(self, user_id: str) -> None:
-        await asyncio.to_thread(self.memory.delete_user, user_id)
+        memory = self.core.need_memory("delete_user")
+        await asyncio.to_thread(memory.delete_user, user_id)
         self.core.forget(user_id, None)
         await self._rpc("inferscale_delete", user_id, None)
+
+    # ---- the worker store directly (facts encoded elsewhere, under ids the caller keeps track of)
+    async def put_encoded(self, user_id: str, items: Sequence[tuple[str, EncodedFact]]) -> int:
+        """Store `(worker id, EncodedFact)` pairs for the user (replacing same ids); returns KV bytes stored."""
+        check_id("user_id", user_id)
+        if user_id == SHARED_NAMESPACE:
+            raise ValueError(f"user_id {user_id!r} is reserved")
+        payloads = await asyncio.to_thread(self.core.encoded_payloads, items)
+        return await self._rpc("inferscale_put", user_id, payloads) if payloads else 0
+
+    async def delete_encoded(self, user_id: str, worker_ids: Sequence[str] | None = None) -> int:
+        """Delete these ids of the user (every fact of the user when None); returns how many were removed."""
+        check_id("user_id", user_id)
+        if user_id == SHARED_NAMESPACE:
+            raise ValueError(f"user_id {user_id!r} is reserved")
+        ids = None if worker_ids is None else [check_id("fact_id", f) for f in worker_ids]
+        if ids == []:
+            return 0
+        return await self._rpc("inferscale_delete", user_id, ids)
+
+    async def has_encoded(self, user_id: str, worker_ids: Sequence[str]) -> list[bool]:
+        """Whether the worker store holds each id (in memory or in its disk tier)."""
+        ids = [check_id("fact_id", f) for f in worker_ids]
+        return await self._rpc("inferscale_has", check_id("user_id", user_id), ids) if ids else []
 
     async def preload(self, user_id: str) -> int:
         return await self._rpc("inferscale_preload", user_id)
 
-    async def generate(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = "kv",
-                       sampling_params=None) -> Answer:
-        """Runs to completion; `Answer.ttft_s` is submit -> first token, `retrieve_s` the time before it."""
-        if self.engine is None:
-            raise RuntimeError("AsyncInjectingEngine is not started: await engine.start() first")
-        p = await asyncio.to_thread(self.core.prepare, Query(user_id, query, k, w, mode))
+    # ---- generation
+    def prepare_facts(self, q: Query, fact_ids: Sequence[str], texts: Sequence[str], versions: Sequence[int],
+                      worker_ids: Sequence[str] | None = None) -> Prepared:
+        """A request for facts the caller retrieved (see _EngineCore.prepare_facts)."""
+        return self.core.prepare_facts(q, fact_ids, texts, versions, worker_ids)
+
+    async def stream(self, p: Prepared, sampling_params=None) -> AsyncIterator[tuple[str, Answer | None]]:
+        """Yields `(new text, None)` as tokens arrive, then `("", Answer)` once; `Answer.ttft_s` is
+        submit -> first token."""
+        engine = self._started()
         sp = p.sampling(sampling_params or default_sampling())
         t0 = time.perf_counter()
         ttft = final = None
-        async for out in self.engine.generate(p.prompt(), sp, request_id=uuid.uuid4().hex):
-            if ttft is None and out.outputs and out.outputs[0].token_ids:
+        sent = 0
+        async for out in engine.generate(p.prompt(), sp, request_id=uuid.uuid4().hex):
+            c = out.outputs[0] if out.outputs else None
+            if ttft is None and c is not None and c.token_ids:
                 ttft = time.perf_counter() - t0
+            if c is not None and len(c.text) > sent:
+                yield c.text[sent:], None
+                sent = len(c.text)
             final = out
-        return self.core.answer(p, final, ttft)
+        yield "", self.core.answer(p, final, ttft)
+
+    async def generate(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = "kv",
+                       sampling_params=None) -> Answer:
+        """Runs to completion; `Answer.ttft_s` is submit -> first token, `retrieve_s` the time before it."""
+        self._started()
+        p = await asyncio.to_thread(self.core.prepare, Query(user_id, query, k, w, mode))
+        answer = None
+        async for _, answer in self.stream(p, sampling_params):
+            pass
+        return answer
+
+    async def chat(self, messages: Sequence[dict], sampling_params=None) -> tuple[str, int, int]:
+        """Plain chat generation without memory (e.g. Mem0's fact extraction with the serving model);
+        returns (text, prompt tokens, completion tokens)."""
+        engine = self._started()
+        prompt = self.core.chat_prompt(messages)
+        final = None
+        async for final in engine.generate(prompt, sampling_params or default_sampling(),
+                                           request_id=uuid.uuid4().hex):
+            pass
+        c = final.outputs[0]
+        return c.text, len(prompt["prompt_token_ids"]), len(c.token_ids)
 
     async def metrics(self) -> dict[str, Any]:
         return {**vllm_metrics(), "worker": await self._rpc("inferscale_stats")}
@@ -393,7 +540,7 @@ class AsyncInjectingEngine:
             self.engine = None
 
 
-def _model_path(memory: Memory, model_path) -> str:
+def _model_path(memory: Memory | None, model_path) -> str:
     """The folder vLLM loads: `model_path`, else the folder Memory's model came from, else the default."""
     from pathlib import Path
 
@@ -401,6 +548,8 @@ def _model_path(memory: Memory, model_path) -> str:
 
     if model_path is not None:
         return str(resolve_model_path(model_path))
+    if memory is None:
+        return str(default_model_path())
     name = getattr(memory.model.config, "_name_or_path", "") or ""
     if name and (Path(name) / "config.json").exists():
         return name

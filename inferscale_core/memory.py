@@ -102,7 +102,7 @@ class Memory:
                 raise ValueError(f"fact has {len(toks)} tokens, more than the limit of "
                                  f"{self.store.max_fact_tokens}: {text[:60]!r}...")
         encoded = self.encoder.encode_batch(
-            [(toks, self._context(w)) for toks, w in zip(fact_tokens, windows)], progress=progress)
+            [(toks, self.context(w)) for toks, w in zip(fact_tokens, windows)], progress=progress)
         embeddings = self.embedder.embed(facts)
         with self._lock:
             for fid, text, window, enc, emb in zip(ids, facts, windows, encoded, embeddings):
@@ -178,10 +178,14 @@ class Memory:
         """The prompt-injection baseline's prompt: identical token ids to `compose(...).prompt_ids`."""
         return self.template.prompt_ids([self.get(user_id, f).text for f in fact_ids], question)
 
-    # ------------------------------------------------------------------ internals
-
-    def _context(self, window: Sequence[str]) -> list:
+    def context(self, window: Sequence[str]) -> list:
+        """What a fact is encoded behind: the instruction prefix (with `prefix_window`), then its window turns.
+        Anything that encodes facts for this Memory's compositions must use the same rule."""
         return ([self.template.prefix_ids] if self.prefix_window else []) + list(window)
+
+    _context = context  # the earlier private name (tests/test_memory.py uses it)
+
+    # ------------------------------------------------------------------ internals
 
     @staticmethod
     def _check_k(k) -> None:
@@ -216,7 +220,7 @@ class Memory:
             for r in recs:
                 record = MemoryRecord(**r)
                 if not self.store.contains(user_id, record.fact_id):
-                    enc = self.encoder.encode(self.template.fact_ids(record.text), self._context(record.window))
+                    enc = self.encoder.encode(self.template.fact_ids(record.text), self.context(record.window))
                     self.store.put(user_id, record.fact_id, enc)
                 self._records.setdefault(user_id, {})[record.fact_id] = record
             ids = list(self._records[user_id])

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from .api import SERVICER_FUNCTION, Limits
+from .registry import ACTOR_SCHEME
 
 APP_NAME = "inferscale"
 IMPORT_PATH = "services.app:app_builder"
@@ -62,11 +63,18 @@ def _default_deployments() -> dict[str, DeploymentSpec]:
     }
 
 
+def single_node_deployments() -> dict[str, DeploymentSpec]:
+    """One replica of each deployment in 1.5 CPUs: fits a 2-core machine (`inferscale serve`, the e2e test).
+    The CPU numbers are Ray's scheduling shares; vLLM and torch use the cores they are given by the env."""
+    cpus = {"Gateway": 0.25, "EncoderPool": 0.5, "Retrieval": 0.25, "EngineReplica": 0.5}
+    return {name: DeploymentSpec(1, 1, max_ongoing_requests=32, num_cpus=n) for name, n in cpus.items()}
+
+
 @dataclass
 class ServiceConfig:
     model_path: str | None = None       # None: the packaged SmolLM2-135M-Instruct
     embedder_path: str | None = None    # None: the packaged MiniLM
-    registry_url: str | None = None     # None: in-process registry (single node only)
+    registry_url: str | None = None     # None: an in-memory registry in a named Ray actor (lives as long as Ray)
     dtype: str = "float32"
     block_size: int = 32
     max_model_len: int = 4096
@@ -74,6 +82,10 @@ class ServiceConfig:
     grpc_port: int = 9000
     limits: dict = field(default_factory=dict)  # overrides of api.Limits
     engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args, e.g. gpu_memory_utilization
+    # Disk tier of each engine replica's fact store (node-local; a restarted replica reloads from it instead
+    # of re-encoding). None: no disk tier. store_options: the worker store's byte budgets.
+    kv_dir: str | None = None
+    store_options: dict = field(default_factory=dict)
     deployments: dict[str, DeploymentSpec] = field(default_factory=_default_deployments)
 
     def app_args(self) -> dict:
@@ -81,7 +93,8 @@ class ServiceConfig:
         return {"model_path": self.model_path, "embedder_path": self.embedder_path,
                 "registry_url": self.registry_url, "dtype": self.dtype, "block_size": self.block_size,
                 "max_model_len": self.max_model_len, "limits": dict(self.limits),
-                "engine_overrides": dict(self.engine_overrides)}
+                "engine_overrides": dict(self.engine_overrides), "kv_dir": self.kv_dir,
+                "store_options": dict(self.store_options)}
 
     @classmethod
     def from_args(cls, args: dict | None) -> "ServiceConfig":
@@ -109,7 +122,9 @@ class ServiceConfig:
                    block_size=int(values["model"]["blockSize"]), max_model_len=int(values["model"]["maxModelLen"]),
                    http_port=int(values["ports"]["http"]), grpc_port=int(values["ports"]["grpc"]),
                    limits=dict(values.get("limits") or {}),
-                   engine_overrides=dict(values["model"].get("engineOverrides") or {}), deployments=deps)
+                   engine_overrides=dict(values["model"].get("engineOverrides") or {}),
+                   kv_dir=values["kvStore"]["dir"], store_options=dict(values["kvStore"].get("options") or {}),
+                   deployments=deps)
 
 
 def registry_url_for(values: dict, release: str) -> str:
@@ -136,15 +151,18 @@ def build_app(cfg: ServiceConfig):
     from .retrieval import Retrieval
 
     opts = deployment_options(cfg)
+    # Without Redis every replica must still see one registry: a named Ray actor holds it.
+    registry_url = cfg.registry_url or f"{ACTOR_SCHEME}{APP_NAME}-registry"
     encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
         model_path=cfg.model_path, dtype=cfg.dtype)
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
-        registry_url=cfg.registry_url, embedder_path=cfg.embedder_path)
+        registry_url=registry_url, embedder_path=cfg.embedder_path)
     engine = serve.deployment(EngineReplica, name="EngineReplica", **opts["EngineReplica"]).bind(
-        encoder, registry_url=cfg.registry_url, model_path=cfg.model_path, dtype=cfg.dtype,
-        block_size=cfg.block_size, max_model_len=cfg.max_model_len, engine_overrides=cfg.engine_overrides)
+        encoder, registry_url=registry_url, model_path=cfg.model_path, dtype=cfg.dtype,
+        block_size=cfg.block_size, max_model_len=cfg.max_model_len, kv_dir=cfg.kv_dir,
+        store_options=cfg.store_options, engine_overrides=cfg.engine_overrides)
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
-    return gateway.bind(encoder, retrieval, engine, registry_url=cfg.registry_url, limits=cfg.limits)
+    return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits)
 
 
 def app_builder(args: dict):

@@ -1,25 +1,29 @@
-"""Engine replica deployment: one vLLM engine with InferScaleConnector, plus the KV of the users routed here.
+"""Engine replica deployment: one vLLM engine (AsyncInjectingEngine, InferScaleConnector) per replica process,
+plus the KV of the users routed here.
 
-Users are multiplexed (`multiplexed_model_id` = user id). A replica that gets a user it does not hold loads
-the user's facts into its engine worker's store: the registry (Redis) lists the user's facts and versions,
-and whatever is missing is re-encoded from the registry's text by the encoder pool. At most MAX_USERS users
-are held per replica (Serve's LRU); an evicted user's KV is dropped from the worker. The placement map in
-the registry records which replicas hold which users.
+Users are multiplexed (`multiplexed_model_id` = user id): Serve routes a user to a replica that already holds
+it, and a replica holds at most MAX_USERS users (Serve's LRU). Loading a user ("sync") makes the worker store
+hold the registry's facts of the user at their current versions:
+  1. the registry (Redis) lists the user's facts and versions (one read of the version counter when nothing
+     moved since the last sync),
+  2. facts the worker store already has at that version are kept: after a restart they are found in its disk
+     tier (`kv_dir`), written through on every put, so nothing is encoded again,
+  3. the rest is encoded by the encoder pool from the registry's text and window; the KV comes back through
+     the Ray object store.
+Facts are stored in the worker under `kv_id(fact_id, version)`, so a copy on disk is used only for the exact
+version the registry names; an update or a delete removes the older versions.
 
-Writes arrive as `put_facts(user, ids, encoded)` where `encoded` is the encoder pool's response passed on
-unresolved by the gateway: Serve resolves it here, from the Ray object store. Every request re-checks the
-user's version counter in the registry, so a change that reached another replica (or none) is picked up.
-
-STATUS: written against inferscale_core.engine as of this commit; it needs a GPU or the CPU vLLM build and
-has not run end to end yet (see docs/deploy.md, "End-to-end test").
+Writes from the gateway arrive as `put_facts(user, ids_versions, encoded)` where `encoded` is the encoder
+pool's response that the gateway passed on unresolved: Serve resolves it here, from the object store.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
-import time
 import uuid
+from pathlib import Path
 
 from ray import serve
 
@@ -27,59 +31,90 @@ from inferscale_core.errors import UnknownFactError
 
 from .registry import open_registry
 
+log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
+API_MODES = {"inject": "kv", "prompt": "pi"}  # wire names -> engine modes
+
+
+def kv_id(fact_id: str, version: int) -> str:
+    """The worker-store id of one version of a fact."""
+    return f"{fact_id}@v{int(version)}"
+
+
+def older_kv_ids(fact_id: str, version: int) -> list[str]:
+    """Ids of every earlier version (versions count up from 1, so this is exhaustive)."""
+    return [kv_id(fact_id, v) for v in range(1, int(version))]
+
+
+def replica_disk_dir(kv_dir: str | None) -> str | None:
+    """`{kv_dir}/{app}/{deployment}/slot-{local rank}`: stable across restarts of the replica in that slot,
+    so a restarted replica finds its predecessor's files, and never shared by two live replicas."""
+    if not kv_dir:
+        return None
+    try:
+        ctx = serve.get_replica_context()
+        app, dep, slot = ctx.app_name, ctx.deployment, ctx.rank.local_rank
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test): one slot
+        app, dep, slot = "local", "EngineReplica", 0
+    path = Path(kv_dir).expanduser() / app / dep / f"slot-{slot}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 class _HeldUser:
-    """Serve's handle on a loaded user; __del__ runs when Serve evicts the user (LRU)."""
+    """What the multiplexed loader hands Serve. Serve calls __del__ when it evicts the user (LRU); Python
+    calls it again when the object dies, hence the flag."""
 
-    def __init__(self, replica: "EngineReplica", user_id: str):
-        self.replica, self.user_id = replica, user_id
+    def __init__(self, replica: "EngineReplica", user_id: str, loop: asyncio.AbstractEventLoop):
+        self.replica, self.user_id, self.loop, self.released = replica, user_id, loop, False
 
-    async def __del__(self):
-        await self.replica._unload(self.user_id)
+    def __del__(self):
+        if self.released:
+            return
+        self.released = True
+        try:  # Serve runs this in a thread: hand the unload to the replica's loop
+            asyncio.run_coroutine_threadsafe(self.replica._unload(self.user_id), self.loop)
+        except RuntimeError:  # the loop is closed: the replica is going away anyway
+            pass
 
 
 class EngineReplica:
     """The Serve deployment (options in services/app.py)."""
 
-    def __init__(self, encoder, registry_url: str | None = None, model_path: str | None = None,
-                 dtype: str = "float32", block_size: int = 32, max_model_len: int = 4096,
-                 engine_overrides: dict | None = None):
-        import torch
-
+    async def __init__(self, encoder, registry_url: str | None = None, model_path: str | None = None,
+                       dtype: str = "float32", block_size: int = 32, max_model_len: int = 4096,
+                       kv_dir: str | None = None, store_options: dict | None = None,
+                       engine_overrides: dict | None = None):
         from inferscale_core.engine import AsyncInjectingEngine
-        from inferscale_core.memory import Memory
 
         from .encoder_pool import dtype_of
 
         self.encoder = encoder
         self.registry = open_registry(registry_url)
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        # TODO(engine): the engine takes a Memory for its template and prefix chunk; a serving replica needs
-        # neither Memory's index nor its in-process encoding. Ask the engine for a Memory-free constructor.
-        memory = Memory(model_path, device=device, dtype=dtype_of(dtype))
-        self.engine = AsyncInjectingEngine(memory, model_path, dtype=dtype_of(dtype), block_size=block_size,
-                                           max_model_len=max_model_len, **(engine_overrides or {}))
-        self.template = memory.template
-        self._started = asyncio.Lock()
-        self._held: dict[str, dict[str, int]] = {}  # user -> fact_id -> version in the worker store
-        self._synced: dict[str, int] = {}           # user -> registry user_version last synced
+        self.disk_dir = replica_disk_dir(kv_dir)
+        options = dict(store_options or {})
+        if self.disk_dir:
+            options["disk_dir"] = self.disk_dir
+        # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
+        prefix = await encoder.prefix.remote()
+        self.engine = AsyncInjectingEngine(model_path=model_path, prefix=prefix, dtype=dtype_of(dtype),
+                                           block_size=block_size, max_model_len=max_model_len,
+                                           store_options=options, **(engine_overrides or {}))
+        await self.engine.start()
+        self._held: dict[str, dict[str, int]] = {}  # user -> fact_id -> version held by the worker store
+        self._synced: dict[str, int] = {}            # user -> registry user_version last synced
         self._user_locks: dict[str, asyncio.Lock] = {}
-
-    async def _engine(self):
-        async with self._started:
-            if self.engine.engine is None:
-                await self.engine.start()
-        return self.engine
+        self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_pushed": 0, "users_loaded": 0,
+                         "users_evicted": 0}
 
     # ------------------------------------------------------------------------------ user placement
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _HeldUser:
         await self._sync(user_id)
         await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
-        return _HeldUser(self, user_id)
+        self.counters["users_loaded"] += 1
+        return _HeldUser(self, user_id, asyncio.get_running_loop())
 
     def _lock(self, user_id: str) -> asyncio.Lock:
         return self._user_locks.setdefault(user_id, asyncio.Lock())
@@ -90,113 +125,134 @@ class EngineReplica:
             version = await asyncio.to_thread(self.registry.user_version, user_id)
             if self._synced.get(user_id) == version:
                 return
+            # Read after `version`: a change landing in between bumps the counter again and the next
+            # request re-syncs; this replica can only be ahead of `version`, never silently behind.
             wanted = await asyncio.to_thread(self.registry.fact_versions, user_id)
             held = self._held.setdefault(user_id, {})
-            gone = [f for f in held if f not in wanted]
-            if gone:
-                await self._delete(user_id, gone)
-            stale = [f for f, v in wanted.items() if held.get(f) != v]
-            recs = []
-            for fid in stale:
-                try:
-                    recs.append(await asyncio.to_thread(self.registry.get, user_id, fid))
-                except UnknownFactError:
-                    continue  # deleted meanwhile; the next sync sees it
-            if recs:
-                # TODO(disk tier): reload from this node's disk tier before re-encoding, once the worker
-                # store exposes it; re-encoding from the registry's text is always correct, only slower.
-                encoded = await self.encoder.encode.remote([(r.text, list(r.window)) for r in recs])
-                await self._put(user_id, [(r.fact_id, r.version) for r in recs], encoded)
+            moved = {f: v for f, v in held.items() if wanted.get(f) != v}
+            if moved:
+                await self.engine.delete_encoded(user_id, [kv_id(f, v) for f, v in moved.items()])
+                for f in moved:
+                    del held[f]
+            need = [(f, v) for f, v in wanted.items() if held.get(f) != v]
+            if need:
+                # Disk tier first: the worker store lists every fact written before a restart.
+                present = await self.engine.has_encoded(user_id, [kv_id(f, v) for f, v in need])
+                for (f, v), ok in zip(need, present):
+                    if ok:
+                        held[f] = v
+                self.counters["facts_from_disk"] += sum(present)
+                recs = []
+                for (f, v), ok in zip(need, present):
+                    if ok:
+                        continue
+                    try:
+                        recs.append(await asyncio.to_thread(self.registry.get, user_id, f))
+                    except UnknownFactError:
+                        continue  # deleted since the listing; the next sync sees it
+                if recs:
+                    encoded = await self.encoder.encode.remote([(r.text, list(r.window)) for r in recs])
+                    await self._put(user_id, [(r.fact_id, r.version) for r in recs], encoded)
+                    self.counters["facts_encoded"] += len(recs)
             self._synced[user_id] = version
 
     async def _put(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> None:
-        from inferscale_core.engine import _EngineCore, variant_id
-
         if len(ids_versions) != len(encoded):
             raise ValueError(f"{len(ids_versions)} fact ids but {len(encoded)} encoded facts")
-        engine = await self._engine()
-        payloads = [_EngineCore.payload(variant_id(fid, 0), enc) for (fid, _), enc in zip(ids_versions, encoded)]
-        await engine._rpc("inferscale_put", user_id, payloads)
+        await self.engine.put_encoded(user_id, [(kv_id(f, v), enc) for (f, v), enc in zip(ids_versions, encoded)])
+        old = [i for f, v in ids_versions for i in older_kv_ids(f, v)]
+        if old:
+            await self.engine.delete_encoded(user_id, old)
         held = self._held.setdefault(user_id, {})
-        for fid, ver in ids_versions:
-            held[fid] = ver
-
-    async def _delete(self, user_id: str, fact_ids: list[str] | None) -> None:
-        from inferscale_core.engine import variant_id
-
-        engine = await self._engine()
-        held = self._held.get(user_id, {})
-        if fact_ids is None:
-            await engine._rpc("inferscale_delete", user_id, None)
-            self._held.pop(user_id, None)
-            self._synced.pop(user_id, None)
-            return
-        await engine._rpc("inferscale_delete", user_id, [variant_id(f, 0) for f in fact_ids if f in held])
-        for f in fact_ids:
-            held.pop(f, None)
+        for f, v in ids_versions:
+            held[f] = v
 
     async def _unload(self, user_id: str) -> None:
+        """LRU eviction. With a disk tier the worker store keeps the facts (its byte budgets decide what stays
+        in memory) and a reload finds them there; without one they are dropped and re-encoded on reload."""
         async with self._lock(user_id):
-            await self._delete(user_id, None)
+            if not self.disk_dir:
+                await self.engine.delete_encoded(user_id, None)
+            self._held.pop(user_id, None)
+            self._synced.pop(user_id, None)
+        self.counters["users_evicted"] += 1
         await asyncio.to_thread(self.registry.remove_placement, user_id, self.replica_id)
 
     # ------------------------------------------------------------------------------ called by the gateway
     async def put_facts(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> int:
         """`encoded` arrives resolved from the object store (the encoder's response, passed on unresolved)."""
+        ids_versions = [(f, int(v)) for f, v in ids_versions]
         async with self._lock(user_id):
             await self._put(user_id, ids_versions, encoded)
+        self.counters["facts_pushed"] += len(encoded)
         # Load (sync) after the put: a first load then finds these facts held and encodes only the others.
         await self._user(user_id)
         return len(encoded)
 
-    async def forget(self, user_id: str, fact_ids: list[str]) -> None:
+    async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> int:
+        """Deleted facts `(fact_id, last version)`: every version of each leaves the worker store (and disk)."""
         async with self._lock(user_id):
-            await self._delete(user_id, fact_ids)
+            ids = [i for f, v in facts for i in (*older_kv_ids(f, v), kv_id(f, v))]
+            held = self._held.get(user_id, {})
+            for f, _ in facts:
+                held.pop(f, None)
+            return await self.engine.delete_encoded(user_id, ids)
 
-    async def forget_user(self, user_id: str) -> None:
+    async def forget_user(self, user_id: str) -> int:
         async with self._lock(user_id):
-            await self._delete(user_id, None)
+            self._held.pop(user_id, None)
+            self._synced.pop(user_id, None)
+            return await self.engine.delete_encoded(user_id, None)
 
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
                      mode: str):
         """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT and the injected fact ids."""
         from vllm import SamplingParams
 
-        from inferscale_core.connector import InjectionParams, cache_salt, memory_hash
-        from inferscale_core.engine import variant_id
+        from inferscale_core.engine import Query
 
+        if mode not in API_MODES:
+            raise ValueError(f"mode must be one of {sorted(API_MODES)}, got {mode!r}")
         await self._user(user_id)
         await self._sync(user_id)  # cheap when nothing moved: one read of the version counter
-        recs = await asyncio.to_thread(self.registry.get_many, user_id, fact_ids)
-        # TODO(engine): this mirrors _EngineCore.prepare for ids chosen by the retrieval deployment; the
-        # engine should expose a prepare(user, fact_ids, texts, versions, mode) so there is one copy.
-        memory_ids = list(self.template.prefix_ids)
-        for r in recs:
-            memory_ids += self.template.fact_ids(r.text)
-        prompt = {"prompt_token_ids": memory_ids + self.template.query_ids(query)}
+        recs = []
+        for f in fact_ids:  # retrieval may name a fact deleted since: skip it
+            try:
+                recs.append(await asyncio.to_thread(self.registry.get, user_id, f))
+            except UnknownFactError:
+                continue
+        q = Query(user_id, query, k=max(1, len(recs)), mode=API_MODES[mode])
+        p = self.engine.prepare_facts(q, [r.fact_id for r in recs], [r.text for r in recs],
+                                      [r.version for r in recs], [kv_id(r.fact_id, r.version) for r in recs])
         sp = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-        engine = await self._engine()
-        if mode == "inject" and recs:
-            worker_ids = [engine.core.prefix_id] + [variant_id(r.fact_id, 0) for r in recs]
-            params = InjectionParams(user_id, tuple(worker_ids), len(memory_ids), memory_hash(memory_ids))
-            sp.extra_args = {"kv_transfer_params": params.to_kv_transfer_params()}
-            prompt["cache_salt"] = cache_salt(user_id, worker_ids, [0] + [r.version for r in recs])
-        t0, ttft, sent, final = time.perf_counter(), None, 0, None
-        async for out in engine.engine.generate(prompt, sp, request_id=uuid.uuid4().hex):
-            c = out.outputs[0]
-            if ttft is None and c.token_ids:
-                ttft = (time.perf_counter() - t0) * 1000
-            if len(c.text) > sent:
-                yield {"text": c.text[sent:]}
-                sent = len(c.text)
-            final = out
-        c = final.outputs[0]
-        yield {"final": True, "fact_ids": [r.fact_id for r in recs], "ttft_ms": ttft or 0.0,
-               "prompt_tokens": len(prompt["prompt_token_ids"]),
-               "prefilled_tokens": len(prompt["prompt_token_ids"]) - (final.num_cached_tokens or 0),
-               "completion_tokens": len(c.token_ids), "finish_reason": c.finish_reason or "stop"}
+        async for text, ans in self.engine.stream(p, sp):
+            if ans is None:
+                yield {"text": text}
+                continue
+            yield {"final": True, "fact_ids": ans.fact_ids, "ttft_ms": (ans.ttft_s or 0.0) * 1000,
+                   "prompt_tokens": ans.prompt_len, "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
+                   "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop"}
+
+    async def chat(self, messages: list[dict], max_tokens: int = 512, temperature: float = 0.0) -> dict:
+        """Plain chat generation with the serving model, no memory (Mem0's extraction step)."""
+        from vllm import SamplingParams
+
+        text, n_prompt, n_out = await self.engine.chat(messages, SamplingParams(temperature=temperature,
+                                                                                max_tokens=max_tokens))
+        return {"text": text, "prompt_tokens": n_prompt, "completion_tokens": n_out}
+
+    # ------------------------------------------------------------------------------ observability
+    async def stats(self) -> dict:
+        """This replica's counters, the users it holds, and the engine's (vLLM + worker store) metrics."""
+        return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir,
+                "users": sorted(self._held), **self.counters, "engine": await self.engine.metrics()}
 
     async def health(self) -> str:
-        await self._engine()
+        await self.engine.has_encoded("__health__", ["probe"])  # a round trip to the engine's worker
         await asyncio.to_thread(self.registry.ping)
         return "ok"
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

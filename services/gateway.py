@@ -43,7 +43,8 @@ class Backends(Protocol):
                mode: str) -> AsyncIterator[dict]:
         """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", ...}."""
 
-    async def forget(self, user_id: str, fact_ids: list[str]) -> None: ...
+    async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> None:
+        """Deleted facts `(fact_id, last version)`: out of the indices and every KV store."""
 
     async def forget_user(self, user_id: str) -> None: ...
 
@@ -194,9 +195,9 @@ class GatewayCore:
     async def DeleteMemory(self, raw):  # noqa: N802
         req = api.parse("DeleteMemory", raw, self.limits)
         uid, fid = api.user_id(req.user_id), api.fact_id(req.fact_id)
-        await _blocking(self.registry.delete, uid, fid)
+        rec = await _blocking(self.registry.delete, uid, fid)
         if self.backends is not None:
-            await self._push(self.backends.forget(uid, [fid]), "forget")
+            await self._push(self.backends.forget(uid, [(fid, rec.version)]), "forget")
         return pb2.DeleteMemoryResponse(fact_id=fid)
 
     async def DeleteUser(self, raw):  # noqa: N802
@@ -430,9 +431,9 @@ class ServeBackends:
                                                                        temperature, mode):
             yield piece
 
-    async def forget(self, user_id, fact_ids):
-        await asyncio.gather(self._r(user_id).forget.remote(user_id, fact_ids),
-                             self._e(user_id).forget.remote(user_id, fact_ids))
+    async def forget(self, user_id, facts):
+        await asyncio.gather(self._r(user_id).forget.remote(user_id, [f for f, _ in facts]),
+                             self._e(user_id).forget.remote(user_id, facts))
 
     async def forget_user(self, user_id):
         await asyncio.gather(self._r(user_id).forget_user.remote(user_id),

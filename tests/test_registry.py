@@ -1,4 +1,5 @@
-"""The fact registry against a real redis-server (and the embedded fallback through the same tests)."""
+"""The fact registry against a real redis-server, and the embedded and Ray-actor fallbacks through the same
+tests."""
 from __future__ import annotations
 
 import uuid
@@ -8,19 +9,32 @@ import pytest
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services.registry import (DuplicateFactError, EmbeddedRegistry, NewFact, RedisRegistry,
+from services.registry import (ActorRegistry, DuplicateFactError, EmbeddedRegistry, NewFact, RedisRegistry,
                                VersionConflictError, open_registry)
 
 
-@pytest.fixture(params=["redis", "embedded"])
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(params=["redis", "embedded", "actor"])
 def reg(request, redis_url):  # noqa: F811
     if request.param == "redis":
         # A fresh key prefix per test: tests share one server but never see each other's keys.
         r = RedisRegistry(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:")
-    else:
+    elif request.param == "embedded":
         r = EmbeddedRegistry()
+    else:
+        ray = request.getfixturevalue("local_ray")
+        r = ActorRegistry(f"reg-{uuid.uuid4().hex[:8]}")  # a fresh actor per test
     yield r
     r.close()
+    if request.param == "actor":
+        ray.kill(r.actor)
 
 
 def test_create_get_list_count(reg):
@@ -177,6 +191,25 @@ def test_open_registry_picks_backend(redis_url):  # noqa: F811
     assert isinstance(open_registry(redis_url), RedisRegistry)
     with pytest.raises(ValueError, match="not a redis"):
         open_registry("http://localhost:6379")
+
+
+def test_actor_registry_is_shared_by_name(local_ray):
+    """Two processes' handles on the same name reach one registry (what the replicas of an app without
+    Redis rely on); the registry's own errors come back as themselves, not wrapped by Ray."""
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    first, second = open_registry(f"ray-actor://{name}"), open_registry(f"ray-actor://{name}")
+    assert isinstance(first, ActorRegistry)
+    (rec,) = first.create("u", [NewFact("seen by both")])
+
+    @local_ray.remote(num_cpus=0)
+    def read_elsewhere(fact_id):
+        return open_registry(f"ray-actor://{name}").get("u", fact_id).text
+
+    assert local_ray.get(read_elsewhere.remote(rec.fact_id)) == "seen by both"
+    assert second.user_version("u") == 1
+    with pytest.raises(UnknownFactError, match="unknown fact 'nope'"):
+        second.get("u", "nope")
+    local_ray.kill(first.actor)
 
 
 def test_retrieval_replica_resyncs_from_the_registry(redis_url):  # noqa: F811

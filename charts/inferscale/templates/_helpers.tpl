@@ -40,6 +40,8 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "max_model_len" (int .Values.model.maxModelLen) -}}
 {{- $_ := set $args "limits" (.Values.limits | default dict) -}}
 {{- $_ := set $args "engine_overrides" (.Values.model.engineOverrides | default dict) -}}
+{{- $_ := set $args "kv_dir" .Values.kvStore.dir -}}
+{{- $_ := set $args "store_options" (.Values.kvStore.options | default dict) -}}
 {{- range $d := $app.deployments -}}
 {{- $v := required (printf "values.deployments.%s is missing" $d.name) (get $.Values.deployments $d.name) -}}
 {{- $_ := set $d "max_ongoing_requests" (int $v.maxOngoingRequests) -}}
@@ -60,5 +62,21 @@ volumeMounts:
   - name: models
     mountPath: /models
     readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* GPU workers: the model, and the engine replicas' KV disk tier when kvStore.volume is set. */}}
+{{- define "inferscale.workerMounts" -}}
+{{- if or .Values.model.volume .Values.kvStore.volume }}
+volumeMounts:
+{{- if .Values.model.volume }}
+  - name: models
+    mountPath: /models
+    readOnly: true
+{{- end }}
+{{- if .Values.kvStore.volume }}
+  - name: kv-store
+    mountPath: {{ required "kvStore.dir is required when kvStore.volume is set" .Values.kvStore.dir }}
+{{- end }}
 {{- end }}
 {{- end -}}

@@ -1,0 +1,255 @@
+"""The whole service end to end: a real local Ray (2 CPUs), Ray Serve's gRPC proxy, a real redis-server,
+vllm-cpu with InferScaleConnector and SmolLM2-135M-Instruct. One application for the module (one replica of
+each deployment); the tests run in order and share it:
+
+  facts for two users over gRPC -> streamed answers that use the injected memory, reported by vLLM as
+  externally loaded tokens -> isolation between the users -> bad input gets the right status codes ->
+  the engine replica is killed (and its disk tier wiped): the replacement re-encodes from Redis and answers
+  the same -> the whole app is shut down and started again: facts come back from Redis, KV from disk.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ALICE = ["Alice adopted a grey cat named Pixel in March.",
+         "Alice works as a nurse at the Riverside children's hospital.",
+         "Alice is training for the Berlin marathon in September.",
+         "Alice's favourite food is spicy ramen from the corner shop.",
+         "Alice's brother Tom lives in Lisbon and teaches surfing."]
+BOB = ["Bob plays bass guitar in a jazz trio on Fridays.",
+       "Bob is allergic to peanuts.",
+       "Bob moved from Toronto to Denver last year."]
+CAT_Q = "What is the name of Alice's cat?"
+APP = "inferscale"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """The running application, its ports and what the tests remember between steps."""
+
+    def __init__(self, cfg, kv_dir: Path):
+        self.cfg, self.kv_dir = cfg, kv_dir
+        self.ids: dict[str, list[str]] = {}
+        self.answers: dict[str, str] = {}
+        self.start()
+
+    def start(self) -> None:
+        from ray import serve
+        from ray.serve.config import gRPCOptions
+
+        from services.app import build_app, grpc_options
+
+        t = time.monotonic()
+        serve.start(http_options={"host": "127.0.0.1", "port": self.cfg.http_port},
+                    grpc_options=gRPCOptions(**grpc_options(self.cfg)))
+        serve.run(build_app(self.cfg), name=APP, route_prefix="/")
+        self.start_s = time.monotonic() - t
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.cfg.grpc_port}")
+        grpc.channel_ready_future(self.channel).result(timeout=60)
+        from services.client import MemoryClient
+
+        self.client = MemoryClient(channel=self.channel, timeout_s=120)
+
+    def stop(self) -> None:
+        from ray import serve
+
+        self.channel.close()
+        serve.shutdown()
+
+    def engine_stats(self, user_id: str) -> dict:
+        from ray import serve
+
+        handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
+        return handle.options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
+
+    def ask(self, user_id: str, query: str, **kw) -> tuple[list, object]:
+        """(text pieces, final chunk) of a streamed Answer."""
+        chunks = list(self.client.answer(user_id, query, **kw))
+        assert chunks and chunks[-1].final and not any(c.final for c in chunks[:-1])
+        return [c.text for c in chunks[:-1] if c.text] + ([chunks[-1].text] if chunks[-1].text else []), chunks[-1]
+
+
+@pytest.fixture(scope="module")
+def service(redis_url, tmp_path_factory):  # noqa: F811
+    from services.app import ServiceConfig, single_node_deployments
+
+    kv_dir = tmp_path_factory.mktemp("kv")
+    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
+                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments())
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": VLLM_ENV})
+    svc = None
+    try:
+        svc = Service(cfg, kv_dir)
+        yield svc
+    finally:
+        if svc is not None:
+            svc.stop()
+        ray.shutdown()
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def test_answers_stream_with_the_injected_memory(service):
+    c = service.client
+    service.ids["alice"] = [f.fact_id for f in c.add_facts("alice", ALICE)]
+    service.ids["bob"] = [f.fact_id for f in c.add_facts("bob", BOB)]
+    assert len(service.ids["alice"]) == 5 and len(service.ids["bob"]) == 3
+    before = service.engine_stats("alice")
+    assert before["facts_pushed"] == 8 and before["facts_encoded"] == 0  # pushed once, never encoded twice
+
+    pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24)
+    text = "".join(pieces)
+    after = service.engine_stats("alice")
+    assert len(pieces) > 1, "the answer must arrive as a stream of pieces"
+    assert "Pixel" in text, text
+    assert final.ttft_ms > 0 and final.completion_tokens > 0
+    assert len(final.fact_ids) == 3 and set(final.fact_ids) <= set(service.ids["alice"])
+    assert final.fact_ids[-1] == service.ids["alice"][0]  # the cat fact, next to the query
+    # vLLM's own accounting: the memory's tokens came from the connector, only the rest was prefilled.
+    loaded = (after["engine"]["prompt_tokens_external_kv_transfer"]
+              - before["engine"].get("prompt_tokens_external_kv_transfer", 0))
+    computed = after["engine"]["prompt_tokens_local_compute"] - before["engine"].get("prompt_tokens_local_compute", 0)
+    assert loaded >= 64 and loaded == final.prompt_tokens - final.prefilled_tokens
+    assert computed == final.prefilled_tokens < final.prompt_tokens
+    assert after["engine"]["worker"]["injected_requests"] >= 1
+    service.answers["alice"] = text
+
+
+def test_prompt_mode_is_the_baseline_with_the_same_answer(service):
+    pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24, mode="prompt")
+    assert final.prefilled_tokens == final.prompt_tokens  # everything prefilled: Mem0-style text memory
+    assert "".join(pieces) == service.answers["alice"]  # fp32 greedy: injection changes nothing but speed
+
+
+def test_one_user_never_sees_another_users_facts(service):
+    c = service.client
+    hits = c.search("bob", CAT_Q, k=10)
+    assert hits and {h.fact.fact_id for h in hits} <= set(service.ids["bob"])
+    assert all(h.fact.user_id == "bob" for h in hits)
+    pieces, final = service.ask("bob", CAT_Q, k=10, max_tokens=24)
+    assert set(final.fact_ids) <= set(service.ids["bob"]) and len(final.fact_ids) == 3
+    assert "Pixel" not in "".join(pieces)
+    code, details = _code(lambda: c.get("bob", service.ids["alice"][0]))
+    assert code == grpc.StatusCode.NOT_FOUND and "Pixel" not in details
+    code, _ = _code(lambda: c.delete("bob", service.ids["alice"][0]))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert c.get("alice", service.ids["alice"][0]).text == ALICE[0]  # untouched
+
+
+def test_update_and_delete_reach_the_engine(service):
+    c = service.client
+    fid = service.ids["bob"][1]
+    assert c.update("bob", fid, text="Bob is allergic to shellfish.").version == 2
+    pieces, final = service.ask("bob", "What is Bob allergic to?", k=1, max_tokens=16)
+    assert final.fact_ids == [fid] and final.prefilled_tokens < final.prompt_tokens
+    assert "shellfish" in "".join(pieces).lower()
+    c.delete("bob", service.ids["bob"][2])
+    _, final = service.ask("bob", "Where did Bob move from?", k=10, max_tokens=4)
+    assert service.ids["bob"][2] not in final.fact_ids and len(final.fact_ids) == 2
+    service.ids["bob"] = service.ids["bob"][:2]
+    stats = service.engine_stats("bob")
+    assert stats["engine"]["worker"]["load_failures"] == 0  # no request named a fact the worker lacked
+
+
+def test_bad_input_gets_the_right_status_codes(service):
+    c, stub = service.client, service.client.stub
+    from services.api import pb2
+
+    code, details = _code(lambda: list(c.answer("alice", "q", k=65)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
+    code, details = _code(lambda: list(c.answer("alice", "q", mode="telepathy")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "mode" in details
+    code, details = _code(lambda: list(c.answer("", "q")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "user_id" in details
+    code, details = _code(lambda: c.add_facts("alice", ["x" * 2001]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "facts[0].text is 2001 characters" in details
+    code, details = _code(lambda: c.get("alice", "no-such-fact"))
+    assert code == grpc.StatusCode.NOT_FOUND and "no-such-fact" in details
+    code, details = _code(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
+        user_id="alice", fact_id=service.ids["alice"][1], text="x", expected_version=7)))
+    assert code == grpc.StatusCode.ABORTED and "at version 1" in details
+    raw = service.channel.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
+                                      response_deserializer=pb2.Fact.FromString)
+    code, details = _code(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in details
+    # a user without memory is answered without any
+    _, final = service.ask("nobody", "What is two plus two?", max_tokens=4)
+    assert list(final.fact_ids) == [] and final.completion_tokens > 0
+    assert c.health().status == "SERVING"
+
+
+def _engine_actor():
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
+    assert len(named) == 1, named
+    return ray.get_actor(named[0]["name"], namespace=named[0]["namespace"])
+
+
+def _wait_running(deployment: str, timeout_s: float = 240) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(APP)
+        if app is not None and app.status == "RUNNING" and app.deployments[deployment].status == "HEALTHY":
+            return
+        time.sleep(1)
+    raise AssertionError(f"{deployment} did not come back within {timeout_s} s: {serve.status()}")
+
+
+def test_a_killed_engine_replica_is_rebuilt_from_redis(service):
+    old = service.engine_stats("alice")
+    assert "alice" in old["users"]
+    # Without its disk tier the replacement has only Redis: it must re-encode every fact from the text.
+    shutil.rmtree(old["disk_dir"])
+    ray.kill(_engine_actor(), no_restart=True)
+    t = time.monotonic()
+    time.sleep(2)
+    _wait_running("EngineReplica")
+    pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24)
+    recovered_s = time.monotonic() - t
+    new = service.engine_stats("alice")
+    assert new["pid"] != old["pid"] and new["facts_from_disk"] == 0
+    assert new["facts_encoded"] == 5  # alice's facts, nothing lost
+    assert "".join(pieces) == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
+    _, final = service.ask("bob", "What is Bob allergic to?", k=5, max_tokens=4)
+    assert sorted(final.fact_ids) == sorted(service.ids["bob"])
+    print(f"\nengine replica killed -> answering again after {recovered_s:.1f} s")
+
+
+def test_the_whole_app_restarts_from_redis_and_disk(service):
+    service.stop()
+    service.start()
+    print(f"\napp restarted in {service.start_s:.1f} s")
+    assert [f.fact_id for f in service.client.list("alice")] == service.ids["alice"]
+    pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24)
+    stats = service.engine_stats("alice")
+    assert stats["facts_encoded"] == 0 and stats["facts_from_disk"] == 5  # KV from the disk tier
+    assert "".join(pieces) == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
+    _, final = service.ask("bob", "What is Bob allergic to?", k=5, max_tokens=4)
+    assert sorted(final.fact_ids) == sorted(service.ids["bob"])
+    assert service.engine_stats("bob")["facts_from_disk"] == 5 + 2
