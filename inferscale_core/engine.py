@@ -276,12 +276,10 @@ class _EngineCore:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content'")
-        ids = self.template.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
+        enc = self.template.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
                                                             for m in messages], tokenize=True,
-                                                           add_generation_prompt=True)
-        if isinstance(ids, dict):  # some tokenizers answer a BatchEncoding
-            ids = ids["input_ids"]
-        return {"prompt_token_ids": list(ids)}
+                                                           add_generation_prompt=True, return_dict=True)
+        return {"prompt_token_ids": list(enc["input_ids"])}
 
     def answer(self, p: Prepared, out, ttft_s: float | None = None) -> Answer:
         c = out.outputs[0]

@@ -162,7 +162,8 @@ def build_app(cfg: ServiceConfig):
         block_size=cfg.block_size, max_model_len=cfg.max_model_len, kv_dir=cfg.kv_dir,
         store_options=cfg.store_options, engine_overrides=cfg.engine_overrides)
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
-    return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits)
+    return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
+                        embedder_path=cfg.embedder_path)
 
 
 def app_builder(args: dict):

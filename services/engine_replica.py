@@ -102,6 +102,7 @@ class EngineReplica:
                                            block_size=block_size, max_model_len=max_model_len,
                                            store_options=options, **(engine_overrides or {}))
         await self.engine.start()
+        self.max_model_len = max_model_len
         self._held: dict[str, dict[str, int]] = {}  # user -> fact_id -> version held by the worker store
         self._synced: dict[str, int] = {}            # user -> registry user_version last synced
         self._user_locks: dict[str, asyncio.Lock] = {}
@@ -233,13 +234,25 @@ class EngineReplica:
                    "prompt_tokens": ans.prompt_len, "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
                    "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop"}
 
-    async def chat(self, messages: list[dict], max_tokens: int = 512, temperature: float = 0.0) -> dict:
-        """Plain chat generation with the serving model, no memory (Mem0's extraction step)."""
+    async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
+                   structured: dict | None = None) -> str:
+        """Plain chat generation with the serving model, no memory (Mem0's extraction step). `structured`:
+        the fields of vLLM's StructuredOutputsParams (json_object, json, regex, ...)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
-        text, n_prompt, n_out = await self.engine.chat(messages, SamplingParams(temperature=temperature,
-                                                                                max_tokens=max_tokens))
-        return {"text": text, "prompt_tokens": n_prompt, "completion_tokens": n_out}
+        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputsParams(**structured) if structured else None)
+        text, _, _ = await self.engine.chat(messages, sp)
+        return text
+
+    async def chat_room(self, messages: list[dict]) -> int:
+        """Tokens left in the context after these messages (negative when they do not fit)."""
+        return self.max_model_len - len(self.engine.core.chat_prompt(messages)["prompt_token_ids"])
+
+    async def holds(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
+        """Whether the worker store holds each `(fact_id, version)`: the KV side of a fact, for checks."""
+        return await self.engine.has_encoded(user_id, [kv_id(f, v) for f, v in facts])
 
     # ------------------------------------------------------------------------------ observability
     async def stats(self) -> dict:

@@ -48,8 +48,15 @@ class Backends(Protocol):
 
     async def forget_user(self, user_id: str) -> None: ...
 
-    async def extract(self, user_id: str, messages: list[dict], metadata: dict) -> list[dict]:
-        """Mem0 extraction with the serving LLM; returns Mem0 events {"id", "memory", "event", ...}."""
+    async def search_vector(self, user_id: str, vector: list[float], k: int) -> list[tuple[str, float]]:
+        """Top-k by a query embedding the caller computed (Mem0's pipeline embeds for itself)."""
+
+    async def chat(self, messages: list[dict], max_tokens: int, temperature: float,
+                   structured: dict | None) -> str:
+        """Plain chat generation on the serving model (no memory); `structured`: vLLM structured outputs."""
+
+    async def chat_room(self, messages: list[dict]) -> int:
+        """Tokens left in the serving model's context after these messages."""
 
     async def health(self) -> dict[str, str]: ...
 
@@ -60,8 +67,12 @@ def _blocking(fn, *args, **kw):
 
 
 class GatewayCore:
-    def __init__(self, registry: Registry, backends: Backends | None = None, limits: Limits = Limits()):
+    def __init__(self, registry: Registry, backends: Backends | None = None, limits: Limits = Limits(),
+                 embedder_path: str | None = None):
         self.registry, self.backends, self.limits = registry, backends, limits
+        self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
+        self._extractor = None  # services.mem0_provider.Mem0Extractor, built on the first infer=true request
+        self._extractor_lock = asyncio.Lock()
 
     def _need(self, what: str) -> Backends:
         if self.backends is None:
@@ -79,15 +90,50 @@ class GatewayCore:
             log.exception("push to replicas failed (%s); replicas will re-sync from the registry", what)
 
     async def _store_facts(self, user_id: str, facts: list[api.FactIn]) -> list[FactRecord]:
+        return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window) for f in facts])
+
+    async def store_new(self, user_id: str, facts: list[NewFact]) -> list[FactRecord]:
+        """Registry first (quota checked), then index + KV under the registry's ids."""
         have = await _blocking(self.registry.count, user_id)
         if have + len(facts) > self.limits.max_facts_per_user:
             raise api.too_big(f"user {user_id!r} has {have} facts; adding {len(facts)} would pass the limit of "
                               f"{self.limits.max_facts_per_user} facts per user")
-        recs = await _blocking(self.registry.create, user_id,
-                               [NewFact(f.text, f.metadata, window=f.window) for f in facts])
+        for i, f in enumerate(facts):
+            api.text_field(f.text, f"facts[{i}].text", self.limits.max_fact_chars)
+        recs = await _blocking(self.registry.create, user_id, facts)
         if self.backends is not None:
             await self._push(self.backends.index_facts(user_id, recs), "index_facts")
         return recs
+
+    async def update_fact(self, user_id: str, fact_id: str, text: str | None, metadata: dict | None,
+                          replace_metadata: bool = False, expected_version: int = 0, embedding=None) -> FactRecord:
+        rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
+                              replace_metadata=replace_metadata, expected_version=expected_version,
+                              embedding=embedding)
+        if text is not None and self.backends is not None:  # metadata changes do not touch KV or embeddings
+            await self._push(self.backends.index_facts(user_id, [rec]), "index_facts (update)")
+        return rec
+
+    async def delete_fact(self, user_id: str, fact_id: str) -> FactRecord:
+        rec = await _blocking(self.registry.delete, user_id, fact_id)
+        if self.backends is not None:
+            await self._push(self.backends.forget(user_id, [(fact_id, rec.version)]), "forget")
+        return rec
+
+    async def _extract(self, user_id: str, messages: list[dict], metadata: dict) -> list[dict]:
+        """Mem0's add with inference (services/mem0_provider.py), in a worker thread."""
+        self._need("AddMemory with infer=true")
+        async with self._extractor_lock:
+            if self._extractor is None:
+                try:
+                    from .mem0_provider import Mem0Extractor
+                except ImportError as e:
+                    raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
+                                   f"AddMemory with infer=true needs mem0ai 2.2 in the service's image ({e}); "
+                                   "send infer=false or use AddFacts") from None
+                sink = GatewaySink(self, asyncio.get_running_loop())
+                self._extractor = await asyncio.to_thread(Mem0Extractor, sink, self.embedder_path)
+        return await asyncio.to_thread(self._extractor.add, user_id, messages, metadata)
 
     # ------------------------------------------------------------------------------------ RPCs
     async def AddFacts(self, raw):  # noqa: N802 (RPC names)
@@ -104,7 +150,7 @@ class GatewayCore:
         meta = api.metadata(req.metadata, "metadata", self.limits)
         infer = req.infer if req.HasField("infer") else True
         if infer:
-            events = await self._need("AddMemory with infer=true").extract(uid, messages, meta)
+            events = await self._extract(uid, messages, meta)
             return pb2.AddMemoryResponse(results=[
                 pb2.MemoryEvent(fact_id=e["id"], text=e.get("memory", ""), event=e.get("event", "ADD"),
                                 previous_text=e.get("previous_memory") or "") for e in events])
@@ -185,19 +231,14 @@ class GatewayCore:
             raise api.invalid("nothing to update: set text and/or metadata")
         if req.expected_version < 0:
             raise api.invalid(f"expected_version must be >= 0, got {req.expected_version}")
-        rec = await _blocking(self.registry.update, uid, fid, text=text,
-                              metadata=meta if (meta or req.replace_metadata) else None,
-                              replace_metadata=req.replace_metadata, expected_version=req.expected_version)
-        if text is not None and self.backends is not None:  # metadata changes do not touch KV or embeddings
-            await self._push(self.backends.index_facts(uid, [rec]), "index_facts (update)")
+        rec = await self.update_fact(uid, fid, text, meta if (meta or req.replace_metadata) else None,
+                                     req.replace_metadata, req.expected_version)
         return api.fact_pb(rec)
 
     async def DeleteMemory(self, raw):  # noqa: N802
         req = api.parse("DeleteMemory", raw, self.limits)
         uid, fid = api.user_id(req.user_id), api.fact_id(req.fact_id)
-        rec = await _blocking(self.registry.delete, uid, fid)
-        if self.backends is not None:
-            await self._push(self.backends.forget(uid, [(fid, rec.version)]), "forget")
+        await self.delete_fact(uid, fid)
         return pb2.DeleteMemoryResponse(fact_id=fid)
 
     async def DeleteUser(self, raw):  # noqa: N802
@@ -227,6 +268,41 @@ class GatewayCore:
                 components["backends"] = f"error: {type(e).__name__}: {e}"
         ok = all(v == "ok" or v.startswith("none") for v in components.values())
         return pb2.HealthResponse(status="SERVING" if ok else "DEGRADED", components=components)
+
+
+class GatewaySink:
+    """The FactSink of services/mem0_provider.py over a GatewayCore. Mem0 runs in a worker thread; writes
+    and backend calls are run on the gateway's event loop, so they take the same path as the RPCs."""
+
+    def __init__(self, core: GatewayCore, loop: asyncio.AbstractEventLoop, timeout_s: float = 300.0):
+        self.core, self.loop, self.timeout_s = core, loop, timeout_s
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s)
+
+    def add(self, user_id, facts):
+        return self._run(self.core.store_new(user_id, facts))
+
+    def search(self, user_id, vector, k):
+        return self._run(self.core.backends.search_vector(user_id, vector, k))
+
+    def get(self, user_id, fact_id):
+        return self.core.registry.get(user_id, fact_id)
+
+    def list(self, user_id):
+        return self.core.registry.list(user_id)[0]
+
+    def update(self, user_id, fact_id, text, vector, metadata):
+        return self._run(self.core.update_fact(user_id, fact_id, text, metadata, embedding=vector))
+
+    def delete(self, user_id, fact_id):
+        self._run(self.core.delete_fact(user_id, fact_id))
+
+    def chat(self, messages, max_tokens, temperature, structured):
+        return self._run(self.core.backends.chat(messages, max_tokens, temperature, structured))
+
+    def chat_room(self, messages):
+        return self._run(self.core.backends.chat_room(messages))
 
 
 UNARY = [m for m in api.REQUEST_TYPES if m not in api.STREAMING]
@@ -439,12 +515,16 @@ class ServeBackends:
         await asyncio.gather(self._r(user_id).forget_user.remote(user_id),
                              self._e(user_id).forget_user.remote(user_id))
 
-    async def extract(self, user_id, messages, metadata):
-        # TODO(engine): Mem0 extraction (mem0.Memory with services.mem0_provider as its vector store and the
-        # engine replica's plain chat generation as its LLM) lands with the engine. Until then: say so.
-        raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
-                       "AddMemory with infer=true needs the serving LLM for Mem0 extraction, which this "
-                       "build does not wire yet; send infer=false or use AddFacts")
+    async def search_vector(self, user_id, vector, k):
+        return await asyncio.wait_for(self._r(user_id).search_vector.remote(user_id, vector, k), self.timeout_s)
+
+    async def chat(self, messages, max_tokens, temperature, structured):
+        # Plain chat holds no user's KV: any engine replica will do.
+        return await asyncio.wait_for(self.engine.chat.remote(messages, max_tokens, temperature, structured),
+                                      self.timeout_s)
+
+    async def chat_room(self, messages):
+        return await asyncio.wait_for(self.engine.chat_room.remote(messages), self.timeout_s)
 
     async def health(self):
         out = {}
@@ -473,7 +553,7 @@ class Gateway:
     Serve's gRPC proxy calls them with the request's raw bytes (see api.add_MemoryServicer_to_server)."""
 
     def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
-                 limits: dict | None = None):
+                 limits: dict | None = None, embedder_path: str | None = None):
         from .registry import open_registry
 
         # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
@@ -481,7 +561,7 @@ class Gateway:
         if any(h is None for h in handles) and not all(h is None for h in handles):
             raise ValueError("Gateway needs all three handles (encoder, retrieval, engine) or none")
         backends = ServeBackends(*handles) if encoder is not None else None
-        self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})))
+        self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})), embedder_path)
 
     async def _call(self, name: str, request, grpc_context):
         try:

@@ -128,6 +128,17 @@ class RetrievalCore:
             q = self.embedder.embed([query])[0]
             return [(f, float(s)) for f, s in self.index.search(user_id, q, k)]
 
+    def search_vector(self, user_id: str, vector, k: int) -> list[tuple[str, float]]:
+        """Top-k by a query embedding computed elsewhere (same model); normalized here like ours."""
+        q = torch.as_tensor(np.asarray(vector, dtype=np.float32))
+        if q.shape != (self.index.dim,):
+            raise ValueError(f"query vector has shape {tuple(q.shape)}, the index holds {self.index.dim}-d vectors")
+        q = q / q.norm().clamp_min(1e-12)
+        with self._lock:
+            if self.ensure(user_id) == 0:
+                return []
+            return [(f, float(s)) for f, s in self.index.search(user_id, q.to(self.index.device), k)]
+
     def users(self) -> list[str]:
         with self._lock:
             return list(self._synced)
@@ -165,6 +176,10 @@ class Retrieval:
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
         await self._user(user_id)
         return await asyncio.to_thread(self.core.search, user_id, query, k)
+
+    async def search_vector(self, user_id: str, vector: list[float], k: int) -> list[tuple[str, float]]:
+        await self._user(user_id)
+        return await asyncio.to_thread(self.core.search_vector, user_id, vector, k)
 
     async def index_facts(self, user_id: str, facts: list[tuple[str, int, str]]) -> int:
         await self._user(user_id)

@@ -5,7 +5,7 @@ each deployment); the tests run in order and share it:
   facts for two users over gRPC -> streamed answers that use the injected memory, reported by vLLM as
   externally loaded tokens -> isolation between the users -> updates and deletes reach the engine -> bad
   input gets the right status codes -> a user evicted by the replica's LRU is reloaded from the disk tier ->
-  the CLI's add/ask -> the engine replica is killed (and its disk tier wiped): the replacement re-encodes
+  the CLI's add/ask -> AddMemory(infer=true) runs mem0's extraction on the serving model -> the engine replica is killed (and its disk tier wiped): the replacement re-encodes
   from Redis and answers the same -> the whole app is shut down and started again: facts come back from
   Redis, KV from disk.
 """
@@ -75,6 +75,13 @@ class Service:
 
         handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
         return handle.options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
+
+    def engine_holds(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
+        """Whether the engine's worker store holds these (fact_id, version): the KV side of a fact."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
+        return handle.options(multiplexed_model_id=user_id).holds.remote(user_id, facts).result(timeout_s=60)
 
     def ask(self, user_id: str, query: str, **kw) -> tuple[list, object]:
         """(text pieces, final chunk) of a streamed Answer."""
@@ -230,6 +237,38 @@ def test_cli_add_and_ask(service, capsys):
     assert "INVALID_ARGUMENT: k must be in" in capsys.readouterr().err
 
 
+DANA = [{"role": "user", "content": "Hi! I'm Dana. I just moved to Oslo and I work as a marine biologist."},
+        {"role": "assistant", "content": "Welcome to Oslo, Dana! Marine biology sounds fascinating."},
+        {"role": "user", "content": "Thanks. I also have two cats, Miso and Tofu."}]
+
+
+def test_add_memory_with_inference_runs_mem0_on_the_serving_model(service):
+    """mem0ai's add(infer=True) with SmolLM2 as its LLM and our store as its vector store. The 135M model's
+    extraction is weak, so this checks the mechanics: what it extracted is stored under the user with ONE id
+    in the registry, the retrieval index and the engine's KV store, and is served from there."""
+    c = service.client
+    events = c.add_memory("dana", DANA, infer=True, metadata={"session": "s1"})
+    assert events and all(e.event == "ADD" and e.text.strip() for e in events), events
+    print(f"\nmem0 + SmolLM2 extracted: {[e.text for e in events]}")
+    ids = [e.fact_id for e in events]
+    for e in events:
+        got = c.get("dana", e.fact_id)
+        assert got.text == e.text and got.user_id == "dana" and got.version == 1
+        assert got.metadata["session"] == "s1" and got.metadata["hash"]  # ours and mem0's metadata
+    assert sorted(f.fact_id for f in c.list("dana")) == sorted(ids)
+    for e in events:  # in the index under the same id (mem0's own embedding of the text)
+        assert c.search("dana", e.text, k=5)[0].fact.fact_id == e.fact_id
+    assert service.engine_holds("dana", [(i, 1) for i in ids]) == [True] * len(ids)  # KV, same id
+    _, final = service.ask("dana", "Where do I live?", k=5, max_tokens=8)
+    assert sorted(final.fact_ids) == sorted(ids) and final.prefilled_tokens < final.prompt_tokens
+    # The same conversation again: mem0 sees dana's facts (through our search) and drops exact repeats.
+    again = c.add_memory("dana", DANA, infer=True)
+    assert not {e.text for e in again} & {e.text for e in events}
+    assert sorted(f.fact_id for f in c.list("dana")) == sorted(ids + [e.fact_id for e in again])
+    code, _ = _code(lambda: c.get("alice", ids[0]))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
 def _engine_actor():
     named = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
     assert len(named) == 1, named
@@ -250,7 +289,6 @@ def _wait_running(deployment: str, timeout_s: float = 240) -> None:
 
 def test_a_killed_engine_replica_is_rebuilt_from_redis(service):
     old = service.engine_stats("alice")
-    assert "alice" in old["users"]
     # Without its disk tier the replacement has only Redis: it must re-encode every fact from the text.
     shutil.rmtree(old["disk_dir"])
     ray.kill(_engine_actor(), no_restart=True)
