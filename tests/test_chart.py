@@ -170,3 +170,23 @@ def test_ray_cluster_launcher_config_is_valid():
     validate_config(cfg)  # Ray's own schema; raises on a bad field
     assert raw["available_node_types"]["head"]["resources"] == {"CPU": 0}
     assert raw["available_node_types"]["gpu_worker"]["max_workers"] > raw["available_node_types"]["gpu_worker"]["min_workers"]
+
+
+def test_kv_store_values_reach_the_app_and_the_workers(helm):
+    """kvStore.dir/options become the app's kv_dir/store_options; kvStore.volume is mounted there on the GPU
+    workers only (the engine replicas run there), next to the model volume."""
+    docs = _render(helm, "kvStore.dir=/var/lib/kv", "kvStore.options.device_budget_bytes=1000000",
+                   "model.volume.emptyDir.medium=Memory", "kvStore.volume.hostPath.path=/mnt/kv", release="kv")
+    rs = _rayservice(docs)
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["kv_dir"] == "/var/lib/kv" and args["store_options"] == {"device_budget_bytes": 1000000}
+    worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in worker["containers"][0]["volumeMounts"]}
+    assert mounts == {"models": "/models", "kv-store": "/var/lib/kv"}
+    assert {v["name"] for v in worker["volumes"]} == {"models", "kv-store"}
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert [m["name"] for m in head["containers"][0]["volumeMounts"]] == ["models"]
+    values = copy.deepcopy(VALUES)
+    values["kvStore"].update(dir="/var/lib/kv", options={"device_budget_bytes": 1000000})
+    values["model"]["volume"] = {"emptyDir": {"medium": "Memory"}}
+    assert ServiceConfig.from_chart_values(values, "kv").app_args() == args
