@@ -49,6 +49,8 @@ def demo(args) -> int:
             t = time.perf_counter()
             engine.add(user, facts)
             print(f"{user}: {len(facts)} facts encoded once in {time.perf_counter() - t:.2f} s")
+        for mode in ("kv", "pi"):  # first requests pay one-off kernel set-up; keep it out of the timings
+            engine.generate("alice", "Hello!", k=args.k, mode=mode)
         for user, question in DEMO_QUESTIONS:
             print(f"\n[{user}] {question}")
             for mode in ("kv", "pi"):
@@ -61,8 +63,11 @@ def demo(args) -> int:
         m = engine.metrics()
         by_source = {k.removeprefix("prompt_tokens_"): int(v) for k, v in m.items() if k.startswith("prompt_tokens_")}
         print(f"\nprompt tokens by source (vLLM counters, both modes): {by_source}")
-        print(f"injected tokens: {int(m.get('injected_tokens', 0))}, injection time "
-              f"{m.get('injection_seconds', 0) * 1000:.1f} ms in all")
+        worker = m.get("worker", {})
+        print(f"injected tokens: {int(worker.get('injected_tokens', 0))}, injection time "
+              f"{worker.get('injection_seconds', 0) * 1000:.1f} ms in all")
+        print("KV answers differ from prompt injection where facts were encoded apart (each fact behind the "
+              "instruction prefix only); jointly encoded memory gives identical answers (tests prove it).")
     finally:
         engine.shutdown()
     return 0
