@@ -458,3 +458,54 @@ def test_cli_arguments():
     assert cfg.judge_model == "default"
     with pytest.raises(SystemExit):
         runner.parse_args(["--data", "x.json", "--k", "five"])
+
+
+# ---------------------------------------------------------------- position and equivalence scripts (pure parts)
+
+def _load_script(name: str):
+    """Import bench/<name>.py without letting its vLLM environment defaults leak into this process."""
+    import os
+
+    saved = dict(os.environ)
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return module
+
+
+def test_position_chunks_fill_their_token_budget(dev):
+    from inferscale_core.models import default_model_path
+    from inferscale_core.template import PromptTemplate
+    from transformers import AutoTokenizer
+
+    position = _load_script("position")
+    template = PromptTemplate(AutoTokenizer.from_pretrained(default_model_path()))
+    turns = [t.render() for t in dev[0].turns]
+    chunks = position.make_chunks(template, turns, 40, 64)
+    lens = [len(template.fact_ids(c)) for c in chunks]
+    assert len(chunks) == 40 and max(lens) <= 64 and sum(lens) / len(lens) > 58  # greedy: nearly full
+    words = " ".join(turns).split()
+    assert " ".join(chunks).split() == words[: len(" ".join(chunks).split())]  # the text, in order, no gaps
+    with pytest.raises(ValueError, match="not enough text"):
+        position.make_chunks(template, turns[:3], 40, 64)
+    with pytest.raises(SystemExit):
+        position.parse_args(["--data", str(DEV), "--sizes", "32", "--chunk-tokens", "64"])
+
+
+def test_equivalence_compare():
+    from types import SimpleNamespace as NS
+
+    equivalence = _load_script("equivalence")
+    lp = lambda t, v: {t: NS(logprob=v)}  # noqa: E731 - vLLM's {token: Logprob} per position
+    a = NS(token_ids=[1, 2, 3], logprobs=[lp(1, -0.1), lp(2, -0.2), lp(3, -0.3)], text="abc")
+    same = NS(token_ids=[1, 2, 3], logprobs=[lp(1, -0.1), lp(2, -0.25), lp(3, -0.3)], text="abc")
+    other = NS(token_ids=[1, 2, 9, 9], logprobs=[lp(1, -0.5), lp(2, -0.2), lp(9, -1.0), lp(9, -1.0)], text="ab?")
+    r = equivalence.compare(a, same)
+    assert r["identical"] and r["first_diff"] is None and r["max_logprob_diff"] == pytest.approx(0.05)
+    r = equivalence.compare(a, other)
+    assert not r["identical"] and r["first_diff"] == 2 and r["max_logprob_diff"] == pytest.approx(0.4)
+    assert equivalence.compare(a, NS(token_ids=[1, 2], logprobs=None, text="ab"))["first_diff"] == 2

@@ -8,8 +8,8 @@ the index, compose the ids) and the submission itself; question-to-full-answer a
 (`last_token_ts - first_token_ts`, both engine-core timestamps). A batch of requests counts all of them
 as arriving when the batch began, which is what N users asking at once means.
 
-`prepare_fixed` builds a request over an explicit list of facts (no retrieval), for the position test,
-with the same ids, injection parameters and cache salt `InjectingEngine.prepare` would produce.
+`prepare_fixed` builds a request over an explicit list of facts (no retrieval, any number of them), for
+the position test.
 """
 from __future__ import annotations
 
@@ -92,24 +92,9 @@ def reset_prefix_cache(engine) -> None:
 
 
 def prepare_fixed(engine, user_id: str, fact_ids: Sequence[str], question: str, mode: str, w: int = 0):
-    """A request over exactly `fact_ids` in this order (the last next to the query), bypassing retrieval.
-    Mirrors `_EngineCore.prepare` so KV and PI send identical token ids."""
-    from inferscale_core.connector import InjectionParams, cache_salt, memory_hash
-    from inferscale_core.engine import Prepared, Query, variant_id
+    """A request over exactly `fact_ids` in this order (the last next to the query), bypassing retrieval."""
+    from inferscale_core.engine import Query
 
-    core = engine.core
-    t0 = time.perf_counter()
-    memory_ids = list(core.template.prefix_ids)
-    records = [core.memory.get(user_id, f) for f in fact_ids]
-    for r in records:
-        memory_ids += core.template.fact_ids(r.text)
-    prompt_ids = memory_ids + core.template.query_ids(question)
-    params = salt = None
-    if mode == "kv":
-        worker_ids = [core.prefix_id] + [variant_id(f, w) for f in fact_ids]
-        params = InjectionParams(user_id, tuple(worker_ids), len(memory_ids), memory_hash(memory_ids))
-        salt = cache_salt(user_id, worker_ids, [0] + [r.version for r in records])
-    elif mode != "pi":
-        raise ValueError(f"mode must be 'kv' or 'pi', got {mode!r}")
-    return Prepared(Query(user_id, question, len(fact_ids), w, mode), list(fact_ids), prompt_ids, len(memory_ids),
-                    params, salt, time.perf_counter() - t0)
+    recs = [engine.memory.get(user_id, f) for f in fact_ids]
+    return engine.core.prepare_facts(Query(user_id, question, len(fact_ids), w, mode), fact_ids,
+                                     [r.text for r in recs], [r.version for r in recs])
