@@ -161,12 +161,17 @@ class WorkerSide:
             self._count("injected_requests")
             self._count("injected_tokens", spec.end - spec.start)
         if keys:
-            k = self.rope.rotate(torch.cat(keys, dim=1).float(), torch.cat(positions)).to(self.cache_dtype)
+            k_pre = torch.cat(keys, dim=1)
             v = torch.cat(values, dim=1)
+            cos, sin = self.rope.cos_sin(torch.cat(positions))
+            cos, sin = cos.float(), sin.float()
             slot_mapping = torch.cat(slots)
             for name, kv_cache in self.kv_caches.items():
                 i = self.layer_index[name]
-                write_kv(forward_context.no_compile_layers[name], kv_cache, k[i], v[i], slot_mapping)
+                # One layer at a time: its rotated keys stay in cache until written (2-3x faster than
+                # rotating all layers first, measured on the 2-core CPU).
+                k = self.rope.apply(k_pre[i].float(), cos, sin).to(self.cache_dtype)
+                write_kv(forward_context.no_compile_layers[name], kv_cache, k, v[i], slot_mapping)
         self._count("injection_seconds", time.perf_counter() - t0)
 
     def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
