@@ -20,11 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(_k, _v)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
+
+set_vllm_cpu_env(kv_cache_gib=2)  # before vLLM is imported
 
 KS = (5, 10, 20, 50)
 

