@@ -166,6 +166,31 @@ class Registry(ABC):
 
     # shared helpers
     @staticmethod
+    def _checked_update(user_id: str, fact_id: str, text, metadata, embedding) -> np.ndarray | None:
+        """Validate an update's arguments (both backends); returns the embedding as an array, or None."""
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        if text is not None:
+            _check_text(text)
+        if metadata is not None:
+            _check_metadata(metadata)
+        return _as_embedding(embedding)
+
+    @staticmethod
+    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb) -> FactRecord:
+        if metadata is None:
+            meta = cur.metadata
+        elif replace_metadata:
+            meta = dict(metadata)
+        else:
+            meta = {**cur.metadata, **metadata}
+        new_text = cur.text if text is None else text
+        if emb is None:
+            emb = cur.embedding if new_text == cur.text else None
+        return replace(cur, text=new_text, metadata=meta, version=cur.version + 1, updated_at=time.time(),
+                       embedding=emb)
+
+    @staticmethod
     def _new_records(user_id: str, facts: list[NewFact], now: float) -> list[FactRecord]:
         check_id("user_id", user_id)
         out, seen = [], set()
@@ -296,13 +321,7 @@ class RedisRegistry(Registry):
                expected_version=0):
         import redis
 
-        check_id("user_id", user_id)
-        check_id("fact_id", fact_id)
-        if text is not None:
-            _check_text(text)
-        if metadata is not None:
-            _check_metadata(metadata)
-        emb = _as_embedding(embedding)
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding)
         key = self._fact_key(fact_id)
         with self.r.pipeline() as pipe:
             while True:
@@ -319,20 +338,6 @@ class RedisRegistry(Registry):
                     return new
                 except redis.WatchError:
                     continue
-
-    @staticmethod
-    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb) -> FactRecord:
-        if metadata is None:
-            meta = cur.metadata
-        elif replace_metadata:
-            meta = dict(metadata)
-        else:
-            meta = {**cur.metadata, **metadata}
-        new_text = cur.text if text is None else text
-        if emb is None:
-            emb = cur.embedding if new_text == cur.text else None
-        return replace(cur, text=new_text, metadata=meta, version=cur.version + 1, updated_at=time.time(),
-                       embedding=emb)
 
     def set_embedding(self, user_id, fact_id, version, embedding):
         import redis
@@ -488,18 +493,12 @@ class EmbeddedRegistry(Registry):
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
                expected_version=0):
-        check_id("user_id", user_id)
-        check_id("fact_id", fact_id)
-        if text is not None:
-            _check_text(text)
-        if metadata is not None:
-            _check_metadata(metadata)
-        emb = _as_embedding(embedding)
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding)
         with self._lock:
             cur = self._owned(user_id, fact_id)
             if expected_version and cur.version != expected_version:
                 raise VersionConflictError(fact_id, expected_version, cur.version)
-            new = RedisRegistry._updated(cur, text, metadata, replace_metadata, emb)
+            new = self._updated(cur, text, metadata, replace_metadata, emb)
             self._facts[fact_id] = new
             self._bump(user_id)
             return new
