@@ -3,8 +3,13 @@ device, and writes composed memory KV into the paged cache before the forward pa
 
 Per injected request: gather its chunks from the store (ids only arrived with the request), check that their
 token ids are the memory the scheduler matched, re-rotate the keys to positions start..end-1 (chunked RoPE),
-and scatter K/V into the request's blocks through the attention backend's own cache-write op. All requests of
-a step are written together: one rotation and one write per layer.
+and scatter K/V into the request's blocks through the attention backend's own cache-write op.
+
+The requests of a step are written in groups of up to `inject_group_tokens` tokens; per group: one copy of the
+chunks' K and V into a contiguous buffer, ONE in-place rotation of every layer's keys with vLLM's own fused
+rotary op (the op the model's forward pass uses, with the same table dtype, so the keys are bit for bit what
+vLLM's prefill writes), and one cache write per layer. On the 2-core CPU this is ~10x faster than rotating in
+torch ops (k=50, 1,856 tokens, SmolLM2 bf16: 7 ms instead of 80 ms).
 """
 from __future__ import annotations
 
@@ -28,7 +33,11 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 # kv_connector_extra_config keys the worker reads (all optional).
-STORE_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "max_fact_tokens")
+WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "max_fact_tokens", "inject_group_tokens")
+
+# Default tokens written per group: bounds the temporary K/V buffers (23 KB per token for SmolLM2 bf16 ->
+# ~190 MB) when a batch of many large memories arrives in one step.
+INJECT_GROUP_TOKENS = 8192
 
 
 class LoadError(InferScaleError):
@@ -40,9 +49,12 @@ class WorkerSide:
         if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("InferScaleConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
                              "(the fact store holds every KV head of every layer)")
-        unknown = set(extra_config) - set(STORE_OPTIONS)
+        unknown = set(extra_config) - set(WORKER_OPTIONS)
         if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {STORE_OPTIONS}")
+            raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {WORKER_OPTIONS}")
+        self.inject_group_tokens = int(extra_config.get("inject_group_tokens", INJECT_GROUP_TOKENS))
+        if self.inject_group_tokens < 1:
+            raise ValueError(f"inject_group_tokens must be >= 1, got {self.inject_group_tokens}")
         self.block_size = vllm_config.cache_config.block_size
         self.hf_config = vllm_config.model_config.hf_text_config
         self.spec = ModelSpec.from_config(self.hf_config)  # rejects families chunked RoPE does not support
@@ -50,7 +62,8 @@ class WorkerSide:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_index: dict[str, int] = {}
         self.store: FactStore | None = None
-        self.rope: ChunkedRope | None = None
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.cos_sin_cache: torch.Tensor | None = None
         self._failed_blocks: set[int] = set()
         self._step: dict[str, float] = {}  # counters since the last take_stats
         self._totals: dict[str, float] = {k: 0 for k in WORKER_COUNTERS}
@@ -68,8 +81,8 @@ class WorkerSide:
                              f"got layers {sorted(self.layer_index.values())}")
         first = next(iter(kv_caches.values()))
         self.device, self.cache_dtype = first.device, first.dtype
-        # Rotation in fp32, then one cast to the cache dtype: the most exact keys the cache dtype can hold.
-        self.rope = ChunkedRope(self.hf_config, device=self.device, dtype=torch.float32)
+        self.cos_sin_cache = rotary_table(self.hf_config, self.spec, self.max_model_len, self.device,
+                                          self.cache_dtype)
         opts = self.extra_config
         self.store = FactStore.for_spec(
             self.spec, device=self.device, dtype=self.cache_dtype, disk_dir=opts.get("disk_dir"),
@@ -140,44 +153,56 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         store = self._require_store()
-        keys, values, positions, slots = [], [], [], []
+        group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        group_tokens = 0
         for spec in meta.loads:
             try:
-                k_pre, v, tiers = self._gather(store, spec)
+                pieces, tiers = self._gather(store, spec)
             except (KeyError, ValueError, LoadError, FileNotFoundError) as e:
                 # vLLM recomputes these blocks (kv_load_failure_policy="recompute"): slower, never wrong.
                 logger.warning("InferScale: request %s not injected: %s", spec.req_id, e)
                 self._failed_blocks.update(self._blocks_of(spec))
                 self._count("load_failures")
                 continue
-            pos = torch.arange(spec.start, spec.end, device=self.device)
-            block_ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.device)
-            keys.append(k_pre)
-            values.append(v)
-            positions.append(pos)
-            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
             for tier in tiers:
                 self._count(f"store_hits_{tier}")
             self._count("injected_requests")
             self._count("injected_tokens", spec.end - spec.start)
-        if keys:
-            k_pre = torch.cat(keys, dim=1)
-            v = torch.cat(values, dim=1)
-            cos, sin = self.rope.cos_sin(torch.cat(positions))
-            cos, sin = cos.float(), sin.float()
-            slot_mapping = torch.cat(slots)
-            for name, kv_cache in self.kv_caches.items():
-                i = self.layer_index[name]
-                # One layer at a time: its rotated keys stay in cache until written (2-3x faster than
-                # rotating all layers first, measured on the 2-core CPU).
-                k = self.rope.apply(k_pre[i].float(), cos, sin).to(self.cache_dtype)
-                write_kv(forward_context.no_compile_layers[name], kv_cache, k, v[i], slot_mapping)
+            if group and group_tokens + spec.end - spec.start > self.inject_group_tokens:
+                self._write_group(forward_context, group)
+                group, group_tokens = [], 0
+            group.append((spec, pieces))
+            group_tokens += spec.end - spec.start
+        if group:
+            self._write_group(forward_context, group)
         self._count("injection_seconds", time.perf_counter() - t0)
 
-    def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """Pre-RoPE keys and values `[L, end-start, H, D]` of memory positions [start, end), and the store
-        tier each chunk came from. The prefix chunk comes from the shared namespace, every other chunk from
-        the request's own user: ids never reach another user's facts."""
+    def _write_group(self, forward_context: "ForwardContext",
+                     group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        from vllm import _custom_ops as ops
+
+        positions, slots = [], []
+        for spec, _ in group:
+            pos = torch.arange(spec.start, spec.end, device=self.device)
+            block_ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.device)
+            positions.append(pos)
+            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+        # [L, N, H, D]: our own copy, so the keys can be rotated in place; the store keeps pre-RoPE keys.
+        k = torch.cat([piece_k for _, pieces in group for piece_k, _ in pieces], dim=1)
+        v = torch.cat([piece_v for _, pieces in group for _, piece_v in pieces], dim=1)
+        num_layers, n = k.shape[0], k.shape[1]
+        # One fused rotation of all layers: layer l's token t sits at row l * N + t of the flattened view.
+        ops.rotary_embedding(torch.cat(positions).repeat(num_layers), k.view(num_layers * n, -1), None,
+                             self.spec.head_dim, self.cos_sin_cache, True)
+        slot_mapping = torch.cat(slots)
+        for name, kv_cache in self.kv_caches.items():
+            i = self.layer_index[name]
+            write_kv(forward_context.no_compile_layers[name], kv_cache, k[i], v[i], slot_mapping)
+
+    def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
+        """Views `[L, t, H, D]` of the pre-RoPE keys and values that cover memory positions [start, end) in
+        order, and the store tier each chunk came from. The prefix chunk comes from the shared namespace,
+        every other chunk from the request's own user: ids never reach another user's facts."""
         keys = [(SHARED_NAMESPACE, spec.fact_ids[0])] + [(spec.user_id, f) for f in spec.fact_ids[1:]]
         tiers = [store.tier_of(ns, f) for ns, f in keys]  # raises for a missing fact before anything moves
         chunks = [store.get(ns, f) for ns, f in keys]
@@ -187,9 +212,16 @@ class WorkerSide:
         if token_ids.numel() != spec.memory_len or memory_hash(token_ids.cpu().tolist()) != spec.memory_hash:
             raise LoadError(f"the facts {list(spec.fact_ids)} of user {spec.user_id!r} are not the memory the "
                             f"request was composed from ({token_ids.numel()} tokens, expected {spec.memory_len})")
-        k_pre = torch.cat([c.k_pre for c in chunks], dim=1)[:, spec.start:spec.end]
-        v = torch.cat([c.v for c in chunks], dim=1)[:, spec.start:spec.end]
-        return k_pre, v, tiers
+        if spec.end > self.cos_sin_cache.shape[0]:
+            raise LoadError(f"memory position {spec.end - 1} is beyond the rotary table "
+                            f"({self.cos_sin_cache.shape[0]} positions)")
+        pieces, offset = [], 0
+        for c in chunks:
+            lo, hi = max(spec.start, offset), min(spec.end, offset + c.num_tokens)
+            if lo < hi:
+                pieces.append((c.k_pre[:, lo - offset:hi - offset], c.v[:, lo - offset:hi - offset]))
+            offset += c.num_tokens
+        return pieces, tiers
 
     def _blocks_of(self, spec: LoadSpec) -> list[int]:
         first, last = spec.start // self.block_size, (spec.end - 1) // self.block_size
@@ -231,6 +263,19 @@ class WorkerSide:
             out["num_facts"] = s["num_facts"]
             out["num_users"] = len([u for u in self.store.users() if u != SHARED_NAMESPACE])
         return out
+
+
+def rotary_table(hf_config, spec: ModelSpec, max_model_len: int, device: torch.device,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """vLLM's `cos_sin_cache` layout `[positions, rotary_dim]` (cos halves then sin halves, neox style) built
+    from the family's own rotary module (scaling and attention factors included), in the cache dtype as
+    vLLM's forward pass uses it. Dynamic RoPE is static only below max_position_embeddings."""
+    num_positions = max_model_len
+    if spec.rope_type == "dynamic":
+        num_positions = min(num_positions, spec.max_position_embeddings)
+    cos, sin = ChunkedRope(hf_config, device="cpu", dtype=torch.float32).cos_sin(torch.arange(num_positions))
+    half = spec.rotary_dim // 2
+    return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).to(device=device, dtype=dtype).contiguous()
 
 
 def write_kv(layer, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

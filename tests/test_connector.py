@@ -89,6 +89,8 @@ def test_worker_rejects_unknown_options_and_tensor_parallelism():
         WorkerSide(config(), {"disk": "/tmp/x"})
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         WorkerSide(config(tp=2), {})
+    with pytest.raises(ValueError, match="inject_group_tokens must be >= 1"):
+        WorkerSide(config(), {"inject_group_tokens": 0})
 
 
 # --------------------------------------------------------------------------------------------- engine
@@ -112,9 +114,10 @@ def start_engine(folder: Path, **overrides):
 
     from inferscale_core.engine import kv_transfer_config
 
+    # inject_group_tokens=128: the mixed batch (96 + 128 injected tokens) is written in two groups.
     kw = dict(model=str(folder), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=1024,
               enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
-              kv_transfer_config=kv_transfer_config(), disable_log_stats=False)
+              kv_transfer_config=kv_transfer_config({"inject_group_tokens": 128}), disable_log_stats=False)
     kw.update(overrides)
     return LLM(**kw)
 
