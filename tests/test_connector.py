@@ -25,8 +25,9 @@ from inferscale_core.types import EncodedFact  # noqa: E402
 
 BLOCK = 32
 PREFIX_LEN = 45
-FACT_LENS = [23, 31, 17, 29]  # m = 145: 128 tokens injected (4 blocks), 17 computed with the query
+FACT_LENS = [23, 31, 17, 29]  # m = 145: 4 whole blocks and a partial one (17 tokens), all injected
 ALIGNED_FACT_LENS = [19, 32]  # m = 96: exactly 3 blocks injected
+M = PREFIX_LEN + sum(FACT_LENS)
 QUERY_LEN = 11
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -63,11 +64,11 @@ def test_injection_params_validation():
         InjectionParams.from_kv_transfer_params({"inferscale": {"user_id": "alice"}})
 
 
-def test_injectable_tokens_whole_blocks_and_one_token_left():
-    assert injectable_tokens(prompt_len=200, memory_len=145, block_size=32) == 128
-    assert injectable_tokens(prompt_len=200, memory_len=96, block_size=32) == 96
-    assert injectable_tokens(prompt_len=96, memory_len=96, block_size=32) == 64  # last token must be computed
-    assert injectable_tokens(prompt_len=40, memory_len=31, block_size=32) == 0
+def test_injectable_tokens_whole_memory_and_one_token_left():
+    assert injectable_tokens(prompt_len=200, memory_len=145) == 145  # ends inside a block
+    assert injectable_tokens(prompt_len=200, memory_len=96) == 96
+    assert injectable_tokens(prompt_len=96, memory_len=96) == 95  # the last token must be computed
+    assert injectable_tokens(prompt_len=40, memory_len=31) == 31
 
 
 def test_cache_salt_depends_on_user_facts_order_and_versions():
@@ -114,7 +115,7 @@ def start_engine(folder: Path, **overrides):
 
     from inferscale_core.engine import kv_transfer_config
 
-    # inject_group_tokens=128: the mixed batch (96 + 128 injected tokens) is written in two groups.
+    # inject_group_tokens=128: the mixed batch (96 + 145 injected tokens) is written in two groups.
     kw = dict(model=str(folder), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=1024,
               enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
               kv_transfer_config=kv_transfer_config({"inject_group_tokens": 128}), disable_log_stats=False)
@@ -242,14 +243,14 @@ def test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch(harne
 
     ref_a, ref_c, ref_other = h.run(h.plain(prompt_a), h.plain(prompt_c), h.plain(other))
     (solo,) = h.run(h.injected("joint-a", "prefix-a", ["a1", "a2", "a3", "a4"], chunks_a, query_a))
-    assert solo.num_cached_tokens == 128
+    assert solo.num_cached_tokens == M
     assert_same(solo, ref_a)
 
     mixed = h.run(h.injected("joint-c", "prefix-c", ["c1", "c2"], chunks_c, query_c, version=2),
                   h.plain(other),
                   h.injected("joint-a", "prefix-a", ["a1", "a2", "a3", "a4"], chunks_a, query_a, version=2),
                   h.plain(prompt_a))
-    assert [o.num_cached_tokens for o in mixed[::2]] == [96, 128]
+    assert [o.num_cached_tokens for o in mixed[::2]] == [96, M]
     for got, ref in zip(mixed, [ref_c, ref_other, ref_a, ref_a]):
         assert_same(got, ref)
 
@@ -257,8 +258,8 @@ def test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch(harne
 @torch.no_grad()
 def block_diagonal_reference(model, chunks: list[list[int]], query: list[int], n_injected: int, steps: int):
     """Greedy tokens and per-step log-probabilities of transformers with the memory mask composition means:
-    injected memory tokens attend only within their own chunk; the memory tokens vLLM computes itself (the
-    tail after the last whole block), the query and the output attend causally to everything."""
+    injected memory tokens attend only within their own chunk; the tokens vLLM computes itself (the query,
+    and any memory token beyond `n_injected`) and the output attend causally to everything."""
     chunk_of = torch.tensor([i for i, c in enumerate(chunks) for _ in c])
     seq = [t for c in chunks for t in c] + list(query)
     tokens, logprobs = [], []
@@ -286,7 +287,7 @@ def test_facts_encoded_apart_equal_block_diagonal_reference(harness, fact_lens):
     h.register("apart", "prefix-apart", fids, h.encode_apart(chunks))
     (out,) = h.run(h.injected("apart", "prefix-apart", fids, chunks, query))
     m = sum(map(len, chunks))
-    n_inj = injectable_tokens(m + len(query), m, BLOCK)
+    n_inj = injectable_tokens(m + len(query), m)
     assert out.num_cached_tokens == n_inj
     tokens, ref_lp = block_diagonal_reference(h.model, chunks, query, n_inj, steps=16)
     assert list(out.outputs[0].token_ids) == tokens
@@ -307,13 +308,13 @@ def test_engine_counters_show_memory_came_from_the_connector(harness):
     after, worker_after = h.metrics(), h.worker_stats()
     delta = {k: after[k] - before.get(k, 0) for k in after}
     prompt_len = len(out.prompt_token_ids)
-    assert delta["prompt_tokens_external_kv_transfer"] == 128
-    assert delta["prompt_tokens_local_compute"] == prompt_len - 128
+    assert delta["prompt_tokens_external_kv_transfer"] == M
+    assert delta["prompt_tokens_local_compute"] == prompt_len - M
     assert delta["prompt_tokens_local_cache_hit"] == 0
-    assert delta["injected_tokens"] == 128 and delta["injected_requests"] == 1
+    assert delta["injected_tokens"] == M and delta["injected_requests"] == 1
     assert delta["requests_checked"] >= 1 and delta["requests_mismatched"] == 0
     assert delta["store_hits_device"] == 5  # prefix chunk + 4 facts
-    assert worker_after["injected_tokens"] - worker_before["injected_tokens"] == 128
+    assert worker_after["injected_tokens"] - worker_before["injected_tokens"] == M
     assert worker_after["injection_seconds"] > worker_before["injection_seconds"]
     assert worker_after["resident_bytes_device"] > 0 and after["resident_bytes_device"] > 0
 
@@ -328,7 +329,7 @@ def test_injected_kv_never_reaches_other_requests_through_prefix_cache(harness):
     prompt = [t for c in chunks for t in c] + query
 
     (injected,) = h.run(h.injected("leaky", "prefix-leaky", fids, chunks, query))
-    assert injected.num_cached_tokens == 128
+    assert injected.num_cached_tokens == M
     # Same tokens, no composition: prefilled from scratch, and equal to a fresh model prefill.
     (plain,) = h.run(h.plain(prompt))
     assert plain.num_cached_tokens == 0
@@ -336,16 +337,17 @@ def test_injected_kv_never_reaches_other_requests_through_prefix_cache(harness):
 
     assert list(plain.outputs[0].token_ids) == greedy_prompt(h.model, prompt, 16)
 
-    # The same composition again reuses its own cached blocks: a local hit, nothing injected.
+    # The same composition again reuses its own cached whole blocks (a local hit); only the partial last
+    # block of the memory, which vLLM never caches, is injected again.
     before = h.metrics()
     (again,) = h.run(h.injected("leaky", "prefix-leaky", fids, chunks, query))
     after = h.metrics()
-    assert again.num_cached_tokens >= 128
-    assert after["injected_tokens"] == before["injected_tokens"]
+    assert again.num_cached_tokens == M
+    assert after["injected_tokens"] == before["injected_tokens"] + M % BLOCK
     assert_same(again, injected, tol=1e-5)
     # Another user with identical facts and tokens does not share those blocks: injected afresh.
     (other_user,) = h.run(h.injected("leaky2", "prefix-leaky", fids, chunks, query))
-    assert h.metrics()["injected_tokens"] == after["injected_tokens"] + 128
+    assert h.metrics()["injected_tokens"] == after["injected_tokens"] + M
     assert_same(other_user, injected)
 
 
@@ -415,7 +417,7 @@ def test_two_users_resident_and_delete_removes_from_worker_store(harness):
     refs = h.run(h.plain([t for c in chunks_a for t in c] + query_a), h.plain([t for c in chunks_b for t in c] + query_b))
     outs = h.run(h.injected("alice", "prefix-ab", ["f1", "f2", "f3", "f4"], chunks_a, query_a),
                  h.injected("bob", "prefix-ab-b", ["f1", "f2"], chunks_b, query_b))
-    assert [o.num_cached_tokens for o in outs] == [128, 96]
+    assert [o.num_cached_tokens for o in outs] == [M, 96]
     for got, ref in zip(outs, refs):
         assert_same(got, ref)
 
@@ -434,7 +436,7 @@ def test_two_users_resident_and_delete_removes_from_worker_store(harness):
     assert_same(out, refs[1])
     assert h.delete("bob", None) == 1 and h.has("bob", ["f1"]) == [False]
     (still,) = h.run(h.injected("alice", "prefix-ab", ["f1", "f2", "f3", "f4"], chunks_a, query_a, version=4))
-    assert still.num_cached_tokens == 128
+    assert still.num_cached_tokens == M
     assert_same(still, refs[0])
 
 

@@ -52,7 +52,7 @@ def greedy(max_tokens=12):
 
 @torch.no_grad()
 def reference(model, comp, n_injected: int, steps: int):
-    """What the engine must compute: the composed memory's first `n_injected` tokens as KV (whole blocks),
+    """What the engine must compute: the composed memory's first `n_injected` tokens as KV,
     the rest of the prompt prefilled by the model, then greedy decoding; tokens and log-probabilities."""
     from transformers import DynamicCache
 
@@ -75,7 +75,7 @@ def test_kv_mode_injects_the_composed_memory_exactly(engine):
     before = engine.metrics()
     ans = engine.generate("alice", q, k=3, w=0, sampling_params=greedy())
     after = engine.metrics()
-    n_inj = injectable_tokens(ans.prompt_len, ans.memory_len, engine.block_size)
+    n_inj = injectable_tokens(ans.prompt_len, ans.memory_len)
     assert n_inj >= 64 and ans.num_cached_tokens == n_inj
     assert after["prompt_tokens_external_kv_transfer"] - before["prompt_tokens_external_kv_transfer"] == n_inj
     assert after["prompt_tokens_local_compute"] - before["prompt_tokens_local_compute"] == ans.prompt_len - n_inj
@@ -110,7 +110,7 @@ def test_mixed_batch_of_users_and_modes(engine):
     assert all(set(a.fact_ids) <= {"b0", "b1", "b2"} for a in answers[1:3])  # Bob only ever gets Bob's facts
     assert all(set(a.fact_ids) <= {f"a{i}" for i in range(5)} for a in answers[::3])
     for a in answers:
-        n_inj = injectable_tokens(a.prompt_len, a.memory_len, engine.block_size)
+        n_inj = injectable_tokens(a.prompt_len, a.memory_len)
         assert a.num_cached_tokens >= (n_inj if a.mode == "kv" else 0)
 
 
@@ -143,7 +143,7 @@ def test_update_preload_and_delete_reach_the_worker(engine):
     assert prepared.salt != salt_before  # a new version never reuses the old version's cached blocks
     assert "Estonian" in engine.memory.tokenizer.decode(prepared.prompt_ids)
     ans = engine.generate("carol", "What language does Carol speak?", k=2, sampling_params=greedy(4))
-    assert ans.num_cached_tokens == injectable_tokens(ans.prompt_len, ans.memory_len, engine.block_size)
+    assert ans.num_cached_tokens == injectable_tokens(ans.prompt_len, ans.memory_len)
 
     failures = engine.metrics()["load_failures"]
     engine.delete("carol", "c0")
@@ -191,7 +191,7 @@ def test_async_engine_serves_the_same_answers(engine, smollm2_path):
             aeng.shutdown()
 
     kv, pi, alice, metrics = asyncio.run(run())
-    assert kv.num_cached_tokens == injectable_tokens(kv.prompt_len, kv.memory_len, 32) > 0
+    assert kv.num_cached_tokens == injectable_tokens(kv.prompt_len, kv.memory_len) > 0
     assert pi.num_cached_tokens < kv.num_cached_tokens and kv.ttft_s is not None and kv.ttft_s > 0
     same = engine.generate("alice", "What is the name of Alice's cat?", k=3, sampling_params=greedy())
     assert alice.token_ids == same.token_ids  # pushed at start from Memory (variant w=0)
