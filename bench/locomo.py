@@ -14,6 +14,10 @@ Results go to --out as JSON, Markdown and PNG plots (inferscale_core.eval.report
 
     python bench/locomo.py --quick                    # minutes on 2 CPU cores
     python bench/locomo.py --k 5,10,20,50 --w 0,5,20,50 --judge-model default   # the full run
+    python bench/locomo.py --merge runs/conv-26 runs/conv-30 --out merged     # one report over separate runs
+
+A long run can be split into one run per conversation (--sample-ids) and merged afterwards: the merged report
+is what a single run over those conversations would report (same records, statistics recomputed).
 
 The engine is reached only through AnswerBackend; `EngineBackend` adapts inferscale_core.engine.InjectingEngine.
 """
@@ -217,6 +221,7 @@ class RunConfig:
     out: str = str(RESULTS_DIR)
     quick: bool = False
     warmup: bool = True
+    merge: tuple[str, ...] = ()           # run folders to merge instead of running
 
 
 def user_id(conv: Conversation, w: int) -> str:
@@ -493,6 +498,60 @@ def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
                             n_resamples=cfg.bootstrap_resamples, seed=cfg.seed)
 
 
+# Settings that must agree between runs merged into one report (the rest is per run).
+MERGE_KEYS = ("data", "model", "k", "w", "latency_k", "max_tokens", "fact_dates", "dtype", "encode_dtype",
+              "judge_model", "max_questions")
+
+
+def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamples: int | None = None,
+               seed: int | None = None) -> dict:
+    """One result over several runs' `locomo_results.json` (e.g. one run per conversation): records are
+    concatenated and every statistic is recomputed, so the intervals cover all questions together."""
+    if len(run_dirs) < 2:
+        raise ValueError("--merge needs at least two run folders")
+    runs = []
+    for d in run_dirs:
+        path = Path(d) / f"{report.PREFIX}_results.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: pass folders written by bench/locomo.py --out")
+        runs.append(json.loads(path.read_text()))
+    first = runs[0]["config"]
+    for d, run in zip(run_dirs[1:], runs[1:]):
+        differ = [key for key in MERGE_KEYS if run["config"].get(key) != first.get(key)]
+        if differ:
+            raise ValueError(f"{d} was run with other settings than {run_dirs[0]}: {differ}")
+    seen: dict[str, str] = {}
+    for d, run in zip(run_dirs, runs):
+        for sid in run["dataset"]["conversations"]:
+            if sid in seen:
+                raise ValueError(f"conversation {sid} is in both {seen[sid]} and {d}: its questions would count twice")
+            seen[sid] = str(d)
+    tuples = {key: tuple(v) if isinstance(v, list) else v for key, v in first.items()}
+    cfg = RunConfig(**{**tuples, "sample_ids": tuple(seen), "conversations": None, "out": str(out),
+                       "bootstrap_resamples": bootstrap_resamples or first["bootstrap_resamples"],
+                       "seed": first["seed"] if seed is None else seed})
+    records = [r for run in runs for r in run["records"]]
+    latency_records = [r for run in runs for r in run["latency_records"]]
+    judged = any(r.get("judge") is not None for r in records)
+    per_category = {name: sum(run["dataset"]["per_category"][name] for run in runs)
+                    for name in runs[0]["dataset"]["per_category"]}
+    dataset = {"path": first["data"], "conversations": list(seen),
+               "n_facts": sum(run["dataset"]["n_facts"] for run in runs),
+               "n_questions": sum(run["dataset"]["n_questions"] for run in runs), "per_category": per_category}
+    timing = {"started": min(run["timing"]["started"] for run in runs),
+              "loadavg_start": runs[0]["timing"]["loadavg_start"], "loadavg_end": runs[-1]["timing"]["loadavg_end"],
+              "accuracy_s": sum(run["timing"]["accuracy_s"] for run in runs),
+              "wall_s": sum(run["timing"]["wall_s"] for run in runs),
+              "s_per_question": sum(run["timing"]["accuracy_s"] for run in runs) / max(1, dataset["n_questions"]),
+              "requests_per_question": runs[0]["timing"]["requests_per_question"],
+              "merged_from": [str(d) for d in run_dirs]}
+    return {"config": asdict(cfg), "backend": runs[0]["backend"], "machine": runs[0]["machine"], "timing": timing,
+            "dataset": dataset, "encode": [e for run in runs for e in run["encode"]],
+            **aggregate(records, latency_records, cfg, judged=judged),
+            "throughput": [t for run in runs for t in run["throughput"]], "records": records,
+            "latency_records": latency_records}
+
+
 def _dataset_summary(cfg: RunConfig, convs, selected) -> dict:
     return {"path": str(cfg.data), "conversations": [c.sample_id for c in convs],
             "n_facts": sum(len(c.facts) for c in convs), "n_questions": len(selected),
@@ -543,6 +602,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (default bench/results)")
+    p.add_argument("--merge", nargs="+", metavar="RUN_DIR",
+                   help="do not run: merge these runs' results (one conversation set each) into --out")
     a = p.parse_args(argv)
     d = QUICK_DEFAULTS if a.quick else FULL_DEFAULTS
     pick = lambda v, key: v if v is not None else d[key]  # noqa: E731
@@ -554,11 +615,16 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                      requests_per_user=a.requests_per_user, throughput_k=a.throughput_k,
                      throughput_tokens=a.throughput_tokens, fact_dates=not a.no_fact_dates,
                      judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
-                     bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick)
+                     bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()))
 
 
 def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None, judge: Judge | None = None) -> dict:
     cfg = parse_args(argv)
+    if cfg.merge:
+        results = merge_runs(cfg.merge, cfg.out, cfg.bootstrap_resamples, cfg.seed)
+        for path in report.write_report(results, cfg.out):
+            print(path)
+        return results
     load_conversations(cfg)  # a bad data file or conversation id fails here, before an engine is started
     own = backend is None
     if own:

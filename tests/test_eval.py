@@ -509,3 +509,35 @@ def test_equivalence_compare():
     r = equivalence.compare(a, other)
     assert not r["identical"] and r["first_diff"] == 2 and r["max_logprob_diff"] == pytest.approx(0.4)
     assert equivalence.compare(a, NS(token_ids=[1, 2], logprobs=None, text="ab"))["first_diff"] == 2
+
+
+def test_merged_runs_report_what_one_run_over_all_conversations_reports(tmp_path):
+    common = ["--data", str(DEV), "--max-questions", "3", "--k", "5,10", "--w", "0,5", "--users", "0",
+              "--latency-questions", "1", "--bootstrap", "300"]
+    for sid in ("conv-26", "conv-30"):
+        runner.main(common + ["--sample-ids", sid, "--out", str(tmp_path / sid)], backend=ScriptedBackend())
+    whole = runner.main(common + ["--sample-ids", "conv-26,conv-30", "--out", str(tmp_path / "whole")],
+                        backend=ScriptedBackend())
+    merged = runner.main(["--merge", str(tmp_path / "conv-26"), str(tmp_path / "conv-30"), "--bootstrap", "300",
+                          "--out", str(tmp_path / "merged")])
+    assert merged["dataset"]["conversations"] == ["conv-26", "conv-30"]
+    assert merged["dataset"]["n_questions"] == whole["dataset"]["n_questions"] == 6
+    assert merged["dataset"]["per_category"] == whole["dataset"]["per_category"]
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]  # noqa: E731
+    assert strip(merged["records"]) == strip(whole["records"])
+    # F1 statistics depend on the records only: identical, intervals included (same bootstrap seed)
+    assert [a["f1"] for a in merged["accuracy"]] == [a["f1"] for a in whole["accuracy"]]
+    assert [(c["k"], c["w"], c["f1"]) for c in merged["comparisons"]] == \
+           [(c["k"], c["w"], c["f1"]) for c in whole["comparisons"]]
+    assert (tmp_path / "merged" / "locomo_results.md").read_text().count("conv-") >= 1
+
+    with pytest.raises(ValueError, match="at least two"):
+        runner.merge_runs([tmp_path / "conv-26"], tmp_path / "x")
+    with pytest.raises(ValueError, match="conversation conv-26 is in both"):
+        runner.merge_runs([tmp_path / "conv-26", tmp_path / "whole"], tmp_path / "x")
+    runner.main(common[:3] + ["2"] + common[4:] + ["--sample-ids", "conv-41", "--out", str(tmp_path / "other")],
+                backend=ScriptedBackend())
+    with pytest.raises(ValueError, match=r"other settings.*max_questions"):
+        runner.merge_runs([tmp_path / "conv-26", tmp_path / "other"], tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="locomo_results.json not found"):
+        runner.merge_runs([tmp_path / "conv-26", tmp_path / "nothing"], tmp_path / "x")
