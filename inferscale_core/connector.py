@@ -161,11 +161,21 @@ def unpack_fact(blob: bytes):
         raise ValueError(f"not a packed fact: {e}") from None
 
 
-def injectable_tokens(prompt_len: int, memory_len: int) -> int:
-    """Tokens the connector may inject: the whole memory, including a last partial block (vLLM 0.32 takes a
-    load that ends inside a block and computes the rest of it), but never the prompt's last token (vLLM must
+def injectable_tokens(prompt_len: int, memory_len: int, recompute_tokens: int = 0) -> int:
+    """Tokens the connector may inject: the memory, including a last partial block (vLLM 0.32 takes a load
+    that ends inside a block and computes the rest of it), minus its last `recompute_tokens` tokens (computed
+    by vLLM with the query, so they attend to the whole memory), never the prompt's last token (vLLM must
     compute at least one token to produce logits)."""
-    return min(memory_len, prompt_len - 1)
+    return max(0, min(memory_len - recompute_tokens, prompt_len - 1))
+
+
+def recompute_tokens_option(extra_config: dict) -> int:
+    """kv_connector_extra_config["recompute_tokens"] (default 0): how many of the memory's last tokens vLLM
+    computes instead of the connector injecting them."""
+    value = extra_config.get("recompute_tokens", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"recompute_tokens must be an integer >= 0, got {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -277,7 +287,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from .connector_scheduler import SchedulerSide
 
-            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config)
+            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, extra)
         else:
             from .connector_worker import WorkerSide
 

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from .connector import InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash
+from .connector import (InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash,
+                        recompute_tokens_option)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -18,8 +19,9 @@ logger = init_logger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig"):
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", extra_config: dict | None = None):
         self.block_size = vllm_config.cache_config.block_size
+        self.recompute_tokens = recompute_tokens_option(extra_config or {})
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 f"InferScaleConnector supports models with one KV cache group (full attention in every layer); "
@@ -59,7 +61,7 @@ class SchedulerSide:
         if len(prompt) <= m or memory_hash(prompt[:m]) != params.memory_hash:
             self._count("requests_mismatched")
             return 0
-        return max(injectable_tokens(len(prompt), m) - num_computed_tokens, 0)
+        return max(injectable_tokens(len(prompt), m, self.recompute_tokens) - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
         if num_external_tokens > 0:

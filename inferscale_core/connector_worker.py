@@ -34,6 +34,8 @@ logger = init_logger(__name__)
 
 # kv_connector_extra_config keys the worker reads (all optional).
 WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "max_fact_tokens", "inject_group_tokens")
+# Read by the scheduler side (connector_scheduler.py); accepted here so one extra_config serves both sides.
+SCHEDULER_OPTIONS = ("recompute_tokens",)
 
 # Default tokens written per group: bounds the temporary K/V buffers (23 KB per token for SmolLM2 bf16 ->
 # ~190 MB) when a batch of many large memories arrives in one step.
@@ -49,9 +51,10 @@ class WorkerSide:
         if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("InferScaleConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
                              "(the fact store holds every KV head of every layer)")
-        unknown = set(extra_config) - set(WORKER_OPTIONS)
+        known = WORKER_OPTIONS + SCHEDULER_OPTIONS
+        unknown = set(extra_config) - set(known)
         if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {WORKER_OPTIONS}")
+            raise ValueError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {known}")
         self.inject_group_tokens = int(extra_config.get("inject_group_tokens", INJECT_GROUP_TOKENS))
         if self.inject_group_tokens < 1:
             raise ValueError(f"inject_group_tokens must be >= 1, got {self.inject_group_tokens}")
