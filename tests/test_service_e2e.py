@@ -62,7 +62,7 @@ class Service:
         grpc.channel_ready_future(self.channel).result(timeout=60)
         from services.client import MemoryClient
 
-        self.client = MemoryClient(channel=self.channel, timeout_s=120)
+        self.client = MemoryClient(channel=self.channel, timeout_s=300)  # re-encoding on a loaded 2-core machine
 
     def stop(self) -> None:
         from ray import serve
