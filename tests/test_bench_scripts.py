@@ -61,6 +61,29 @@ def test_encode_quick_cpu(tmp_path):
     assert w0["kv_bytes_per_fact"] == w5["kv_bytes_per_fact"]  # the window is context, never stored
 
 
+@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"LoCoMo data not found at {LOCOMO}")
+def test_ttft_quick_measures_every_condition(tmp_path):
+    """bench/ttft.py (the headline TTFT numbers) on 40 facts: every condition is measured, the KV requests
+    really injected their whole memory, the floor request got it from the prefix cache instead, and the
+    query-only prompt carries no memory."""
+    out = tmp_path / "ttft.json"
+    proc = run_script(["bench/ttft.py", "--quick", "--max-facts", "40", "--questions", "2", "--dtype", "bfloat16",
+                       "--sample-id", "conv-26", "--dates", "--data", str(LOCOMO), "--json", str(out)], timeout=300)
+    assert "TTFT(PI,k=20)/TTFT(KV,k=20)" in proc.stdout and "CPU only" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["user"] == "conv-26" and res["dates"] is True and res["num_facts"] == 40
+    assert [r["k"] for r in res["rows"]] == [5, 20]
+    for r in res["rows"]:
+        for kind in ("kv", "pi", "kv_floor", "query_only"):
+            assert r[f"{kind}_ttft_ms"] > 0 and r[f"{kind}_q2ft_ms"] >= r[f"{kind}_ttft_ms"]
+        assert r["kv_cached"] == r["memory_tokens"]  # the whole memory injected, nothing of it prefilled
+        assert r["injection_ms"] > 0
+        assert r["kv_floor_cached"] >= r["memory_tokens"] // 32 * 32  # the memory's blocks: prefix-cache hits
+        assert r["query_only_cached"] < r["memory_tokens"]  # no memory in that prompt
+    kv = [x for x in res["raw"] if x["mode"] == "kv"]
+    assert kv and all(x["num_cached_tokens"] == x["memory_len"] for x in kv)
+
+
 def test_encode_rejects_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, "bench/encode.py", "--windows", "0,x", "--out", str(tmp_path / "x")],
                           cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -97,10 +97,10 @@ def service(redis_url, tmp_path_factory):  # noqa: F811
     kv_dir = tmp_path_factory.mktemp("kv")
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments())
-    from services.cli import vllm_env
+    from inferscale_core.vllm_env import vllm_cpu_env
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {**vllm_env(), "INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}})
+             runtime_env={"env_vars": {**vllm_cpu_env(), "INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}})
     svc = None
     try:
         svc = Service(cfg, kv_dir)

