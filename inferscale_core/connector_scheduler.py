@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from .connector import (InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash,
+from .connector_types import (InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash,
                         recompute_tokens_option)
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from .connector import SHARED_NAMESPACE, WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
+from .connector_types import SHARED_NAMESPACE, WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
 from .errors import InferScaleError, check_id
 from .model_spec import ModelSpec
 from .rope import ChunkedRope

@@ -94,6 +94,24 @@ def test_worker_rejects_unknown_options_and_tensor_parallelism():
         WorkerSide(config(), {"inject_group_tokens": 0})
 
 
+def test_connector_halves_import_only_the_shared_types():
+    """The scheduler and worker halves and the vLLM-facing class share one types module instead of importing
+    each other in a circle."""
+    import ast
+
+    import inferscale_core.connector as connector
+    import inferscale_core.connector_types as types
+
+    pkg = Path(connector.__file__).parent
+    for name in ("connector_scheduler", "connector_worker", "connector_types"):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert "connector" not in imported, f"{name}.py imports connector.py"
+        assert not {"connector_scheduler", "connector_worker"} & imported - {name}, name
+    # connector.py re-exports the shared names, so existing imports keep working.
+    assert connector.InjectionParams is types.InjectionParams and connector.LoadSpec is types.LoadSpec
+
+
 # --------------------------------------------------------------------------------------------- engine
 
 

