@@ -1,15 +1,22 @@
-"""Generates the Python protobuf/gRPC code of protos/inferscale/v1/memory.proto into services/_generated/.
+"""The Python protobuf/gRPC code of protos/inferscale/v1/memory.proto, generated at BUILD time.
 
-Generated code is never committed: it is built on first import (or by `python -m services.codegen` in an
-image build) and rebuilt whenever the .proto or the grpcio-tools version changes, so it always matches
-the installed protobuf runtime. Several processes (Ray actors, test workers) may import at once, hence
-the file lock and the write-then-rename.
+    python -m services.codegen [--force]   regenerate services/_generated/ in a source checkout
+    generate(out_dir)                      what setup.py's build hook calls (wheel: into the build folder,
+                                           editable install: into the source tree)
+    load()                                 (memory_pb2, memory_pb2_grpc); imports only, never generates
+
+Generated code is never committed (services/_generated/ is git-ignored): `pip install .` and `pip install -e .`
+both run protoc (grpcio-tools, pinned in [build-system]) through setup.py, and the wheel ships the result
+together with the .proto. Several processes may build at once (test workers), hence the lock and the
+write-then-rename. A source checkout whose .proto changed after the last generation fails at import with the
+command to run, instead of serving an old API.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -20,69 +27,96 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PROTO_FILE = "inferscale/v1/memory.proto"
 OUT_DIR = Path(__file__).resolve().parent / "_generated"
-STAMP = OUT_DIR / ".stamp"
+STAMP_NAME = ".stamp.json"
 MODULES = ("memory_pb2", "memory_pb2_grpc")
+REGENERATE = "pip install -e . (or: python -m services.codegen)"
 
 
-def _fingerprint() -> str:
-    import grpc_tools
+def _proto_sha256(proto_root: Path = PROTO_ROOT) -> str:
+    return hashlib.sha256((proto_root / PROTO_FILE).read_bytes()).hexdigest()
 
-    h = hashlib.sha256((PROTO_ROOT / PROTO_FILE).read_bytes())
-    h.update(getattr(grpc_tools, "__version__", "").encode())
+
+def _tools_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        from importlib.metadata import version
-        h.update(version("grpcio-tools").encode())
-    except Exception:  # a source build without metadata: the proto hash alone still decides
-        pass
-    return h.hexdigest()
+        return version("grpcio-tools")
+    except PackageNotFoundError:
+        return "unknown"
 
 
-def is_current() -> bool:
-    return STAMP.exists() and STAMP.read_text().strip() == _fingerprint() and all(
-        (OUT_DIR / f"{m}.py").exists() for m in MODULES)
+def _stamp(out_dir: Path) -> dict:
+    try:
+        return json.loads((out_dir / STAMP_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
-def generate(force: bool = False) -> Path:
-    """Run protoc (from grpcio-tools) unless the generated code is current; returns the output folder."""
-    if not force and is_current():
-        return OUT_DIR
+def is_current(out_dir: Path = OUT_DIR, proto_root: Path = PROTO_ROOT) -> bool:
+    """Generated from this .proto by this grpcio-tools (a new protoc may need a newer protobuf runtime)."""
+    want = {"proto_sha256": _proto_sha256(proto_root), "grpcio_tools": _tools_version()}
+    return _stamp(out_dir) == want and all((out_dir / f"{m}.py").exists() for m in MODULES)
+
+
+def generate(out_dir: Path = OUT_DIR, force: bool = False, proto_root: Path = PROTO_ROOT) -> Path:
+    """Run protoc (from grpcio-tools) into out_dir unless its code is current; returns out_dir.
+    out_dir becomes the package services._generated: the two modules, the .proto they came from, a stamp."""
+    out_dir = Path(out_dir)
+    if not force and is_current(out_dir, proto_root):
+        return out_dir
     from grpc_tools import protoc
 
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    with open(OUT_DIR / ".lock", "w") as lock:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The lock lives outside out_dir so that nothing but the package lands in a wheel.
+    key = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:16]
+    lock_path = Path(tempfile.gettempdir()) / f"inferscale-codegen-{key}.lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not force and is_current():  # another process finished while we waited
-            return OUT_DIR
-        with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
+        if not force and is_current(out_dir, proto_root):  # another process finished while we waited
+            return out_dir
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             include = Path(protoc.__file__).resolve().parent / "_proto"  # google/protobuf/*.proto
-            rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}",
-                              f"--python_out={tmp}", f"--grpc_python_out={tmp}", str(PROTO_ROOT / PROTO_FILE)])
+            rc = protoc.main(["grpc_tools.protoc", f"-I{proto_root}", f"-I{include}",
+                              f"--python_out={tmp}", f"--grpc_python_out={tmp}", str(proto_root / PROTO_FILE)])
             if rc != 0:
-                raise RuntimeError(f"protoc failed (exit {rc}) on {PROTO_ROOT / PROTO_FILE}")
+                raise RuntimeError(f"protoc failed (exit {rc}) on {proto_root / PROTO_FILE}")
             gen = Path(tmp) / "inferscale" / "v1"
             # protoc writes an absolute import of the package path; inside services._generated it is relative.
             grpc_src = (gen / "memory_pb2_grpc.py").read_text()
             grpc_src = grpc_src.replace("from inferscale.v1 import memory_pb2", "from . import memory_pb2")
             (gen / "memory_pb2_grpc.py").write_text(grpc_src)
-            (gen / "__init__.py").write_text("# Generated by services/codegen.py; git-ignored, do not edit.\n")
-            for name in ("__init__.py", "memory_pb2.py", "memory_pb2_grpc.py"):
-                os.replace(gen / name, OUT_DIR / name)
-        STAMP.write_text(_fingerprint() + "\n")
-    return OUT_DIR
+            (gen / "__init__.py").write_text("# Generated by services/codegen.py at build time; do not edit.\n")
+            shutil.copyfile(proto_root / PROTO_FILE, gen / "memory.proto")  # shipped for clients in other languages
+            for name in ("__init__.py", "memory_pb2.py", "memory_pb2_grpc.py", "memory.proto"):
+                os.replace(gen / name, out_dir / name)
+        (out_dir / STAMP_NAME).write_text(json.dumps(
+            {"proto_sha256": _proto_sha256(proto_root), "grpcio_tools": _tools_version()}) + "\n")
+    return out_dir
 
 
 def load():
-    """(memory_pb2, memory_pb2_grpc), generating them first when needed."""
-    generate()
-    pb2 = importlib.import_module("services._generated.memory_pb2")
-    pb2_grpc = importlib.import_module("services._generated.memory_pb2_grpc")
+    """(memory_pb2, memory_pb2_grpc) as built by the install. Never runs protoc."""
+    if PROTO_ROOT.is_dir():  # a source checkout: the code must match the .proto beside it
+        stamp = _stamp(OUT_DIR)
+        if not stamp:
+            raise RuntimeError(f"the gRPC code of {PROTO_FILE} has not been generated in this checkout "
+                               f"({OUT_DIR}); run: {REGENERATE}")
+        if stamp.get("proto_sha256") != _proto_sha256():
+            raise RuntimeError(f"protos/{PROTO_FILE} changed after its gRPC code was generated; run: {REGENERATE}")
+    try:
+        pb2 = importlib.import_module("services._generated.memory_pb2")
+        pb2_grpc = importlib.import_module("services._generated.memory_pb2_grpc")
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("services._generated"):
+            raise
+        raise RuntimeError(f"services._generated is missing from this installation ({e}); it is built by "
+                           f"setup.py when the package is built: reinstall with `pip install .`") from e
     return pb2, pb2_grpc
 
 
-def clean() -> None:
-    shutil.rmtree(OUT_DIR, ignore_errors=True)
+def clean(out_dir: Path = OUT_DIR) -> None:
+    shutil.rmtree(out_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    out = generate(force="--force" in sys.argv)
-    print(out)
+    print(generate(force="--force" in sys.argv))

@@ -1,0 +1,33 @@
+"""Build hook: the protobuf/gRPC modules of protos/ are generated when the package is BUILT (wheel, sdist ->
+wheel, editable install), never at import. Everything else about the package is in pyproject.toml."""
+import importlib.util
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+
+
+def _codegen():
+    # Loaded by path: the build runs before (and without) the package being importable.
+    spec = importlib.util.spec_from_file_location("_inferscale_codegen", HERE / "services" / "codegen.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class BuildPyWithGrpc(build_py):
+    """build_py + services/_generated: into the build folder for a wheel, into the source tree for an editable
+    install (where the source tree is what gets imported)."""
+
+    def run(self):
+        super().run()
+        codegen = _codegen()
+        if self.editable_mode:
+            codegen.generate(codegen.OUT_DIR)
+        else:
+            codegen.generate(Path(self.build_lib) / "services" / "_generated", force=True)
+
+
+setup(cmdclass={"build_py": BuildPyWithGrpc})
