@@ -30,11 +30,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 
 import torch
 
-from inferscale_core.eval.locomo import load_locomo, window_turns
+from inferscale_core.eval.locomo import default_data_path, load_locomo, require_data_path, window_turns
 from inferscale_core.model_spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "locomo_dev.json"
 DEFAULT_OUT = REPO / "bench" / "results" / "encode.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 USER = "bench-encode"
@@ -42,7 +41,8 @@ USER = "bench-encode"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="LoCoMo-format JSON (default: %(default)s)")
+    p.add_argument("--data", type=Path, default=default_data_path(),
+                   help="LoCoMo-format JSON (default: ../shared/data/locomo_dev.json when present)")
     p.add_argument("--conversation", default="0",
                    help="which conversation of --data: an index or a sample_id (default: the first)")
     p.add_argument("--windows", default="0,5,20,50", help="context windows w, in turns (default: %(default)s)")
@@ -105,9 +105,7 @@ def run(a: argparse.Namespace) -> dict:
     from inferscale_core.models import load_model, resolve_model_path
     from inferscale_core.template import PromptTemplate
 
-    if not a.data.is_file():
-        raise SystemExit(f"LoCoMo data file not found: {a.data} (pass --data)")
-    conv = pick_conversation(load_locomo(a.data), a.conversation)
+    conv = pick_conversation(load_locomo(require_data_path(a.data)), a.conversation)
     facts = list(conv.facts[: a.limit] if a.limit else conv.facts)
     if not facts:
         raise SystemExit(f"conversation {conv.sample_id} has no observation facts")

@@ -35,7 +35,7 @@ QUERY_TYPES = {4: "single-hop", 2: "temporal"}
 
 
 def parse_args(argv=None):
-    from inferscale_core.eval.locomo import default_data_path
+    from inferscale_core.eval.locomo import default_data_path, require_data_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data_path(), help="LoCoMo-format JSON file")
@@ -47,8 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args(argv)
-    if a.data is None or not Path(a.data).is_file():
-        ap.error("LoCoMo data not found: pass --data PATH")
+    require_data_path(a.data)
     a.users = [u for u in a.users.split(",") if u]
     a.k = [int(k) for k in a.k.split(",")]
     if max(a.k) > a.max_facts:

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from inferscale_core.eval import report
 from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
-                                         load_locomo, window_turns)
+                                         load_locomo, require_data_path, window_turns)
 from inferscale_core.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
 from inferscale_core.eval.stats import by_category, group_by, paired_bootstrap, summarize
 
@@ -581,7 +581,7 @@ def _users(text: str) -> tuple[int, ...]:
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     default = default_data_path()
-    p.add_argument("--data", default=str(default) if default else None, required=default is None,
+    p.add_argument("--data", default=str(default) if default else None,
                    help="LoCoMo-format JSON (default: ../shared/data/locomo_dev.json when present)")
     p.add_argument("--model", default=None, help="model folder for the engine (default: SmolLM2-135M-Instruct)")
     p.add_argument("--k", type=_int_list, help="facts retrieved per question (default 5,10,20,50; quick 5,10)")
@@ -634,6 +634,7 @@ def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None
         for path in report.write_report(results, cfg.out):
             print(path)
         return results
+    require_data_path(cfg.data)
     load_conversations(cfg)  # a bad data file or conversation id fails here, before an engine is started
     own = backend is None
     if own:

@@ -43,7 +43,7 @@ CONDITIONS = ("pi-fixed-cache", "pi-fixed-nocache", "pi-shuffled", "kv-shuffled"
 
 
 def parse_args(argv=None):
-    from inferscale_core.eval.locomo import default_data_path
+    from inferscale_core.eval.locomo import default_data_path, require_data_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data_path(), help="LoCoMo-format JSON file")
@@ -56,8 +56,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for position.json and position.md")
     a = ap.parse_args(argv)
-    if a.data is None or not Path(a.data).is_file():
-        ap.error("LoCoMo data not found: pass --data PATH")
+    require_data_path(a.data)
     a.sizes = [1024, 4096] if a.quick else [int(x) for x in a.sizes.split(",")]
     a.repeats = 2 if a.quick else a.repeats
     if a.chunk_tokens < 8 or any(s < a.chunk_tokens for s in a.sizes) or a.repeats < 1:

@@ -36,7 +36,7 @@ KS = (5, 10, 20, 50)
 
 
 def parse_args(argv=None):
-    from inferscale_core.eval.locomo import default_data_path
+    from inferscale_core.eval.locomo import default_data_path, require_data_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data_path(), help="LoCoMo-format JSON file")
@@ -51,8 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
-    if args.data is None or not Path(args.data).is_file():
-        ap.error("LoCoMo data not found: pass --data PATH")
+    require_data_path(args.data)
     return args
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-LOCOMO = REPO.parent / "shared" / "data" / "locomo_dev.json"
+LOCOMO = REPO / "tests" / "fixtures" / "locomo_mini.json"  # synthetic, LoCoMo's format
 
 
 def run_script(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
@@ -27,7 +27,6 @@ def run_script(args: list[str], timeout: int = 120) -> subprocess.CompletedProce
     return proc
 
 
-@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"LoCoMo data not found at {LOCOMO}")
 def test_encode_quick_cpu(tmp_path):
     from transformers import AutoConfig
 
@@ -61,17 +60,16 @@ def test_encode_quick_cpu(tmp_path):
     assert w0["kv_bytes_per_fact"] == w5["kv_bytes_per_fact"]  # the window is context, never stored
 
 
-@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"LoCoMo data not found at {LOCOMO}")
 def test_ttft_quick_measures_every_condition(tmp_path):
-    """bench/ttft.py (the headline TTFT numbers) on 40 facts: every condition is measured, the KV requests
+    """bench/ttft.py (the headline TTFT numbers) on 40 facts of the synthetic fixture: every condition is measured, the KV requests
     really injected their whole memory, the floor request got it from the prefix cache instead, and the
     query-only prompt carries no memory."""
     out = tmp_path / "ttft.json"
     proc = run_script(["bench/ttft.py", "--quick", "--max-facts", "40", "--questions", "2", "--dtype", "bfloat16",
-                       "--sample-id", "conv-26", "--dates", "--data", str(LOCOMO), "--json", str(out)], timeout=300)
+                       "--sample-id", "syn-1", "--dates", "--data", str(LOCOMO), "--json", str(out)], timeout=300)
     assert "TTFT(PI,k=20)/TTFT(KV,k=20)" in proc.stdout and "CPU only" in proc.stdout
     res = json.loads(out.read_text())
-    assert res["user"] == "conv-26" and res["dates"] is True and res["num_facts"] == 40
+    assert res["user"] == "syn-1" and res["dates"] is True and res["num_facts"] == 40
     assert [r["k"] for r in res["rows"]] == [5, 20]
     for r in res["rows"]:
         for kind in ("kv", "pi", "kv_floor", "query_only"):
@@ -92,6 +90,18 @@ def test_encode_rejects_bad_arguments(tmp_path):
                            "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode != 0 and "LoCoMo data file not found" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["locomo", "ttft", "encode", "position", "equivalence"])
+def test_benchmark_without_data_says_where_to_get_it(script, tmp_path):
+    """A user's clone has no ../shared: every LoCoMo benchmark ends with one line naming the source and --data."""
+    missing = tmp_path / "locomo10.json"
+    out = [] if script == "ttft" else ["--out", str(tmp_path)]  # nothing may be written
+    proc = subprocess.run([sys.executable, f"bench/{script}.py", "--data", str(missing), *out], cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr
+    assert last.startswith(f"LoCoMo data file not found at {missing}") and "snap-research/locomo" in last
+    assert last.endswith("pass --data PATH") and "Traceback" not in proc.stderr
 
 
 def test_gpu_script_tiny_cpu(tmp_path):

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferscale_core.eval.locomo import (Fact, LocomoFormatError, answerable, default_data_path, load_locomo,
-                                         parse_dia_ids, window_turns)
+from inferscale_core.eval.locomo import (Fact, LocomoFormatError, answerable, load_locomo, parse_dia_ids,
+                                         window_turns)
 from inferscale_core.eval.report import write_report
 from inferscale_core.eval.scoring import (JUDGE_PROMPT, judge_prompt, locomo_f1, normalize_answer,
                                           parse_judge_reply, token_f1)
@@ -17,7 +17,9 @@ from inferscale_core.eval.stats import by_category, paired_bootstrap, summarize
 from inferscale_core.eval.stem import porter_stem
 
 REPO = Path(__file__).resolve().parents[1]
-DEV = default_data_path()
+# Synthetic conversations in LoCoMo's format, made for the tests (tests/fixtures/make_locomo_mini.py);
+# the real development data in ../shared is for the benchmarks only.
+DEV = REPO / "tests" / "fixtures" / "locomo_mini.json"
 
 
 def _load_runner():
@@ -33,50 +35,55 @@ runner = _load_runner()
 
 @pytest.fixture(scope="module")
 def dev():
-    assert DEV is not None, "../shared/data/locomo_dev.json is missing (see ../shared/README.md)"
     return load_locomo(DEV)
 
 
 # ---------------------------------------------------------------- data
 
-def test_dev_counts_match_readme(dev):
-    assert [c.sample_id for c in dev] == ["conv-26", "conv-30", "conv-41", "conv-42", "conv-43", "conv-44", "conv-47"]
+def test_fixture_counts(dev):
+    assert [c.sample_id for c in dev] == ["syn-1", "syn-2", "syn-3"]
     questions = [q for c in dev for q in c.questions]
     by_cat = {cat: sum(q.category == cat for q in questions) for cat in range(1, 6)}
-    assert by_cat == {1: 192, 2: 214, 3: 66, 4: 563, 5: 312}
-    assert len(answerable(questions)) == 1035
+    assert by_cat == {1: 3, 2: 5, 3: 2, 4: 13, 5: 4}
+    assert len(answerable(questions)) == 23
     assert all(q.answer is not None for q in answerable(questions))
-    assert sum(len(c.turns) for c in dev) == 4124
-    assert sum(len(c.facts) for c in dev) == 1755
-    assert len({f.fact_id for c in dev for f in c.facts}) == 1755  # ids are unique
+    assert [len(c.turns) for c in dev] == [64, 12, 6]
+    assert [len(c.facts) for c in dev] == [42, 6, 4]
+    assert len({f.fact_id for c in dev for f in c.facts}) == 52  # ids are unique
 
 
 def test_turns_in_order_and_rendered(dev):
     conv = dev[0]
     assert [t.index for t in conv.turns] == list(range(len(conv.turns)))
     assert conv.turns[0].dia_id == "D1:1"
-    assert conv.turns[0].render() == ("[1:56 pm on 8 May, 2023] Caroline: Hey Mel! Good to see you! "
-                                      "How have you been?")
-    assert conv.turn("D2:1").session == 2 and conv.turn("D2:1").date_time == "1:14 pm on 25 May, 2023"
+    assert conv.turns[0].render().startswith("[3:15 pm on 2 May, 2023] Maya: Hi Theo! It has been ages")
+    assert conv.turn("D2:1").session == 2 and conv.turn("D2:1").date_time == "10:02 am on 20 May, 2023"
     sessions = [t.session for t in conv.turns]
-    assert sessions == sorted(sessions)
+    assert sessions == sorted(sessions) and max(sessions) == 4  # session_5_date_time has no turns: no session
+    # a shared photo is part of the rendered turn
+    hike = dev[1].turn("D2:3")
+    assert hike.blip_caption and hike.render().endswith("[shares a photo: a group of hikers on a forest trail]")
 
 
 def test_facts_questions_and_data_quirks(dev):
     conv = dev[0]
     fact = conv.facts[0]
-    assert fact.fact_id == "conv-26:s1:Caroline:0" and fact.speaker == "Caroline"
+    assert fact.fact_id == "syn-1:s1:Maya:0" and fact.speaker == "Maya"
     assert fact.dia_ids == ("D1:3",) and fact.turn_index == conv.turn_index["D1:3"] == 2
-    assert fact.render().startswith("[1:56 pm on 8 May, 2023] Caroline attended an LGBTQ support group")
+    assert fact.render() == "[3:15 pm on 2 May, 2023] Maya attended a pottery class and shaped her first bowl."
     q1 = conv.questions[1]
     assert q1.answer == "2022" and q1.category == 2  # an int in the file
-    # a fact citing two turns belongs to the later one
-    conv30 = next(c for c in dev if c.sample_id == "conv-30")
-    multi = next(f for f in conv30.facts if f.dia_ids == ("D15:3", "D15:5"))
-    assert multi.turn_index == conv30.turn_index["D15:5"]
-    # "D:11:26" in the evidence is read as D11:26
-    conv43 = next(c for c in dev if c.sample_id == "conv-43")
-    assert "D11:26" in conv43.questions[4].evidence
+    # a fact citing two turns (a list, or one comma-separated string) belongs to the later one
+    listed = next(f for f in conv.facts if f.dia_ids == ("D3:3", "D3:5"))
+    assert listed.turn_index == conv.turn_index["D3:5"]
+    joined = next(f for f in conv.facts if f.dia_ids == ("D3:7", "D3:9"))
+    assert joined.turn_index == conv.turn_index["D3:9"]
+    # "D:1:3" in the evidence is read as D1:3; "D3:1; D4:1" is two ids; an id with no turn is kept as given
+    assert conv.questions[4].evidence == ("D1:5", "D1:3")
+    assert conv.questions[2].evidence == ("D3:1", "D4:1")
+    assert conv.questions[17].evidence == ("D9:99",) and "D9:99" not in conv.turn_index
+    adversarial = [q for q in conv.questions if q.category == 5]
+    assert adversarial and all(q.answer is None and q.adversarial_answer and not q.answerable for q in adversarial)
     assert parse_dia_ids(["D26:14, D26:34; D:3:1", "D"]) == ("D26:14", "D26:34", "D3:1")
 
 
@@ -264,12 +271,12 @@ class ScriptedBackend:
 
     SCRIPT = {
         # q0, category 2, gold "7 May 2023"; q3, category 1, gold "Adoption agencies"
-        ("When did Caroline go to the LGBTQ support group?", "kv", 0): "On 7 May 2023.",
-        ("When did Caroline go to the LGBTQ support group?", "kv", 5): "7 May 2023",
-        ("When did Caroline go to the LGBTQ support group?", "pi", None): "May 2022",
-        ("What did Caroline research?", "kv", 0): "adoption agencies, and painting",
-        ("What did Caroline research?", "kv", 5): "adoption agencies, and painting",
-        ("What did Caroline research?", "pi", None): "adopting kids",
+        ("When did Maya go to the pottery class?", "kv", 0): "On 7 May 2023.",
+        ("When did Maya go to the pottery class?", "kv", 5): "7 May 2023",
+        ("When did Maya go to the pottery class?", "pi", None): "May 2022",
+        ("What did Theo research?", "kv", 0): "adoption agencies, and painting",
+        ("What did Theo research?", "kv", 5): "adoption agencies, and painting",
+        ("What did Theo research?", "pi", None): "adopting kids",
     }
 
     def __init__(self):
@@ -311,18 +318,18 @@ def test_runner_two_question_slice(dev, tmp_path):
     conv = dev[0]
 
     # memory: one user per (conversation, w), every fact with exactly its window
-    assert set(backend.facts) == {"conv-26.w0", "conv-26.w5"}
-    items = backend.facts["conv-26.w5"]
+    assert set(backend.facts) == {"syn-1.w0", "syn-1.w5"}
+    items = backend.facts["syn-1.w5"]
     assert [i.fact_id for i in items] == [f.fact_id for f in conv.facts]
     assert items[5].window == tuple(t.render() for t in window_turns(conv, conv.facts[5], 5))
     assert items[5].text == conv.facts[5].render()
-    assert all(i.window == () for i in backend.facts["conv-26.w0"])
+    assert all(i.window == () for i in backend.facts["syn-1.w0"])
 
     # answers: 2 questions x (2 k x 2 w kv + 2 k pi) for accuracy and again for latency, plus 2 warm-up
     # calls before each, and 2x(1+2) users x 2 modes
     assert len(res["records"]) == 2 * 6 and len(res["latency_records"]) == 2 * 6
     assert len(backend.calls) == 2 + 12 + 2 + 12 + 12
-    assert {c[0] for c in backend.calls if c[3] == "pi"} == {"conv-26.w0"}
+    assert {c[0] for c in backend.calls if c[3] == "pi"} == {"syn-1.w0"}
     assert res["dataset"]["n_questions"] == 2 and res["dataset"]["per_category"]["multi-hop"] == 1
 
     acc = {(a["mode"], a["k"], a["w"]): a for a in res["accuracy"]}
@@ -406,7 +413,7 @@ def test_runner_batches_accuracy_and_throughput(dev, tmp_path):
                               "batch 10", "reset", "batch 10"]
     for b in tp_batches:
         assert len({r.question for r in b}) == len(b) and {r.k for r in b} == {10}
-        assert {r.user_id for r in b} == {"conv-26.w0"} and len({r.mode for r in b}) == 1
+        assert {r.user_id for r in b} == {"syn-1.w0"} and len({r.mode for r in b}) == 1
     tp = {(t["users"], t["mode"]): t for t in res["throughput"]}
     assert tp[(5, "kv")]["requests"] == 10 and tp[(5, "kv")]["req_per_s"] > 0
 
@@ -418,7 +425,7 @@ def test_throughput_needs_enough_distinct_questions(tmp_path):
     with pytest.raises(ValueError, match="distinct questions"):
         runner.run_benchmark(cfg, backend, progress=False)
     assert backend.facts == {}  # refused before any encoding
-    cfg = runner.RunConfig(data=str(DEV), sample_ids=("conv-99",), out=str(tmp_path))
+    cfg = runner.RunConfig(data=str(DEV), sample_ids=("syn-99",), out=str(tmp_path))
     with pytest.raises(ValueError, match="no conversation"):
         runner.run_benchmark(cfg, backend, progress=False)
 
@@ -426,13 +433,13 @@ def test_throughput_needs_enough_distinct_questions(tmp_path):
 class LeakyBackend(ScriptedBackend):
     def answer(self, user_id, question, k, mode):
         text, a, b, c, ids = super().answer(user_id, question, k, mode)
-        return text, a, b, c, ids[:-1] + ["conv-30:s1:Jon:0"]  # another conversation's fact
+        return text, a, b, c, ids[:-1] + ["syn-2:s1:Iris:0"]  # another conversation's fact
 
 
 def test_runner_rejects_facts_of_another_user(tmp_path):
     cfg = runner.RunConfig(data=str(DEV), k=(5,), w=(0,), users=(1,), conversations=1, max_questions=1,
                            out=str(tmp_path))
-    with pytest.raises(RuntimeError, match="not user conv-26.w0's"):
+    with pytest.raises(RuntimeError, match="not user syn-1.w0's"):
         runner.run_benchmark(cfg, LeakyBackend(), progress=False)
 
 
@@ -514,13 +521,13 @@ def test_equivalence_compare():
 def test_merged_runs_report_what_one_run_over_all_conversations_reports(tmp_path):
     common = ["--data", str(DEV), "--max-questions", "3", "--k", "5,10", "--w", "0,5", "--users", "0",
               "--latency-questions", "1", "--bootstrap", "300"]
-    for sid in ("conv-26", "conv-30"):
+    for sid in ("syn-1", "syn-2"):
         runner.main(common + ["--sample-ids", sid, "--out", str(tmp_path / sid)], backend=ScriptedBackend())
-    whole = runner.main(common + ["--sample-ids", "conv-26,conv-30", "--out", str(tmp_path / "whole")],
+    whole = runner.main(common + ["--sample-ids", "syn-1,syn-2", "--out", str(tmp_path / "whole")],
                         backend=ScriptedBackend())
-    merged = runner.main(["--merge", str(tmp_path / "conv-26"), str(tmp_path / "conv-30"), "--bootstrap", "300",
+    merged = runner.main(["--merge", str(tmp_path / "syn-1"), str(tmp_path / "syn-2"), "--bootstrap", "300",
                           "--out", str(tmp_path / "merged")])
-    assert merged["dataset"]["conversations"] == ["conv-26", "conv-30"]
+    assert merged["dataset"]["conversations"] == ["syn-1", "syn-2"]
     assert merged["dataset"]["n_questions"] == whole["dataset"]["n_questions"] == 6
     assert merged["dataset"]["per_category"] == whole["dataset"]["per_category"]
     strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]  # noqa: E731
@@ -529,15 +536,15 @@ def test_merged_runs_report_what_one_run_over_all_conversations_reports(tmp_path
     assert [a["f1"] for a in merged["accuracy"]] == [a["f1"] for a in whole["accuracy"]]
     assert [(c["k"], c["w"], c["f1"]) for c in merged["comparisons"]] == \
            [(c["k"], c["w"], c["f1"]) for c in whole["comparisons"]]
-    assert (tmp_path / "merged" / "locomo_results.md").read_text().count("conv-") >= 1
+    assert (tmp_path / "merged" / "locomo_results.md").read_text().count("syn-") >= 1
 
     with pytest.raises(ValueError, match="at least two"):
-        runner.merge_runs([tmp_path / "conv-26"], tmp_path / "x")
-    with pytest.raises(ValueError, match="conversation conv-26 is in both"):
-        runner.merge_runs([tmp_path / "conv-26", tmp_path / "whole"], tmp_path / "x")
-    runner.main(common[:3] + ["2"] + common[4:] + ["--sample-ids", "conv-41", "--out", str(tmp_path / "other")],
+        runner.merge_runs([tmp_path / "syn-1"], tmp_path / "x")
+    with pytest.raises(ValueError, match="conversation syn-1 is in both"):
+        runner.merge_runs([tmp_path / "syn-1", tmp_path / "whole"], tmp_path / "x")
+    runner.main(common[:3] + ["2"] + common[4:] + ["--sample-ids", "syn-3", "--out", str(tmp_path / "other")],
                 backend=ScriptedBackend())
     with pytest.raises(ValueError, match=r"other settings.*max_questions"):
-        runner.merge_runs([tmp_path / "conv-26", tmp_path / "other"], tmp_path / "x")
+        runner.merge_runs([tmp_path / "syn-1", tmp_path / "other"], tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="locomo_results.json not found"):
-        runner.merge_runs([tmp_path / "conv-26", tmp_path / "nothing"], tmp_path / "x")
+        runner.merge_runs([tmp_path / "syn-1", tmp_path / "nothing"], tmp_path / "x")

@@ -101,6 +101,18 @@ def default_data_path() -> Path | None:
     return path if path.is_file() else None
 
 
+LOCOMO_SOURCE = "https://github.com/snap-research/locomo (file data/locomo10.json)"
+
+
+def require_data_path(path) -> Path:
+    """The LoCoMo file a benchmark reads; if it is missing, exit with one line saying where to get it."""
+    if path is None or not Path(path).is_file():
+        where = f" at {path}" if path else " (no --data given and no ../shared/data/locomo_dev.json)"
+        raise SystemExit(f"LoCoMo data file not found{where}: download LoCoMo from {LOCOMO_SOURCE} "
+                         f"and pass --data PATH")
+    return Path(path)
+
+
 def answerable(questions) -> list[Question]:
     """Questions of categories 1-4; category 5 (adversarial) is excluded from accuracy, as in the literature."""
     return [q for q in questions if q.answerable]
