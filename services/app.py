@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -29,6 +31,13 @@ DEPLOYMENTS = ("Gateway", "EncoderPool", "Retrieval", "EngineReplica")
 CHART_VALUES = Path(__file__).resolve().parent.parent / "charts" / "inferscale" / "values.yaml"
 
 
+# Serve's defaults assume an idle machine: a proxy must pass its readiness check within 5 s, and misses three
+# in a row kill it (serve.start then raises ActorDiedError on a 2-core machine that another process keeps
+# busy, issue 10). The controller reads these at import, so they belong in the environment of the Ray that
+# Serve starts on: `ray.init(runtime_env={"env_vars": SERVE_START_ENV})` or `export` before `ray start`.
+SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+
+
 @dataclass
 class DeploymentSpec:
     min_replicas: int = 1
@@ -37,6 +46,10 @@ class DeploymentSpec:
     max_ongoing_requests: int = 32
     num_cpus: float = 1
     num_gpus: float = 0
+    # A replica busy with a long CPU prefill or a model load answers its health check late; Serve's 30 s
+    # default would restart it in the middle of start-up on a loaded machine.
+    health_check_period_s: float = 10
+    health_check_timeout_s: float = 120
 
     def options(self) -> dict:
         """Serve deployment options. Autoscaling follows ongoing requests per replica."""
@@ -50,6 +63,8 @@ class DeploymentSpec:
                                    "target_ongoing_requests": self.target_ongoing_requests,
                                    "upscale_delay_s": 10, "downscale_delay_s": 300},
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
         }
 
 
@@ -171,6 +186,32 @@ def app_builder(args: dict):
     return build_app(ServiceConfig.from_args(args))
 
 
+def start_service(cfg: ServiceConfig, host: str = "127.0.0.1", attempts: int = 3, retry_wait_s: float = 5.0) -> int:
+    """Serve's proxies and the application on the Ray this process is connected to (`inferscale serve`, the
+    tests). A start-up that fails on a busy machine (a proxy or replica actor dies before it is ready, the
+    app reports DEPLOY_FAILED) is shut down and tried again, up to `attempts` times; a bad config is not
+    retried. Returns the attempt that succeeded."""
+    from ray import serve
+    from ray.exceptions import RayError
+    from ray.serve.config import gRPCOptions
+
+    app = build_app(cfg)  # config mistakes raise here, before anything starts
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options={"host": host, "port": cfg.http_port},
+                        grpc_options=gRPCOptions(**grpc_options(cfg)))
+            serve.run(app, name=APP_NAME, route_prefix="/")
+            return attempt
+        except (RayError, RuntimeError, TimeoutError) as e:
+            if attempt == attempts:
+                raise
+            print(f"Serve start-up attempt {attempt}/{attempts} failed ({type(e).__name__}: {str(e)[:300]}); "
+                  f"shutting Serve down and trying again in {retry_wait_s:g} s", file=sys.stderr, flush=True)
+            serve.shutdown()
+            time.sleep(retry_wait_s)
+    raise AssertionError("unreachable")
+
+
 def grpc_options(cfg: ServiceConfig) -> dict:
     return {"port": cfg.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]}
 
@@ -206,11 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emit-serve-config", metavar="PATH",
                    help="write the Serve config for the chart's default values ('-' for stdout)")
     p.add_argument("--values", default=str(CHART_VALUES), help="chart values file (default: the chart's)")
+    p.add_argument("--registry-url", default=None,
+                   help="registry URL instead of the chart's (a Ray cluster: redis://HEAD_IP:6390/0); keep the "
+                        "password out of it, replicas read it from $INFERSCALE_REDIS_PASSWORD")
     a = p.parse_args(argv)
     if not a.emit_serve_config:
         p.print_help()
         return 2
-    text = dump(chart_serve_config(Path(a.values)))
+    cfg = chart_serve_config(Path(a.values))
+    if a.registry_url:
+        if urlsplit(a.registry_url).password:
+            p.error("--registry-url must not carry a password: the Serve config is not a secret; set "
+                    "INFERSCALE_REDIS_PASSWORD where Ray starts instead")
+        cfg["applications"][0]["args"]["registry_url"] = a.registry_url
+    text = dump(cfg)
     if a.emit_serve_config == "-":
         sys.stdout.write(text)
     else:

@@ -82,6 +82,8 @@ def test_serve_config_shape():
     for d in app["deployments"]:
         assert d["autoscaling_config"]["target_ongoing_requests"] > 0
         assert {"num_cpus", "num_gpus"} <= set(d["ray_actor_options"])
+        # a replica loading a model or prefilling on a busy CPU must not be restarted for a late health check
+        assert d["health_check_timeout_s"] >= 60 and d["health_check_period_s"] > 0
     # the import path and the servicer function resolve
     from ray._common.utils import import_attr
 
