@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from inferscale_core.errors import InvalidIdError, UnknownFactError, UnknownUserError, check_id
 
 from . import codegen
-from .registry import DuplicateFactError, FactRecord, VersionConflictError
+from .registry import DuplicateFactError, FactRecord, Quota, QuotaExceededError, VersionConflictError
 
 pb2, pb2_grpc = codegen.load()
 SERVICE = "inferscale.v1.Memory"
@@ -35,12 +35,16 @@ class Limits:
     max_metadata_key_chars: int = 128
     max_metadata_value_chars: int = 1024
     max_facts_per_user: int = 100_000
+    max_bytes_per_user: int = 64 << 20     # text + metadata + window of all the user's facts (UTF-8)
     default_k: int = 5
     max_k: int = 64
     default_max_tokens: int = 256
     max_max_tokens: int = 4096
     default_page_size: int = 100
     max_page_size: int = 1000
+
+    def quota(self) -> Quota:
+        return Quota(self.max_facts_per_user, self.max_bytes_per_user)
 
 
 class ApiError(Exception):
@@ -67,18 +71,51 @@ def too_big(msg: str) -> ApiError:
 
 def to_api_error(err: BaseException) -> ApiError:
     """Maps the errors the registry and the core raise on purpose to status codes; anything else is a bug
-    (INTERNAL), reported without internals."""
+    (INTERNAL), reported without internals. An error raised in another Ray process arrives wrapped: only
+    an ApiError it carries is passed on; its traceback never reaches a client."""
+    cause = _ray_cause(err)
+    if cause is not None:
+        if isinstance(cause, ApiError):
+            return cause
+        if cause is err:  # the replica or actor itself failed (died, unreachable): retryable
+            return ApiError(grpc.StatusCode.UNAVAILABLE,
+                            f"a backend replica is unavailable ({type(err).__name__}); retry shortly")
+        return ApiError(grpc.StatusCode.INTERNAL,
+                        f"internal error ({type(cause).__name__} in a backend replica); see the server log")
     if isinstance(err, ApiError):
         return err
     if isinstance(err, (UnknownFactError, UnknownUserError)):
-        return ApiError(grpc.StatusCode.NOT_FOUND, str(err))
+        return ApiError(grpc.StatusCode.NOT_FOUND, _clean(str(err)))
     if isinstance(err, VersionConflictError):
-        return ApiError(grpc.StatusCode.ABORTED, str(err))
+        return ApiError(grpc.StatusCode.ABORTED, _clean(str(err)))
     if isinstance(err, DuplicateFactError):
-        return ApiError(grpc.StatusCode.ALREADY_EXISTS, str(err))
+        return ApiError(grpc.StatusCode.ALREADY_EXISTS, _clean(str(err)))
+    if isinstance(err, QuotaExceededError):
+        return too_big(_clean(str(err)))
     if isinstance(err, (InvalidIdError, ValueError, TypeError)):
-        return invalid(str(err))
+        return invalid(_clean(str(err)))
+    if isinstance(err, TimeoutError):
+        return ApiError(grpc.StatusCode.UNAVAILABLE, "a backend replica did not answer in time; retry shortly")
     return ApiError(grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); see the server log")
+
+
+def _ray_cause(err: BaseException) -> BaseException | None:
+    """The original exception of a Ray task/actor error (the replica's), or None for a local error."""
+    try:
+        from ray.exceptions import RayError, RayTaskError
+    except ImportError:
+        return None
+    if isinstance(err, RayTaskError):
+        return err.cause if isinstance(err.cause, BaseException) else err
+    if isinstance(err, RayError):
+        return err
+    return None
+
+
+def _clean(message: str, limit: int = 500) -> str:
+    """One line, bounded: a message for a client, never a traceback."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    return first if len(first) <= limit else first[:limit] + "..."
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -218,7 +255,7 @@ def answer_mode(mode: str) -> str:
 def fact_pb(rec: FactRecord):
     return pb2.Fact(fact_id=rec.fact_id, user_id=rec.user_id, text=rec.text,
                     metadata={str(k): str(v) for k, v in rec.metadata.items()}, version=rec.version,
-                    created_at=rec.created_at, updated_at=rec.updated_at)
+                    created_at=rec.created_at, updated_at=rec.updated_at, unservable_reason=rec.unservable_reason)
 
 
 # ------------------------------------------------------------------------------- grpc registration

@@ -101,6 +101,9 @@ class ServiceConfig:
     # of re-encoding). None: no disk tier. store_options: the worker store's byte budgets.
     kv_dir: str | None = None
     store_options: dict = field(default_factory=dict)
+    # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
+    # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.
+    auth: dict = field(default_factory=dict)
     deployments: dict[str, DeploymentSpec] = field(default_factory=_default_deployments)
 
     def app_args(self) -> dict:
@@ -109,7 +112,7 @@ class ServiceConfig:
                 "registry_url": self.registry_url, "dtype": self.dtype, "block_size": self.block_size,
                 "max_model_len": self.max_model_len, "limits": dict(self.limits),
                 "engine_overrides": dict(self.engine_overrides), "kv_dir": self.kv_dir,
-                "store_options": dict(self.store_options)}
+                "store_options": dict(self.store_options), **({"auth": dict(self.auth)} if self.auth else {})}
 
     @classmethod
     def from_args(cls, args: dict | None) -> "ServiceConfig":
@@ -178,7 +181,7 @@ def build_app(cfg: ServiceConfig):
         store_options=cfg.store_options, engine_overrides=cfg.engine_overrides)
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
     return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
-                        embedder_path=cfg.embedder_path)
+                        embedder_path=cfg.embedder_path, auth=cfg.auth)
 
 
 def app_builder(args: dict):
@@ -186,11 +189,13 @@ def app_builder(args: dict):
     return build_app(ServiceConfig.from_args(args))
 
 
-def start_service(cfg: ServiceConfig, host: str = "127.0.0.1", attempts: int = 3, retry_wait_s: float = 5.0) -> int:
+def start_service(cfg: ServiceConfig, host: str = "127.0.0.1", attempts: int = 3, retry_wait_s: float = 5.0,
+                  proxy_location: str = "EveryNode") -> int:
     """Serve's proxies and the application on the Ray this process is connected to (`inferscale serve`, the
     tests). A start-up that fails on a busy machine (a proxy or replica actor dies before it is ready, the
     app reports DEPLOY_FAILED) is shut down and tried again, up to `attempts` times; a bad config is not
-    retried. Returns the attempt that succeeded."""
+    retried. proxy_location "HeadOnly" when several Ray nodes share one address (a test on one machine).
+    Returns the attempt that succeeded."""
     from ray import serve
     from ray.exceptions import RayError
     from ray.serve.config import gRPCOptions
@@ -198,7 +203,7 @@ def start_service(cfg: ServiceConfig, host: str = "127.0.0.1", attempts: int = 3
     app = build_app(cfg)  # config mistakes raise here, before anything starts
     for attempt in range(1, attempts + 1):
         try:
-            serve.start(http_options={"host": host, "port": cfg.http_port},
+            serve.start(proxy_location=proxy_location, http_options={"host": host, "port": cfg.http_port},
                         grpc_options=gRPCOptions(**grpc_options(cfg)))
             serve.run(app, name=APP_NAME, route_prefix="/")
             return attempt

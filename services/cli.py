@@ -1,13 +1,20 @@
-"""`inferscale serve | add | ask`: the Ray Serve application on this machine and its gRPC client.
+"""`inferscale serve | add | ask | token`: the Ray Serve application on this machine and its gRPC client.
 
-    inferscale serve [--redis-url redis://127.0.0.1:6379/0]     # Ctrl-C stops it
+    inferscale serve [--redis-url redis://:PASSWORD@127.0.0.1:6379/0]     # Ctrl-C stops it
     inferscale add alice "Alice adopted a grey cat named Pixel." "Alice lives in Lisbon."
     inferscale ask alice "What is my cat called?"
+    inferscale token alice            # a bearer token for alice (last line), for other clients
 
 `serve` starts a local Ray, the four deployments at one replica each (services/app.py:single_node_deployments)
 on the embedded default model (SmolLM2-135M-Instruct) unless --model names another, and prints the
 addresses. Without --redis-url the registry lives in a Ray actor and is gone when `serve` stops; KV is
 written to --kv-dir either way. Mounted by inferscale_core/cli.py.
+
+Auth (docs/security.md): `serve` verifies tokens signed with the local development secret
+(<inferscale cache>/dev-jwt-secret, made on first use, mode 0600) unless --jwt-secret-file, --jwt-public-key-file
+or --jwks-url names another key; --insecure-no-auth turns auth off. `add`/`ask` send --token or
+$INFERSCALE_TOKEN; with neither, against a server on this machine, they sign a token for the user with the
+local development secret, so the quick start needs no extra step.
 """
 from __future__ import annotations
 
@@ -33,12 +40,25 @@ def add_commands(sub) -> None:
                                                   "(default: <inferscale cache>/kv)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule on (default: all)")
+    p.add_argument("--jwt-secret-file", default=None,
+                   help="HS256 secret that tokens are verified with (default: the local development secret)")
+    p.add_argument("--jwt-public-key-file", default=None, help="PEM public key (RS256/ES256) to verify tokens with")
+    p.add_argument("--jwks-url", default=None, help="JWKS endpoint to verify tokens with")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="turn authentication off: ANY caller can read and change ANY user's memory (local demos)")
     p.set_defaults(fn=serve_cmd)
+
+    p = sub.add_parser("token", help="print a bearer token for USER signed with the local development secret")
+    p.add_argument("user")
+    p.add_argument("--admin", action="store_true", help="add the memory:admin scope (acts for any user)")
+    p.add_argument("--ttl-hours", type=float, default=24.0)
+    p.add_argument("--secret-file", default=None, help="HS256 secret (default: the local development secret)")
+    p.set_defaults(fn=token_cmd)
 
     p = sub.add_parser("add", help="store facts for a user (gRPC)")
     p.add_argument("user")
     p.add_argument("facts", nargs="+")
-    p.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of the service")
+    _client_args(p)
     p.set_defaults(fn=add_cmd)
 
     p = sub.add_parser("ask", help="answer a question with the user's memory injected; streams the answer (gRPC)")
@@ -49,8 +69,14 @@ def add_commands(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--mode", default="inject", choices=["inject", "prompt"],
                    help="inject: facts as KV; prompt: the Mem0 baseline, facts as text")
-    p.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of the service")
+    _client_args(p)
     p.set_defaults(fn=ask_cmd)
+
+
+def _client_args(p) -> None:
+    p.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of the service")
+    p.add_argument("--token", default=None, help="bearer token (default: $INFERSCALE_TOKEN; against a server on "
+                                                 "this machine, one signed with the local development secret)")
 
 
 # ------------------------------------------------------------------------------------------ serve
@@ -65,16 +91,42 @@ def start(cfg, host: str = "127.0.0.1") -> None:
     serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
 
 
+INSECURE_BANNER = """
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+!!  AUTHENTICATION IS OFF (--insecure-no-auth): anyone who can reach these ports can read, change and    !!
+!!  delete ANY user's memory. Use it for a local demo only, never on a shared network.                    !!
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+"""
+
+
+def auth_settings(args) -> dict:
+    """`serve`'s auth flags -> ServiceConfig.auth (key files by path: the secret never enters a config)."""
+    from .auth import ensure_dev_secret
+
+    if args.insecure_no_auth:
+        return {"insecure_no_auth": True}
+    if args.jwt_public_key_file or args.jwks_url:
+        out = {"public_key_file": args.jwt_public_key_file, "jwks_url": args.jwks_url}
+        if args.jwt_secret_file:
+            out["hs256_secret_file"] = args.jwt_secret_file
+        return {k: v for k, v in out.items() if v}
+    return {"hs256_secret_file": str(args.jwt_secret_file or ensure_dev_secret())}
+
+
 def serve_cmd(args) -> int:
     import ray
 
     from inferscale_core.models import cache_dir
 
     from .app import ServiceConfig, single_node_deployments
+    from .registry import redacted
 
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=args.dtype,
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
-                        kv_dir=args.kv_dir or str(cache_dir() / "kv"), deployments=single_node_deployments())
+                        kv_dir=args.kv_dir or str(cache_dir() / "kv"), deployments=single_node_deployments(),
+                        auth=auth_settings(args))
+    if args.insecure_no_auth:
+        print(INSECURE_BANNER, file=sys.stderr, flush=True)
     os.environ.update(vllm_cpu_env())
     print(f"starting Ray and the InferScale app ({args.model or 'SmolLM2-135M-Instruct, embedded'}); "
           "the engine takes about a minute on a small CPU ...", flush=True)
@@ -88,10 +140,13 @@ def serve_cmd(args) -> int:
         print(f"ready in {time.monotonic() - t:.0f} s\n"
               f"  gRPC  inferscale.v1.Memory   {args.host}:{cfg.grpc_port}\n"
               f"  HTTP  POST /v1/chat/completions   http://{args.host}:{cfg.http_port}\n"
-              f"  registry  {cfg.registry_url or 'in memory (Ray actor; pass --redis-url to keep facts)'}\n"
+              f"  registry  {redacted(cfg.registry_url) if cfg.registry_url else 'in memory (Ray actor; pass --redis-url to keep facts)'}\n"
               f"  KV disk tier  {cfg.kv_dir}\n"
+              f"  auth  {_auth_line(cfg.auth)}\n"
               f"try: inferscale add alice \"Alice has a cat named Pixel.\" --target 127.0.0.1:{cfg.grpc_port}",
               flush=True)
+        if args.insecure_no_auth:
+            print(INSECURE_BANNER, file=sys.stderr, flush=True)
         while not stop.wait(1):
             pass
     except KeyboardInterrupt:
@@ -105,11 +160,55 @@ def serve_cmd(args) -> int:
     return 0
 
 
+def _auth_line(auth: dict) -> str:
+    if auth.get("insecure_no_auth"):
+        return "OFF (--insecure-no-auth)"
+    if "hs256_secret_file" in auth and len(auth) == 1:
+        return (f"bearer tokens (HS256, secret {auth['hs256_secret_file']}); "
+                "`inferscale token USER` prints one")
+    return f"bearer tokens ({', '.join(f'{k}={v}' for k, v in auth.items())})"
+
+
 # ------------------------------------------------------------------------------------------ client
-def _client(target: str):
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def _is_local(target: str) -> bool:
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or target.startswith("[") else target
+    return host in LOCAL_HOSTS
+
+
+def client_token(args, user: str) -> str | None:
+    """--token, else $INFERSCALE_TOKEN, else (a server on this machine) one signed with the dev secret."""
+    from .auth import mint, read_dev_secret
+
+    token = args.token or os.environ.get("INFERSCALE_TOKEN")
+    if token:
+        return token
+    if _is_local(args.target):
+        secret = read_dev_secret()
+        if secret is not None:
+            return mint(secret, user, ttl_s=600)
+    return None
+
+
+def _client(args, user: str):
     from .client import MemoryClient
 
-    return MemoryClient(target, timeout_s=300)
+    return MemoryClient(args.target, timeout_s=300, token=client_token(args, user))
+
+
+def token_cmd(args) -> int:
+    from pathlib import Path
+
+    from .auth import SCOPE_ADMIN, USER_SCOPES, ensure_dev_secret, mint
+
+    path = Path(args.secret_file) if args.secret_file else ensure_dev_secret()
+    scopes = (*USER_SCOPES, SCOPE_ADMIN) if args.admin else USER_SCOPES
+    print(f"# token for {args.user!r}, scopes {' '.join(scopes)}, valid {args.ttl_hours:g} h, signed with {path}\n"
+          "# send it as the gRPC metadata / HTTP header  authorization: Bearer <token>", file=sys.stderr)
+    print(mint(path.read_bytes().strip(), args.user, scopes, ttl_s=args.ttl_hours * 3600))
+    return 0
 
 
 def _fail(err) -> int:
@@ -120,7 +219,7 @@ def _fail(err) -> int:
 def add_cmd(args) -> int:
     import grpc
 
-    with _client(args.target) as c:
+    with _client(args, args.user) as c:
         try:
             facts = c.add_facts(args.user, args.facts)
         except grpc.RpcError as e:
@@ -135,7 +234,7 @@ def ask_cmd(args, out=None) -> int:
 
     out = out or sys.stdout
     t0 = time.perf_counter()
-    with _client(args.target) as c:
+    with _client(args, args.user) as c:
         try:
             for chunk in c.answer(args.user, args.question, k=args.k, max_tokens=args.max_tokens,
                                   temperature=args.temperature, mode=args.mode):

@@ -6,8 +6,10 @@
             print(piece.text, end="")
 
 Errors arrive as grpc.RpcError with the server's status code and a message naming the field at fault.
-Against Ray Serve, `application` selects the Serve application (metadata "application"); it is only needed
-when several applications run.
+`token` (a JWT; `inferscale token USER` prints one for a local server) is sent on every call as the metadata
+`authorization: Bearer <token>`. Against Ray Serve, `application` selects the Serve application (metadata
+"application"); it is only needed when several applications run. For a server behind TLS pass
+`credentials=grpc.ssl_channel_credentials(...)`.
 """
 from __future__ import annotations
 
@@ -20,10 +22,14 @@ from .api import pb2, pb2_grpc
 
 class MemoryClient:
     def __init__(self, target: str = "localhost:9000", application: str | None = None, timeout_s: float = 60.0,
-                 channel: grpc.Channel | None = None):
-        self.channel = channel or grpc.insecure_channel(target)
+                 channel: grpc.Channel | None = None, token: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
+        if channel is None:
+            channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+        self.channel = channel
         self.stub = pb2_grpc.MemoryStub(self.channel)
-        self.metadata = (("application", application),) if application else ()
+        self.metadata = ((("application", application),) if application else ()) + (
+            (("authorization", f"Bearer {token}"),) if token else ())
         self.timeout_s = timeout_s
 
     def _kw(self) -> dict:

@@ -6,17 +6,24 @@ the Ray object store and the engine replica that asked for it (through the gatew
 reads it from there. Facts are encoded exactly as `inferscale_core.memory.Memory.add` does — fact tokens
 from the prompt template, behind the instruction prefix and the fact's own context window — so KV made here
 composes like KV made in-process.
+
+Failures are per fact: `encode` answers an `EncodeFailure` for an item it cannot encode and encodes the
+others, so one bad fact never fails the other facts of a request, or other users' requests merged into the
+same batch. `check` applies the same limits without encoding: the gateway calls it before it writes.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from ray import serve
 
 from inferscale_core.types import EncodedFact
 
+log = logging.getLogger("inferscale.encoder_pool")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,6 +38,12 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+@dataclass(frozen=True)
+class EncodeFailure:
+    """An item the encoder could not encode, in place of its EncodedFact; `reason` is safe to show a client."""
+    reason: str
 
 
 class FactEncoder:
@@ -55,17 +68,45 @@ class FactEncoder:
         """The shared instruction-prefix chunk (position 0 of every composed memory)."""
         return self.encoder.encode(self.template.prefix_ids).to("cpu")
 
-    def encode(self, items: Sequence[tuple[str, Sequence[str]]]) -> list[EncodedFact]:
-        """`(fact text, window turns)` pairs -> EncodedFact on the CPU, in input order."""
-        prepared = []
+    def problem(self, text: str) -> str | None:
+        """Why this fact text cannot be encoded (measured with the serving model's tokenizer), or None."""
+        n = len(self.template.fact_ids(text))
+        if n == 0:
+            return "is empty after tokenization"
+        if n > self.max_fact_tokens:
+            return f"is {n} tokens long (serving model's tokenizer), the limit is {self.max_fact_tokens} tokens"
+        return None
+
+    def check(self, texts: Sequence[str]) -> list[str | None]:
+        return [self.problem(t) for t in texts]
+
+    def _prepared(self, text: str, window: Sequence[str]):
+        context = ([self.template.prefix_ids] if self.prefix_window else []) + list(window)
+        return self.template.fact_ids(text), context
+
+    def encode(self, items: Sequence[tuple[str, Sequence[str]]]) -> list[EncodedFact | EncodeFailure]:
+        """`(fact text, window turns)` pairs -> EncodedFact on the CPU (or EncodeFailure), in input order."""
+        out: list[EncodedFact | EncodeFailure | None] = [None] * len(items)
+        todo = []
         for i, (text, window) in enumerate(items):
-            ids = self.template.fact_ids(text)
-            if len(ids) > self.max_fact_tokens:
-                raise ValueError(f"fact #{i} has {len(ids)} tokens, more than the limit of {self.max_fact_tokens}")
-            context = ([self.template.prefix_ids] if self.prefix_window else []) + list(window)
-            prepared.append((ids, context))
-        out = self.encoder.encode_batch(prepared, progress=False)
-        return [f.to("cpu") for f in out]
+            why = self.problem(text)
+            if why is not None:
+                out[i] = EncodeFailure(f"the fact {why}")
+            else:
+                todo.append(i)
+        try:
+            encoded = self.encoder.encode_batch([self._prepared(*items[i]) for i in todo], progress=False)
+            for i, enc in zip(todo, encoded):
+                out[i] = enc.to("cpu")
+        except Exception:  # noqa: BLE001 - one item broke the batch: encode one by one to find it
+            log.exception("batch of %d facts failed to encode; retrying one by one", len(todo))
+            for i in todo:
+                try:
+                    out[i] = self.encoder.encode_batch([self._prepared(*items[i])], progress=False)[0].to("cpu")
+                except Exception as e:  # noqa: BLE001 - reported per fact
+                    log.exception("fact failed to encode")
+                    out[i] = EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})")
+        return out  # type: ignore[return-value]
 
 
 class EncoderPool:
@@ -75,7 +116,8 @@ class EncoderPool:
         self.fe = FactEncoder(**encoder_kw)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list[EncodedFact]]:
+    async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:
+        # Several requests (possibly of several users) in one forward; failures come back per item.
         flat = [item for req in requests for item in req]
         encoded = await asyncio.to_thread(self.fe.encode, flat)
         out, i = [], 0
@@ -84,10 +126,14 @@ class EncoderPool:
             i += len(req)
         return out
 
-    async def encode(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact]:
+    async def encode(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
         if not items:
             return []
         return await self._encode_requests(list(items))
+
+    async def check(self, texts: list[str]) -> list[str | None]:
+        """Per text: why it cannot be encoded, or None (tokenizer only, no forward)."""
+        return await asyncio.to_thread(self.fe.check, list(texts))
 
     async def prefix(self) -> EncodedFact:
         return await asyncio.to_thread(self.fe.prefix)

@@ -14,7 +14,12 @@ Facts are stored in the worker under `kv_id(fact_id, version)`, so a copy on dis
 version the registry names; an update or a delete removes the older versions.
 
 Writes from the gateway arrive as `put_facts(user, ids_versions, encoded)` where `encoded` is the encoder
-pool's response that the gateway passed on unresolved: Serve resolves it here, from the object store.
+pool's response that the gateway passed on unresolved: Serve resolves it here, from the object store. A write
+is all or nothing: if the encoder failed on any of its facts, none is stored and the gateway undoes the
+registry rows.
+
+A fact the encoder cannot encode during a sync (stored by an older version, say) is marked unservable in the
+registry for that version and left out; the user is answered from the facts that can be served.
 """
 from __future__ import annotations
 
@@ -27,8 +32,12 @@ from pathlib import Path
 
 from ray import serve
 
+import grpc
+
 from inferscale_core.errors import UnknownFactError
 
+from .api import ApiError
+from .encoder_pool import EncodeFailure
 from .registry import open_registry
 
 log = logging.getLogger("inferscale.engine_replica")
@@ -107,7 +116,7 @@ class EngineReplica:
         self._synced: dict[str, int] = {}            # user -> registry user_version last synced
         self._user_locks: dict[str, asyncio.Lock] = {}
         self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_pushed": 0, "users_loaded": 0,
-                         "users_evicted": 0}
+                         "users_evicted": 0, "facts_unservable": 0}
 
     # ------------------------------------------------------------------------------ user placement
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
@@ -148,13 +157,23 @@ class EngineReplica:
                     if ok:
                         continue
                     try:
-                        recs.append(await asyncio.to_thread(self.registry.get, user_id, f))
+                        rec = await asyncio.to_thread(self.registry.get, user_id, f)
                     except UnknownFactError:
                         continue  # deleted since the listing; the next sync sees it
+                    if not rec.unservable_reason:  # known bad at this version: not asked again
+                        recs.append(rec)
                 if recs:
                     encoded = await self.encoder.encode.remote([(r.text, list(r.window)) for r in recs])
-                    await self._put(user_id, [(r.fact_id, r.version) for r in recs], encoded)
-                    self.counters["facts_encoded"] += len(recs)
+                    good = [(r, e) for r, e in zip(recs, encoded) if not isinstance(e, EncodeFailure)]
+                    for r, e in zip(recs, encoded):
+                        if isinstance(e, EncodeFailure):
+                            log.warning("fact %s v%d of a user cannot be encoded: %s", r.fact_id, r.version, e.reason)
+                            await asyncio.to_thread(self.registry.set_unservable, user_id, r.fact_id, r.version,
+                                                    e.reason)
+                    if good:
+                        await self._put(user_id, [(r.fact_id, r.version) for r, _ in good], [e for _, e in good])
+                    self.counters["facts_encoded"] += len(good)
+                    self.counters["facts_unservable"] += len(recs) - len(good)
             self._synced[user_id] = version
 
     async def _put(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> None:
@@ -181,8 +200,13 @@ class EngineReplica:
 
     # ------------------------------------------------------------------------------ called by the gateway
     async def put_facts(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> int:
-        """`encoded` arrives resolved from the object store (the encoder's response, passed on unresolved)."""
+        """`encoded` arrives resolved from the object store (the encoder's response, passed on unresolved).
+        All or nothing: if the encoder failed on any fact, nothing is stored and the error names it."""
         ids_versions = [(f, int(v)) for f, v in ids_versions]
+        for i, enc in enumerate(encoded):
+            if isinstance(enc, EncodeFailure):
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"facts[{i}] could not be encoded: {enc.reason}; "
+                                                                 "nothing was stored")
         async with self._lock(user_id):
             await self._put(user_id, ids_versions, encoded)
         self.counters["facts_pushed"] += len(encoded)
@@ -217,11 +241,14 @@ class EngineReplica:
         await self._user(user_id)
         await self._sync(user_id)  # cheap when nothing moved: one read of the version counter
         recs = []
-        for f in fact_ids:  # retrieval may name a fact deleted since: skip it
+        held = self._held.get(user_id, {})
+        for f in fact_ids:  # retrieval may name a fact deleted since, or one that cannot be served: skip it
             try:
-                recs.append(await asyncio.to_thread(self.registry.get, user_id, f))
+                rec = await asyncio.to_thread(self.registry.get, user_id, f)
             except UnknownFactError:
                 continue
+            if held.get(f) == rec.version:  # both modes serve the same facts (an A/B of injection)
+                recs.append(rec)
         q = Query(user_id, query, k=max(1, len(recs)), mode=API_MODES[mode])
         p = self.engine.prepare_facts(q, [r.fact_id for r in recs], [r.text for r in recs],
                                       [r.version for r in recs], [kv_id(r.fact_id, r.version) for r in recs])

@@ -2,6 +2,7 @@
 
 The gateway runs in registry-only mode (no Ray deployments): everything here is decided by validation and by
 the registry, before any engine would be involved. The Ray Serve end-to-end test lives with the engine.
+Auth is on, as deployed: these tests call with an admin token (tests/test_auth.py covers refusals).
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import uuid
 import grpc
 import pytest
 
+from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services import api, codegen
 from services.api import Limits, pb2, pb2_grpc
+from services.auth import AuthConfig, Authenticator
 from services.gateway import GatewayCore, build_http_app, start_grpc_server
 from services.registry import RedisRegistry
 
@@ -45,16 +48,22 @@ def registry(redis_url):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def core(registry):
-    return GatewayCore(registry, backends=None, limits=LIMITS)
+def core(registry, jwt_secret):  # noqa: F811
+    auth = Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0])))
+    return GatewayCore(registry, backends=None, limits=LIMITS, auth=auth)
 
 
 @pytest.fixture(scope="module")
-def channel(core):
+def admin_token(jwt_secret):  # noqa: F811
+    return token_for(jwt_secret[1], "support", admin=True)
+
+
+@pytest.fixture(scope="module")
+def channel(core, admin_token):
     srv = _ServerThread(core)
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     grpc.channel_ready_future(ch).result(timeout=30)
-    yield ch
+    yield token_channel(ch, admin_token)
     ch.close()
     srv.stop()
 
@@ -265,15 +274,15 @@ def test_python_client(channel):
 
 def test_health_reports_a_dead_registry():
     reg = RedisRegistry("redis://127.0.0.1:1/0")  # nothing listens on port 1
-    h = asyncio.run(GatewayCore(reg).Health(b""))
-    assert h.status == "DEGRADED" and h.components["registry"].startswith("error:")
+    h = asyncio.run(GatewayCore(reg, auth=Authenticator.insecure()).Health(b""))
+    assert h.status == "DEGRADED" and h.components["registry"] == "error: ConnectionError"  # no internals
 
 
-def test_http_chat_completions_validation(core):
+def test_http_chat_completions_validation(core, admin_token):
     from fastapi.testclient import TestClient
 
-    client = TestClient(build_http_app(lambda: core))
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    client = TestClient(build_http_app(lambda: core), headers={"authorization": f"Bearer {admin_token}"})
+    r = client.post("/v1/chat/completions", json={"user": "", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "`user` is required" in r.json()["error"]["message"]
     r = client.post("/v1/chat/completions", json={"user": "u", "k": 999,
                                                   "messages": [{"role": "user", "content": "hi"}]})
@@ -297,7 +306,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serve_ports(redis_url):  # noqa: F811
+def serve_ports(redis_url, jwt_secret):  # noqa: F811
     """The Gateway deployment (registry-only) behind Serve's own proxies, on a 2-CPU local Ray."""
     ray = pytest.importorskip("ray")
     from ray import serve
@@ -313,17 +322,19 @@ def serve_ports(redis_url):  # noqa: F811
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[api.SERVICER_FUNCTION]))
         gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway",
                                    ray_actor_options={"num_cpus": 0.5})
-        serve.run(gateway.bind(registry_url=redis_url), name="inferscale", route_prefix="/")
+        serve.run(gateway.bind(registry_url=redis_url, auth={"hs256_secret_file": str(jwt_secret[0])}),
+                  name="inferscale", route_prefix="/")
         yield grpc_port, http_port
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports):
+def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token):
     grpc_port, http_port = serve_ports
-    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
-        grpc.channel_ready_future(ch).result(timeout=60)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as plain:
+        grpc.channel_ready_future(plain).result(timeout=60)
+        ch = token_channel(plain, admin_token)
         s = pb2_grpc.MemoryStub(ch)
         uid = _user()
         (f,) = s.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="served by Ray")])).facts
@@ -342,5 +353,57 @@ def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports):
     import httpx
 
     r = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", timeout=60,
-                   json={"messages": [{"role": "user", "content": "hi"}]})
+                   headers={"authorization": f"Bearer {admin_token}"},
+                   json={"user": "", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "`user` is required" in r.json()["error"]["message"]
+
+
+def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jwt_secret):  # noqa: F811
+    """Auth through Ray Serve's own gRPC proxy (the metadata reaches the deployment in its RayServegRPCContext)
+    and HTTP proxy: every RPC but Health."""
+    from services.auth import mint
+
+    grpc_port, http_port = serve_ports
+    secret = jwt_secret[1]
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        grpc.channel_ready_future(ch).result(timeout=60)
+        s = pb2_grpc.MemoryStub(ch)
+        alice = _user()
+        own = [("authorization", f"Bearer {token_for(secret, alice)}")]
+        (fact,) = s.AddFacts(pb2.AddFactsRequest(user_id=alice, facts=[pb2.FactInput(text="alice's secret")]),
+                             metadata=own).facts
+        calls = {
+            "AddFacts": lambda md: s.AddFacts(pb2.AddFactsRequest(user_id=alice, facts=[pb2.FactInput(text="x")]),
+                                              metadata=md),
+            "AddMemory": lambda md: s.AddMemory(pb2.AddMemoryRequest(
+                user_id=alice, infer=False, messages=[pb2.Message(role="user", content="x")]), metadata=md),
+            "Search": lambda md: s.Search(pb2.SearchRequest(user_id=alice, query="q"), metadata=md),
+            "Answer": lambda md: list(s.Answer(pb2.AnswerRequest(user_id=alice, query="q"), metadata=md)),
+            "GetMemory": lambda md: s.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact.fact_id), metadata=md),
+            "ListMemories": lambda md: s.ListMemories(pb2.ListMemoriesRequest(user_id=alice), metadata=md),
+            "UpdateMemory": lambda md: s.UpdateMemory(pb2.UpdateMemoryRequest(
+                user_id=alice, fact_id=fact.fact_id, text="y"), metadata=md),
+            "DeleteMemory": lambda md: s.DeleteMemory(pb2.DeleteMemoryRequest(user_id=alice, fact_id=fact.fact_id),
+                                                      metadata=md),
+            "DeleteUser": lambda md: s.DeleteUser(pb2.DeleteUserRequest(user_id=alice), metadata=md),
+        }
+        bad = {"missing": ([], grpc.StatusCode.UNAUTHENTICATED),
+               "expired": ([("authorization", f"Bearer {mint(secret, alice, ttl_s=-600)}")],
+                           grpc.StatusCode.UNAUTHENTICATED),
+               "other user": ([("authorization", f"Bearer {token_for(secret, 'mallory')}")],
+                              grpc.StatusCode.PERMISSION_DENIED)}
+        for rpc, call in calls.items():
+            for name, (md, want) in bad.items():
+                code, details = _code(lambda: call(md))
+                assert code == want, (rpc, name, code, details)
+                assert "secret" not in details and alice not in details and "Traceback" not in details
+        assert s.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact.fact_id), metadata=own).version == 1
+        assert s.Health(pb2.HealthRequest()).status == "SERVING"  # no token needed
+    import httpx
+
+    url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+    body = {"user": alice, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    r = httpx.post(url, json=body, timeout=60, headers={"authorization": f"Bearer {token_for(secret, 'mallory')}"})
+    assert r.status_code == 403 and alice not in r.text

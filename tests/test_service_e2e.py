@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -46,8 +47,8 @@ def _free_port() -> int:
 class Service:
     """The running application, its ports and what the tests remember between steps."""
 
-    def __init__(self, cfg, kv_dir: Path):
-        self.cfg, self.kv_dir = cfg, kv_dir
+    def __init__(self, cfg, kv_dir: Path, secret: bytes):
+        self.cfg, self.kv_dir, self.secret = cfg, kv_dir, secret
         self.ids: dict[str, list[str]] = {}
         self.answers: dict[str, str] = {}
         self.start()
@@ -62,7 +63,9 @@ class Service:
         grpc.channel_ready_future(self.channel).result(timeout=60)
         from services.client import MemoryClient
 
-        self.client = MemoryClient(channel=self.channel, timeout_s=300)  # re-encoding on a loaded 2-core machine
+        # An admin token: these tests act for several users (tests/test_service_auth.py checks per-user tokens).
+        self.client = MemoryClient(channel=self.channel, timeout_s=300,  # re-encoding on a loaded 2-core machine
+                                   token=token_for(self.secret, "e2e-admin", admin=True, ttl_s=3 * 3600))
 
     def stop(self) -> None:
         from ray import serve
@@ -91,19 +94,20 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory):  # noqa: F811
+def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     from services.app import ServiceConfig, single_node_deployments
 
     kv_dir = tmp_path_factory.mktemp("kv")
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
-                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments())
+                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments(),
+                        auth={"hs256_secret_file": str(jwt_secret[0])})
     from inferscale_core.vllm_env import vllm_cpu_env
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {**vllm_cpu_env(), "INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}})
     svc = None
     try:
-        svc = Service(cfg, kv_dir)
+        svc = Service(cfg, kv_dir, jwt_secret[1])
         yield svc
     finally:
         if svc is not None:
@@ -226,7 +230,7 @@ def test_an_evicted_user_is_reloaded_from_the_disk_tier(service, redis_url):  # 
 def test_cli_add_and_ask(service, capsys):
     from inferscale_core.cli import main  # `inferscale`, which mounts services/cli.py
 
-    target = ["--target", f"127.0.0.1:{service.cfg.grpc_port}"]
+    target = ["--target", f"127.0.0.1:{service.cfg.grpc_port}", "--token", token_for(service.secret, "carol")]
     assert main(["add", "carol", "Carol keeps bees on her roof.", "Carol speaks Finnish.", *target]) == 0
     ids = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert len(ids) == 2
@@ -235,6 +239,8 @@ def test_cli_add_and_ask(service, capsys):
     assert "Finnish" in out and "TTFT" in out and ids[1] in out.splitlines()[-1]
     assert main(["ask", "carol", "hi", "--k", "99", *target]) == 1
     assert "INVALID_ARGUMENT: k must be in" in capsys.readouterr().err
+    assert main(["ask", "carol", "hi", *target[:2], "--token", token_for(service.secret, "dave")]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
 
 
 DANA = [{"role": "user", "content": "Hi! I'm Dana. I just moved to Oslo and I work as a marine biologist."},

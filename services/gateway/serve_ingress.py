@@ -1,0 +1,165 @@
+"""The Ray Serve ingress: `Gateway`, the deployment behind Serve's gRPC proxy (methods named like the RPCs,
+called with the request's raw bytes and a RayServegRPCContext) and its HTTP proxy (the FastAPI app of
+http_front), plus `ServeBackends`, the GatewayCore's view of the other deployments through their handles."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..api import Limits
+from ..auth import AuthConfig, Authenticator
+from .core import GatewayCore
+from .grpc_front import metadata_value, status_of
+from .http_front import build_http_app
+
+log = logging.getLogger("inferscale.gateway")
+
+
+class ServeBackends:
+    """Backends over Serve deployment handles. Every per-user call carries multiplexed_model_id = user id,
+    so Serve routes it to a replica that already holds the user's index / KV store."""
+
+    def __init__(self, encoder, retrieval, engine, timeout_s: float = 120.0):
+        self.encoder, self.retrieval, self.engine, self.timeout_s = encoder, retrieval, engine, timeout_s
+
+    def _r(self, user_id: str):
+        return self.retrieval.options(multiplexed_model_id=user_id)
+
+    def _e(self, user_id: str, stream: bool = False):
+        return self.engine.options(multiplexed_model_id=user_id, stream=stream)
+
+    async def check_facts(self, texts):
+        return await asyncio.wait_for(self.encoder.check.remote(list(texts)), self.timeout_s)
+
+    async def index_facts(self, user_id, records):
+        indexed = self._r(user_id).index_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records])
+        # The encoder's response is handed to the engine call unresolved: Serve passes it on as an object
+        # reference and the engine replica reads the KV tensors from the object store; they never come here.
+        encoded = self.encoder.encode.remote([(r.text, list(r.window)) for r in records])
+        placed = self._e(user_id).put_facts.remote(user_id, [(r.fact_id, r.version) for r in records], encoded)
+        await asyncio.wait_for(asyncio.gather(indexed, placed), self.timeout_s)
+
+    async def search(self, user_id, query, k):
+        return await asyncio.wait_for(self._r(user_id).search.remote(user_id, query, k), self.timeout_s)
+
+    async def answer(self, user_id, query, k, max_tokens, temperature, mode):
+        from inferscale_core.compose import serving_order
+
+        hits = await self.search(user_id, query, k)
+        fact_ids = serving_order(hits)  # most relevant last, next to the query
+        async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
+                                                                       temperature, mode):
+            yield piece
+
+    async def forget(self, user_id, facts):
+        await asyncio.gather(self._r(user_id).forget.remote(user_id, [f for f, _ in facts]),
+                             self._e(user_id).forget.remote(user_id, facts))
+
+    async def forget_user(self, user_id):
+        await asyncio.gather(self._r(user_id).forget_user.remote(user_id),
+                             self._e(user_id).forget_user.remote(user_id))
+
+    async def search_vector(self, user_id, vector, k):
+        return await asyncio.wait_for(self._r(user_id).search_vector.remote(user_id, vector, k), self.timeout_s)
+
+    async def chat(self, messages, max_tokens, temperature, structured):
+        # Plain chat holds no user's KV: any engine replica will do.
+        return await asyncio.wait_for(self.engine.chat.remote(messages, max_tokens, temperature, structured),
+                                      self.timeout_s)
+
+    async def chat_room(self, messages):
+        return await asyncio.wait_for(self.engine.chat_room.remote(messages), self.timeout_s)
+
+    async def health(self):
+        out = {}
+        for name, handle in (("encoder_pool", self.encoder), ("retrieval", self.retrieval),
+                             ("engine", self.engine)):
+            try:
+                out[name] = await asyncio.wait_for(handle.health.remote(), 10)
+            except Exception as e:  # noqa: BLE001 - reported in the health answer
+                log.warning("health: %s: %s", name, e)
+                out[name] = f"error: {type(e).__name__}"
+        return out
+
+
+def _replica_core() -> GatewayCore:
+    """The GatewayCore of the Gateway replica serving this HTTP request. (The FastAPI app is pickled into
+    the replica, so it cannot close over module state; Serve's replica context names the instance.)"""
+    from ray import serve
+
+    return serve.get_replica_context().servable_object.core
+
+
+http_app = build_http_app(_replica_core)
+
+
+class Gateway:
+    """The ingress deployment (Serve options in services/app.py). gRPC methods carry the RPC names; Ray
+    Serve's gRPC proxy calls them with the request's raw bytes (see api.add_MemoryServicer_to_server) and a
+    RayServegRPCContext, whose invocation metadata carries the caller's `authorization`; a refusal sets the
+    status code and details on that context."""
+
+    def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
+                 limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None):
+        from ..registry import open_registry
+
+        # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
+        handles = (encoder, retrieval, engine)
+        if any(h is None for h in handles) and not all(h is None for h in handles):
+            raise ValueError("Gateway needs all three handles (encoder, retrieval, engine) or none")
+        backends = ServeBackends(*handles) if encoder is not None else None
+        authenticator = Authenticator(AuthConfig.from_dict(auth))  # fails the replica when no key is configured
+        if not authenticator.enabled:
+            log.warning("AUTHENTICATION IS OFF (insecure_no_auth): any caller can read and change any user's memory")
+        self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})), embedder_path,
+                                authenticator)
+
+    def _caller(self, name: str, grpc_context):
+        return self.core.authenticate(name, metadata_value(grpc_context.invocation_metadata(), "authorization"))
+
+    @staticmethod
+    def _refuse(name: str, e: BaseException, grpc_context):
+        err = status_of(name, e)
+        grpc_context.set_code(err.code)
+        grpc_context.set_details(err.message)
+        return err
+
+    async def _call(self, name: str, request, grpc_context):
+        try:
+            return await getattr(self.core, name)(request, self._caller(name, grpc_context))
+        except Exception as e:  # noqa: BLE001 - mapped to a status code for the proxy
+            raise self._refuse(name, e, grpc_context) from None
+
+    async def AddMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("AddMemory", request, grpc_context)
+
+    async def AddFacts(self, request, grpc_context):  # noqa: N802
+        return await self._call("AddFacts", request, grpc_context)
+
+    async def Search(self, request, grpc_context):  # noqa: N802
+        return await self._call("Search", request, grpc_context)
+
+    async def GetMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("GetMemory", request, grpc_context)
+
+    async def ListMemories(self, request, grpc_context):  # noqa: N802
+        return await self._call("ListMemories", request, grpc_context)
+
+    async def UpdateMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("UpdateMemory", request, grpc_context)
+
+    async def DeleteMemory(self, request, grpc_context):  # noqa: N802
+        return await self._call("DeleteMemory", request, grpc_context)
+
+    async def DeleteUser(self, request, grpc_context):  # noqa: N802
+        return await self._call("DeleteUser", request, grpc_context)
+
+    async def Health(self, request, grpc_context):  # noqa: N802
+        return await self._call("Health", request, grpc_context)
+
+    async def Answer(self, request, grpc_context):  # noqa: N802 - server streaming
+        try:
+            async for chunk in self.core.Answer(request, self._caller("Answer", grpc_context)):
+                yield chunk
+        except Exception as e:  # noqa: BLE001
+            raise self._refuse("Answer", e, grpc_context) from None

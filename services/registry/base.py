@@ -1,0 +1,235 @@
+"""The registry's shared part: records, argument checks, quotas and the interface every backend implements
+(services/registry/__init__.py lists the backends)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from inferscale_core.errors import InferScaleError, check_id
+
+
+class VersionConflictError(InferScaleError):
+    """An update named an expected version and the fact has moved on (optimistic concurrency)."""
+
+    def __init__(self, fact_id: str, expected: int, actual: int):
+        super().__init__(f"fact {fact_id!r} is at version {actual}, the update expected version {expected}")
+        self.fact_id, self.expected, self.actual = fact_id, expected, actual
+
+    def __reduce__(self):  # crosses process boundaries (ActorRegistry)
+        return (VersionConflictError, (self.fact_id, self.expected, self.actual))
+
+
+class DuplicateFactError(InferScaleError):
+    """A caller-chosen fact id that is already taken (by this user or another one)."""
+
+
+class QuotaExceededError(InferScaleError):
+    """A write would take the user past its quota of facts or bytes; nothing was written."""
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Per-user bounds checked atomically with the write (concurrent writers cannot overshoot them)."""
+    max_facts: int
+    max_bytes: int
+
+
+def fact_bytes(rec: "FactRecord") -> int:
+    """What a fact counts against its user's byte quota: text, metadata and window as stored (UTF-8)."""
+    return (len(rec.text.encode()) + len(json.dumps(rec.metadata).encode())
+            + len(json.dumps(list(rec.window)).encode()))
+
+
+def check_quota(quota: "Quota | None", user_id: str, facts: int, nbytes: int, add_facts: int, add_bytes: int) -> None:
+    """Raises QuotaExceededError if the user, now at `facts`/`nbytes`, cannot take `add_facts`/`add_bytes` more."""
+    if quota is None:
+        return
+    if add_facts > 0 and facts + add_facts > quota.max_facts:
+        raise QuotaExceededError(f"user {user_id!r} has {facts} facts; adding {add_facts} would pass the limit of "
+                                 f"{quota.max_facts} facts per user")
+    if add_bytes > 0 and nbytes + add_bytes > quota.max_bytes:
+        raise QuotaExceededError(f"user {user_id!r} stores {nbytes} bytes; {add_bytes} more would pass the limit "
+                                 f"of {quota.max_bytes} bytes per user")
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    fact_id: str
+    user_id: str
+    text: str
+    metadata: dict = field(default_factory=dict)
+    version: int = 1
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    embedding: np.ndarray | None = None  # float32 [dim], None until indexed
+    window: tuple[str, ...] = ()  # conversation turns the fact was encoded behind (re-encoding needs them)
+    unservable_reason: str = ""  # non-empty: this version failed to encode; Answer leaves it out
+
+    def public(self) -> dict:
+        """The fields a client may see (no embedding)."""
+        return {"fact_id": self.fact_id, "user_id": self.user_id, "text": self.text, "metadata": dict(self.metadata),
+                "version": self.version, "created_at": self.created_at, "updated_at": self.updated_at,
+                "unservable_reason": self.unservable_reason}
+
+
+@dataclass(frozen=True)
+class NewFact:
+    text: str
+    metadata: dict = field(default_factory=dict)
+    embedding: np.ndarray | None = None
+    fact_id: str | None = None  # None: the registry picks a uuid4
+    window: tuple[str, ...] = ()
+
+
+def _check_text(text) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("fact text must be a non-empty string")
+    return text
+
+
+def _check_metadata(metadata) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise ValueError("fact metadata must be a dict with str keys")
+    json.dumps(metadata)  # raises TypeError on values that cannot be stored
+    return dict(metadata)
+
+
+def _check_window(window) -> tuple[str, ...]:
+    if not isinstance(window, (list, tuple)) or not all(isinstance(t, str) for t in window):
+        raise ValueError("a fact's window must be a list of str (conversation turns)")
+    return tuple(window)
+
+
+def _as_embedding(e) -> np.ndarray | None:
+    if e is None:
+        return None
+    arr = np.asarray(e, dtype=np.float32)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"an embedding must be a non-empty 1-D vector, got shape {arr.shape}")
+    return arr
+
+
+class Registry(ABC):
+    """Interface shared by both backends. All methods raise UnknownFactError for a fact the user does not
+    own, whether it does not exist or belongs to someone else: the two cases look the same from outside."""
+
+    # --- facts ---
+    @abstractmethod
+    def create(self, user_id: str, facts: list[NewFact], quota: Quota | None = None) -> list[FactRecord]:
+        """All the facts or none; QuotaExceededError if they would take the user past `quota`."""
+
+    @abstractmethod
+    def get(self, user_id: str, fact_id: str) -> FactRecord: ...
+
+    @abstractmethod
+    def get_many(self, user_id: str, fact_ids: list[str]) -> list[FactRecord]:
+        """Records in the order asked; raises UnknownFactError for the first id the user does not own."""
+
+    @abstractmethod
+    def list(self, user_id: str, offset: int = 0, limit: int | None = None) -> tuple[list[FactRecord], int | None]:
+        """Facts in creation order from `offset`; returns (records, next offset or None at the end)."""
+
+    @abstractmethod
+    def count(self, user_id: str) -> int: ...
+
+    @abstractmethod
+    def fact_versions(self, user_id: str) -> dict[str, int]:
+        """fact_id -> version for every fact of the user: what a replica compares its cache against."""
+
+    @abstractmethod
+    def update(self, user_id: str, fact_id: str, text: str | None = None, metadata: dict | None = None,
+               replace_metadata: bool = False, embedding=None, expected_version: int = 0,
+               quota: Quota | None = None) -> FactRecord:
+        """New text and/or metadata; version + 1. A new text without a new embedding clears the embedding
+        (the old one describes the old text); a new version is servable until an encoder says otherwise."""
+
+    @abstractmethod
+    def set_embedding(self, user_id: str, fact_id: str, version: int, embedding) -> bool:
+        """Store the embedding computed for `version`; False (nothing written) if the fact moved on."""
+
+    @abstractmethod
+    def set_unservable(self, user_id: str, fact_id: str, version: int, reason: str) -> bool:
+        """Mark `version` as one the encoder cannot serve; False (nothing written) if the fact moved on."""
+
+    @abstractmethod
+    def user_bytes(self, user_id: str) -> int:
+        """Bytes the user's facts count against its quota (fact_bytes summed)."""
+
+    @abstractmethod
+    def delete(self, user_id: str, fact_id: str) -> FactRecord: ...
+
+    @abstractmethod
+    def delete_user(self, user_id: str) -> int:
+        """Removes every fact of the user and its placements; returns how many facts were removed."""
+
+    @abstractmethod
+    def user_version(self, user_id: str) -> int:
+        """Counter bumped by every change to the user's facts (0 for a user never written)."""
+
+    # --- placement map: user -> engine replicas that hold the user's KV store ---
+    @abstractmethod
+    def add_placement(self, user_id: str, replica_id: str) -> None: ...
+
+    @abstractmethod
+    def remove_placement(self, user_id: str, replica_id: str) -> None: ...
+
+    @abstractmethod
+    def placement(self, user_id: str) -> set[str]: ...
+
+    @abstractmethod
+    def placements(self) -> dict[str, set[str]]: ...
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raises when the backend cannot be reached."""
+
+    def close(self) -> None:
+        pass
+
+    # shared helpers
+    @staticmethod
+    def _checked_update(user_id: str, fact_id: str, text, metadata, embedding) -> np.ndarray | None:
+        """Validate an update's arguments (both backends); returns the embedding as an array, or None."""
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        if text is not None:
+            _check_text(text)
+        if metadata is not None:
+            _check_metadata(metadata)
+        return _as_embedding(embedding)
+
+    @staticmethod
+    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb) -> FactRecord:
+        if metadata is None:
+            meta = cur.metadata
+        elif replace_metadata:
+            meta = dict(metadata)
+        else:
+            meta = {**cur.metadata, **metadata}
+        new_text = cur.text if text is None else text
+        if emb is None:
+            emb = cur.embedding if new_text == cur.text else None
+        return replace(cur, text=new_text, metadata=meta, version=cur.version + 1, updated_at=time.time(),
+                       embedding=emb, unservable_reason="")
+
+    @staticmethod
+    def _new_records(user_id: str, facts: list[NewFact], now: float) -> list[FactRecord]:
+        check_id("user_id", user_id)
+        out, seen = [], set()
+        for i, f in enumerate(facts):
+            if not isinstance(f, NewFact):
+                raise TypeError(f"facts[{i}] must be a NewFact, got {type(f).__name__}")
+            fid = check_id("fact_id", f.fact_id) if f.fact_id is not None else uuid.uuid4().hex
+            if fid in seen:
+                raise DuplicateFactError(f"fact id {fid!r} appears twice in one request")
+            seen.add(fid)
+            out.append(FactRecord(fid, user_id, _check_text(f.text), _check_metadata(f.metadata), 1, now, now,
+                                  _as_embedding(f.embedding), _check_window(f.window)))
+        return out

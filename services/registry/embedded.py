@@ -1,0 +1,165 @@
+"""EmbeddedRegistry: the same interface kept in this process behind one lock (a single-process run without
+Redis; its data lives as long as the process)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+from inferscale_core.errors import UnknownFactError, check_id
+
+from .base import DuplicateFactError, Registry, VersionConflictError, _as_embedding, check_quota, fact_bytes
+
+
+class EmbeddedRegistry(Registry):
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._facts = {}                            # fact_id -> FactRecord
+        self._order: dict[str, list[str]] = {}      # user -> fact ids in creation order
+        self._bytes: dict[str, int] = {}            # user -> fact_bytes summed (the byte quota)
+        self._ver: dict[str, int] = {}
+        self._placement: dict[str, set[str]] = {}
+
+    def _owned(self, user_id, fact_id):
+        rec = self._facts.get(fact_id)
+        if rec is None or rec.user_id != user_id:
+            raise UnknownFactError(user_id, fact_id)
+        return rec
+
+    def _bump(self, user_id):
+        self._ver[user_id] = self._ver.get(user_id, 0) + 1
+
+    def create(self, user_id, facts, quota=None):
+        recs = self._new_records(user_id, facts, time.time())
+        added = sum(fact_bytes(r) for r in recs)
+        with self._lock:
+            taken = [r.fact_id for r in recs if r.fact_id in self._facts]
+            if taken:
+                raise DuplicateFactError(f"fact id {taken[0]!r} already exists")
+            check_quota(quota, user_id, len(self._order.get(user_id, [])), self._bytes.get(user_id, 0), len(recs),
+                        added)
+            for r in recs:
+                self._facts[r.fact_id] = r
+                self._order.setdefault(user_id, []).append(r.fact_id)
+            if recs:
+                self._bytes[user_id] = self._bytes.get(user_id, 0) + added
+                self._bump(user_id)
+        return recs
+
+    def get(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        with self._lock:
+            return self._owned(user_id, fact_id)
+
+    def get_many(self, user_id, fact_ids):
+        check_id("user_id", user_id)
+        with self._lock:
+            return [self._owned(user_id, check_id("fact_id", f)) for f in fact_ids]
+
+    def list(self, user_id, offset=0, limit=None):
+        check_id("user_id", user_id)
+        if offset < 0 or (limit is not None and limit < 1):
+            raise ValueError(f"bad page: offset={offset}, limit={limit}")
+        with self._lock:
+            ids = self._order.get(user_id, [])
+            page = ids[offset:] if limit is None else ids[offset:offset + limit]
+            more = limit is not None and offset + limit < len(ids)
+            return [self._facts[f] for f in page], (offset + len(page) if more else None)
+
+    def count(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return len(self._order.get(user_id, []))
+
+    def user_bytes(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return self._bytes.get(user_id, 0)
+
+    def fact_versions(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return {f: self._facts[f].version for f in self._order.get(user_id, [])}
+
+    def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
+               expected_version=0, quota=None):
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding)
+        with self._lock:
+            cur = self._owned(user_id, fact_id)
+            if expected_version and cur.version != expected_version:
+                raise VersionConflictError(fact_id, expected_version, cur.version)
+            new = self._updated(cur, text, metadata, replace_metadata, emb)
+            grown = fact_bytes(new) - fact_bytes(cur)
+            check_quota(quota, user_id, 0, self._bytes.get(user_id, 0), 0, grown)
+            self._facts[fact_id] = new
+            self._bytes[user_id] = self._bytes.get(user_id, 0) + grown
+            self._bump(user_id)
+            return new
+
+    def _set(self, user_id, fact_id, version, **changes) -> bool:
+        with self._lock:
+            cur = self._owned(user_id, fact_id)
+            if cur.version != version:
+                return False
+            self._facts[fact_id] = replace(cur, **changes)
+            return True
+
+    def set_embedding(self, user_id, fact_id, version, embedding):
+        return self._set(user_id, fact_id, version, embedding=_as_embedding(embedding))
+
+    def set_unservable(self, user_id, fact_id, version, reason):
+        return self._set(user_id, fact_id, version, unservable_reason=str(reason) or "unservable")
+
+    def delete(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        with self._lock:
+            rec = self._owned(user_id, fact_id)
+            del self._facts[fact_id]
+            self._order[user_id].remove(fact_id)
+            self._bytes[user_id] = self._bytes.get(user_id, 0) - fact_bytes(rec)
+            self._bump(user_id)
+            return rec
+
+    def delete_user(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            ids = self._order.pop(user_id, [])
+            for f in ids:
+                del self._facts[f]
+            self._bytes.pop(user_id, None)
+            self._placement.pop(user_id, None)
+            self._bump(user_id)
+            return len(ids)
+
+    def user_version(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return self._ver.get(user_id, 0)
+
+    def add_placement(self, user_id, replica_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            self._placement.setdefault(user_id, set()).add(replica_id)
+
+    def remove_placement(self, user_id, replica_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            s = self._placement.get(user_id)
+            if s is not None:
+                s.discard(replica_id)
+                if not s:
+                    del self._placement[user_id]
+
+    def placement(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return set(self._placement.get(user_id, ()))
+
+    def placements(self):
+        with self._lock:
+            return {u: set(s) for u, s in self._placement.items()}
+
+    def ping(self):
+        return None

@@ -1,0 +1,269 @@
+"""RedisRegistry: the deployment backend. Every replica of every deployment sees the same data, and it survives
+process restarts. Multi-key changes are WATCH/MULTI transactions, retried when a watched key moved, so
+quotas hold under concurrent writers."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from inferscale_core.errors import UnknownFactError, check_id
+
+from .base import DuplicateFactError, FactRecord, Registry, VersionConflictError, _as_embedding, check_quota, fact_bytes
+
+PASSWORD_ENV = "INFERSCALE_REDIS_PASSWORD"
+
+
+def redacted(url: str) -> str:
+    """The URL with its password replaced, for logs and banners."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
+
+
+class RedisRegistry(Registry):
+    """Keys (all under `prefix`):
+      fact:{fact_id}        hash  user_id, text, metadata (JSON), version, created_at, updated_at, embedding,
+                                  window (JSON), unservable (reason; empty when servable)
+      user:{user_id}:facts  zset  fact_id -> creation sequence (stable listing order)
+      user:{user_id}:bytes  int   fact_bytes of the user's facts (the byte quota)
+      user:{user_id}:ver    int   the user's change counter
+      placement:{user_id}   set   engine replica ids
+      placed_users          set   users with a non-empty placement
+      seq                   int   global creation sequence
+
+    The password comes from the URL (`redis://:PASSWORD@host:port/0`) or, when the URL has none, from
+    $INFERSCALE_REDIS_PASSWORD, so a Kubernetes Secret can supply it without it appearing in any config.
+    """
+
+    def __init__(self, url: str, prefix: str = "inferscale:"):
+        import redis
+
+        self.url, self.prefix = url, prefix
+        kw = {}
+        if urlsplit(url).password is None and os.environ.get(PASSWORD_ENV):
+            kw["password"] = os.environ[PASSWORD_ENV]
+        self.r = redis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=5, **kw)
+
+    def _k(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    def _fact_key(self, fact_id: str) -> str:
+        return self._k("fact", fact_id)
+
+    def _record(self, fact_id: str, h: dict) -> FactRecord:
+        emb = h.get(b"embedding")
+        return FactRecord(
+            fact_id=fact_id, user_id=h[b"user_id"].decode(), text=h[b"text"].decode(),
+            metadata=json.loads(h[b"metadata"]), version=int(h[b"version"]),
+            created_at=float(h[b"created_at"]), updated_at=float(h[b"updated_at"]),
+            embedding=np.frombuffer(emb, dtype=np.float32).copy() if emb else None,
+            window=tuple(json.loads(h.get(b"window", b"[]"))),
+            unservable_reason=h.get(b"unservable", b"").decode())
+
+    @staticmethod
+    def _mapping(rec: FactRecord) -> dict:
+        return {"user_id": rec.user_id, "text": rec.text, "metadata": json.dumps(rec.metadata),
+                "version": rec.version, "created_at": repr(rec.created_at), "updated_at": repr(rec.updated_at),
+                "embedding": rec.embedding.astype(np.float32).tobytes() if rec.embedding is not None else b"",
+                "window": json.dumps(list(rec.window)), "unservable": rec.unservable_reason}
+
+    def _owned(self, user_id: str, fact_id: str, h: dict) -> FactRecord:
+        if not h or h[b"user_id"].decode() != user_id:
+            raise UnknownFactError(user_id, fact_id)
+        return self._record(fact_id, h)
+
+    def _transaction(self, keys: list[str], body):
+        """Runs body(pipe) under WATCH keys until no watched key moved in between; returns its result.
+        body reads through `pipe` (immediate mode), then calls pipe.multi() and queues its writes."""
+        import redis
+
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(*keys)
+                    out = body(pipe)
+                    if pipe.explicit_transaction:
+                        pipe.execute()
+                    else:
+                        pipe.unwatch()
+                    return out
+                except redis.WatchError:
+                    continue
+
+    def create(self, user_id, facts, quota=None):
+        recs = self._new_records(user_id, facts, time.time())
+        if not recs:
+            return []
+        keys = [self._fact_key(r.fact_id) for r in recs]
+        facts_key, bytes_key = self._k("user", user_id, "facts"), self._k("user", user_id, "bytes")
+        added = sum(fact_bytes(r) for r in recs)
+        # Creation sequence numbers first (gaps are harmless), then facts + listing + counters in one MULTI.
+        first = int(self.r.incrby(self._k("seq"), len(recs))) - len(recs) + 1
+
+        def body(pipe):
+            taken = [r.fact_id for r, k in zip(recs, keys) if pipe.exists(k)]  # never overwrite a fact
+            if taken:
+                raise DuplicateFactError(f"fact id {taken[0]!r} already exists")
+            check_quota(quota, user_id, int(pipe.zcard(facts_key)), int(pipe.get(bytes_key) or 0), len(recs), added)
+            pipe.multi()
+            for r, k in zip(recs, keys):
+                pipe.hset(k, mapping=self._mapping(r))
+            pipe.zadd(facts_key, {r.fact_id: first + i for i, r in enumerate(recs)})
+            pipe.incrby(bytes_key, added)
+            pipe.incr(self._k("user", user_id, "ver"))
+
+        self._transaction([*keys, facts_key, bytes_key], body)
+        return recs
+
+    def get(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        return self._owned(user_id, fact_id, self.r.hgetall(self._fact_key(fact_id)))
+
+    def get_many(self, user_id, fact_ids):
+        check_id("user_id", user_id)
+        for f in fact_ids:
+            check_id("fact_id", f)
+        with self.r.pipeline(transaction=False) as pipe:
+            for f in fact_ids:
+                pipe.hgetall(self._fact_key(f))
+            rows = pipe.execute()
+        return [self._owned(user_id, f, h) for f, h in zip(fact_ids, rows)]
+
+    def list(self, user_id, offset=0, limit=None):
+        check_id("user_id", user_id)
+        if offset < 0 or (limit is not None and limit < 1):
+            raise ValueError(f"bad page: offset={offset}, limit={limit}")
+        end = -1 if limit is None else offset + limit  # one extra to know whether more follow
+        ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), offset, end)]
+        more = limit is not None and len(ids) > limit
+        ids = ids[:limit] if limit is not None else ids
+        recs = self.get_many(user_id, ids) if ids else []
+        return recs, (offset + len(ids) if more else None)
+
+    def count(self, user_id):
+        check_id("user_id", user_id)
+        return int(self.r.zcard(self._k("user", user_id, "facts")))
+
+    def user_bytes(self, user_id):
+        check_id("user_id", user_id)
+        return int(self.r.get(self._k("user", user_id, "bytes")) or 0)
+
+    def fact_versions(self, user_id):
+        check_id("user_id", user_id)
+        ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), 0, -1)]
+        with self.r.pipeline(transaction=False) as pipe:
+            for f in ids:
+                pipe.hget(self._fact_key(f), "version")
+            vers = pipe.execute()
+        return {f: int(v) for f, v in zip(ids, vers) if v is not None}
+
+    def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
+               expected_version=0, quota=None):
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding)
+        key, bytes_key = self._fact_key(fact_id), self._k("user", user_id, "bytes")
+
+        def body(pipe):
+            cur = self._owned(user_id, fact_id, pipe.hgetall(key))
+            if expected_version and cur.version != expected_version:
+                raise VersionConflictError(fact_id, expected_version, cur.version)
+            new = self._updated(cur, text, metadata, replace_metadata, emb)
+            grown = fact_bytes(new) - fact_bytes(cur)
+            check_quota(quota, user_id, 0, int(pipe.get(bytes_key) or 0), 0, grown)
+            pipe.multi()
+            pipe.hset(key, mapping=self._mapping(new))
+            pipe.incrby(bytes_key, grown)
+            pipe.incr(self._k("user", user_id, "ver"))
+            return new
+
+        return self._transaction([key, bytes_key], body)
+
+    def _set_field(self, user_id, fact_id, version, field_name, value) -> bool:
+        key = self._fact_key(fact_id)
+
+        def body(pipe):
+            cur = self._owned(user_id, fact_id, pipe.hgetall(key))
+            if cur.version != version:
+                return False
+            pipe.multi()
+            pipe.hset(key, field_name, value)
+            return True
+
+        return self._transaction([key], body)
+
+    def set_embedding(self, user_id, fact_id, version, embedding):
+        return self._set_field(user_id, fact_id, version, "embedding", _as_embedding(embedding).tobytes())
+
+    def set_unservable(self, user_id, fact_id, version, reason):
+        return self._set_field(user_id, fact_id, version, "unservable", str(reason) or "unservable")
+
+    def delete(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        key = self._fact_key(fact_id)
+
+        def body(pipe):
+            rec = self._owned(user_id, fact_id, pipe.hgetall(key))
+            pipe.multi()
+            pipe.delete(key)
+            pipe.zrem(self._k("user", user_id, "facts"), fact_id)
+            pipe.decrby(self._k("user", user_id, "bytes"), fact_bytes(rec))
+            pipe.incr(self._k("user", user_id, "ver"))
+            return rec
+
+        return self._transaction([key], body)
+
+    def delete_user(self, user_id):
+        check_id("user_id", user_id)
+        facts_key = self._k("user", user_id, "facts")
+
+        def body(pipe):
+            ids = [x.decode() for x in pipe.zrange(facts_key, 0, -1)]
+            pipe.multi()
+            for f in ids:
+                pipe.delete(self._fact_key(f))
+            pipe.delete(facts_key, self._k("user", user_id, "bytes"), self._k("placement", user_id))
+            pipe.srem(self._k("placed_users"), user_id)
+            pipe.incr(self._k("user", user_id, "ver"))  # kept: replicas must still see the change
+            return len(ids)
+
+        return self._transaction([facts_key], body)
+
+    def user_version(self, user_id):
+        check_id("user_id", user_id)
+        v = self.r.get(self._k("user", user_id, "ver"))
+        return int(v) if v is not None else 0
+
+    def add_placement(self, user_id, replica_id):
+        check_id("user_id", user_id)
+        with self.r.pipeline(transaction=True) as pipe:
+            pipe.sadd(self._k("placement", user_id), replica_id)
+            pipe.sadd(self._k("placed_users"), user_id)
+            pipe.execute()
+
+    def remove_placement(self, user_id, replica_id):
+        check_id("user_id", user_id)
+        key = self._k("placement", user_id)
+        self.r.srem(key, replica_id)
+        if self.r.scard(key) == 0:
+            self.r.srem(self._k("placed_users"), user_id)
+
+    def placement(self, user_id):
+        check_id("user_id", user_id)
+        return {x.decode() for x in self.r.smembers(self._k("placement", user_id))}
+
+    def placements(self):
+        users = [u.decode() for u in self.r.smembers(self._k("placed_users"))]
+        out = {u: self.placement(u) for u in users}
+        return {u: s for u, s in out.items() if s}
+
+    def ping(self):
+        self.r.ping()
+
+    def close(self):
+        self.r.close()

@@ -1,0 +1,296 @@
+"""Authentication and per-user authorization on both front doors, against a real grpc server on loopback and
+the FastAPI app, registry in a real redis-server (registry-only gateway: refusals happen before any backend).
+
+Every RPC but Health, called with no token / an expired one / a wrong signature / another user's token /
+a token without the needed scope, gets UNAUTHENTICATED or PERMISSION_DENIED (HTTP 401/403), and the answer
+is the same whether or not the other user exists: nothing about the user or its facts leaks.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import jwt
+import pytest
+
+from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+from services.api import ApiError, pb2, pb2_grpc
+from services.auth import (SCOPE_READ, AuthConfig, AuthConfigError, Authenticator, Principal, ensure_dev_secret,
+                           mint)
+from services.gateway import GatewayCore, build_http_app, start_grpc_server
+from services.registry import RedisRegistry
+
+ALICE_FACT = "alice's locker code is 4711"
+
+
+def _requests(user: str, fact_id: str) -> dict:
+    """One well-formed request per RPC, for `user` (Answer streams)."""
+    return {
+        "AddFacts": lambda s, md: s.AddFacts(pb2.AddFactsRequest(user_id=user, facts=[pb2.FactInput(text="x")]),
+                                             metadata=md),
+        "AddMemory": lambda s, md: s.AddMemory(pb2.AddMemoryRequest(
+            user_id=user, infer=False, messages=[pb2.Message(role="user", content="x")]), metadata=md),
+        "Search": lambda s, md: s.Search(pb2.SearchRequest(user_id=user, query="locker"), metadata=md),
+        "Answer": lambda s, md: list(s.Answer(pb2.AnswerRequest(user_id=user, query="locker?"), metadata=md)),
+        "GetMemory": lambda s, md: s.GetMemory(pb2.GetMemoryRequest(user_id=user, fact_id=fact_id), metadata=md),
+        "ListMemories": lambda s, md: s.ListMemories(pb2.ListMemoriesRequest(user_id=user), metadata=md),
+        "UpdateMemory": lambda s, md: s.UpdateMemory(pb2.UpdateMemoryRequest(user_id=user, fact_id=fact_id,
+                                                                              text="hacked"), metadata=md),
+        "DeleteMemory": lambda s, md: s.DeleteMemory(pb2.DeleteMemoryRequest(user_id=user, fact_id=fact_id),
+                                                     metadata=md),
+        "DeleteUser": lambda s, md: s.DeleteUser(pb2.DeleteUserRequest(user_id=user), metadata=md),
+    }
+
+
+RPCS = sorted(_requests("u", "f"))
+
+
+class _ServerThread:
+    def __init__(self, core: GatewayCore):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server, self.port = asyncio.run_coroutine_threadsafe(start_grpc_server(core), self.loop).result(30)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def world(redis_url, jwt_secret):  # noqa: F811
+    """A gateway with auth on, alice holding one fact; yields (stub, core, secret, alice, fact id, registry)."""
+    reg = RedisRegistry(redis_url, prefix=f"auth{uuid.uuid4().hex[:8]}:")
+    core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
+    srv = _ServerThread(core)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    grpc.channel_ready_future(ch).result(timeout=30)
+    alice = f"alice-{uuid.uuid4().hex[:6]}"
+    (fact,) = pb2_grpc.MemoryStub(token_channel(ch, token_for(jwt_secret[1], alice))).AddFacts(
+        pb2.AddFactsRequest(user_id=alice, facts=[pb2.FactInput(text=ALICE_FACT)])).facts
+    yield pb2_grpc.MemoryStub(ch), core, jwt_secret[1], alice, fact.fact_id, reg
+    ch.close()
+    srv.stop()
+    reg.close()
+
+
+def _refused(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def _bearer(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def _bad_tokens(secret: bytes, user: str) -> dict:
+    """name -> (metadata, expected code)."""
+    now = int(time.time())
+    other_secret = b"another-secret-that-is-long-enough-for-hs256!"
+    unsigned = jwt.encode({"sub": user, "exp": now + 60, "scope": "memory:read memory:write"}, None, algorithm="none")
+    return {
+        "missing": ([], grpc.StatusCode.UNAUTHENTICATED),
+        "not bearer": ([("authorization", f"Basic {user}:pw")], grpc.StatusCode.UNAUTHENTICATED),
+        "garbage": (_bearer("not.a.jwt"), grpc.StatusCode.UNAUTHENTICATED),
+        "expired": (_bearer(mint(secret, user, ttl_s=-3600)), grpc.StatusCode.UNAUTHENTICATED),
+        "wrong signature": (_bearer(mint(other_secret, user)), grpc.StatusCode.UNAUTHENTICATED),
+        "alg none": (_bearer(unsigned), grpc.StatusCode.UNAUTHENTICATED),
+        "no exp": (_bearer(jwt.encode({"sub": user}, secret, algorithm="HS256")), grpc.StatusCode.UNAUTHENTICATED),
+        "other user": (_bearer(token_for(secret, "mallory")), grpc.StatusCode.PERMISSION_DENIED),
+    }
+
+
+@pytest.mark.parametrize("rpc", RPCS)
+def test_every_rpc_refuses_bad_tokens_and_leaks_nothing(world, rpc):
+    stub, _, secret, alice, fact_id, reg = world
+    ghost = f"ghost-{uuid.uuid4().hex[:6]}"  # never written: must look exactly like alice from outside
+    for name, (md, want) in _bad_tokens(secret, alice).items():
+        answers = []
+        for user in (alice, ghost):
+            fid = fact_id if user == alice else "no-such-fact"
+            code, details = _refused(lambda: _requests(user, fid)[rpc](stub, md))
+            assert code == want, (rpc, name, code, details)
+            assert ALICE_FACT not in details and "4711" not in details and alice not in details, details
+            assert "Traceback" not in details and "/" not in details.replace("/v1", ""), details
+            answers.append((code, details))
+        assert answers[0] == answers[1], (rpc, name, answers)  # existence of the user is not revealed
+    # alice is untouched by all of it
+    facts = reg.list(alice)[0]
+    assert [(f.fact_id, f.text, f.version) for f in facts] == [(fact_id, ALICE_FACT, 1)]
+
+
+def test_a_token_without_the_write_scope_cannot_write(world):
+    stub, _, secret, alice, fact_id, reg = world
+    md = _bearer(mint(secret, alice, scopes=[SCOPE_READ]))
+    assert stub.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact_id), metadata=md).text == ALICE_FACT
+    for rpc in ("AddFacts", "UpdateMemory", "DeleteMemory", "DeleteUser", "AddMemory"):
+        code, details = _refused(lambda: _requests(alice, fact_id)[rpc](stub, md))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "memory:write" in details
+    assert reg.get(alice, fact_id).version == 1
+
+
+def test_own_token_works_and_admin_acts_for_anyone(world):
+    stub, _, secret, alice, fact_id, _ = world
+    own = _bearer(token_for(secret, alice))
+    assert [f.fact_id for f in stub.ListMemories(pb2.ListMemoriesRequest(user_id=alice), metadata=own).facts] == [fact_id]
+    bob = f"bob-{uuid.uuid4().hex[:6]}"
+    admin = _bearer(token_for(secret, "support-desk", admin=True))
+    stub.AddFacts(pb2.AddFactsRequest(user_id=bob, facts=[pb2.FactInput(text="bob likes tea")]), metadata=admin)
+    assert stub.DeleteUser(pb2.DeleteUserRequest(user_id=bob), metadata=admin).deleted == 1
+
+
+def test_health_needs_no_token(world):
+    stub = world[0]
+    assert stub.Health(pb2.HealthRequest()).components["registry"] == "ok"
+
+
+def test_http_chat_refuses_bad_tokens(world):
+    from fastapi.testclient import TestClient
+
+    _, core, secret, alice, _, _ = world
+    client = TestClient(build_http_app(lambda: core))
+    body = {"user": alice, "messages": [{"role": "user", "content": "What is my locker code?"}]}
+    for name, (md, want) in _bad_tokens(secret, alice).items():
+        headers = dict(md)
+        r = client.post("/v1/chat/completions", json=body, headers=headers)
+        status = 401 if want == grpc.StatusCode.UNAUTHENTICATED else 403
+        assert r.status_code == status, (name, r.status_code, r.text)
+        assert "4711" not in r.text and alice not in r.text
+        assert r.json()["error"]["code"] == want.name.lower()
+        if status == 401:
+            assert r.headers["www-authenticate"] == "Bearer"
+    # the token's own user passes auth (then answers 503: this gateway has no engine), also with `user` left out
+    own = {"authorization": f"Bearer {token_for(secret, alice)}"}
+    assert client.post("/v1/chat/completions", json=body, headers=own).status_code == 503
+    r = client.post("/v1/chat/completions", headers=own, json={"messages": body["messages"]})
+    assert r.status_code == 503
+    assert client.get("/healthz").status_code == 200  # open
+
+
+# ---------------------------------------------------------------------------------------- key types
+def test_rs256_public_key_file_and_no_algorithm_confusion(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "pub.pem").write_bytes(pub)
+    auth = Authenticator(AuthConfig(public_key_file=str(tmp_path / "pub.pem")))
+    now = int(time.time())
+    good = jwt.encode({"sub": "alice", "exp": now + 60, "scope": "memory:read"}, key, algorithm="RS256")
+    assert auth.authenticate(f"Bearer {good}") == Principal("alice", frozenset({"memory:read"}))
+    # HS256 "signed" with the public key itself (the classic confusion attack), made by hand since PyJWT
+    # refuses to: this server holds no HS256 secret, so the token is refused whatever its MAC.
+    def b64(b: bytes) -> str:
+        return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+    header = b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+    signing_input = f"{header}.{b64(json.dumps({'sub': 'alice', 'exp': now + 60}).encode())}"
+    forged = f"{signing_input}.{b64(hmac.new(pub, signing_input.encode(), hashlib.sha256).digest())}"
+    with pytest.raises(ApiError) as e:
+        auth.authenticate(f"Bearer {forged}")
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "HS256" in e.value.message
+
+
+def test_es256_tokens_from_a_jwks_endpoint():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    jwk = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(key.public_key()))
+    jwks = json.dumps({"keys": [{**jwk, "kid": "k1", "alg": "ES256", "use": "sig"}]}).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(jwks)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        auth = Authenticator(AuthConfig(jwks_url=f"http://127.0.0.1:{httpd.server_port}/jwks.json",
+                                        issuer="https://idp.example", audience="inferscale"))
+        now = int(time.time())
+        claims = {"sub": "carol", "exp": now + 60, "scp": ["memory:read", "memory:write"],
+                  "iss": "https://idp.example", "aud": "inferscale"}
+        good = jwt.encode(claims, key, algorithm="ES256", headers={"kid": "k1"})
+        assert auth.authenticate(f"Bearer {good}").scopes == {"memory:read", "memory:write"}
+        for bad_claims, kid in (({**claims, "aud": "someone-else"}, "k1"), ({**claims, "iss": "https://evil"}, "k1"),
+                                (claims, "unknown-kid")):
+            bad = jwt.encode(bad_claims, key, algorithm="ES256", headers={"kid": kid})
+            with pytest.raises(Exception) as e:
+                auth.authenticate(f"Bearer {bad}")
+            assert getattr(e.value, "code", None) == grpc.StatusCode.UNAUTHENTICATED, e.value
+    finally:
+        httpd.shutdown()
+
+
+def test_server_without_a_key_refuses_to_start(monkeypatch, tmp_path):
+    for var in ("INFERSCALE_JWT_SECRET", "INFERSCALE_JWT_SECRET_FILE", "INFERSCALE_JWT_PUBLIC_KEY_FILE",
+                "INFERSCALE_JWT_JWKS_URL"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(AuthConfigError, match="no token key is configured"):
+        Authenticator(AuthConfig())
+    (tmp_path / "short").write_text("tooshort")
+    with pytest.raises(AuthConfigError, match="at least 32"):
+        Authenticator(AuthConfig(hs256_secret_file=str(tmp_path / "short")))
+    # the secret from the environment (how a Kubernetes Secret reaches the gateway)
+    monkeypatch.setenv("INFERSCALE_JWT_SECRET", "s" * 40)
+    assert Authenticator(AuthConfig()).authenticate(f"Bearer {mint(b's' * 40, 'dave')}").subject == "dave"
+    with pytest.raises(AuthConfigError, match="unknown auth settings"):
+        AuthConfig.from_dict({"hs256_secret": "inline secrets are not accepted"})
+
+
+def test_dev_secret_is_private_and_stable(tmp_path):
+    path = ensure_dev_secret(tmp_path / "dev-jwt-secret")
+    assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_bytes()) >= 32
+    assert ensure_dev_secret(path).read_bytes() == path.read_bytes()
+
+
+def test_token_command_prints_a_token_on_its_last_line(tmp_path, monkeypatch, capsys):
+    from inferscale_core.cli import main
+
+    monkeypatch.setenv("INFERSCALE_CACHE", str(tmp_path))
+    assert main(["token", "erin"]) == 0
+    token = capsys.readouterr().out.strip().splitlines()[-1]
+    secret = (tmp_path / "dev-jwt-secret").read_bytes().strip()
+    p = Authenticator(AuthConfig(hs256_secret_file=str(tmp_path / "dev-jwt-secret"))).authenticate(f"Bearer {token}")
+    assert p.subject == "erin" and not p.admin and jwt.decode(token, secret, algorithms=["HS256"])["sub"] == "erin"
+    assert main(["token", "root", "--admin"]) == 0
+    token = capsys.readouterr().out.strip().splitlines()[-1]
+    assert Authenticator(AuthConfig(hs256_secret_file=str(tmp_path / "dev-jwt-secret"))).authenticate(
+        f"Bearer {token}").admin
+
+
+def test_cli_clients_send_token_flag_env_or_a_local_dev_token(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from services.cli import client_token
+
+    monkeypatch.setenv("INFERSCALE_CACHE", str(tmp_path))
+    monkeypatch.delenv("INFERSCALE_TOKEN", raising=False)
+    local, remote = "127.0.0.1:9000", "memory.example.com:443"
+    assert client_token(Namespace(token=None, target=local), "frank") is None  # no dev secret yet: none
+    path = ensure_dev_secret(tmp_path / "dev-jwt-secret")
+    minted = client_token(Namespace(token=None, target=local), "frank")
+    assert Authenticator(AuthConfig(hs256_secret_file=str(path))).authenticate(f"Bearer {minted}").subject == "frank"
+    assert client_token(Namespace(token=None, target=remote), "frank") is None  # never for a remote server
+    monkeypatch.setenv("INFERSCALE_TOKEN", "from-env")
+    assert client_token(Namespace(token=None, target=remote), "frank") == "from-env"
+    assert client_token(Namespace(token="from-flag", target=remote), "frank") == "from-flag"
