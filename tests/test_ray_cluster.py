@@ -7,7 +7,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -65,3 +67,124 @@ def test_redis_binds_with_a_password_on_its_own_port():
         assert 'INFERSCALE_REDIS_PASSWORD="$(cat ~/inferscale-secrets/redis-password)"' in _commands(key)
     assert "~/.inferscale/redis-password" in RAW["file_mounts"].values()
     assert not re.search(r"redis://:[^@]+@", yaml.safe_dump(RAW))  # no password in any URL
+
+
+# ------------------------------------------------------------------------------ two Ray nodes, one machine
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray(*args: str, env: dict, timeout: float = 180) -> None:
+    out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"ray {' '.join(args)}: {out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+
+
+def _stop_ray(markers: list[str]) -> None:
+    """Ends this test's Ray processes only: those whose command line names its temp dir or GCS address, and
+    their children.
+    (`ray stop` would end every Ray on the machine, other people's included.)"""
+    def procs() -> dict[int, tuple[int, str]]:
+        out = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                out[int(d.name)] = (ppid, cmd)
+        return out
+
+    table = procs()
+    mine = {pid for pid, (_, cmd) in table.items() if any(m in cmd for m in markers) and pid != os.getpid()}
+    grew = True
+    while grew:
+        children = {pid for pid, (ppid, _) in table.items() if ppid in mine} - mine - {os.getpid()}
+        grew = bool(children)
+        mine |= children
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in mine:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in mine):
+            time.sleep(0.5)
+
+
+@pytest.fixture()
+def two_node_ray(tmp_path):
+    """Redis started by ray_cluster.yaml's own command (on a free port, loopback only), a head with no CPUs and
+    a worker node that joins it with `ray start --address`, both on 127.0.0.1, the secrets handed to Ray by
+    environment variable as the cluster file does. Yields (gcs address, redis url, jwt secret)."""
+    from inferscale_core.vllm_env import vllm_cpu_env
+    from services.app import SERVE_START_ENV
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (Debian package redis-server)")
+    home = tmp_path / "home"
+    secrets = home / "inferscale-secrets"
+    secrets.mkdir(parents=True)
+    (secrets / "redis-password").write_text(os.urandom(24).hex() + "\n")
+    (secrets / "jwt-secret").write_text(os.urandom(32).hex() + "\n")
+    redis_port, gcs_port = _free_port(), _free_port()
+    (redis_cmd,) = [c for c in RAW["head_start_ray_commands"] if "redis-server" in c]
+    redis_cmd = (redis_cmd.replace(f"--port {REDIS_PORT}", f"--port {redis_port}")
+                 .replace("$(hostname -I | awk '{print $1}')", ""))  # loopback only in a test
+    env = {**os.environ, "HOME": str(home)}
+    subprocess.run(["bash", "-c", redis_cmd], env=env, check=True, timeout=30)
+    (start_head,) = [c for c in RAW["head_start_ray_commands"] if "ray start" in c]
+    password = (secrets / "redis-password").read_text().strip()
+    ray_env = {**env, **vllm_cpu_env(), **SERVE_START_ENV, "INFERSCALE_REDIS_PASSWORD": password,
+               "INFERSCALE_JWT_SECRET_FILE": str(secrets / "jwt-secret"), "RAY_USAGE_STATS_ENABLED": "0"}
+    for name, value in SERVE_START_ENV.items():  # the cluster file exports the same start-up timeouts
+        assert f"{name}={value}" in start_head
+    temp_dir = Path("/tmp") / f"isr{os.getpid()}"  # short (unix socket paths) and private to this test
+    common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(400 << 20), "--disable-usage-stats"]
+    try:
+        _ray("start", "--head", "--port", str(gcs_port), "--num-cpus", "0", "--include-dashboard", "false",
+             "--temp-dir", str(temp_dir), "--dashboard-agent-listen-port", str(_free_port()), *common, env=ray_env)
+        _ray("start", "--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "2",
+             "--dashboard-agent-listen-port", str(_free_port()), *common, env=ray_env)
+        yield f"127.0.0.1:{gcs_port}", f"redis://127.0.0.1:{redis_port}/0", (secrets / "jwt-secret")
+    finally:
+        _stop_ray([str(temp_dir), f"127.0.0.1:{gcs_port}"])
+        subprocess.run(["redis-cli", "-p", str(redis_port), "-a", password, "--no-auth-warning", "shutdown", "nosave"],
+                       capture_output=True, timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_two_ray_nodes_run_the_app(two_node_ray, tmp_path):
+    """The app on a head with no CPUs + a worker node: every replica lands on the worker (all of them ask for
+    CPU), the request enters through the head's gRPC proxy, the replicas reach the password-protected Redis
+    with the password from their environment, and the answer uses the stored fact."""
+    import ray
+    from ray import serve
+
+    from services.app import ServiceConfig, single_node_deployments, start_service
+    from services.auth import mint
+    from services.client import MemoryClient
+
+    gcs, redis_url, jwt_secret = two_node_ray
+    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(tmp_path / "kv"), max_model_len=2048,
+                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments())
+    assert "@" not in cfg.app_args()["registry_url"]  # the password is not in the app's config
+    ray.init(address=gcs, logging_level="ERROR")
+    try:
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2 and ray.cluster_resources()["CPU"] == 2
+        start_service(cfg, proxy_location="HeadOnly")  # two nodes on one address: one proxy
+        wanted = sum(spec.num_cpus for spec in cfg.deployments.values())
+        assert ray.available_resources().get("CPU", 0) == pytest.approx(2 - wanted)  # all on the worker node
+        token = mint(jwt_secret.read_bytes().strip(), "dana")
+        with MemoryClient(f"127.0.0.1:{cfg.grpc_port}", timeout_s=300, token=token) as client:
+            (fact,) = client.add_facts("dana", ["Dana adopted a grey cat named Pixel in March."])
+            chunks = list(client.answer("dana", "What is the name of Dana's cat?", max_tokens=24))
+        assert chunks[-1].final and chunks[-1].fact_ids == [fact.fact_id]
+        assert "Pixel" in "".join(c.text for c in chunks)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
