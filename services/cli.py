@@ -81,14 +81,10 @@ def _client_args(p) -> None:
 
 # ------------------------------------------------------------------------------------------ serve
 def start(cfg, host: str = "127.0.0.1") -> None:
-    """Serve's proxies and the application on the Ray this process is connected to."""
-    from ray import serve
-    from ray.serve.config import gRPCOptions
+    """Serve's proxies and the application on the Ray this process is connected to (retried start-up)."""
+    from .app import start_service
 
-    from .app import APP_NAME, build_app, grpc_options
-
-    serve.start(http_options={"host": host, "port": cfg.http_port}, grpc_options=gRPCOptions(**grpc_options(cfg)))
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/")
+    start_service(cfg, host)
 
 
 INSECURE_BANNER = """
@@ -118,7 +114,7 @@ def serve_cmd(args) -> int:
 
     from inferscale_core.models import cache_dir
 
-    from .app import ServiceConfig, single_node_deployments
+    from .app import SERVE_START_ENV, ServiceConfig, single_node_deployments
     from .registry import redacted
 
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=args.dtype,
@@ -127,11 +123,11 @@ def serve_cmd(args) -> int:
                         auth=auth_settings(args))
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
-    os.environ.update(vllm_cpu_env())
+    os.environ.update({**vllm_cpu_env(), **SERVE_START_ENV})  # the local Ray and Serve's controller inherit it
     print(f"starting Ray and the InferScale app ({args.model or 'SmolLM2-135M-Instruct, embedded'}); "
           "the engine takes about a minute on a small CPU ...", flush=True)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": vllm_cpu_env()})  # for every Ray worker
+             runtime_env={"env_vars": {**vllm_cpu_env(), **SERVE_START_ENV}})  # for every Ray worker
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
