@@ -247,7 +247,10 @@ def ensure_dev_secret(path: Path | None = None) -> Path:
     path = path or dev_secret_path()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it first: theirs is the one
+            return path
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(48))
     return path

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+from redis_fixture import redis_password_url, redis_url  # noqa: F401  (fixture)
 from services.registry import (ActorRegistry, DuplicateFactError, EmbeddedRegistry, NewFact, RedisRegistry,
                                VersionConflictError, open_registry)
 
@@ -236,3 +236,82 @@ def test_retrieval_replica_resyncs_from_the_registry(redis_url):  # noqa: F811
     assert core.index.size("u") == 1 and "v" not in core.index.users()  # v was never searched here
     writer.delete_user("u")
     assert core.search("u", "dog", 3) == []
+
+
+# ------------------------------------------------------------------------------------------ quotas
+def test_quotas_on_facts_and_bytes(reg):
+    from services.registry import Quota, QuotaExceededError, fact_bytes
+
+    q = Quota(max_facts=3, max_bytes=200)
+    a, b = reg.create("u", [NewFact("one"), NewFact("two", {"k": "v"})], quota=q)
+    assert reg.user_bytes("u") == fact_bytes(a) + fact_bytes(b)
+    with pytest.raises(QuotaExceededError, match="limit of 3 facts per user"):
+        reg.create("u", [NewFact("three"), NewFact("four")], quota=q)
+    with pytest.raises(QuotaExceededError, match="limit of 200 bytes per user"):
+        reg.create("u", [NewFact("x" * 190)], quota=q)
+    with pytest.raises(QuotaExceededError, match="bytes per user"):  # an update that grows the text counts too
+        reg.update("u", a.fact_id, text="y" * 190, quota=q)
+    assert reg.count("u") == 2 and reg.get("u", a.fact_id).text == "one"  # nothing written by the refusals
+    reg.update("u", a.fact_id, text="1", quota=q)
+    reg.delete("u", b.fact_id)
+    assert reg.user_bytes("u") == fact_bytes(reg.get("u", a.fact_id))
+    reg.delete_user("u")
+    assert reg.user_bytes("u") == 0 and reg.count("u") == 0
+
+
+def test_quota_holds_under_concurrent_writers(redis_url):  # noqa: F811
+    """16 writers race to add 3 facts each under a 20-fact quota: exactly 6 requests win (18 facts), the
+    rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.registry import Quota, QuotaExceededError, fact_bytes
+
+    prefix = f"q{uuid.uuid4().hex[:8]}:"
+    q = Quota(max_facts=20, max_bytes=1 << 20)
+
+    def write(i: int) -> bool:
+        r = RedisRegistry(redis_url, prefix=prefix)  # one connection per writer, as replicas have
+        try:
+            r.create("racer", [NewFact(f"writer {i} fact {j}") for j in range(3)], quota=q)
+            return True
+        except QuotaExceededError:
+            return False
+        finally:
+            r.close()
+
+    with ThreadPoolExecutor(16) as pool:
+        won = list(pool.map(write, range(16)))
+    reg = RedisRegistry(redis_url, prefix=prefix)
+    facts = reg.list("racer")[0]
+    assert sum(won) == 6 and len(facts) == 18
+    assert reg.user_bytes("racer") == sum(fact_bytes(f) for f in facts)
+    writers = {f.text.split()[1] for f in facts}
+    assert len(writers) == 6 and all(sum(f.text.split()[1] == w for f in facts) == 3 for w in writers)  # whole
+
+
+def test_unservable_is_recorded_per_version(reg):
+    (a,) = reg.create("u", [NewFact("too long for the encoder")])
+    assert reg.set_unservable("u", a.fact_id, 1, "the fact is 300 tokens long") is True
+    assert reg.get("u", a.fact_id).unservable_reason == "the fact is 300 tokens long"
+    assert reg.list("u")[0][0].unservable_reason == "the fact is 300 tokens long"
+    new = reg.update("u", a.fact_id, text="short now")
+    assert new.version == 2 and new.unservable_reason == "" and reg.get("u", a.fact_id).unservable_reason == ""
+    assert reg.set_unservable("u", a.fact_id, 1, "stale") is False  # an old version's verdict is not applied
+
+
+def test_redis_with_a_password(redis_password_url, monkeypatch):
+    import redis
+
+    from services.registry import PASSWORD_ENV, redacted
+
+    password = redis_password_url.split("//:", 1)[1].split("@", 1)[0]
+    no_password = redis_password_url.replace(f":{password}@", "")
+    reg = open_registry(redis_password_url, prefix=f"p{uuid.uuid4().hex[:8]}:")
+    (f,) = reg.create("u", [NewFact("behind a password")])
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    with pytest.raises(redis.AuthenticationError):
+        RedisRegistry(no_password, prefix=reg.prefix).ping()
+    # The password from the environment (a Kubernetes Secret), the URL in the config without it.
+    monkeypatch.setenv(PASSWORD_ENV, password)
+    assert RedisRegistry(no_password, prefix=reg.prefix).get("u", f.fact_id).text == "behind a password"
+    assert password not in redacted(redis_password_url) and ":***@" in redacted(redis_password_url)

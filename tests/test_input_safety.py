@@ -1,0 +1,109 @@
+"""Input that can never poison a user, below the service level: the encoder pool's per-fact failures (one
+bad fact, or one bad request in a @serve.batch, never fails the others), the encoder's own limit as the
+gateway checks it, and all-or-nothing writes in the gateway when the push after the registry write fails.
+The same properties on the running service: tests/test_service_safety.py."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import torch
+import pytest
+
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+from services.api import ApiError, pb2
+from services.auth import Authenticator
+from services.encoder_pool import EncodeFailure
+from services.gateway import GatewayCore
+from services.registry import RedisRegistry
+
+pytestmark = pytest.mark.slow
+LONG_FACT = ("Carol wrote a very long note about her garden, her bees and her roof terrace. " * 26)[:1990]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from services.encoder_pool import EncoderPool
+
+    return EncoderPool()  # the deployment class, called directly: the real model and its @serve.batch
+
+
+def test_the_limit_is_measured_with_the_serving_tokenizer(pool):
+    fe = pool.fe
+    why = fe.problem(LONG_FACT)
+    n = len(fe.template.fact_ids(LONG_FACT))
+    assert n > fe.max_fact_tokens and why == f"is {n} tokens long (serving model's tokenizer), the limit is 256 tokens"
+    exact = _text_of_tokens(fe, fe.max_fact_tokens)
+    assert len(fe.template.fact_ids(exact)) == fe.max_fact_tokens and fe.problem(exact) is None
+    assert fe.problem(exact + " and one more word") is not None
+
+
+def _text_of_tokens(fe, n: int) -> str:
+    """A fact text of exactly n fact tokens (words added until the count is reached)."""
+    words = "Dana keeps a small notebook about the birds she sees near the harbour".split()
+    text, i = "", 0
+    while len(fe.template.fact_ids(text + " " + words[i % len(words)])) <= n:
+        text = (text + " " + words[i % len(words)]).strip()
+        i += 1
+    assert len(fe.template.fact_ids(text)) == n, "no word boundary hits the count exactly"
+    return text
+
+
+def _batch(pool, requests):
+    """What @serve.batch runs for requests that arrived together (Serve merges them; outside a replica the
+    decorator cannot run, so the merged call is made directly)."""
+    return asyncio.run(type(pool)._encode_requests.__wrapped__(pool, requests))
+
+
+def test_one_bad_fact_fails_only_itself(pool):
+    (out,) = _batch(pool, [[("Bob is allergic to peanuts.", []), (LONG_FACT, []), ("Bob lives in Denver.", [])]])
+    assert isinstance(out[1], EncodeFailure) and "tokens long" in out[1].reason
+    assert not isinstance(out[0], EncodeFailure) and not isinstance(out[2], EncodeFailure)
+    ((alone,),) = _batch(pool, [[("Bob is allergic to peanuts.", [])]])
+    assert torch.equal(out[0].token_ids, alone.token_ids)  # the same fact as when encoded alone
+    assert torch.allclose(out[0].k_pre, alone.k_pre, atol=1e-4)
+
+
+def test_a_bad_request_in_the_same_batch_never_fails_another_users(pool):
+    bad, good = _batch(pool, [[(LONG_FACT, [])], [("Alice has a cat named Pixel.", [])]])
+    assert len(bad) == len(good) == 1 and isinstance(bad[0], EncodeFailure)
+    assert not isinstance(good[0], EncodeFailure) and good[0].num_tokens > 0
+
+
+class _FailingPush:
+    """Fault injection: the retrieval/engine push after the registry write fails (a replica died mid-write).
+    Everything before it (the encoder's check) is the real pool's."""
+
+    def __init__(self, pool):
+        self.pool, self.forgotten = pool, []
+
+    async def check_facts(self, texts):
+        return await self.pool.check(texts)
+
+    async def index_facts(self, user_id, records):
+        raise ConnectionError("engine replica went away")
+
+    async def forget(self, user_id, facts):
+        self.forgotten += facts
+
+
+def test_writes_are_all_or_nothing(pool, redis_url):  # noqa: F811
+    reg = RedisRegistry(redis_url, prefix=f"safe{uuid.uuid4().hex[:8]}:")
+    backends = _FailingPush(pool)
+    core = GatewayCore(reg, backends=backends, auth=Authenticator.insecure())
+    caller = core.authenticate("AddFacts", None)
+    req = pb2.AddFactsRequest(user_id="carol", facts=[pb2.FactInput(text="Carol keeps bees."),
+                                                      pb2.FactInput(text=LONG_FACT)])
+    with pytest.raises(ApiError) as e:  # refused by the encoder's limit before anything is written
+        asyncio.run(core.AddFacts(req.SerializeToString(), caller))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.message.startswith("facts[1].text is ") and "limit is 256 tokens; nothing was stored" in e.value.message
+    assert reg.count("carol") == 0 and reg.user_bytes("carol") == 0
+    ok = pb2.AddFactsRequest(user_id="carol", facts=[pb2.FactInput(text="Carol keeps bees.")])
+    with pytest.raises(ApiError) as e:  # the push fails: the registry rows are removed again
+        asyncio.run(core.AddFacts(ok.SerializeToString(), caller))
+    assert e.value.code == grpc.StatusCode.INTERNAL and "nothing was stored" in e.value.message
+    assert "engine replica went away" not in e.value.message  # internals stay in the log
+    assert reg.count("carol") == 0 and reg.user_bytes("carol") == 0 and len(backends.forgotten) == 1
+    reg.close()
