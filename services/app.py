@@ -142,7 +142,17 @@ class ServiceConfig:
                    limits=dict(values.get("limits") or {}),
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),
                    kv_dir=values["kvStore"]["dir"], store_options=dict(values["kvStore"].get("options") or {}),
-                   deployments=deps)
+                   auth=auth_args_for(values), deployments=deps)
+
+
+def auth_args_for(values: dict) -> dict:
+    """The chart's auth values -> ServiceConfig.auth: only what is not a secret (the HS256 key reaches the pods
+    as $INFERSCALE_JWT_SECRET from a Kubernetes Secret)."""
+    a = values.get("auth") or {}
+    if a.get("insecureNoAuth"):
+        return {"insecure_no_auth": True}
+    return {arg: a[key] for arg, key in (("jwks_url", "jwksUrl"), ("issuer", "issuer"), ("audience", "audience"))
+            if a.get(key)}
 
 
 def registry_url_for(values: dict, release: str) -> str:

@@ -1,11 +1,18 @@
 """The Helm chart and the Serve config: services/app.py, the committed files/serve-config.yaml and the chart's
-rendering agree; the chart lints and renders with a real helm binary."""
+rendering agree; the chart lints (--strict) and renders with a real helm binary for its defaults and the three
+example layouts (CPU-only, one GPU node, autoscaled GPU pool); every rendered object validates against the
+Kubernetes schemas (kubernetes-validate) or the vendored CRD schemas (KubeRay RayService, Prometheus Operator
+PodMonitor, tests/schemas/), made strict like kubeconform -strict: an unknown field is an error, not dropped."""
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
+import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +23,9 @@ from services.app import DEPLOYMENTS, DeploymentSpec, ServiceConfig, chart_serve
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "inferscale"
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+EXAMPLES = sorted((CHART / "examples").glob("values-*.yaml"))
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+KUBERNETES_VERSION = "1.33.0"
 
 
 def _helm() -> str | None:
@@ -38,8 +48,8 @@ def helm():
     return exe
 
 
-def _render(helm: str, *set_args: str, release: str = "rel") -> list[dict]:
-    cmd = [helm, "template", release, str(CHART)]
+def _render(helm: str, *set_args: str, release: str = "rel", values_file: Path | None = None) -> list[dict]:
+    cmd = [helm, "template", release, str(CHART)] + (["-f", str(values_file)] if values_file else [])
     for s in set_args:
         cmd += ["--set", s]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -112,21 +122,289 @@ def test_app_builder_builds_the_four_deployments():
     assert built.ingress_deployment_name == "Gateway"
 
 
-def test_helm_lint(helm):
-    out = subprocess.run([helm, "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+def _merged(base: dict, override: dict) -> dict:
+    """Helm's merge of a values file over the chart's values: maps merge deeply, null deletes a key."""
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merged(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
 
 
-def test_rendered_serve_config_equals_app_py(helm):
-    rs = _rayservice(_render(helm, release="rel"))
-    rendered = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    assert rendered == serve_config(ServiceConfig.from_chart_values(VALUES, "rel"))
+def _example(name: str) -> tuple[Path, dict]:
+    path = CHART / "examples" / f"values-{name}.yaml"
+    return path, _merged(VALUES, yaml.safe_load(path.read_text()))
+
+
+def _strict(schema):
+    """An OpenAPI schema of a CRD with additionalProperties: false on every object that lists its properties
+    (what kubeconform -strict does): the API server would silently drop a misspelled field."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if (out.get("type") == "object" and isinstance(out.get("properties"), dict)
+            and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def _crd_schemas() -> dict[tuple[str, str], dict]:
+    out = {}
+    for f in SCHEMAS.glob("*.json.gz"):
+        crd = json.loads(gzip.decompress(f.read_bytes()))
+        out[(f"{crd['group']}/{crd['version']}", crd["kind"])] = _strict(crd["openAPIV3Schema"])
+    return out
+
+
+def _validate(docs: list[dict]) -> None:
+    import jsonschema
+    import kubernetes_validate
+
+    crds = _crd_schemas()
+    for doc in docs:
+        key = (doc["apiVersion"], doc["kind"])
+        if key in crds:
+            errors = sorted(jsonschema.Draft7Validator(crds[key]).iter_errors(doc), key=lambda e: list(e.path))
+            assert not errors, f"{key} {doc['metadata']['name']}: " + "; ".join(
+                f"{'/'.join(map(str, e.path))}: {e.message[:200]}" for e in errors[:5])
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def _pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """Every pod template of the release by group: ray-head, <worker group>, redis."""
+    rs = _rayservice(docs)["spec"]["rayClusterConfig"]
+    pods = {"ray-head": rs["headGroupSpec"]["template"]["spec"]}
+    pods.update({g["groupName"]: g["template"]["spec"] for g in rs["workerGroupSpecs"]})
+    pods.update({"redis": d["spec"]["template"]["spec"] for d in docs if d["kind"] == "StatefulSet"})
+    return pods
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_helm_lint_strict(helm):
+    for values_file in [None, *EXAMPLES]:
+        cmd = [helm, "lint", "--strict", str(CHART)] + (["-f", str(values_file)] if values_file else [])
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"{values_file}: {out.stdout}{out.stderr}"
+
+
+def test_three_example_layouts_exist():
+    assert [p.name for p in EXAMPLES] == ["values-cpu.yaml", "values-gpu-autoscale.yaml", "values-gpu-node.yaml"]
+
+
+@pytest.mark.parametrize("values_file", [None, *EXAMPLES], ids=lambda p: p.stem if p else "defaults")
+def test_rendering_validates_against_kubernetes_and_crd_schemas(helm, values_file):
+    docs = _render(helm, release="rel", values_file=values_file)
+    kinds = {d["kind"] for d in docs}
+    assert {"RayService", "Service", "StatefulSet", "Secret"} <= kinds
+    _validate(docs)
+    values = _merged(VALUES, yaml.safe_load(values_file.read_text())) if values_file else VALUES
+    rendered = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])
+    assert rendered == serve_config(ServiceConfig.from_chart_values(values, "rel"))  # one source: services/app.py
+    for group, pod in _pod_specs(docs).items():
+        for c in pod["containers"]:
+            assert c.get("readinessProbe") and c.get("livenessProbe"), f"{group}/{c['name']} has no probes"
+
+
+def test_schema_validation_catches_a_misspelled_field(helm):
+    docs = _render(helm, release="rel")
+    rs = copy.deepcopy(_rayservice(docs))
+    rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    with pytest.raises(AssertionError, match="maxReplica"):
+        _validate([rs])
+    svc = copy.deepcopy(next(d for d in docs if d["kind"] == "Service"))
+    svc["spec"]["portz"] = []
+    import kubernetes_validate
+
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate([svc])
+
+
+def test_defaults_start_on_a_gpu_cluster(helm):
+    """Model and embedder from the image, head without replicas, a CPU group for the gateway and retrieval,
+    GPU workers with the device, its nodeSelector and toleration."""
+    docs = _render(helm, release="rel")
+    rs = _rayservice(docs)["spec"]["rayClusterConfig"]
+    assert rs["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    groups = {g["groupName"]: g for g in rs["workerGroupSpecs"]}
+    assert set(groups) == {"cpu-workers", "gpu-workers"}
+    assert groups["cpu-workers"]["rayStartParams"]["num-gpus"] == "0"
+    gpu_pod = groups["gpu-workers"]["template"]["spec"]
+    assert gpu_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in gpu_pod["tolerations"]
+    args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["model_path"] is None and args["embedder_path"] is None  # the packaged models in the image
+    by_name = {d["name"]: d["ray_actor_options"] for d in
+               yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["deployments"]}
+    assert by_name["Gateway"]["num_gpus"] == by_name["Retrieval"]["num_gpus"] == 0
+    assert by_name["EncoderPool"]["num_gpus"] + by_name["EngineReplica"]["num_gpus"] <= 1
+    assert "models" not in {v["name"] for p in _pod_specs(docs).values() for v in p.get("volumes", [])}
+
+
+def test_secrets_reach_the_pods_by_reference_only(helm):
+    docs = _render(helm, release="rel")
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    assert set(secrets) == {"rel-redis-auth", "rel-jwt"}
+    values = [base64.b64decode(v).decode() for s in secrets.values() for v in s["data"].values()]
+    assert all(len(v) >= 32 for v in values)
+    others = yaml.safe_dump_all([d for d in docs if d["kind"] != "Secret"])
+    assert not any(v in others for v in values)  # not in the Serve config, an env value or an argument
+    for group, pod in _pod_specs(docs).items():
+        env = _env(pod["containers"][0])
+        name = "REDIS_PASSWORD" if group == "redis" else "INFERSCALE_REDIS_PASSWORD"
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rel-redis-auth", "key": "password"}
+        if group != "redis":
+            assert env["INFERSCALE_JWT_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "rel-jwt", "key": "secret"}
+            for k, v in service_app.SERVE_START_ENV.items():  # Serve's start-up timeouts, as app.py says
+                assert env[k]["value"] == v
+    # your own Secrets instead: none rendered, the pods reference them
+    docs = _render(helm, "redis.auth.existingSecret=my-redis", "auth.hs256.existingSecret=my-jwt", release="rel")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    env = _env(_pod_specs(docs)["gpu-workers"]["containers"][0])
+    assert env["INFERSCALE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "my-redis"
+    assert env["INFERSCALE_JWT_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-jwt"
+    # auth off: no JWT secret anywhere, and the Serve config says so
+    docs = _render(helm, "auth.insecureNoAuth=true", release="rel")
+    assert "INFERSCALE_JWT_SECRET" not in _env(_pod_specs(docs)["ray-head"]["containers"][0])
+    args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["auth"] == {"insecure_no_auth": True}
+
+
+def test_rendered_redis_command_binds_and_requires_the_password(helm, tmp_path):
+    """The StatefulSet's own command line and probe, run with a local redis-server: loopback + the pod address
+    only, requirepass from the environment (not argv), AOF with the fsync policy the values state."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (Debian package redis-server)")
+    (sts,) = [d for d in _render(helm, release="rel") if d["kind"] == "StatefulSet"]
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["sh", "-c"] and "requirepass" not in " ".join(c["command"])
+    script = c["args"][0]
+    assert "--appendonly yes --appendfsync everysec" in script and "--protected-mode yes" in script
+    port = _free_port()
+    script = (script.replace("/tmp/auth.conf", str(tmp_path / "auth.conf")).replace("--dir /data", f"--dir {tmp_path}")
+              .replace(f"--port {VALUES['redis']['port']}", f"--port {port}"))
+    password = "pw-" + os.urandom(16).hex()
+    env = {**os.environ, "REDIS_PASSWORD": password, "REDISCLI_AUTH": password, "POD_IP": "::1"}
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        probe = c["readinessProbe"]["exec"]["command"]
+        probe = [a.replace(f"-p {VALUES['redis']['port']}", f"-p {port}") for a in probe]
+        for _ in range(50):
+            if subprocess.run(probe, env=env, capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the rendered readiness probe never passed")
+        no_auth = {k: v for k, v in env.items() if k != "REDISCLI_AUTH"}
+        out = subprocess.run(["redis-cli", "-p", str(port), "ping"], env=no_auth, capture_output=True, text=True)
+        assert "NOAUTH" in out.stdout + out.stderr
+        cli = ["redis-cli", "-p", str(port)]
+        assert subprocess.run(cli + ["config", "get", "bind"], env=env, capture_output=True,
+                              text=True).stdout.split() == ["bind", "127.0.0.1", "::1"]
+        assert "everysec" in subprocess.run(cli + ["config", "get", "appendfsync"], env=env, capture_output=True,
+                                            text=True).stdout
+        assert password not in " ".join(Path(f"/proc/{proc.pid}/cmdline").read_text().split("\0"))
+        assert oct((tmp_path / "auth.conf").stat().st_mode & 0o777) == "0o600"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_kv_disk_tier_is_one_folder_per_pod(helm):
+    path, values = _example("gpu-autoscale")
+    docs = _render(helm, release="kv", values_file=path)
+    for group, pod in _pod_specs(docs).items():
+        if group in ("ray-head", "redis"):
+            continue
+        c = pod["containers"][0]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kv-store"]
+        assert mount["mountPath"] == values["kvStore"]["dir"]
+        assert mount["subPathExpr"] == "$(INFERSCALE_POD_NAME)"  # <hostPath>/<pod name>: never shared
+        assert _env(c)["INFERSCALE_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-store"]
+        assert vol == {"name": "kv-store", "hostPath": {"path": "/mnt/nvme/inferscale-kv", "type": "DirectoryOrCreate"}}
+    args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["kv_dir"] == values["kvStore"]["dir"] and args["store_options"] == {"device_budget_bytes": 8000000000}
+    out = subprocess.run([helm, "template", "x", str(CHART), "--set-json", 'kvStore.volume={"hostPath":{"path":"/x"}}'],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "one volume source" in out.stderr  # merged with the default emptyDir
+
+
+def test_cpu_only_layout(helm):
+    path, values = _example("cpu")
+    docs = _render(helm, release="cpu", values_file=path)
+    rs = _rayservice(docs)
+    assert [g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]] == ["cpu-workers"]
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(docs)
+    cfg = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert all(d["ray_actor_options"]["num_gpus"] == 0 for d in cfg["applications"][0]["deployments"])
+    assert cfg["applications"][0]["args"]["engine_overrides"] == {}
+    worker = _pod_specs(docs)["cpu-workers"]["containers"][0]
+    assert worker["image"].endswith(":0.1.0-cpu") and _env(worker)["VLLM_CPU_KVCACHE_SPACE"]["value"] == "8"
+
+
+def test_one_gpu_node_layout_with_the_model_on_a_pvc(helm):
+    path, values = _example("gpu-node")
+    docs = _render(helm, release="one", values_file=path)
+    pods = _pod_specs(docs)
+    (init,) = pods["ray-head"]["initContainers"]
+    assert init["name"] == "model-download" and "config.json" in init["command"][-1]
+    assert _env(init)["MODEL_REPO"]["value"] == "meta-llama/Llama-3.2-1B-Instruct"
+    assert _env(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    for group, pod in pods.items():
+        if group == "redis":
+            continue
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert vol["persistentVolumeClaim"] == {"claimName": "models"}
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
+        assert mount["mountPath"] == "/models" and mount["readOnly"] is (group != "ray-head")
+    groups = {g["groupName"]: g for g in _rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert groups["gpu-workers"]["minReplicas"] == groups["gpu-workers"]["maxReplicas"] == 1
+    args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["model_path"] == "/models/Llama-3.2-1B-Instruct"
+    out = subprocess.run([helm, "template", "x", str(CHART), "--set", "model.source=pvc"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "model.path" in out.stderr
+
+
+def test_autoscaled_gpu_pool_with_tls_ingress_and_pod_monitor(helm):
+    path, values = _example("gpu-autoscale")
+    docs = _render(helm, release="big", values_file=path)
+    groups = {g["groupName"]: g for g in _rayservice(docs)["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert groups["gpu-workers"]["maxReplicas"] == 16 > groups["gpu-workers"]["minReplicas"]
+    assert _rayservice(docs)["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    ingresses = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Ingress"}
+    assert set(ingresses) == {"big-http", "big-grpc"}
+    for name, backend in (("big-http", "big-serve-svc"), ("big-grpc", "big-grpc")):
+        spec = ingresses[name]["spec"]
+        assert spec["tls"][0]["secretName"] == "inferscale-tls" and spec["tls"][0]["hosts"] == [spec["rules"][0]["host"]]
+        assert spec["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == backend
+    assert ingresses["big-grpc"]["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert pm["metadata"]["labels"]["release"] == "prometheus"
+    for pod in _pod_specs(docs).values():
+        if "ray-head" in [c["name"] for c in pod["containers"]] or pod["containers"][0]["name"] == "ray-worker":
+            assert {"containerPort": values["metrics"]["port"], "name": "metrics"} in pod["containers"][0]["ports"]
+    out = subprocess.run([helm, "template", "x", str(CHART), "--set", "ingress.enabled=true",
+                          "--set", "ingress.tls.secretName=null"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "tls" in out.stderr
 
 
 def test_rendered_serve_config_follows_values(helm):
     sets = ["deployments.EngineReplica.maxReplicas=7", "deployments.EncoderPool.numGpus=0.5",
             "model.path=/m/other", "redis.enabled=false", "redis.externalUrl=redis://ext:6379/1",
-            "ports.grpc=9100", "limits.max_fact_chars=4000"]
+            "ports.grpc=9100", "limits.max_fact_chars=4000", "auth.issuer=https://id.example"]
     docs = _render(helm, *sets, release="r2")
     values = copy.deepcopy(VALUES)
     values["deployments"]["EngineReplica"]["maxReplicas"] = 7
@@ -135,25 +413,14 @@ def test_rendered_serve_config_follows_values(helm):
     values["redis"].update(enabled=False, externalUrl="redis://ext:6379/1")
     values["ports"]["grpc"] = 9100
     values["limits"] = {"max_fact_chars": 4000}
+    values["auth"]["issuer"] = "https://id.example"
     rendered = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])
     assert rendered == serve_config(ServiceConfig.from_chart_values(values, "r2"))
+    assert rendered["applications"][0]["args"]["auth"] == {"issuer": "https://id.example"}
     assert not [d for d in docs if d["kind"] == "StatefulSet"]  # external Redis: no StatefulSet
+    assert "INFERSCALE_REDIS_PASSWORD" not in _env(_pod_specs(docs)["ray-head"]["containers"][0])
     (grpc_svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "r2-grpc"]
     assert grpc_svc["spec"]["ports"][0]["port"] == 9100
-
-
-def test_rendered_cluster_resources(helm):
-    docs = _render(helm, release="rel")
-    rs = _rayservice(docs)
-    (workers,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    res = workers["template"]["spec"]["containers"][0]["resources"]
-    assert res["limits"]["nvidia.com/gpu"] == VALUES["ray"]["gpuWorkers"]["gpusPerWorker"]
-    assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
-    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
-    assert sts["metadata"]["name"] == "rel-redis" and "--appendonly" in sts["spec"]["template"]["spec"]["containers"][0]["args"]
-    cpu_only = _rayservice(_render(helm, "ray.gpuWorkers.gpusPerWorker=0", release="rel"))
-    res = cpu_only["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
-    assert "nvidia.com/gpu" not in res["limits"]
 
 
 def test_missing_serve_config_file_fails_the_render(helm, tmp_path):
@@ -164,21 +431,9 @@ def test_missing_serve_config_file_fails_the_render(helm, tmp_path):
     assert out.returncode != 0 and "emit-serve-config" in out.stderr
 
 
-def test_kv_store_values_reach_the_app_and_the_workers(helm):
-    """kvStore.dir/options become the app's kv_dir/store_options; kvStore.volume is mounted there on the GPU
-    workers only (the engine replicas run there), next to the model volume."""
-    docs = _render(helm, "kvStore.dir=/var/lib/kv", "kvStore.options.device_budget_bytes=1000000",
-                   "model.volume.emptyDir.medium=Memory", "kvStore.volume.hostPath.path=/mnt/kv", release="kv")
-    rs = _rayservice(docs)
-    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert args["kv_dir"] == "/var/lib/kv" and args["store_options"] == {"device_budget_bytes": 1000000}
-    worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
-    mounts = {m["name"]: m["mountPath"] for m in worker["containers"][0]["volumeMounts"]}
-    assert mounts == {"models": "/models", "kv-store": "/var/lib/kv"}
-    assert {v["name"] for v in worker["volumes"]} == {"models", "kv-store"}
-    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
-    assert [m["name"] for m in head["containers"][0]["volumeMounts"]] == ["models"]
-    values = copy.deepcopy(VALUES)
-    values["kvStore"].update(dir="/var/lib/kv", options={"device_budget_bytes": 1000000})
-    values["model"]["volume"] = {"emptyDir": {"medium": "Memory"}}
-    assert ServiceConfig.from_chart_values(values, "kv").app_args() == args
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

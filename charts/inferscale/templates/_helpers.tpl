@@ -42,6 +42,10 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "engine_overrides" (.Values.model.engineOverrides | default dict) -}}
 {{- $_ := set $args "kv_dir" .Values.kvStore.dir -}}
 {{- $_ := set $args "store_options" (.Values.kvStore.options | default dict) -}}
+{{- $auth := include "inferscale.authArgs" . | fromYaml -}}
+{{- if $auth -}}
+{{- $_ := set $args "auth" $auth -}}
+{{- end -}}
 {{- range $d := $app.deployments -}}
 {{- $v := required (printf "values.deployments.%s is missing" $d.name) (get $.Values.deployments $d.name) -}}
 {{- $_ := set $d "max_ongoing_requests" (int $v.maxOngoingRequests) -}}
@@ -56,27 +60,153 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- toYaml $cfg -}}
 {{- end -}}
 
-{{- define "inferscale.modelMount" -}}
-{{- if .Values.model.volume }}
-volumeMounts:
-  - name: models
-    mountPath: /models
-    readOnly: true
+{{/* Same rule as services/app.py:auth_args_for: only what is not a secret goes into the Serve config. */}}
+{{- define "inferscale.authArgs" -}}
+{{- if .Values.auth.insecureNoAuth -}}
+insecure_no_auth: true
+{{- else -}}
+{{- with .Values.auth.jwksUrl }}
+jwks_url: {{ . | quote }}
+{{- end }}
+{{- with .Values.auth.issuer }}
+issuer: {{ . | quote }}
+{{- end }}
+{{- with .Values.auth.audience }}
+audience: {{ . | quote }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "inferscale.image" -}}
+{{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
+{{- end -}}
+
+{{/* Secret names: yours (existingSecret) or the one this chart makes. */}}
+{{- define "inferscale.redisSecret" -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-redis-auth" (include "inferscale.fullname" .)) -}}
+{{- end -}}
+{{- define "inferscale.jwtSecret" -}}
+{{- .Values.auth.hs256.existingSecret | default (printf "%s-jwt" (include "inferscale.fullname" .)) -}}
+{{- end -}}
+
+{{/* A random value for a Secret the chart makes, kept from the live Secret on upgrades. */}}
+{{- define "inferscale.keptRandom" -}}
+{{- $live := lookup "v1" "Secret" .ctx.Release.Namespace .name -}}
+{{- if and $live $live.data (hasKey $live.data .key) -}}
+{{- index $live.data .key -}}
+{{- else -}}
+{{- randAlphaNum 48 | b64enc -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "inferscale.modelsReadOnly" -}}
+{{- not (and (eq .Values.model.source "pvc") .Values.model.download.enabled) -}}
+{{- end -}}
+
+{{/*
+Environment of every Ray container: the secrets (by reference, never as values), Serve's start-up timeouts
+(services/app.py:SERVE_START_ENV; tests/test_chart.py checks they are equal), the pod's name for the KV folder.
+*/}}
+{{- define "inferscale.rayEnv" -}}
+- name: INFERSCALE_POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- {name: HF_HUB_OFFLINE, value: "1"}
+- {name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, value: "60"}
+- {name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S, value: "60"}
+{{- if or .Values.redis.enabled .Values.redis.auth.existingSecret }}
+- name: INFERSCALE_REDIS_PASSWORD
+  valueFrom: {secretKeyRef: {name: {{ include "inferscale.redisSecret" . }}, key: {{ .Values.redis.auth.key }}}}
+{{- end }}
+{{- if not .Values.auth.insecureNoAuth }}
+- name: INFERSCALE_JWT_SECRET
+  valueFrom: {secretKeyRef: {name: {{ include "inferscale.jwtSecret" . }}, key: {{ .Values.auth.hs256.key }}}}
+{{- end }}
+{{- range $k, $v := .Values.ray.extraEnv }}
+- {name: {{ $k }}, value: {{ $v | quote }}}
 {{- end }}
 {{- end -}}
 
-{{/* GPU workers: the model, and the engine replicas' KV disk tier when kvStore.volume is set. */}}
-{{- define "inferscale.workerMounts" -}}
-{{- if or .Values.model.volume .Values.kvStore.volume }}
+{{- define "inferscale.ports" -}}
+- {containerPort: {{ .Values.ports.http }}, name: serve}
+- {containerPort: {{ .Values.ports.grpc }}, name: grpc}
+- {containerPort: {{ .Values.metrics.port }}, name: metrics}
+{{- end -}}
+
+{{/* Ray's own health endpoints (what KubeRay probes by default): the raylet on every pod, the GCS on the head. */}}
+{{- define "inferscale.workerProbes" -}}
+readinessProbe:
+  exec: {command: ["bash", "-c", "wget -T 4 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"]}
+  initialDelaySeconds: 10
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: 10
+livenessProbe:
+  exec: {command: ["bash", "-c", "wget -T 4 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"]}
+  initialDelaySeconds: 30
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 12
+{{- end -}}
+{{- define "inferscale.headProbes" -}}
+readinessProbe:
+  exec: {command: ["bash", "-c", "wget -T 4 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success && wget -T 4 -q -O- http://localhost:8265/api/gcs_healthz | grep success"]}
+  initialDelaySeconds: 10
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: 10
+livenessProbe:
+  exec: {command: ["bash", "-c", "wget -T 4 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success && wget -T 4 -q -O- http://localhost:8265/api/gcs_healthz | grep success"]}
+  initialDelaySeconds: 30
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 12
+{{- end -}}
+
+{{/* Volumes of a Ray pod: the model PVC (all pods) and, on workers, the KV disk tier. */}}
+{{- define "inferscale.volumes" -}}
+{{- $pvc := eq .ctx.Values.model.source "pvc" -}}
+{{- if or $pvc (and .worker .ctx.Values.kvStore.volume) }}
+volumes:
+{{- if $pvc }}
+  - name: models
+    persistentVolumeClaim:
+      claimName: {{ required "model.pvc.claimName is required when model.source is pvc" .ctx.Values.model.pvc.claimName }}
+{{- end }}
+{{- if and .worker .ctx.Values.kvStore.volume }}
+{{- if ne (len (keys .ctx.Values.kvStore.volume)) 1 }}
+{{- fail (printf "kvStore.volume must name one volume source, got %v (set the default emptyDir to null)" (keys .ctx.Values.kvStore.volume | sortAlpha)) }}
+{{- end }}
+  - name: kv-store
+    {{- toYaml .ctx.Values.kvStore.volume | nindent 4 }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "inferscale.volumeMounts" -}}
+{{- $pvc := eq .ctx.Values.model.source "pvc" -}}
+{{- if or $pvc (and .worker .ctx.Values.kvStore.volume) }}
 volumeMounts:
-{{- if .Values.model.volume }}
+{{- if $pvc }}
   - name: models
     mountPath: /models
-    readOnly: true
+    readOnly: {{ or .worker (eq (include "inferscale.modelsReadOnly" .ctx) "true") }}
 {{- end }}
-{{- if .Values.kvStore.volume }}
+{{- if and .worker .ctx.Values.kvStore.volume }}
+  # One folder per pod (its name): two pods on one node never share KV files.
   - name: kv-store
-    mountPath: {{ required "kvStore.dir is required when kvStore.volume is set" .Values.kvStore.dir }}
+    mountPath: {{ required "kvStore.dir is required when kvStore.volume is set" .ctx.Values.kvStore.dir }}
+    subPathExpr: $(INFERSCALE_POD_NAME)
 {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "inferscale.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
