@@ -198,11 +198,11 @@ def test_bad_input_gets_the_right_status_codes(service):
     code, details = _code(lambda: c.get("alice", "no-such-fact"))
     assert code == grpc.StatusCode.NOT_FOUND and "no-such-fact" in details
     code, details = _code(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
-        user_id="alice", fact_id=service.ids["alice"][1], text="x", expected_version=7)))
+        user_id="alice", fact_id=service.ids["alice"][1], text="x", expected_version=7), metadata=c.metadata))
     assert code == grpc.StatusCode.ABORTED and "at version 1" in details
     raw = service.channel.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
                                       response_deserializer=pb2.Fact.FromString)
-    code, details = _code(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f"))
+    code, details = _code(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f", metadata=c.metadata))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in details
     # a user without memory is answered without any
     _, final = service.ask("nobody", "What is two plus two?", max_tokens=4)

@@ -1,0 +1,107 @@
+"""Seeded random requests for every RPC of inferscale.v1.Memory: random strings (unicode, control characters,
+path separators), empty and huge fields, negative and extreme numbers, many entries, malformed bytes and
+4 MiB messages. Used by tests/test_fuzz_api.py (many inputs, in-process server) and
+tests/test_service_safety.py (fewer, the real service). Requests name only the fuzz user or users that do
+not exist, so every other user's facts must come out unchanged."""
+from __future__ import annotations
+
+import random
+
+from services.api import pb2
+
+INT32 = (0, 1, -1, 2, 63, 64, 65, 1000, -(1 << 31), (1 << 31) - 1)
+INT64 = (0, 1, -1, 7, (1 << 63) - 1, -(1 << 63))
+FLOATS = (0.0, 0.5, 2.0, 2.0001, -1.0, 1e308, -1e308, float("inf"), float("nan"))
+
+
+def rand_text(rng: random.Random, max_len: int = 300) -> str:
+    kind = rng.randrange(9)
+    if kind == 0:
+        return ""
+    if kind == 1:
+        return " " * rng.randrange(1, 5)
+    if kind == 2:  # long: over the character limits
+        return rng.choice("abc xyz") * rng.choice((1999, 2000, 2001, 4001, 20000))
+    if kind == 3:
+        return "".join(chr(rng.randrange(0x20, 0x2FFF)) for _ in range(rng.randrange(1, max_len)))
+    if kind == 4:  # surrogate-free astral plane and combining marks
+        return "".join(rng.choice(["\U0001F600", "e\u0301", "\u200b", "\ufeff", "\U00010348"])
+                       for _ in range(rng.randrange(1, 50)))
+    if kind == 5:
+        return "".join(rng.choice(["/", "\\", "..", ".", "\x00", "\n", "\x7f", "%s", "{}", "'", '"', "\t"])
+                       for _ in range(rng.randrange(1, 20)))
+    if kind == 6:
+        return rng.choice(["..", ".", "a/b", "null", "None", "0", "-1", "1e999", "<script>", "' OR 1=1 --"])
+    if kind == 7:  # long word soup: under the character limit, over the token limit
+        return " ".join(rng.choice(["antidisestablishment", "Zürich", "数据", "🙂", "x1y2z3"])
+                        for _ in range(rng.randrange(200, 600)))
+    return "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randrange(1, max_len)))
+
+
+def rand_user(rng: random.Random, fuzz_user: str) -> str:
+    """Mostly the fuzz user (so requests reach the handlers), sometimes a bad id or a ghost."""
+    r = rng.random()
+    if r < 0.6:
+        return fuzz_user
+    if r < 0.75:
+        return f"ghost-{rng.randrange(10**6)}"
+    return rand_text(rng, 80)
+
+
+def rand_metadata(rng: random.Random) -> dict:
+    n = rng.choice((0, 0, 1, 3, 33))
+    return {rand_text(rng, 20) or "k": rand_text(rng, 40) for _ in range(n)}
+
+
+def request(rng: random.Random, rpc: str, fuzz_user: str, fact_ids: list[str]):
+    """A random request message for `rpc`."""
+    uid = rand_user(rng, fuzz_user)
+    fid = rng.choice(fact_ids + [rand_text(rng, 40), "nope"]) if fact_ids else rand_text(rng, 40)
+    if rpc == "AddFacts":
+        n = rng.choice((0, 1, 2, 3, 257))
+        return pb2.AddFactsRequest(user_id=uid, facts=[
+            pb2.FactInput(text=rand_text(rng), metadata=rand_metadata(rng),
+                          window=[rand_text(rng, 60) for _ in range(rng.choice((0, 1, 17)))]) for _ in range(n)])
+    if rpc == "AddMemory":
+        roles = ["user", "assistant", "system", "", "bot", "USER"]
+        msgs = [pb2.Message(role=rng.choice(roles), content=rand_text(rng)) for _ in range(rng.choice((0, 1, 2, 101)))]
+        req = pb2.AddMemoryRequest(user_id=uid, messages=msgs, metadata=rand_metadata(rng))
+        req.infer = False  # infer=true runs Mem0's LLM extraction: minutes per input on a CPU
+        return req
+    if rpc == "Search":
+        return pb2.SearchRequest(user_id=uid, query=rand_text(rng), k=rng.choice(INT32))
+    if rpc == "Answer":
+        return pb2.AnswerRequest(user_id=uid, query=rand_text(rng), k=rng.choice(INT32),
+                                 max_tokens=rng.choice((1, 2, 0, -1, -(1 << 31), (1 << 31) - 1, 4097)),
+                                 temperature=rng.choice(FLOATS), mode=rng.choice(["", "inject", "prompt", "x"]))
+    if rpc == "GetMemory":
+        return pb2.GetMemoryRequest(user_id=uid, fact_id=fid)
+    if rpc == "ListMemories":
+        return pb2.ListMemoriesRequest(user_id=uid, page_size=rng.choice(INT32),
+                                       page_token=rng.choice(["", "0", "1", "-1", "abc", "9" * 13, rand_text(rng, 20)]))
+    if rpc == "UpdateMemory":
+        req = pb2.UpdateMemoryRequest(user_id=uid, fact_id=fid, metadata=rand_metadata(rng),
+                                      replace_metadata=rng.random() < 0.3, expected_version=rng.choice(INT64))
+        if rng.random() < 0.7:
+            req.text = rand_text(rng)
+        return req
+    if rpc == "DeleteMemory":
+        return pb2.DeleteMemoryRequest(user_id=uid, fact_id=fid)
+    if rpc == "DeleteUser":
+        # Only users that hold nothing another test needs: ghosts and bad ids (the fuzz user stays).
+        return pb2.DeleteUserRequest(user_id=rng.choice([f"ghost-{rng.randrange(10**6)}", rand_text(rng, 40)]))
+    if rpc == "Health":
+        return pb2.HealthRequest()
+    raise ValueError(rpc)
+
+
+def raw_bytes(rng: random.Random) -> bytes:
+    """Not a message at all: random bytes, truncated varints, or 4 MiB."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+    if kind == 1:
+        return b"\x0a\xff\xff\xff\xff\x0f"
+    if kind == 2:
+        return b"\x0a" + b"\xff" * 9 + b"\x01"
+    return b"\x0a\x80\x80\x80\x02" + b"a" * (4 << 20)  # field 1 claiming 4 MiB, 4 MiB long

@@ -1,0 +1,146 @@
+"""A bounded fuzz pass over every RPC's fields (tests/fuzz_inputs.py) and the HTTP chat body, against a real grpc
+server on loopback with auth on and the registry in a real redis-server. Asserted for every input: the status is
+never INTERNAL or UNKNOWN (HTTP never 5xx but 503 for the missing engine) and no message carries a traceback;
+afterwards the service still answers and every other user's facts are unchanged. The same pass, smaller, runs
+on the real service in tests/test_service_safety.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+import uuid
+
+import grpc
+import pytest
+
+from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
+from fuzz_inputs import raw_bytes, request
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+from services.api import REQUEST_TYPES, STREAMING, pb2, pb2_grpc
+from services.auth import AuthConfig, Authenticator
+from services.gateway import GatewayCore, build_http_app, start_grpc_server
+from services.registry import NewFact, RedisRegistry
+
+MAX_INPUTS, MAX_SECONDS, SEED = 2000, 45.0, 20261123
+FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+class _ServerThread:
+    def __init__(self, core):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server, self.port = asyncio.run_coroutine_threadsafe(start_grpc_server(core), self.loop).result(30)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def snapshot(reg, users) -> dict:
+    return {u: [(f.fact_id, f.text, f.version, dict(f.metadata)) for f in reg.list(u)[0]] for u in users}
+
+
+def fuzz_grpc(channel, fuzz_user: str, fact_ids: list[str], seed: int, max_inputs: int, max_seconds: float,
+              timeout_s: float = 30.0) -> tuple[int, dict]:
+    """Sends random requests until max_inputs or max_seconds; returns (inputs tried, status counts).
+    Fails on INTERNAL/UNKNOWN or a traceback in a message."""
+    rng = random.Random(seed)
+    rpcs = sorted(REQUEST_TYPES)
+    counts: dict[str, int] = {}
+    deadline = time.monotonic() + max_seconds
+    n = 0
+    while n < max_inputs and time.monotonic() < deadline:
+        rpc = rpcs[n % len(rpcs)]
+        stream = rpc in STREAMING
+        make = channel.unary_stream if stream else channel.unary_unary
+        call = make(f"/inferscale.v1.Memory/{rpc}", request_serializer=None, response_deserializer=None)
+        payload = raw_bytes(rng) if rng.random() < 0.08 else request(rng, rpc, fuzz_user, fact_ids).SerializeToString()
+        try:
+            out = call(payload, timeout=timeout_s)
+            if stream:
+                list(out)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+        assert code not in FORBIDDEN, (rpc, code, details, payload[:200])
+        assert "Traceback" not in details and 'File "' not in details, details
+        counts[code.name] = counts.get(code.name, 0) + 1
+        n += 1
+    return n, counts
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, jwt_secret):  # noqa: F811
+    reg = RedisRegistry(redis_url, prefix=f"fuzz{uuid.uuid4().hex[:8]}:")
+    core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
+    srv = _ServerThread(core)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    grpc.channel_ready_future(ch).result(timeout=30)
+    yield ch, core, reg, jwt_secret[1]
+    ch.close()
+    srv.stop()
+    reg.close()
+
+
+def test_fuzz_every_rpc(served):
+    ch, _, reg, secret = served
+    fuzz_user = f"fuzz-{uuid.uuid4().hex[:6]}"
+    bystanders = {u: reg.create(u, [NewFact(f"{u} keeps a fact {i}") for i in range(3)])
+                  for u in ("alice-fz", "bob-fz")}
+    own = reg.create(fuzz_user, [NewFact("the fuzz user's first fact")])
+    before = snapshot(reg, bystanders)
+    # As the fuzz user (refusals for other users are part of the pass), then with no token at all.
+    n, counts = fuzz_grpc(token_channel(ch, token_for(secret, fuzz_user)), fuzz_user, [own[0].fact_id],
+                          SEED, MAX_INPUTS, MAX_SECONDS)
+    m, counts_anon = fuzz_grpc(ch, fuzz_user, [own[0].fact_id], SEED + 1, 300, 15.0)
+    print(f"\nfuzz: {n} inputs with a token, {m} without; status counts {counts} / {counts_anon}")
+    # Without a token: refused, except Health (open: OK, or INVALID_ARGUMENT for bytes that are no message)
+    # and messages over gRPC's 4 MiB receive limit, which the transport refuses before any handler runs.
+    assert n >= 500 and set(counts_anon) <= {"UNAUTHENTICATED", "OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
+    assert counts_anon["UNAUTHENTICATED"] > 0.7 * m
+    assert snapshot(reg, bystanders) == before
+    stub = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, fuzz_user)))
+    assert stub.Health(pb2.HealthRequest()).status == "SERVING"
+    assert stub.ListMemories(pb2.ListMemoriesRequest(user_id=fuzz_user)).facts  # still served
+    stub.AddFacts(pb2.AddFactsRequest(user_id=fuzz_user, facts=[pb2.FactInput(text="still writable")]))
+
+
+def _rand_json(rng: random.Random, depth: int = 0):
+    """A random JSON value: wrong types, huge numbers, long strings, nested lists and objects."""
+    makers = [
+        lambda: None, lambda: rng.random() < 0.5,
+        lambda: rng.choice([0, -1, 7, 2**31, 2**64, 10**400]),
+        lambda: rng.choice([0.5, -1e308, 1e308, float("nan"), float("inf")]),
+        lambda: "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(30))),
+        lambda: "x" * rng.choice([0, 5000]),
+        lambda: [_rand_json(rng, depth + 1) for _ in range(rng.randrange(4))],
+        lambda: {rng.choice(["role", "content", "user", "k"]): _rand_json(rng, depth + 1) for _ in range(rng.randrange(4))},
+    ]
+    return makers[rng.randrange(len(makers) if depth < 2 else 6)]()
+
+
+def test_fuzz_http_chat(served):
+    from fastapi.testclient import TestClient
+
+    _, core, _, secret = served
+    client = TestClient(build_http_app(lambda: core), headers={"authorization": f"Bearer {token_for(secret, 'hz')}"})
+    rng = random.Random(SEED)
+    fields = ["user", "messages", "k", "max_tokens", "max_completion_tokens", "temperature", "stream", "model",
+              "inferscale_mode"]
+    n, deadline = 0, time.monotonic() + 30
+    while n < 600 and time.monotonic() < deadline:
+        body = {f: _rand_json(rng) for f in fields if rng.random() < 0.5}
+        if rng.random() < 0.5:
+            body["messages"] = [{"role": "user", "content": _rand_json(rng)}]
+        raw = json.dumps(body, allow_nan=True).encode() if rng.random() < 0.9 else bytes(rng.randrange(256) for _ in range(40))
+        r = client.post("/v1/chat/completions", content=raw)
+        assert r.status_code < 500 or r.json()["error"]["code"] == "unavailable", (body, r.text)
+        assert "Traceback" not in r.text
+        n += 1
+    print(f"\nHTTP chat fuzz: {n} bodies")
+    assert n >= 100
