@@ -6,8 +6,13 @@ not exist, so every other user's facts must come out unchanged."""
 from __future__ import annotations
 
 import random
+import time
 
-from services.api import pb2
+import grpc
+
+from services.api import REQUEST_TYPES, STREAMING, pb2
+
+FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 INT32 = (0, 1, -1, 2, 63, 64, 65, 1000, -(1 << 31), (1 << 31) - 1)
 INT64 = (0, 1, -1, 7, (1 << 63) - 1, -(1 << 63))
@@ -53,8 +58,11 @@ def rand_metadata(rng: random.Random) -> dict:
     return {rand_text(rng, 20) or "k": rand_text(rng, 40) for _ in range(n)}
 
 
-def request(rng: random.Random, rpc: str, fuzz_user: str, fact_ids: list[str]):
-    """A random request message for `rpc`."""
+ANSWER_TOKENS = (1, 2, 0, -1, -(1 << 31), (1 << 31) - 1, 4097)
+
+
+def request(rng: random.Random, rpc: str, fuzz_user: str, fact_ids: list[str], answer_tokens=ANSWER_TOKENS):
+    """A random request message for `rpc` (`answer_tokens`: the max_tokens values Answer draws from)."""
     uid = rand_user(rng, fuzz_user)
     fid = rng.choice(fact_ids + [rand_text(rng, 40), "nope"]) if fact_ids else rand_text(rng, 40)
     if rpc == "AddFacts":
@@ -72,7 +80,7 @@ def request(rng: random.Random, rpc: str, fuzz_user: str, fact_ids: list[str]):
         return pb2.SearchRequest(user_id=uid, query=rand_text(rng), k=rng.choice(INT32))
     if rpc == "Answer":
         return pb2.AnswerRequest(user_id=uid, query=rand_text(rng), k=rng.choice(INT32),
-                                 max_tokens=rng.choice((1, 2, 0, -1, -(1 << 31), (1 << 31) - 1, 4097)),
+                                 max_tokens=rng.choice(answer_tokens),
                                  temperature=rng.choice(FLOATS), mode=rng.choice(["", "inject", "prompt", "x"]))
     if rpc == "GetMemory":
         return pb2.GetMemoryRequest(user_id=uid, fact_id=fid)
@@ -105,3 +113,36 @@ def raw_bytes(rng: random.Random) -> bytes:
     if kind == 2:
         return b"\x0a" + b"\xff" * 9 + b"\x01"
     return b"\x0a\x80\x80\x80\x02" + b"a" * (4 << 20)  # field 1 claiming 4 MiB, 4 MiB long
+
+
+def snapshot(reg, users) -> dict:
+    return {u: [(f.fact_id, f.text, f.version, dict(f.metadata)) for f in reg.list(u)[0]] for u in users}
+
+
+def fuzz_grpc(channel, fuzz_user: str, fact_ids: list[str], seed: int, max_inputs: int, max_seconds: float,
+              timeout_s: float = 30.0, **request_kw) -> tuple[int, dict]:
+    """Sends random requests until max_inputs or max_seconds; returns (inputs tried, status counts).
+    Fails on INTERNAL/UNKNOWN or a traceback in a message."""
+    rng = random.Random(seed)
+    rpcs = sorted(REQUEST_TYPES)
+    counts: dict[str, int] = {}
+    deadline = time.monotonic() + max_seconds
+    n = 0
+    while n < max_inputs and time.monotonic() < deadline:
+        rpc = rpcs[n % len(rpcs)]
+        stream = rpc in STREAMING
+        make = channel.unary_stream if stream else channel.unary_unary
+        call = make(f"/inferscale.v1.Memory/{rpc}", request_serializer=None, response_deserializer=None)
+        payload = raw_bytes(rng) if rng.random() < 0.08 else request(rng, rpc, fuzz_user, fact_ids, **request_kw).SerializeToString()
+        try:
+            out = call(payload, timeout=timeout_s)
+            if stream:
+                list(out)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+        assert code not in FORBIDDEN, (rpc, code, details, payload[:200])
+        assert "Traceback" not in details and 'File "' not in details, details
+        counts[code.name] = counts.get(code.name, 0) + 1
+        n += 1
+    return n, counts

@@ -7,7 +7,6 @@ is the same whether or not the other user exists: nothing about the user or its 
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
@@ -22,11 +21,12 @@ import jwt
 import pytest
 
 from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
+from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services.api import ApiError, pb2, pb2_grpc
 from services.auth import (SCOPE_READ, AuthConfig, AuthConfigError, Authenticator, Principal, ensure_dev_secret,
                            mint)
-from services.gateway import GatewayCore, build_http_app, start_grpc_server
+from services.gateway import GatewayCore, build_http_app
 from services.registry import RedisRegistry
 
 ALICE_FACT = "alice's locker code is 4711"
@@ -54,26 +54,12 @@ def _requests(user: str, fact_id: str) -> dict:
 RPCS = sorted(_requests("u", "f"))
 
 
-class _ServerThread:
-    def __init__(self, core: GatewayCore):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start_grpc_server(core), self.loop).result(30)
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def world(redis_url, jwt_secret):  # noqa: F811
     """A gateway with auth on, alice holding one fact; yields (stub, core, secret, alice, fact id, registry)."""
     reg = RedisRegistry(redis_url, prefix=f"auth{uuid.uuid4().hex[:8]}:")
     core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
-    srv = _ServerThread(core)
+    srv = ServerThread(core)
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     grpc.channel_ready_future(ch).result(timeout=30)
     alice = f"alice-{uuid.uuid4().hex[:6]}"

@@ -5,10 +5,8 @@ afterwards the service still answers and every other user's facts are unchanged.
 on the real service in tests/test_service_safety.py."""
 from __future__ import annotations
 
-import asyncio
 import json
 import random
-import threading
 import time
 import uuid
 
@@ -16,69 +14,22 @@ import grpc
 import pytest
 
 from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
-from fuzz_inputs import raw_bytes, request
+from fuzz_inputs import fuzz_grpc, snapshot
+from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services.api import REQUEST_TYPES, STREAMING, pb2, pb2_grpc
+from services.api import pb2, pb2_grpc
 from services.auth import AuthConfig, Authenticator
-from services.gateway import GatewayCore, build_http_app, start_grpc_server
+from services.gateway import GatewayCore, build_http_app
 from services.registry import NewFact, RedisRegistry
 
 MAX_INPUTS, MAX_SECONDS, SEED = 2000, 45.0, 20261123
-FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-
-
-class _ServerThread:
-    def __init__(self, core):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start_grpc_server(core), self.loop).result(30)
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-def snapshot(reg, users) -> dict:
-    return {u: [(f.fact_id, f.text, f.version, dict(f.metadata)) for f in reg.list(u)[0]] for u in users}
-
-
-def fuzz_grpc(channel, fuzz_user: str, fact_ids: list[str], seed: int, max_inputs: int, max_seconds: float,
-              timeout_s: float = 30.0) -> tuple[int, dict]:
-    """Sends random requests until max_inputs or max_seconds; returns (inputs tried, status counts).
-    Fails on INTERNAL/UNKNOWN or a traceback in a message."""
-    rng = random.Random(seed)
-    rpcs = sorted(REQUEST_TYPES)
-    counts: dict[str, int] = {}
-    deadline = time.monotonic() + max_seconds
-    n = 0
-    while n < max_inputs and time.monotonic() < deadline:
-        rpc = rpcs[n % len(rpcs)]
-        stream = rpc in STREAMING
-        make = channel.unary_stream if stream else channel.unary_unary
-        call = make(f"/inferscale.v1.Memory/{rpc}", request_serializer=None, response_deserializer=None)
-        payload = raw_bytes(rng) if rng.random() < 0.08 else request(rng, rpc, fuzz_user, fact_ids).SerializeToString()
-        try:
-            out = call(payload, timeout=timeout_s)
-            if stream:
-                list(out)
-            code, details = grpc.StatusCode.OK, ""
-        except grpc.RpcError as e:
-            code, details = e.code(), e.details() or ""
-        assert code not in FORBIDDEN, (rpc, code, details, payload[:200])
-        assert "Traceback" not in details and 'File "' not in details, details
-        counts[code.name] = counts.get(code.name, 0) + 1
-        n += 1
-    return n, counts
 
 
 @pytest.fixture(scope="module")
 def served(redis_url, jwt_secret):  # noqa: F811
     reg = RedisRegistry(redis_url, prefix=f"fuzz{uuid.uuid4().hex[:8]}:")
     core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
-    srv = _ServerThread(core)
+    srv = ServerThread(core)
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     grpc.channel_ready_future(ch).result(timeout=30)
     yield ch, core, reg, jwt_secret[1]

@@ -7,37 +7,21 @@ Auth is on, as deployed: these tests call with an admin token (tests/test_auth.p
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 
 import grpc
 import pytest
 
 from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
+from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services import api, codegen
 from services.api import Limits, pb2, pb2_grpc
 from services.auth import AuthConfig, Authenticator
-from services.gateway import GatewayCore, build_http_app, start_grpc_server
+from services.gateway import GatewayCore, build_http_app
 from services.registry import RedisRegistry
 
 LIMITS = Limits(max_facts_per_user=5)
-
-
-class _ServerThread:
-    """A grpc.aio server on its own event loop in a thread, so the tests can use the blocking client."""
-
-    def __init__(self, core: GatewayCore):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start_grpc_server(core), self.loop).result(30)
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +44,7 @@ def admin_token(jwt_secret):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def channel(core, admin_token):
-    srv = _ServerThread(core)
+    srv = ServerThread(core)
     ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     grpc.channel_ready_future(ch).result(timeout=30)
     yield token_channel(ch, admin_token)

@@ -11,6 +11,7 @@ import grpc
 import torch
 import pytest
 
+from fact_texts import LONG_FACT, text_of_tokens
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services.api import ApiError, pb2
 from services.auth import Authenticator
@@ -19,7 +20,6 @@ from services.gateway import GatewayCore
 from services.registry import RedisRegistry
 
 pytestmark = pytest.mark.slow
-LONG_FACT = ("Carol wrote a very long note about her garden, her bees and her roof terrace. " * 26)[:1990]
 
 
 @pytest.fixture(scope="module")
@@ -34,20 +34,9 @@ def test_the_limit_is_measured_with_the_serving_tokenizer(pool):
     why = fe.problem(LONG_FACT)
     n = len(fe.template.fact_ids(LONG_FACT))
     assert n > fe.max_fact_tokens and why == f"is {n} tokens long (serving model's tokenizer), the limit is 256 tokens"
-    exact = _text_of_tokens(fe, fe.max_fact_tokens)
+    exact = text_of_tokens(fe.template, fe.max_fact_tokens)
     assert len(fe.template.fact_ids(exact)) == fe.max_fact_tokens and fe.problem(exact) is None
     assert fe.problem(exact + " and one more word") is not None
-
-
-def _text_of_tokens(fe, n: int) -> str:
-    """A fact text of exactly n fact tokens (words added until the count is reached)."""
-    words = "Dana keeps a small notebook about the birds she sees near the harbour".split()
-    text, i = "", 0
-    while len(fe.template.fact_ids(text + " " + words[i % len(words)])) <= n:
-        text = (text + " " + words[i % len(words)]).strip()
-        i += 1
-    assert len(fe.template.fact_ids(text)) == n, "no word boundary hits the count exactly"
-    return text
 
 
 def _batch(pool, requests):
