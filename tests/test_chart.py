@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from redis_fixture import _free_port
 from services import app as service_app
 from services.app import DEPLOYMENTS, DeploymentSpec, ServiceConfig, chart_serve_config, dump, serve_config
 
@@ -429,11 +430,3 @@ def test_missing_serve_config_file_fails_the_render(helm, tmp_path):
     (chart / "files" / "serve-config.yaml").unlink()
     out = subprocess.run([helm, "template", "x", str(chart)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "emit-serve-config" in out.stderr
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import subprocess
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from redis_fixture import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
@@ -70,12 +71,6 @@ def test_redis_binds_with_a_password_on_its_own_port():
 
 
 # ------------------------------------------------------------------------------ two Ray nodes, one machine
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ray(*args: str, env: dict, timeout: float = 180) -> None:
     out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"ray {' '.join(args)}: {out.stdout[-2000:]}\n{out.stderr[-2000:]}"
