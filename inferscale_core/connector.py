@@ -47,6 +47,14 @@ CONNECTOR_NAME = "InferScaleConnector"
 CONNECTOR_MODULE = __name__
 WORKER_EXTENSION = f"{__name__}.InjectionWorkerExtension"
 
+__all__ = [  # this module's own names and the shared ones it re-exports from connector_types
+    "CONNECTOR_MODULE", "CONNECTOR_NAME", "COUNTERS", "GAUGES", "METRIC_PREFIX", "PARAMS_KEY", "SCHEDULER_COUNTERS",
+    "SHARED_NAMESPACE", "SUPPORTED_VLLM", "WORKER_COUNTERS", "WORKER_EXTENSION", "InferScaleConnector",
+    "InjectionMetadata", "InjectionParams", "InjectionPromMetrics", "InjectionStats", "InjectionWorkerExtension",
+    "LoadSpec", "UnsupportedVLLMError", "cache_salt", "check_vllm_version", "injectable_tokens", "memory_hash",
+    "pack_fact", "recompute_tokens_option", "unpack_fact", "worker_connector",
+]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Stats: per-step deltas that vLLM carries from the worker (and the scheduler) to its stat loggers.

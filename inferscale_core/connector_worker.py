@@ -10,6 +10,15 @@ chunks' K and V into a contiguous buffer, ONE in-place rotation of every layer's
 rotary op (the op the model's forward pass uses, with the same table dtype, so the keys are bit for bit what
 vLLM's prefill writes), and one cache write per layer. On the 2-core CPU this is ~10x faster than rotating in
 torch ops (k=50, 1,856 tokens, SmolLM2 bf16: 7 ms instead of 80 ms).
+
+Facts are stored and rotated in the MODEL's dtype, whatever the cache holds: with a quantized cache
+(`kv_cache_dtype="fp8"`) the backend's own cache write quantizes them, exactly as it quantizes the keys of a
+prefill.
+
+Memory on an accelerator: the fact store's device tier has a byte budget (`device_budget_bytes`, by default
+derived from the memory vLLM leaves free, see `device_budget`); facts beyond it spill to pinned host memory.
+An allocation failure while injecting never reaches vLLM: that request's blocks are reported as failed loads
+and vLLM recomputes them (plain prefill for those tokens).
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ from .connector_types import SHARED_NAMESPACE, WORKER_COUNTERS, InjectionMetadat
 from .errors import InferScaleError, check_id
 from .model_spec import ModelSpec
 from .rope import ChunkedRope
-from .store import FactStore
+from .store import FactStore, is_out_of_memory
 from .types import EncodedFact
 
 if TYPE_CHECKING:
@@ -38,8 +47,46 @@ WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "max_f
 SCHEDULER_OPTIONS = ("recompute_tokens",)
 
 # Default tokens written per group: bounds the temporary K/V buffers (23 KB per token for SmolLM2 bf16 ->
-# ~190 MB) when a batch of many large memories arrives in one step.
+# ~190 MB; 128 KiB per token for Llama-3.1-8B bf16 -> 1 GiB) when a batch of many large memories arrives in
+# one step.
 INJECT_GROUP_TOKENS = 8192
+# Share of the device memory vLLM leaves free (outside gpu_memory_utilization, after the group buffers) that
+# the fact store's device tier may fill when `device_budget_bytes` is not given. Half: the rest stays free
+# for the allocator's fragmentation, temporary copies and other processes on the same device.
+AUTO_DEVICE_FRACTION = 0.5
+
+
+def device_budget(option, device: torch.device, reserve_bytes: int, free_bytes: int | None) -> int | None:
+    """The fact store's device-tier budget in bytes (None: no budget).
+
+    `option` is kv_connector_extra_config["device_budget_bytes"]: an integer >= 0 is used as given; "auto"
+    (the default on an accelerator) is AUTO_DEVICE_FRACTION of `free_bytes`, the device memory free once
+    vLLM has allocated its weights, KV cache and CUDA-graph pools, minus `reserve_bytes` for the injection
+    buffers. On the CPU the default is no budget: the store is plain memory next to vLLM's fixed
+    VLLM_CPU_KVCACHE_SPACE."""
+    if option is None:
+        option = "auto" if device.type != "cpu" else None
+    if option is None:
+        return None
+    if option == "auto":
+        if device.type == "cpu":
+            raise ValueError("device_budget_bytes='auto' derives the budget from accelerator memory; on the CPU "
+                             "give a number of bytes or leave it unset")
+        if free_bytes is None:
+            raise ValueError(f"the free memory of {device} cannot be read: set device_budget_bytes (bytes of "
+                             "fact KV the store may keep on the device)")
+        return max(0, int((free_bytes - reserve_bytes) * AUTO_DEVICE_FRACTION))
+    if isinstance(option, bool) or not isinstance(option, int) or option < 0:
+        raise ValueError(f"device_budget_bytes must be an integer >= 0 or 'auto', got {option!r}")
+    return option
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """Bytes free on an accelerator (all processes counted), None when torch cannot tell."""
+    try:
+        return int(torch.accelerator.get_memory_info(device)[0])
+    except Exception:  # no accelerator API for this device type
+        return None
 
 
 class LoadError(InferScaleError):
@@ -59,12 +106,15 @@ class WorkerSide:
         if self.inject_group_tokens < 1:
             raise ValueError(f"inject_group_tokens must be >= 1, got {self.inject_group_tokens}")
         self.block_size = vllm_config.cache_config.block_size
+        # K and V are kept and rotated in the model's dtype; the cache may hold another (fp8: uint8 storage).
+        self.kv_dtype = vllm_config.model_config.dtype
         self.hf_config = vllm_config.model_config.hf_text_config
         self.spec = ModelSpec.from_config(self.hf_config)  # rejects families chunked RoPE does not support
         self.extra_config = extra_config
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_index: dict[str, int] = {}
         self.store: FactStore | None = None
+        self.device_budget_bytes: int | None = None  # set with the store in register_kv_caches
         self.max_model_len = vllm_config.model_config.max_model_len
         self.cos_sin_cache: torch.Tensor | None = None
         self._failed_blocks: set[int] = set()
@@ -85,14 +135,19 @@ class WorkerSide:
         first = next(iter(kv_caches.values()))
         self.device, self.cache_dtype = first.device, first.dtype
         self.cos_sin_cache = rotary_table(self.hf_config, self.spec, self.max_model_len, self.device,
-                                          self.cache_dtype)
+                                          self.kv_dtype)
         opts = self.extra_config
+        # Measured now: vLLM has allocated its weights, KV cache and (profiled) CUDA-graph memory.
+        free = free_device_memory(self.device) if self.device.type != "cpu" else None
+        self.device_budget_bytes = device_budget(opts.get("device_budget_bytes"), self.device,
+                                                 self.spec.kv_bytes(self.inject_group_tokens, self.kv_dtype), free)
         self.store = FactStore.for_spec(
-            self.spec, device=self.device, dtype=self.cache_dtype, disk_dir=opts.get("disk_dir"),
+            self.spec, device=self.device, dtype=self.kv_dtype, disk_dir=opts.get("disk_dir"),
             max_fact_tokens=int(opts.get("max_fact_tokens", 1024)),
-            device_budget_bytes=opts.get("device_budget_bytes"), host_budget_bytes=opts.get("host_budget_bytes"))
-        logger.info("InferScale worker: %d layers on %s (%s), block size %d", len(kv_caches), self.device,
-                    self.cache_dtype, self.block_size)
+            device_budget_bytes=self.device_budget_bytes, host_budget_bytes=opts.get("host_budget_bytes"))
+        logger.info("InferScale worker: %d layers on %s (facts in %s, cache %s), block size %d, device budget %s",
+                    len(kv_caches), self.device, self.kv_dtype, self.cache_dtype, self.block_size,
+                    "none" if self.device_budget_bytes is None else f"{self.device_budget_bytes} B")
 
     def _require_store(self) -> FactStore:
         if self.store is None:
@@ -102,7 +157,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ fact management (worker extension)
 
     def put(self, namespace: str, facts: list) -> int:
-        """Insert or replace `(fact_id, pack_fact(fact))` pairs, converted to the cache's dtype; all facts are
+        """Insert or replace `(fact_id, pack_fact(fact))` pairs, converted to the model's dtype; all facts are
         checked before any is stored."""
         store = self._require_store()
         check_id("user_id", namespace)
@@ -113,7 +168,7 @@ class WorkerSide:
             fact_id, blob = item
             check_id("fact_id", fact_id)
             fact = unpack_fact(blob)
-            fact = EncodedFact(fact.token_ids, fact.k_pre.to(self.cache_dtype), fact.v.to(self.cache_dtype))
+            fact = EncodedFact(fact.token_ids, fact.k_pre.to(self.kv_dtype), fact.v.to(self.kv_dtype))
             fact.validate(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
                           max_tokens=store.max_fact_tokens)
             converted.append((fact_id, fact))
@@ -162,23 +217,47 @@ class WorkerSide:
             try:
                 pieces, tiers = self._gather(store, spec)
             except (KeyError, ValueError, LoadError, FileNotFoundError) as e:
-                # vLLM recomputes these blocks (kv_load_failure_policy="recompute"): slower, never wrong.
-                logger.warning("InferScale: request %s not injected: %s", spec.req_id, e)
-                self._failed_blocks.update(self._blocks_of(spec))
-                self._count("load_failures")
+                self._fail([spec], e)
+                continue
+            except RuntimeError as e:  # torch.OutOfMemoryError included: promoting a fact to the device
+                if not is_out_of_memory(e):
+                    raise
+                self._fail([spec], e, oom=True)
                 continue
             for tier in tiers:
                 self._count(f"store_hits_{tier}")
-            self._count("injected_requests")
-            self._count("injected_tokens", spec.end - spec.start)
             if group and group_tokens + spec.end - spec.start > self.inject_group_tokens:
-                self._write_group(forward_context, group)
+                self._write(forward_context, group)
                 group, group_tokens = [], 0
             group.append((spec, pieces))
             group_tokens += spec.end - spec.start
         if group:
-            self._write_group(forward_context, group)
+            self._write(forward_context, group)
         self._count("injection_seconds", time.perf_counter() - t0)
+
+    def _fail(self, specs: list[LoadSpec], err: BaseException, oom: bool = False) -> None:
+        """Report the requests' blocks as failed loads: vLLM recomputes them (kv_load_failure_policy=
+        "recompute"): slower, never wrong, and the engine keeps running."""
+        for spec in specs:
+            logger.warning("InferScale: request %s not injected%s: %s", spec.req_id,
+                           " (out of memory)" if oom else "", err)
+            self._failed_blocks.update(self._blocks_of(spec))
+            self._count("load_failures")
+            if oom:
+                self._count("load_failures_oom")
+
+    def _write(self, forward_context: "ForwardContext",
+               group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        try:
+            self._write_group(forward_context, group)
+        except RuntimeError as e:  # the group's buffers did not fit: recompute these requests instead
+            if not is_out_of_memory(e):
+                raise
+            self._fail([spec for spec, _ in group], e, oom=True)
+            return
+        for spec, _ in group:
+            self._count("injected_requests")
+            self._count("injected_tokens", spec.end - spec.start)
 
     def _write_group(self, forward_context: "ForwardContext",
                      group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
@@ -260,6 +339,7 @@ class WorkerSide:
         """Cumulative counters since the engine started, and the store's current state."""
         out: dict[str, Any] = dict(self._totals)
         out.update(self._resident())
+        out["device_budget_bytes"] = self.device_budget_bytes
         if self.store is not None:
             s = self.store.stats()
             out["resident_bytes_disk"] = s["bytes"]["disk"]
@@ -282,17 +362,8 @@ def rotary_table(hf_config, spec: ModelSpec, max_model_len: int, device: torch.d
 
 
 def write_kv(layer, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write `key`/`value` `[N, H, D]` into the slots `slot_mapping` `[N]` of one layer's paged cache, through
-    the attention backend's own op so the cache layout (ISA-specific on CPU) never matters here."""
-    if kv_cache.device.type == "cpu":
-        from vllm import _custom_ops as ops
-
-        # CPU backend layout [blocks, H, bs, 2D] viewed as [blocks, H, 2bs, D]: keys then values.
-        nb, h, bs, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layer.isa,
-                                       k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-                                       kv_cache_dtype=layer.impl.kv_cache_dtype)
-    else:
-        # CUDA (and other accelerators): the backend's reshape_and_cache for its own layout and dtype.
-        layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    """Write `key`/`value` `[N, H, D]` (model dtype) into the slots `slot_mapping` `[N]` of one layer's paged
+    cache through the attention backend's own cache-write op, the one its forward pass uses: the cache layout
+    (ISA-specific on CPU, per backend on CUDA) and its dtype (fp8 quantization with the layer's k/v scales)
+    never matter here."""
+    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

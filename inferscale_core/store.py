@@ -2,13 +2,17 @@
 
 Tiers, fastest first:
   device  tensors on the store's device (GPU memory, or plain memory when the device is "cpu"),
-  host    CPU memory, pinned when CUDA is available so promotion is an async copy (only when the device
-          is not the CPU: a CPU store would otherwise hold the same bytes twice),
+  host    CPU memory, pinned when the device is CUDA so promotion is an async copy (by default only when the
+          device is not the CPU: a CPU store would otherwise hold the same bytes twice),
   disk    one safetensors file per fact under `disk_dir`, written on every put (write-through), so every
           fact survives a restart and a fact demoted out of memory costs nothing more to drop.
 
-Each memory tier has an optional byte budget (KV bytes, 2·L·c·h·d·b). Over budget, the least recently used
-facts move down one tier; `get` brings a fact back to the device tier.
+Each memory tier has an optional byte budget (KV bytes, 2·L·c·h·d·b). A fact goes to the fastest tier whose
+budget can hold it; room is made BEFORE anything is allocated there by moving the least recently used facts
+down one tier, so the device tier never holds more than its budget, not even for a moment. `get` brings a
+fact back to the device tier; a fact larger than the whole device budget is served as a temporary device
+copy and stays where it is. If the device itself runs out of memory while a fact is stored, the fact goes to
+the host tier instead (an accelerator shared with other allocations can be fuller than any budget knows).
 """
 from __future__ import annotations
 
@@ -37,6 +41,13 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """An allocation failure: torch's OutOfMemoryError (CUDA and other accelerators), or the CPU allocator's
+    RuntimeError, which has no type of its own."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
 def _hash_name(text: str) -> str:
     """File-system-safe, fixed-length name for an id (ids may hold any printable character)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
@@ -63,16 +74,19 @@ class FactStore:
     def __init__(self, device: str | torch.device = "cpu", disk_dir: str | Path | None = None,
                  num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
                  dtype: torch.dtype | None = None, max_fact_tokens: int = 1024,
-                 device_budget_bytes: int | None = None, host_budget_bytes: int | None = None):
+                 device_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
+                 host_tier: bool | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"FactStore device {self.device} requested but CUDA is not available")
         if max_fact_tokens < 1:
             raise ValueError(f"max_fact_tokens must be >= 1, got {max_fact_tokens}")
         for name, budget in (("device_budget_bytes", device_budget_bytes), ("host_budget_bytes", host_budget_bytes)):
-            if budget is not None and budget < 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {budget}")
-        self.use_host_tier = self.device.type != "cpu"
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {budget!r}")
+        # host_tier=None: a host tier only when the device is not the CPU. True on a CPU device runs the same
+        # device -> host spill logic an accelerator uses (how it is tested on machines without one).
+        self.use_host_tier = self.device.type != "cpu" if host_tier is None else bool(host_tier)
         self._pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._memory_tiers = ("device", "host") if self.use_host_tier else ("device",)
         self._budgets = {"device": device_budget_bytes, "host": host_budget_bytes if self.use_host_tier else None}
@@ -93,6 +107,7 @@ class FactStore:
         self._hits = {"device": 0, "host": 0, "disk": 0}
         self._promotions = 0
         self._demotions = 0
+        self._oom_spills = 0  # facts stored on the host because the device ran out of memory
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
@@ -120,17 +135,13 @@ class FactStore:
         check_id("fact_id", fact_id)
         with self._lock:
             self._check_fact(fact, source=f"fact {fact_id!r}")
-            # copy=True: the store must not alias the caller's tensors (they may be reused or mutated).
-            stored = EncodedFact(
-                token_ids=fact.token_ids.to(self.device, torch.int64, copy=True),
-                k_pre=fact.k_pre.to(self.device, copy=True, memory_format=torch.contiguous_format),
-                v=fact.v.to(self.device, copy=True, memory_format=torch.contiguous_format),
-            )
-            if self.disk_dir is not None:  # disk first: if writing fails, the store is unchanged
-                self._write_file(user_id, fact_id, stored)
             entry = self._users.get(user_id, {}).get(fact_id)
-            if entry is not None:  # replace in place: the fact keeps its position in fact_ids()
+            if entry is not None:  # its memory copy is outdated either way; frees its bytes before admitting
                 self._unplace(entry)
+            tier, stored = self._admit(fact)
+            if self.disk_dir is not None:  # disk before the books: if writing fails, no entry changes
+                self._write_file(user_id, fact_id, stored)
+            if entry is not None:  # replace in place: the fact keeps its position in fact_ids()
                 if entry.on_disk:
                     self._disk_bytes -= entry.nbytes
                 entry.nbytes = stored.nbytes
@@ -139,8 +150,8 @@ class FactStore:
                 self._users.setdefault(user_id, {})[fact_id] = entry
             if entry.on_disk:
                 self._disk_bytes += entry.nbytes
-            self._place(entry, "device", stored)
-            self._enforce_budgets()
+            if tier is not None:
+                self._place(entry, tier, stored)
 
     def get(self, user_id: str, fact_id: str) -> EncodedFact:
         """The fact on the store's device; promotes it to the device tier and counts a hit for its tier."""
@@ -227,6 +238,7 @@ class FactStore:
                 "hits": dict(self._hits),
                 "promotions": self._promotions,
                 "demotions": self._demotions,
+                "oom_spills": self._oom_spills,
                 "bytes": self.bytes_used(),
                 "facts_per_tier": counts,
                 "num_facts": sum(counts.values()),
@@ -260,35 +272,85 @@ class FactStore:
             self._resident[entry.tier] -= entry.nbytes
         entry.tier, entry.fact = "disk", None
 
+    def _fits(self, tier: str, nbytes: int) -> bool:
+        budget = self._budgets[tier]
+        return budget is None or nbytes <= budget
+
+    def _make_room(self, tier: str, nbytes: int) -> None:
+        """Demote least recently used facts of `tier` until `nbytes` more fit in its budget."""
+        budget = self._budgets[tier]
+        if budget is None:
+            return
+        lru = self._lru[tier]
+        while self._resident[tier] + nbytes > budget and lru:
+            self._demote(next(iter(lru.values())))
+
+    def _demote(self, entry: _Entry) -> None:
+        """Move a fact one memory tier down (device -> host), or out of memory when it is in the lowest memory
+        tier or larger than the next one's budget (its file exists: write-through)."""
+        self._demotions += 1
+        i = self._memory_tiers.index(entry.tier)
+        lower = self._memory_tiers[i + 1] if i + 1 < len(self._memory_tiers) else None
+        if lower is not None and self._fits(lower, entry.nbytes):
+            fact = entry.fact
+            self._unplace(entry)
+            self._make_room(lower, entry.nbytes)
+            self._place(entry, lower, self._to_host(fact))
+        else:
+            self._unplace(entry)
+
+    def _admit(self, fact: EncodedFact) -> tuple[str | None, EncodedFact]:
+        """A private copy of a new fact in the fastest memory tier that can hold it, room made first; tier
+        None (a host copy, for the file only) when no memory tier's budget can hold it."""
+        nbytes = fact.nbytes
+        for tier in self._memory_tiers:
+            if not self._fits(tier, nbytes):
+                continue
+            self._make_room(tier, nbytes)
+            try:
+                return tier, self._copy(fact, tier)
+            except (torch.OutOfMemoryError, RuntimeError) as err:
+                if not is_out_of_memory(err) or tier != "device" or not self.use_host_tier:
+                    raise
+                self._oom_spills += 1  # the device is fuller than its budget knows: keep the fact on the host
+        if self.disk_dir is None:  # only reachable when every tier refused: the budget checks make it rare
+            raise ValueError(f"a fact of {nbytes} bytes fits no memory tier and the store has no disk tier")
+        return None, self._copy(fact, "file")
+
+    def _copy(self, fact: EncodedFact, tier: str) -> EncodedFact:
+        """A copy that never aliases the caller's tensors (they may be reused or mutated)."""
+        device = self.device if tier == "device" else torch.device("cpu")
+        out = EncodedFact(token_ids=fact.token_ids.to(device, torch.int64, copy=True),
+                          k_pre=fact.k_pre.to(device, copy=True, memory_format=torch.contiguous_format),
+                          v=fact.v.to(device, copy=True, memory_format=torch.contiguous_format))
+        return self._to_host(out) if tier == "host" else out
+
     def _fetch(self, entry: _Entry) -> EncodedFact:
         self._hits[entry.tier] += 1
         if entry.tier == "device":
             self._lru["device"].move_to_end((entry.user_id, entry.fact_id))
             return entry.fact
-        if entry.tier == "host":
-            fact = entry.fact.to(self.device, non_blocking=self._pin)
-        else:
-            fact = self._read_file(entry)
+        if not self._fits("device", entry.nbytes):  # larger than the whole device budget: a temporary copy
+            return self._device_copy(entry, entry.fact)
+        tier, source = entry.tier, entry.fact
+        self._unplace(entry)  # leaving its tier first, so making room below never evicts it
+        try:
+            self._make_room("device", entry.nbytes)
+            fact = self._device_copy(entry, source)
+        except BaseException:
+            if source is not None:  # back where it was (it may be the only copy), then that tier's budget
+                self._place(entry, tier, source)
+                self._make_room(tier, 0)
+            raise
         self._promotions += 1
         self._place(entry, "device", fact)
-        # A fact larger than the whole device budget is returned but demoted again right away.
-        self._enforce_budgets()
         return fact
 
-    def _enforce_budgets(self) -> None:
-        """Demote least recently used facts, tier by tier from the top, until every budget holds."""
-        for i, tier in enumerate(self._memory_tiers):
-            budget = self._budgets[tier]
-            if budget is None:
-                continue
-            lru = self._lru[tier]
-            while self._resident[tier] > budget and lru:
-                _, entry = next(iter(lru.items()))
-                self._demotions += 1
-                if i + 1 < len(self._memory_tiers):  # device -> host
-                    self._place(entry, self._memory_tiers[i + 1], self._to_host(entry.fact))
-                else:  # lowest memory tier -> disk only (the file exists: write-through)
-                    self._unplace(entry)
+    def _device_copy(self, entry: _Entry, host_copy: EncodedFact | None) -> EncodedFact:
+        """The fact on the device, copied from its host-tier copy, or read from its file when it has none."""
+        if host_copy is not None:
+            return host_copy.to(self.device, non_blocking=self._pin)
+        return self._read_file(entry)
 
     def _to_host(self, fact: EncodedFact) -> EncodedFact:
         if not self._pin:
