@@ -9,6 +9,9 @@ import torch
 # per-head RMSNorm on keys before RoPE (`k_norm`), which the encoder captures too.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 KEY_NORM_ARCHITECTURES = ("qwen3",)
+# Families whose vLLM 0.32 implementation computes head_dim = hidden_size // num_attention_heads whatever the
+# config's head_dim says (every released Qwen2 checkpoint has them equal).
+DERIVED_HEAD_DIM_ARCHITECTURES = ("qwen2",)
 # Scaling types whose rotary tables do not depend on the sequence being processed. "dynamic" qualifies
 # only while every position stays under the original context length (then it equals "default").
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic")
@@ -38,6 +41,12 @@ class ModelSpec:
             raise UnsupportedModelError(
                 f"model_type {arch!r} is not supported; InferScale supports {', '.join(SUPPORTED_ARCHITECTURES)}")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if arch in DERIVED_HEAD_DIM_ARCHITECTURES and head_dim != config.hidden_size // config.num_attention_heads:
+            # transformers would run such a config; vLLM would build another model from the same weights.
+            raise UnsupportedModelError(
+                f"{arch} with head_dim {head_dim} != hidden_size / num_attention_heads "
+                f"({config.hidden_size} / {config.num_attention_heads}): vLLM's {arch} derives the head size "
+                "from hidden_size and ignores head_dim")
         rope = rope_parameters(config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -119,13 +119,13 @@ def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def build_tiny_model(family: str, folder: Path) -> Path:
+def build_tiny_model(family: str, folder: Path, **overrides) -> Path:
     from tiny_models import save_tiny_model
 
     from inferscale_core.models import default_model_path
 
     # head_dim 64: the CPU attention kernels do not support 16.
-    return save_tiny_model(family, folder, tokenizer_from=default_model_path(), head_dim=64, seed=1)
+    return save_tiny_model(family, folder, tokenizer_from=default_model_path(), head_dim=64, seed=1, **overrides)
 
 
 def start_engine(folder: Path, **overrides):

@@ -59,6 +59,15 @@ def test_unsupported_models_are_named():
                                                                    "long_factor": [1.0] * 8}))
 
 
+def test_qwen2_head_dim_must_follow_from_hidden_size():
+    from tiny_models import tiny_config
+
+    ModelSpec.from_config(tiny_config("qwen2", hidden_size=256, head_dim=64))  # 256 / 4 heads = 64
+    with pytest.raises(UnsupportedModelError, match=r"qwen2 with head_dim 64 != hidden_size / num_attention_heads"):
+        ModelSpec.from_config(tiny_config("qwen2", hidden_size=64, head_dim=64))
+    ModelSpec.from_config(tiny_config("llama", hidden_size=64, head_dim=64))  # vLLM's Llama reads head_dim
+
+
 def test_any_local_model_folder_loads(tmp_path, smollm2_path):
     folder = save_tiny_model("qwen3", tmp_path / "qwen3", tokenizer_from=smollm2_path)
     model, tok = load_model(folder)

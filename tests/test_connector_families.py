@@ -1,0 +1,57 @@
+"""The vLLM injection exactness tests of test_connector.py, run for the other supported families and scalings:
+tiny random Mistral, Qwen2 and a Llama with llama3 RoPE scaling (test_connector.py covers Llama and Qwen3).
+Each family gets its own engine (vLLM keeps one connector per process); per family, the worker's rotary table
+is checked against the one the loaded model's attention layers rotate queries with."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from test_connector import FACT_LENS, VLLM_ENV, Harness, build_tiny_model, start_engine  # noqa: E402
+from test_connector import test_facts_encoded_apart_equal_block_diagonal_reference as facts_apart  # noqa: E402
+from test_connector import \
+    test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch as joint_memory  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "llama3"])
+def harness(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from inferscale_core.connector import worker_connector
+    from inferscale_core.engine import _shutdown_llm
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the test reaches the worker side
+    # hidden 256 = 4 heads x head_dim 64, as in real checkpoints (vLLM's Qwen2 derives head_dim from it).
+    folder = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), hidden_size=256)
+    llm = start_engine(folder)
+    h = Harness(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+    h.worker = worker_connector()
+    yield h
+    _shutdown_llm(llm)
+
+
+def test_worker_rotates_with_the_models_own_rotary_table(harness):
+    h = harness
+    tables = h.llm.apply_model(lambda model: [layer.self_attn.rotary_emb.cos_sin_cache.clone()
+                                              for layer in model.model.layers])
+    ours = h.worker.cos_sin_cache
+    for table in tables[0]:
+        assert ours.dtype == table.dtype and ours.shape[0] <= table.shape[0]
+        assert torch.equal(ours, table[:ours.shape[0]].to(ours.device))
+
+
+def test_joint_memory_injected_equals_prompt_injection(harness):
+    joint_memory(harness)
+
+
+def test_facts_encoded_apart_equal_block_diagonal_reference(harness):
+    facts_apart(harness, FACT_LENS)
