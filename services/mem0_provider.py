@@ -17,7 +17,7 @@ Small models: mem0's extraction system prompt is ~8.5k tokens, longer than SmolL
 it does not fit the serving model, `ServingLLM` sends `COMPACT_SYSTEM_PROMPT` instead (same output contract)
 and constrains decoding to that contract, because a 135M model does not reliably write JSON on its own.
 
-All calls into the service go through a `FactSink` (services/gateway.py implements it); mem0 runs in a
+All calls into the service go through a `FactSink` (services/gateway/core.py:GatewaySink implements it); mem0 runs in a
 worker thread, so the sink's methods are blocking.
 """
 from __future__ import annotations

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.api import pb2
 from services.auth import SCOPE_ADMIN, USER_SCOPES, mint
 
 
@@ -51,3 +52,23 @@ class _Details(grpc.ClientCallDetails):
 def token_channel(channel: grpc.Channel, token: str) -> grpc.Channel:
     """`channel` with `authorization: Bearer <token>` added to every call."""
     return grpc.intercept_channel(channel, _Token(token))
+
+
+def one_call_per_rpc(user: str, fact_id: str) -> dict:
+    """RPC name -> call(stub, metadata): one well-formed request per RPC but Health, for `user`
+    (Answer: 4 tokens at most, its stream read to the end)."""
+    return {
+        "AddFacts": lambda s, md: s.AddFacts(pb2.AddFactsRequest(user_id=user, facts=[pb2.FactInput(text="x")]),
+                                             metadata=md),
+        "AddMemory": lambda s, md: s.AddMemory(pb2.AddMemoryRequest(
+            user_id=user, infer=False, messages=[pb2.Message(role="user", content="x")]), metadata=md),
+        "Search": lambda s, md: s.Search(pb2.SearchRequest(user_id=user, query="locker"), metadata=md),
+        "Answer": lambda s, md: list(s.Answer(pb2.AnswerRequest(user_id=user, query="locker?", max_tokens=4), metadata=md)),
+        "GetMemory": lambda s, md: s.GetMemory(pb2.GetMemoryRequest(user_id=user, fact_id=fact_id), metadata=md),
+        "ListMemories": lambda s, md: s.ListMemories(pb2.ListMemoriesRequest(user_id=user), metadata=md),
+        "UpdateMemory": lambda s, md: s.UpdateMemory(pb2.UpdateMemoryRequest(user_id=user, fact_id=fact_id,
+                                                                              text="hacked"), metadata=md),
+        "DeleteMemory": lambda s, md: s.DeleteMemory(pb2.DeleteMemoryRequest(user_id=user, fact_id=fact_id),
+                                                     metadata=md),
+        "DeleteUser": lambda s, md: s.DeleteUser(pb2.DeleteUserRequest(user_id=user), metadata=md),
+    }

@@ -20,7 +20,7 @@ import grpc
 import jwt
 import pytest
 
-from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import jwt_secret, one_call_per_rpc, token_channel, token_for  # noqa: F401  (fixture)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services.api import ApiError, pb2, pb2_grpc
@@ -32,26 +32,7 @@ from services.registry import RedisRegistry
 ALICE_FACT = "alice's locker code is 4711"
 
 
-def _requests(user: str, fact_id: str) -> dict:
-    """One well-formed request per RPC, for `user` (Answer streams)."""
-    return {
-        "AddFacts": lambda s, md: s.AddFacts(pb2.AddFactsRequest(user_id=user, facts=[pb2.FactInput(text="x")]),
-                                             metadata=md),
-        "AddMemory": lambda s, md: s.AddMemory(pb2.AddMemoryRequest(
-            user_id=user, infer=False, messages=[pb2.Message(role="user", content="x")]), metadata=md),
-        "Search": lambda s, md: s.Search(pb2.SearchRequest(user_id=user, query="locker"), metadata=md),
-        "Answer": lambda s, md: list(s.Answer(pb2.AnswerRequest(user_id=user, query="locker?"), metadata=md)),
-        "GetMemory": lambda s, md: s.GetMemory(pb2.GetMemoryRequest(user_id=user, fact_id=fact_id), metadata=md),
-        "ListMemories": lambda s, md: s.ListMemories(pb2.ListMemoriesRequest(user_id=user), metadata=md),
-        "UpdateMemory": lambda s, md: s.UpdateMemory(pb2.UpdateMemoryRequest(user_id=user, fact_id=fact_id,
-                                                                              text="hacked"), metadata=md),
-        "DeleteMemory": lambda s, md: s.DeleteMemory(pb2.DeleteMemoryRequest(user_id=user, fact_id=fact_id),
-                                                     metadata=md),
-        "DeleteUser": lambda s, md: s.DeleteUser(pb2.DeleteUserRequest(user_id=user), metadata=md),
-    }
-
-
-RPCS = sorted(_requests("u", "f"))
+RPCS = sorted(one_call_per_rpc("u", "f"))
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +87,7 @@ def test_every_rpc_refuses_bad_tokens_and_leaks_nothing(world, rpc):
         answers = []
         for user in (alice, ghost):
             fid = fact_id if user == alice else "no-such-fact"
-            code, details = _refused(lambda: _requests(user, fid)[rpc](stub, md))
+            code, details = _refused(lambda: one_call_per_rpc(user, fid)[rpc](stub, md))
             assert code == want, (rpc, name, code, details)
             assert ALICE_FACT not in details and "4711" not in details and alice not in details, details
             assert "Traceback" not in details and "/" not in details.replace("/v1", ""), details
@@ -122,7 +103,7 @@ def test_a_token_without_the_write_scope_cannot_write(world):
     md = _bearer(mint(secret, alice, scopes=[SCOPE_READ]))
     assert stub.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact_id), metadata=md).text == ALICE_FACT
     for rpc in ("AddFacts", "UpdateMemory", "DeleteMemory", "DeleteUser", "AddMemory"):
-        code, details = _refused(lambda: _requests(alice, fact_id)[rpc](stub, md))
+        code, details = _refused(lambda: one_call_per_rpc(alice, fact_id)[rpc](stub, md))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "memory:write" in details
     assert reg.get(alice, fact_id).version == 1
 

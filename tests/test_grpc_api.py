@@ -12,7 +12,7 @@ import uuid
 import grpc
 import pytest
 
-from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import jwt_secret, one_call_per_rpc, token_channel, token_for  # noqa: F401  (fixture)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services import api, codegen
@@ -356,29 +356,14 @@ def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jw
         own = [("authorization", f"Bearer {token_for(secret, alice)}")]
         (fact,) = s.AddFacts(pb2.AddFactsRequest(user_id=alice, facts=[pb2.FactInput(text="alice's secret")]),
                              metadata=own).facts
-        calls = {
-            "AddFacts": lambda md: s.AddFacts(pb2.AddFactsRequest(user_id=alice, facts=[pb2.FactInput(text="x")]),
-                                              metadata=md),
-            "AddMemory": lambda md: s.AddMemory(pb2.AddMemoryRequest(
-                user_id=alice, infer=False, messages=[pb2.Message(role="user", content="x")]), metadata=md),
-            "Search": lambda md: s.Search(pb2.SearchRequest(user_id=alice, query="q"), metadata=md),
-            "Answer": lambda md: list(s.Answer(pb2.AnswerRequest(user_id=alice, query="q"), metadata=md)),
-            "GetMemory": lambda md: s.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact.fact_id), metadata=md),
-            "ListMemories": lambda md: s.ListMemories(pb2.ListMemoriesRequest(user_id=alice), metadata=md),
-            "UpdateMemory": lambda md: s.UpdateMemory(pb2.UpdateMemoryRequest(
-                user_id=alice, fact_id=fact.fact_id, text="y"), metadata=md),
-            "DeleteMemory": lambda md: s.DeleteMemory(pb2.DeleteMemoryRequest(user_id=alice, fact_id=fact.fact_id),
-                                                      metadata=md),
-            "DeleteUser": lambda md: s.DeleteUser(pb2.DeleteUserRequest(user_id=alice), metadata=md),
-        }
         bad = {"missing": ([], grpc.StatusCode.UNAUTHENTICATED),
                "expired": ([("authorization", f"Bearer {mint(secret, alice, ttl_s=-600)}")],
                            grpc.StatusCode.UNAUTHENTICATED),
                "other user": ([("authorization", f"Bearer {token_for(secret, 'mallory')}")],
                               grpc.StatusCode.PERMISSION_DENIED)}
-        for rpc, call in calls.items():
+        for rpc, call in one_call_per_rpc(alice, fact.fact_id).items():
             for name, (md, want) in bad.items():
-                code, details = _code(lambda: call(md))
+                code, details = _code(lambda: call(s, md))
                 assert code == want, (rpc, name, code, details)
                 assert "secret" not in details and alice not in details and "Traceback" not in details
         assert s.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact.fact_id), metadata=own).version == 1
