@@ -9,11 +9,12 @@ from services.gateway import GatewayCore, start_grpc_server
 
 
 class ServerThread:
-    def __init__(self, core: GatewayCore):
+    def __init__(self, core: GatewayCore, tls: tuple[bytes, bytes] | None = None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start_grpc_server(core), self.loop).result(30)
+        self.server, self.port = asyncio.run_coroutine_threadsafe(
+            start_grpc_server(core, tls=tls), self.loop).result(30)
 
     def stop(self):
         asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)

@@ -261,3 +261,50 @@ def test_cli_clients_send_token_flag_env_or_a_local_dev_token(tmp_path, monkeypa
     monkeypatch.setenv("INFERSCALE_TOKEN", "from-env")
     assert client_token(Namespace(token=None, target=remote), "frank") == "from-env"
     assert client_token(Namespace(token="from-flag", target=remote), "frank") == "from-flag"
+
+
+def _self_signed() -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) for localhost, valid one hour."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def test_tokens_over_tls(world):
+    """The plain gRPC server terminating TLS, and MemoryClient over it: the token travels encrypted; a client
+    that does not speak TLS, or does not trust the certificate, gets no answer."""
+    from services.client import MemoryClient
+
+    _, core, secret, alice, fact_id, _ = world
+    cert, key = _self_signed()
+    srv = ServerThread(core, tls=(cert, key))
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        with MemoryClient(f"localhost:{srv.port}", credentials=creds, token=token_for(secret, alice),
+                          timeout_s=10) as c:
+            assert c.get(alice, fact_id).text == ALICE_FACT
+        with MemoryClient(f"localhost:{srv.port}", token=token_for(secret, alice), timeout_s=5) as plain:
+            code, _ = _refused(lambda: plain.get(alice, fact_id))
+            assert code == grpc.StatusCode.UNAVAILABLE
+        untrusted = grpc.ssl_channel_credentials(root_certificates=_self_signed()[0])
+        with MemoryClient(f"localhost:{srv.port}", credentials=untrusted, token=token_for(secret, alice),
+                          timeout_s=5) as other:
+            code, _ = _refused(lambda: other.get(alice, fact_id))
+            assert code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()

@@ -57,11 +57,17 @@ class GrpcServicer:
         await context.abort(err.code, err.message)
 
 
-async def start_grpc_server(core: GatewayCore, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server with the Memory service on `address`; returns (server, bound port)."""
+async def start_grpc_server(core: GatewayCore, address: str = "127.0.0.1:0",
+                            tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with the Memory service on `address`; `tls`: (certificate chain PEM, private key PEM)
+    to terminate TLS here. Returns (server, bound port)."""
     server = grpc.aio.server()
     api.add_MemoryServicer_to_server(GrpcServicer(core), server)
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        cert, key = tls
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind the gRPC server to {address}")
     await server.start()
