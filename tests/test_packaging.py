@@ -80,6 +80,7 @@ ROUND_TRIP = textwrap.dedent("""
     import grpc
     import services, services.codegen
     from services.api import pb2, pb2_grpc
+    from services.auth import AuthConfig, Authenticator, mint
     from services.gateway import GatewayCore, start_grpc_server
     from services.registry import RedisRegistry
 
@@ -89,18 +90,21 @@ ROUND_TRIP = textwrap.dedent("""
 
     async def main(url):
         reg = RedisRegistry(url, prefix="pkgtest:")
-        server, port = await start_grpc_server(GatewayCore(reg, backends=None))
+        secret = sys.argv[2].encode()
+        auth = Authenticator(AuthConfig(hs256_secret_file=sys.argv[3]))
+        server, port = await start_grpc_server(GatewayCore(reg, backends=None, auth=auth))
+        kw = {"timeout": 30, "metadata": (("authorization", "Bearer " + mint(secret, "pkg-user")),)}
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = pb2_grpc.MemoryStub(ch)
                 health = await stub.Health(pb2.HealthRequest(), timeout=30)
                 added = await stub.AddFacts(pb2.AddFactsRequest(
-                    user_id="pkg-user", facts=[pb2.FactInput(text="Installed from a wheel.")]), timeout=30)
-                listed = await stub.ListMemories(pb2.ListMemoriesRequest(user_id="pkg-user"), timeout=30)
+                    user_id="pkg-user", facts=[pb2.FactInput(text="Installed from a wheel.")]), **kw)
+                listed = await stub.ListMemories(pb2.ListMemoriesRequest(user_id="pkg-user"), **kw)
                 print("HEALTH", health.status, health.components["registry"])
                 print("FACTS", [f.fact_id for f in added.facts] == [f.fact_id for f in listed.facts],
                       [f.text for f in listed.facts])
-                await stub.DeleteUser(pb2.DeleteUserRequest(user_id="pkg-user"), timeout=30)
+                await stub.DeleteUser(pb2.DeleteUserRequest(user_id="pkg-user"), **kw)
         finally:
             await server.stop(None)
             reg.close()
@@ -122,7 +126,10 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run_dir = tmp_path / "elsewhere"  # cwd is not the checkout, so `import services` cannot pick it up
     run_dir.mkdir()
-    out = _run([str(py), "-c", ROUND_TRIP, redis_url], run_dir, timeout=120, env=env)
+    secret = os.urandom(32).hex()
+    (tmp_path / "jwt-secret").write_text(secret)
+    out = _run([str(py), "-c", ROUND_TRIP, redis_url, secret, str(tmp_path / "jwt-secret")], run_dir, timeout=120,
+               env=env)
     assert "HEALTH SERVING ok" in out, out
     assert "FACTS True ['Installed from a wheel.']" in out, out
 
