@@ -60,9 +60,8 @@ def device_budget(option, device: torch.device, reserve_bytes: int, free_bytes: 
     """The fact store's device-tier budget in bytes (None: no budget).
 
     `option` is kv_connector_extra_config["device_budget_bytes"]: an integer >= 0 is used as given; "auto"
-    (the default on an accelerator) is AUTO_DEVICE_FRACTION of `free_bytes`, the device memory free once
-    vLLM has allocated its weights, KV cache and CUDA-graph pools, minus `reserve_bytes` for the injection
-    buffers. On the CPU the default is no budget: the store is plain memory next to vLLM's fixed
+    (the default on an accelerator) is AUTO_DEVICE_FRACTION of `free_bytes`, the device memory vLLM leaves
+    free (`memory_outside_vllm`), minus `reserve_bytes` for the injection buffers. On the CPU the default is no budget: the store is plain memory next to vLLM's fixed
     VLLM_CPU_KVCACHE_SPACE."""
     if option is None:
         option = "auto" if device.type != "cpu" else None
@@ -81,12 +80,21 @@ def device_budget(option, device: torch.device, reserve_bytes: int, free_bytes: 
     return option
 
 
-def free_device_memory(device: torch.device) -> int | None:
-    """Bytes free on an accelerator (all processes counted), None when torch cannot tell."""
+def memory_outside_vllm(free: int, total: int, reserved: int, utilization: float) -> int:
+    """Device bytes vLLM will leave free: what is free now, less what vLLM may still take of its share
+    (`utilization` x `total`; it has `reserved` so far: CUDA graphs are captured and warm-up runs after the
+    connector sees the KV cache)."""
+    return max(0, free - max(0, int(utilization * total) - reserved))
+
+
+def free_device_memory(device: torch.device, utilization: float) -> int | None:
+    """`memory_outside_vllm` on this accelerator, None when torch cannot read its memory."""
     try:
-        return int(torch.accelerator.get_memory_info(device)[0])
+        free, total = torch.accelerator.get_memory_info(device)
+        reserved = torch.accelerator.memory_reserved(device)
     except Exception:  # no accelerator API for this device type
         return None
+    return memory_outside_vllm(int(free), int(total), int(reserved), utilization)
 
 
 class LoadError(InferScaleError):
@@ -116,6 +124,7 @@ class WorkerSide:
         self.store: FactStore | None = None
         self.device_budget_bytes: int | None = None  # set with the store in register_kv_caches
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.gpu_memory_utilization = vllm_config.cache_config.gpu_memory_utilization
         self.cos_sin_cache: torch.Tensor | None = None
         self._failed_blocks: set[int] = set()
         self._step: dict[str, float] = {}  # counters since the last take_stats
@@ -137,8 +146,8 @@ class WorkerSide:
         self.cos_sin_cache = rotary_table(self.hf_config, self.spec, self.max_model_len, self.device,
                                           self.kv_dtype)
         opts = self.extra_config
-        # Measured now: vLLM has allocated its weights, KV cache and (profiled) CUDA-graph memory.
-        free = free_device_memory(self.device) if self.device.type != "cpu" else None
+        # Measured now: vLLM has allocated its weights and KV cache; what it still takes comes off.
+        free = free_device_memory(self.device, self.gpu_memory_utilization) if self.device.type != "cpu" else None
         self.device_budget_bytes = device_budget(opts.get("device_budget_bytes"), self.device,
                                                  self.spec.kv_bytes(self.inject_group_tokens, self.kv_dtype), free)
         self.store = FactStore.for_spec(

@@ -20,7 +20,7 @@ from test_connector import M, VLLM_ENV, Harness, assert_same, layout, start_engi
 from test_store import assert_same as assert_same_fact  # noqa: E402
 from test_store import make_fact, store  # noqa: E402
 
-from inferscale_core.connector_worker import AUTO_DEVICE_FRACTION, device_budget  # noqa: E402
+from inferscale_core.connector_worker import AUTO_DEVICE_FRACTION, device_budget, memory_outside_vllm  # noqa: E402
 from inferscale_core.engine import default_dtype, engine_kwargs, on_accelerator  # noqa: E402
 from inferscale_core.store import is_out_of_memory  # noqa: E402
 
@@ -50,6 +50,10 @@ def test_device_budget_is_explicit_on_accelerators():
     assert device_budget(0, CPU, reserve_bytes=GiB, free_bytes=None) == 0
     with pytest.raises(ValueError, match="on the CPU give a number of bytes"):
         device_budget("auto", CPU, reserve_bytes=0, free_bytes=None)
+    # What vLLM leaves free: 80 GiB card at 0.9, vLLM holds 70 GiB so far and will take 2 more (CUDA graphs).
+    assert memory_outside_vllm(free=10 * GiB, total=80 * GiB, reserved=70 * GiB, utilization=0.9) == 8 * GiB
+    assert memory_outside_vllm(free=3 * GiB, total=80 * GiB, reserved=60 * GiB, utilization=0.9) == 0
+    assert memory_outside_vllm(free=9 * GiB, total=80 * GiB, reserved=75 * GiB, utilization=0.9) == 9 * GiB
     for bad in (-1, 1.5, "4GiB", True):
         with pytest.raises(ValueError, match="device_budget_bytes must be an integer >= 0 or 'auto'"):
             device_budget(bad, CUDA, reserve_bytes=0, free_bytes=GiB)
