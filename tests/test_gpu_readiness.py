@@ -232,13 +232,15 @@ def test_vllm_gpu_benchmark_runs_its_smoke_mode_here(tmp_path):
                            "--repeats", "1", "--out", str(out)], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "not a GPU: these numbers say nothing about one" in proc.stdout
     res = json.loads(out.read_text())
-    assert res["device_label"] == "CPU" and res["model"]["random_weights"] is True
-    assert res["engine"]["enforce_eager"] is True and res["engine"]["model_runner"] == "V1"
+    gpu = torch.cuda.is_available()  # bench/gpu.md runs this file on a GPU too
+    assert res["model"]["random_weights"] is True and res["engine"]["enforce_eager"] is (not gpu)
+    if not gpu:
+        assert "not a GPU: these numbers say nothing about one" in proc.stdout
+        assert res["device_label"] == "CPU" and res["engine"]["model_runner"] == "V1"
     (row,) = res["ttft"]
     m = res["model"]
     assert row["k"] == 5 and row["memory_tokens"] == 30 * 6  # instruction chunk + 5 facts
     assert row["memory_kv_bytes"] == 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 2 * row["memory_tokens"]
     assert row["pi_ttft_ms"] > 0 and row["kv_ttft_ms"] > 0 and row["inject_ms"] > 0 and row["d2d_copy_GBps"] > 0
-    assert row["h2d_pinned_GBps"] is None
+    assert (row["h2d_pinned_GBps"] is not None) is gpu  # pinned host memory exists only next to CUDA
