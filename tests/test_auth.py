@@ -308,3 +308,18 @@ def test_tokens_over_tls(world):
             assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()
+
+
+def test_serve_flags_map_to_auth_settings(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from services.cli import INSECURE_BANNER, auth_settings
+
+    monkeypatch.setenv("INFERSCALE_CACHE", str(tmp_path))
+    flags = dict(insecure_no_auth=False, jwt_secret_file=None, jwt_public_key_file=None, jwks_url=None)
+    assert auth_settings(Namespace(**flags)) == {"hs256_secret_file": str(tmp_path / "dev-jwt-secret")}
+    assert (tmp_path / "dev-jwt-secret").exists()  # made on first use
+    assert auth_settings(Namespace(**{**flags, "jwks_url": "https://idp/jwks"})) == {"jwks_url": "https://idp/jwks"}
+    assert auth_settings(Namespace(**{**flags, "insecure_no_auth": True})) == {"insecure_no_auth": True}
+    assert "AUTHENTICATION IS OFF" in INSECURE_BANNER and "ANY user's memory" in INSECURE_BANNER
+    assert not Authenticator(AuthConfig.from_dict({"insecure_no_auth": True})).enabled
