@@ -65,9 +65,8 @@ def _blocking(fn, *args, **kw):
 
 class GatewayCore:
     def __init__(self, registry: Registry, backends: Backends | None = None, limits: Limits = Limits(),
-                 embedder_path: str | None = None, auth: Authenticator | None = None):
-        if auth is None:
-            raise ValueError("GatewayCore needs an Authenticator (Authenticator.insecure() for a local demo)")
+                 embedder_path: str | None = None, *, auth: Authenticator):
+        """`auth` is required: Authenticator.insecure() is the explicit way to run without it."""
         self.registry, self.backends, self.limits, self.auth = registry, backends, limits, auth
         self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
         self._extractor = None  # services.mem0_provider.Mem0Extractor, built on the first infer=true request

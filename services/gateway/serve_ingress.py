@@ -112,7 +112,7 @@ class Gateway:
         if not authenticator.enabled:
             log.warning("AUTHENTICATION IS OFF (insecure_no_auth): any caller can read and change any user's memory")
         self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})), embedder_path,
-                                authenticator)
+                                auth=authenticator)
 
     def _caller(self, name: str, grpc_context):
         return self.core.authenticate(name, metadata_value(grpc_context.invocation_metadata(), "authorization"))
