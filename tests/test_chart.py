@@ -111,6 +111,13 @@ def test_app_config_rejects_mistakes():
         ServiceConfig.from_args({"limits": {"max_fact_charz": 3}})
     with pytest.raises(ValueError, match="min <= max"):
         DeploymentSpec(min_replicas=3, max_replicas=2).options()
+    # start_service raises a config mistake before it starts anything (and does not retry it)
+    import ray
+
+    bad = ServiceConfig(deployments={**service_app.single_node_deployments(), "Gateway": DeploymentSpec(3, 2)})
+    with pytest.raises(ValueError, match="min <= max"):
+        service_app.start_service(bad, attempts=3)
+    assert not ray.is_initialized()
 
 
 def test_app_builder_builds_the_four_deployments():
