@@ -37,6 +37,11 @@ CHART_VALUES = Path(__file__).resolve().parent.parent / "charts" / "inferscale" 
 # Serve starts on: `ray.init(runtime_env={"env_vars": SERVE_START_ENV})` or `export` before `ray start`.
 SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 
+# How long a replica being stopped (scale-down, upgrade) keeps serving the requests it has: an answer streams for
+# up to max_max_tokens tokens, minutes on a CPU. Serve's default is 20 s. Set in code, so a Serve config that
+# does not name it keeps it.
+GRACEFUL_SHUTDOWN_S = {"Gateway": 300.0, "EngineReplica": 300.0}
+
 
 @dataclass
 class DeploymentSpec:
@@ -181,6 +186,8 @@ def build_app(cfg: ServiceConfig):
     opts = deployment_options(cfg)
     # Without Redis every replica must still see one registry: a named Ray actor holds it.
     registry_url = cfg.registry_url or f"{ACTOR_SCHEME}{APP_NAME}-registry"
+    for name, seconds in GRACEFUL_SHUTDOWN_S.items():
+        opts[name] = {"graceful_shutdown_timeout_s": seconds, **opts[name]}
     encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
         model_path=cfg.model_path, dtype=cfg.dtype)
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
