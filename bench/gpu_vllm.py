@@ -206,7 +206,8 @@ def run(a: argparse.Namespace, folder: Path) -> dict:
         "settings": {"k": a.k, "fact_tokens": a.fact_tokens, "query_tokens": a.query_tokens, "warmup": a.warmup,
                      "repeats": a.repeats, "block_size": 32, "prefix_caching": False, "seed": a.seed},
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version(), "cuda": torch.version.cuda if device.type == "cuda" else None},
+                     "python": platform.python_version(),
+                     "cuda": torch.version.cuda if device.type == "cuda" else None},
         "ttft": rows,
     }
 

@@ -61,8 +61,8 @@ def device_budget(option, device: torch.device, reserve_bytes: int, free_bytes: 
 
     `option` is kv_connector_extra_config["device_budget_bytes"]: an integer >= 0 is used as given; "auto"
     (the default on an accelerator) is AUTO_DEVICE_FRACTION of `free_bytes`, the device memory vLLM leaves
-    free (`memory_outside_vllm`), minus `reserve_bytes` for the injection buffers. On the CPU the default is no budget: the store is plain memory next to vLLM's fixed
-    VLLM_CPU_KVCACHE_SPACE."""
+    free (`memory_outside_vllm`), minus `reserve_bytes` for the injection buffers. On the CPU the default is
+    no budget: the store is plain memory next to vLLM's fixed VLLM_CPU_KVCACHE_SPACE."""
     if option is None:
         option = "auto" if device.type != "cpu" else None
     if option is None:

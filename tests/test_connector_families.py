@@ -4,7 +4,6 @@ Each family gets its own engine (vLLM keeps one connector per process); per fami
 is checked against the one the loaded model's attention layers rotate queries with."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from test_connector import FACT_LENS, VLLM_ENV, Harness, build_tiny_model, start_engine  # noqa: E402
+from test_connector import FACT_LENS, build_tiny_model, close_harness, open_harness  # noqa: E402
 from test_connector import test_facts_encoded_apart_equal_block_diagonal_reference as facts_apart  # noqa: E402
 from test_connector import \
     test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch as joint_memory  # noqa: E402
@@ -22,21 +21,10 @@ from test_connector import \
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2", "llama3"])
 def harness(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from inferscale_core.connector import worker_connector
-    from inferscale_core.engine import _shutdown_llm
-
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the test reaches the worker side
     # hidden 256 = 4 heads x head_dim 64, as in real checkpoints (vLLM's Qwen2 derives head_dim from it).
-    folder = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), hidden_size=256)
-    llm = start_engine(folder)
-    h = Harness(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    h.worker = worker_connector()
+    h = open_harness(build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), hidden_size=256))
     yield h
-    _shutdown_llm(llm)
+    close_harness(h)
 
 
 def test_worker_rotates_with_the_models_own_rotary_table(harness):

@@ -3,18 +3,16 @@ query (so they attend to the whole memory). Its own engine (vLLM keeps one conne
 module of its own; helpers come from test_connector."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from test_connector import (BLOCK, M, VLLM_ENV, Harness, block_diagonal_reference, build_tiny_model,  # noqa: E402
-                            layout, start_engine)
+from test_connector import (BLOCK, M, block_diagonal_reference, build_tiny_model, close_harness,  # noqa: E402
+                            layout, open_harness)
 
 from inferscale_core.connector import injectable_tokens, recompute_tokens_option  # noqa: E402
 
@@ -33,17 +31,12 @@ def test_injectable_tokens_leaves_recompute_tokens_to_vllm():
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
+    from inferscale_core.engine import kv_transfer_config
 
-    from inferscale_core.engine import _shutdown_llm, kv_transfer_config
-
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    folder = build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-    llm = start_engine(folder, kv_transfer_config=kv_transfer_config({"recompute_tokens": RECOMPUTE}))
-    yield Harness(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    _shutdown_llm(llm)
+    h = open_harness(build_tiny_model("llama", tmp_path_factory.mktemp("llama")),
+                     kv_transfer_config=kv_transfer_config({"recompute_tokens": RECOMPUTE}))
+    yield h
+    close_harness(h)
 
 
 def test_last_memory_tokens_are_computed_with_the_query(harness):

