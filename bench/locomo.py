@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from tqdm import tqdm
 
+from inferscale_core.defaults import RECOMPUTE_TOKENS
 from inferscale_core.eval import report
 from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
                                          load_locomo, require_data_path, window_turns)
@@ -107,7 +108,7 @@ class EngineBackend:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", encode_dtype: str = "float32",
                  block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4,
-                 recompute_tokens: int = 0):
+                 recompute_tokens: int = RECOMPUTE_TOKENS):
         from inferscale_core.eval import serving
         from inferscale_core.vllm_env import set_vllm_cpu_env
 
@@ -226,7 +227,7 @@ class RunConfig:
     quick: bool = False
     warmup: bool = True
     merge: tuple[str, ...] = ()           # run folders to merge instead of running
-    recompute_tokens: int = 0             # KV mode: the memory's last N tokens are computed, not injected
+    recompute_tokens: int = RECOMPUTE_TOKENS  # KV mode: the memory's last N tokens are computed, not injected
 
 
 def user_id(conv: Conversation, w: int) -> str:
@@ -608,8 +609,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (default bench/results)")
-    p.add_argument("--recompute-tokens", type=int, default=0,
-                   help="KV mode: leave the memory's last N tokens to vLLM to compute with the query (default 0)")
+    p.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
+                   help="KV mode: leave the memory's last N tokens to vLLM to compute with the query "
+                        "(default: the shipped default, %(default)s)")
     p.add_argument("--merge", nargs="+", metavar="RUN_DIR",
                    help="do not run: merge these runs' results (one conversation set each) into --out")
     a = p.parse_args(argv)

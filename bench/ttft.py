@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from inferscale_core.defaults import RECOMPUTE_TOKENS  # noqa: E402
 from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
 
 set_vllm_cpu_env(kv_cache_gib=2)  # before vLLM is imported
@@ -46,8 +47,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-facts", type=int, default=None, help="use only the first N facts of the conversation")
     ap.add_argument("--sample-id", default=None, help="the conversation (default: the one with the most facts)")
     ap.add_argument("--dates", action="store_true", help="facts carry their session date, as in bench/locomo.py")
-    ap.add_argument("--recompute-tokens", type=int, default=0,
-                    help="KV mode: leave the memory's last N tokens to vLLM to compute with the query")
+    ap.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
+                    help="KV mode: leave the memory's last N tokens to vLLM to compute with the query "
+                         "(default: the shipped default, %(default)s)")
     ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)

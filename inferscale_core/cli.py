@@ -17,51 +17,80 @@ DEMO_FACTS = {
               "Alice is training for the Berlin marathon in September.",
               "Alice's sister Emma lives in Lisbon."],
     "bob": ["Bob plays bass guitar in a jazz band called Blue Hour.",
-            "Bob has a golden retriever named Pixel.",
+            "Bob's dog is a golden retriever named Pixel.",
             "Bob is allergic to peanuts.",
             "Bob moved from Toronto to Seattle two years ago."],
 }
-DEMO_QUESTIONS = [("alice", "What is the name of my cat?"), ("alice", "Which marathon am I training for?"),
-                  ("bob", "What is my dog called?"), ("bob", "Which city did I move from?")]
+# (user, question, the word a right answer contains). The questions name the user: a 135M model does not map
+# "my cat" onto "Alice's cat" reliably, with prompt injection or without.
+DEMO_QUESTIONS = [("alice", "What is the name of Alice's cat?", "Miso"),
+                  ("alice", "Which marathon is Alice training for?", "Berlin"),
+                  ("alice", "Where does Alice's sister live?", "Lisbon"),
+                  ("bob", "What is the name of Bob's dog?", "Pixel"),
+                  ("bob", "What is the name of Bob's band?", "Blue Hour"),
+                  ("bob", "Which city did Bob move from?", "Toronto")]
 
 
 def demo(args) -> int:
     """Two users' facts encoded once, each question answered with KV injection and with prompt injection on the
-    same vLLM engine; prints both answers, their latency and where vLLM got the memory tokens from."""
+    same vLLM engine, at the shipped default setting (inferscale_core/defaults.py); prints both answers, whether
+    they agree and are right, their latency and where vLLM got the memory tokens from. Exits 1 if KV injection
+    answers a question wrongly where prompt injection answers it right."""
     set_vllm_cpu_env()
     import torch
 
-    from .engine import InjectingEngine
+    from .defaults import serving_store_options
+    from .engine import InjectingEngine, default_sampling
 
     dtype = getattr(torch, args.dtype)
-    print(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded default)'} on vLLM ({args.dtype}, CPU) ...")
-    engine = InjectingEngine(model_path=args.model, dtype=dtype)
+    options = serving_store_options({} if args.recompute_tokens is None
+                                    else {"recompute_tokens": args.recompute_tokens})
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded default)'} on vLLM ({args.dtype}, CPU), "
+          f"recompute_tokens={options['recompute_tokens']} ...")
+    engine = InjectingEngine(model_path=args.model, dtype=dtype, store_options=options)
+    sampling = default_sampling(max_tokens=24)
+    kv_wrong_pi_right = []
     try:
         for user, facts in DEMO_FACTS.items():
             t = time.perf_counter()
             engine.add(user, facts)
             print(f"{user}: {len(facts)} facts encoded once in {time.perf_counter() - t:.2f} s")
         for mode in ("kv", "pi"):  # first requests pay one-off kernel set-up; keep it out of the timings
-            engine.generate("alice", "Hello!", k=args.k, mode=mode)
-        for user, question in DEMO_QUESTIONS:
-            print(f"\n[{user}] {question}")
+            engine.generate("alice", "Hello!", k=args.k, mode=mode, sampling_params=sampling)
+        for user, question, expected in DEMO_QUESTIONS:
+            print(f"\n[{user}] {question}  (expected: {expected})")
+            right = {}
+            texts = {}
             for mode in ("kv", "pi"):
                 t = time.perf_counter()
-                ans = engine.generate(user, question, k=args.k, mode=mode)
+                ans = engine.generate(user, question, k=args.k, mode=mode, sampling_params=sampling)
                 took = time.perf_counter() - t
+                texts[mode] = ans.text.strip()
+                right[mode] = expected.lower() in texts[mode].lower()
                 label = "KV injection    " if mode == "kv" else "prompt injection"
                 print(f"  {label} {took * 1000:7.1f} ms  prompt {ans.prompt_len} tok, "
-                      f"not prefilled {ans.num_cached_tokens}: {ans.text.strip()!r}")
+                      f"not prefilled {ans.num_cached_tokens}, {'right' if right[mode] else 'WRONG'}: "
+                      f"{texts[mode]!r}")
+            same = "identical answers" if texts["kv"] == texts["pi"] else "different words"
+            verdict = ("KV and PI agree" if right["kv"] == right["pi"] else
+                       "KV right where PI is wrong" if right["kv"] else "KV WRONG where PI is right")
+            print(f"  -> {verdict} ({same})")
+            if right["pi"] and not right["kv"]:
+                kv_wrong_pi_right.append(question)
         m = engine.metrics()
         by_source = {k.removeprefix("prompt_tokens_"): int(v) for k, v in m.items() if k.startswith("prompt_tokens_")}
         print(f"\nprompt tokens by source (vLLM counters, both modes): {by_source}")
         worker = m.get("worker", {})
         print(f"injected tokens: {int(worker.get('injected_tokens', 0))}, injection time "
               f"{worker.get('injection_seconds', 0) * 1000:.1f} ms in all")
-        print("KV answers differ from prompt injection where facts were encoded apart (each fact behind the "
-              "instruction prefix only); jointly encoded memory gives identical answers (tests prove it).")
     finally:
         engine.shutdown()
+    n = len(DEMO_QUESTIONS)
+    if kv_wrong_pi_right:
+        print(f"\nFAILED: KV injection answered {len(kv_wrong_pi_right)} of {n} questions wrongly where prompt "
+              f"injection was right: {kv_wrong_pi_right}")
+        return 1
+    print(f"\nOK: on all {n} questions KV injection is right wherever prompt injection is right.")
     return 0
 
 
@@ -81,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="local HF model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--recompute-tokens", type=int, default=None,
+                   help="memory tokens vLLM computes with the query instead of injecting them "
+                        "(default: the shipped default in inferscale_core/defaults.py)")
     p.set_defaults(fn=demo)
     p = sub.add_parser("bench", help="run a benchmark script from bench/ (encode, ttft, locomo, gpu)")
     p.add_argument("name")

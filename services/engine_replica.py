@@ -94,6 +94,7 @@ class EngineReplica:
                        dtype: str = "float32", block_size: int = 32, max_model_len: int = 4096,
                        kv_dir: str | None = None, store_options: dict | None = None,
                        engine_overrides: dict | None = None):
+        from inferscale_core.defaults import serving_store_options
         from inferscale_core.engine import AsyncInjectingEngine
 
         from .encoder_pool import dtype_of
@@ -102,7 +103,7 @@ class EngineReplica:
         self.registry = open_registry(registry_url)
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.disk_dir = replica_disk_dir(kv_dir)
-        options = dict(store_options or {})
+        options = serving_store_options(store_options)
         if self.disk_dir:
             options["disk_dir"] = self.disk_dir
         # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.

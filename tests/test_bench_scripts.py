@@ -61,12 +61,13 @@ def test_encode_quick_cpu(tmp_path):
 
 
 def test_ttft_quick_measures_every_condition(tmp_path):
-    """bench/ttft.py (the headline TTFT numbers) on 40 facts of the synthetic fixture: every condition is measured, the KV requests
-    really injected their whole memory, the floor request got it from the prefix cache instead, and the
-    query-only prompt carries no memory."""
+    """bench/ttft.py (the headline TTFT numbers) on 40 facts of the synthetic fixture, nothing recomputed: every
+    condition is measured, the KV requests really injected their whole memory, the floor request got it from the
+    prefix cache instead, and the query-only prompt carries no memory."""
     out = tmp_path / "ttft.json"
     proc = run_script(["bench/ttft.py", "--quick", "--max-facts", "40", "--questions", "2", "--dtype", "bfloat16",
-                       "--sample-id", "syn-1", "--dates", "--data", str(LOCOMO), "--json", str(out)], timeout=300)
+                       "--sample-id", "syn-1", "--dates", "--recompute-tokens", "0", "--data", str(LOCOMO),
+                       "--json", str(out)], timeout=300)
     assert "TTFT(PI,k=20)/TTFT(KV,k=20)" in proc.stdout and "CPU only" in proc.stdout
     res = json.loads(out.read_text())
     assert res["user"] == "syn-1" and res["dates"] is True and res["num_facts"] == 40
