@@ -102,6 +102,8 @@ class Query:
     k: int = 10
     w: int = 0
     mode: Mode = "kv"
+    # System messages and earlier turns ({"role", "content"}), put after the memory (template.query_ids).
+    conversation: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -284,7 +286,7 @@ class _EngineCore:
         memory_ids = list(self.template.prefix_ids)
         for t in texts:
             memory_ids += self.template.fact_ids(t)
-        prompt_ids = memory_ids + self.template.query_ids(q.query)
+        prompt_ids = memory_ids + self.template.query_ids(q.query, q.conversation)
         params = salt = None
         if q.mode == "kv" and fact_ids:
             chunk_ids = [self.prefix_id] + worker_ids

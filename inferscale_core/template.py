@@ -26,21 +26,26 @@ class PromptTemplate:
     def _split_chat_template(self) -> tuple[str, str, str]:
         """Render the model's own chat template around two marks and cut it there."""
         tok = self.tokenizer
+        self.system_role = False
         if getattr(tok, "chat_template", None):
             try:
-                text = tok.apply_chat_template(
-                    [{"role": "system", "content": self.instruction + _MEMORY_MARK},
-                     {"role": "user", "content": _QUESTION_MARK}],
-                    tokenize=False, add_generation_prompt=True)
+                text = self._render_with_system()
+                self.system_role = True
             except Exception:  # templates without a system role: memory goes first in the user turn
                 text = tok.apply_chat_template(
                     [{"role": "user", "content": self.instruction + _MEMORY_MARK + "\n" + _QUESTION_MARK}],
                     tokenize=False, add_generation_prompt=True)
         else:
             text = f"{self.instruction}{_MEMORY_MARK}\nQuestion: {_QUESTION_MARK}\nAnswer:"
-        head, rest = text.split(_MEMORY_MARK)
-        middle, tail = rest.split(_QUESTION_MARK)
-        return head, middle, tail
+        return _cut(text)
+
+    def _render_with_system(self, conversation: Sequence[dict] = ()) -> str:
+        """[memory's system turn, *conversation, question's user turn] through the model's chat template."""
+        return self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": self.instruction + _MEMORY_MARK},
+             *({"role": m["role"], "content": m["content"]} for m in conversation),
+             {"role": "user", "content": _QUESTION_MARK}],
+            tokenize=False, add_generation_prompt=True)
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -54,10 +59,22 @@ class PromptTemplate:
             raise ValueError("fact text is empty")
         return self._ids(self.render_fact(text))
 
-    def query_ids(self, question: str) -> list[int]:
+    def query_ids(self, question: str, conversation: Sequence[dict] = ()) -> list[int]:
+        """What follows the memory: the end of its turn, then `conversation` (role/content dicts: system
+        messages and earlier turns, oldest first) in the chat template, then the question's user turn."""
         if not question or not question.strip():
             raise ValueError("question is empty")
-        return self._ids(self._middle + question.strip() + self._tail)
+        if not conversation:
+            return self._ids(self._middle + question.strip() + self._tail)
+        if not self.system_role:
+            raise ValueError("this model's chat template has no system role: earlier turns cannot follow the memory")
+        try:
+            head, middle, tail = _cut(self._render_with_system(conversation))
+        except Exception as e:  # the template's own refusal (e.g. roles that must alternate)
+            raise ValueError(f"the model's chat template refused the conversation: {str(e)[:200]}") from None
+        if head != self._head:  # the memory's KV was encoded after this head: it must not move
+            raise ValueError("the model's chat template renders the memory differently with earlier turns")
+        return self._ids(middle + question.strip() + tail)
 
     def prompt_ids(self, fact_texts: Sequence[str], question: str) -> list[int]:
         """The prompt-injection baseline: the same ids the composed prompt has."""
@@ -65,3 +82,10 @@ class PromptTemplate:
         for t in fact_texts:
             ids += self.fact_ids(t)
         return ids + self.query_ids(question)
+
+
+def _cut(text: str) -> tuple[str, str, str]:
+    """A rendering with both marks -> (before the memory, between memory and question, after the question)."""
+    head, rest = text.split(_MEMORY_MARK)
+    middle, tail = rest.split(_QUESTION_MARK)
+    return head, middle, tail

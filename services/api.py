@@ -269,9 +269,25 @@ def _method_handlers(servicer) -> dict:
     return handlers
 
 
+HEALTH_SERVICE = "grpc.health.v1.Health"  # the standard health service (load balancers, Kubernetes gRPC probes)
+
+
+def _health_handlers(servicer) -> dict:
+    """grpc.health.v1.Health's Check and Watch, also raw bytes in (services/gateway/grpc_front.py parses them)."""
+    return {"Check": grpc.unary_unary_rpc_method_handler(servicer.Check, request_deserializer=None,
+                                                         response_serializer=lambda m: m.SerializeToString()),
+            "Watch": grpc.unary_stream_rpc_method_handler(servicer.Watch, request_deserializer=None,
+                                                          response_serializer=lambda m: m.SerializeToString())}
+
+
 def add_MemoryServicer_to_server(servicer, server) -> None:  # noqa: N802 (the name gRPC tooling expects)
-    """What Ray Serve's `grpc_servicer_functions` points at; also used by the plain grpc server."""
+    """What Ray Serve's `grpc_servicer_functions` points at; also used by the plain grpc server. Registers
+    inferscale.v1.Memory and the standard grpc.health.v1.Health (the servicer has Check and Watch too)."""
+    from grpc_health.v1 import health_pb2  # noqa: F401 - its descriptor, for server reflection in this process
+
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, _method_handlers(servicer)),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(HEALTH_SERVICE,
+                                                                          _health_handlers(servicer)),))
 
 
 SERVICER_FUNCTION = f"{__name__}.add_MemoryServicer_to_server"

@@ -113,12 +113,16 @@ class EncoderPool:
     """The Serve deployment (options in services/app.py)."""
 
     def __init__(self, **encoder_kw):
+        from .metrics import EncoderMetrics
+
         self.fe = FactEncoder(**encoder_kw)
+        self.metrics = EncoderMetrics()
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:
         # Several requests (possibly of several users) in one forward; failures come back per item.
         flat = [item for req in requests for item in req]
+        self.metrics.batch.observe(len(flat))
         encoded = await asyncio.to_thread(self.fe.encode, flat)
         out, i = [], 0
         for req in requests:
@@ -127,13 +131,15 @@ class EncoderPool:
         return out
 
     async def encode(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
-        if not items:
-            return []
-        return await self._encode_requests(list(items))
+        with self.metrics.request("encode"):
+            if not items:
+                return []
+            return await self._encode_requests(list(items))
 
     async def check(self, texts: list[str]) -> list[str | None]:
         """Per text: why it cannot be encoded, or None (tokenizer only, no forward)."""
-        return await asyncio.to_thread(self.fe.check, list(texts))
+        with self.metrics.request("check"):
+            return await asyncio.to_thread(self.fe.check, list(texts))
 
     async def prefix(self) -> EncodedFact:
         return await asyncio.to_thread(self.fe.prefix)

@@ -98,6 +98,10 @@ class EngineReplica:
         from inferscale_core.engine import AsyncInjectingEngine
 
         from .encoder_pool import dtype_of
+        from .metrics import EngineMetrics, hide_multiplexed_ids
+
+        hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
+        self.metrics = EngineMetrics()
 
         self.encoder = encoder
         self.registry = open_registry(registry_url)
@@ -118,6 +122,7 @@ class EngineReplica:
         self._user_locks: dict[str, asyncio.Lock] = {}
         self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_pushed": 0, "users_loaded": 0,
                          "users_evicted": 0, "facts_unservable": 0}
+        self._exporter = asyncio.get_running_loop().create_task(self._export_engine_metrics())
 
     # ------------------------------------------------------------------------------ user placement
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
@@ -203,64 +208,79 @@ class EngineReplica:
     async def put_facts(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> int:
         """`encoded` arrives resolved from the object store (the encoder's response, passed on unresolved).
         All or nothing: if the encoder failed on any fact, nothing is stored and the error names it."""
-        ids_versions = [(f, int(v)) for f, v in ids_versions]
-        for i, enc in enumerate(encoded):
-            if isinstance(enc, EncodeFailure):
-                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"facts[{i}] could not be encoded: {enc.reason}; "
-                                                                 "nothing was stored")
-        async with self._lock(user_id):
-            await self._put(user_id, ids_versions, encoded)
-        self.counters["facts_pushed"] += len(encoded)
-        # Load (sync) after the put: a first load then finds these facts held and encodes only the others.
-        await self._user(user_id)
-        return len(encoded)
+        with self.metrics.request("put_facts"):
+            ids_versions = [(f, int(v)) for f, v in ids_versions]
+            for i, enc in enumerate(encoded):
+                if isinstance(enc, EncodeFailure):
+                    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored")
+            async with self._lock(user_id):
+                await self._put(user_id, ids_versions, encoded)
+            self.counters["facts_pushed"] += len(encoded)
+            # Load (sync) after the put: a first load then finds these facts held and encodes only the others.
+            await self._user(user_id)
+            return len(encoded)
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> int:
         """Deleted facts `(fact_id, last version)`: every version of each leaves the worker store (and disk)."""
-        async with self._lock(user_id):
-            ids = [i for f, v in facts for i in (*older_kv_ids(f, v), kv_id(f, v))]
-            held = self._held.get(user_id, {})
-            for f, _ in facts:
-                held.pop(f, None)
-            return await self.engine.delete_encoded(user_id, ids)
+        with self.metrics.request("forget"):
+            async with self._lock(user_id):
+                ids = [i for f, v in facts for i in (*older_kv_ids(f, v), kv_id(f, v))]
+                held = self._held.get(user_id, {})
+                for f, _ in facts:
+                    held.pop(f, None)
+                return await self.engine.delete_encoded(user_id, ids)
 
     async def forget_user(self, user_id: str) -> int:
-        async with self._lock(user_id):
-            self._held.pop(user_id, None)
-            self._synced.pop(user_id, None)
-            return await self.engine.delete_encoded(user_id, None)
+        with self.metrics.request("forget_user"):
+            async with self._lock(user_id):
+                self._held.pop(user_id, None)
+                self._synced.pop(user_id, None)
+                return await self.engine.delete_encoded(user_id, None)
 
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
-                     mode: str):
-        """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT and the injected fact ids."""
+                     mode: str, conversation: list[dict] | None = None):
+        """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT and the injected fact ids.
+        `conversation`: system messages and earlier turns, after the memory in the chat template."""
         from vllm import SamplingParams
 
         from inferscale_core.engine import Query
 
-        if mode not in API_MODES:
-            raise ValueError(f"mode must be one of {sorted(API_MODES)}, got {mode!r}")
-        await self._user(user_id)
-        await self._sync(user_id)  # cheap when nothing moved: one read of the version counter
-        recs = []
-        held = self._held.get(user_id, {})
-        for f in fact_ids:  # retrieval may name a fact deleted since, or one that cannot be served: skip it
+        with self.metrics.request("answer"):
+            if mode not in API_MODES:
+                raise ValueError(f"mode must be one of {sorted(API_MODES)}, got {mode!r}")
+            await self._user(user_id)
+            await self._sync(user_id)  # cheap when nothing moved: one read of the version counter
+            recs = []
+            held = self._held.get(user_id, {})
+            for f in fact_ids:  # retrieval may name a fact deleted since, or one that cannot be served: skip it
+                try:
+                    rec = await asyncio.to_thread(self.registry.get, user_id, f)
+                except UnknownFactError:
+                    continue
+                if held.get(f) == rec.version:  # both modes serve the same facts (an A/B of injection)
+                    recs.append(rec)
+            q = Query(user_id, query, k=max(1, len(recs)), mode=API_MODES[mode],
+                      conversation=tuple(conversation or ()))
             try:
-                rec = await asyncio.to_thread(self.registry.get, user_id, f)
-            except UnknownFactError:
-                continue
-            if held.get(f) == rec.version:  # both modes serve the same facts (an A/B of injection)
-                recs.append(rec)
-        q = Query(user_id, query, k=max(1, len(recs)), mode=API_MODES[mode])
-        p = self.engine.prepare_facts(q, [r.fact_id for r in recs], [r.text for r in recs],
-                                      [r.version for r in recs], [kv_id(r.fact_id, r.version) for r in recs])
-        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-        async for text, ans in self.engine.stream(p, sp):
-            if ans is None:
-                yield {"text": text}
-                continue
-            yield {"final": True, "fact_ids": ans.fact_ids, "ttft_ms": (ans.ttft_s or 0.0) * 1000,
-                   "prompt_tokens": ans.prompt_len, "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
-                   "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop"}
+                p = self.engine.prepare_facts(q, [r.fact_id for r in recs], [r.text for r in recs],
+                                              [r.version for r in recs], [kv_id(r.fact_id, r.version) for r in recs])
+            except ValueError as e:  # the chat template refused the conversation
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            if len(p.prompt_ids) >= self.max_model_len:
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the prompt is {len(p.prompt_ids)} tokens (memory, conversation and query); the "
+                               f"model's context is {self.max_model_len} tokens: send fewer or shorter messages")
+            sp = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+            async for text, ans in self.engine.stream(p, sp):
+                if ans is None:
+                    yield {"text": text}
+                    continue
+                if ans.ttft_s is not None:
+                    self.metrics.ttft.observe(ans.ttft_s, tags={"mode": mode})
+                yield {"final": True, "fact_ids": ans.fact_ids, "ttft_ms": (ans.ttft_s or 0.0) * 1000,
+                       "prompt_tokens": ans.prompt_len, "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
+                       "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop"}
 
     async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
                    structured: dict | None = None) -> str:
@@ -292,6 +312,24 @@ class EngineReplica:
         await self.engine.has_encoded("__health__", ["probe"])  # a round trip to the engine's worker
         await asyncio.to_thread(self.registry.ping)
         return "ok"
+
+    async def check_health(self) -> None:
+        """Serve's replica health check (every health_check_period_s): a replica whose vLLM engine died (its
+        engine-core process is gone) raises here, so Serve replaces it and its users move to a live one."""
+        engine = self.engine.engine
+        if engine is None:
+            raise RuntimeError("the vLLM engine of this replica is not running")
+        await engine.check_health()  # raises EngineDeadError once vLLM has seen its engine core die
+
+    async def _export_engine_metrics(self, period_s: float = 5.0) -> None:
+        """Copies the engine's counters (injected tokens, store hits and resident bytes per tier) into the
+        replica's Prometheus metrics."""
+        while True:
+            try:
+                self.metrics.engine_snapshot(await self.engine.metrics())
+            except Exception as e:  # noqa: BLE001 - a dead engine is check_health's business
+                log.debug("engine metrics unavailable: %s", e)
+            await asyncio.sleep(period_s)
 
     def __del__(self):
         engine = getattr(self, "engine", None)

@@ -161,7 +161,11 @@ class Retrieval:
         from inferscale_core.embedder import Embedder
 
         from .encoder_pool import resolve_device
+        from .metrics import DeploymentMetrics, hide_multiplexed_ids
         from .registry import open_registry
+
+        hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
+        self.metrics = DeploymentMetrics()
 
         device = resolve_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -174,22 +178,27 @@ class Retrieval:
         return _LoadedUser(self.core, user_id)
 
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
-        await self._user(user_id)
-        return await asyncio.to_thread(self.core.search, user_id, query, k)
+        with self.metrics.request("search"):
+            await self._user(user_id)
+            return await asyncio.to_thread(self.core.search, user_id, query, k)
 
     async def search_vector(self, user_id: str, vector: list[float], k: int) -> list[tuple[str, float]]:
-        await self._user(user_id)
-        return await asyncio.to_thread(self.core.search_vector, user_id, vector, k)
+        with self.metrics.request("search_vector"):
+            await self._user(user_id)
+            return await asyncio.to_thread(self.core.search_vector, user_id, vector, k)
 
     async def index_facts(self, user_id: str, facts: list[tuple[str, int, str]]) -> int:
-        await self._user(user_id)
-        return await asyncio.to_thread(self.core.index_facts, user_id, facts)
+        with self.metrics.request("index_facts"):
+            await self._user(user_id)
+            return await asyncio.to_thread(self.core.index_facts, user_id, facts)
 
     async def forget(self, user_id: str, fact_ids: list[str]) -> None:
-        await asyncio.to_thread(self.core.forget, user_id, fact_ids)
+        with self.metrics.request("forget"):
+            await asyncio.to_thread(self.core.forget, user_id, fact_ids)
 
     async def forget_user(self, user_id: str) -> None:
-        await asyncio.to_thread(self.core.unload, user_id)
+        with self.metrics.request("forget_user"):
+            await asyncio.to_thread(self.core.unload, user_id)
 
     async def health(self) -> str:
         await asyncio.to_thread(self.core.registry.ping)

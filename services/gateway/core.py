@@ -37,8 +37,9 @@ class Backends(Protocol):
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]: ...
 
     def answer(self, user_id: str, query: str, k: int, max_tokens: int, temperature: float,
-               mode: str) -> AsyncIterator[dict]:
-        """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", ...}."""
+               mode: str, conversation: list[dict] | None = None) -> AsyncIterator[dict]:
+        """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", ...}. `conversation`:
+        system messages and earlier turns, put after the memory in the chat template."""
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> None:
         """Deleted facts `(fact_id, last version)`: out of the indices and every KV store."""
@@ -236,8 +237,9 @@ class GatewayCore:
         if not 0.0 <= req.temperature <= 2.0:  # also refuses NaN
             raise api.invalid(f"temperature must be in [0, 2], got {req.temperature}")
         mode = api.answer_mode(req.mode)
+        conversation = api.messages_in(req.messages, self.limits) if req.messages else None
         backends = self._need("Answer")
-        async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode):
+        async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation):
             if piece.get("final"):
                 yield pb2.AnswerChunk(
                     text=piece.get("text", ""), final=True, ttft_ms=piece.get("ttft_ms", 0.0),

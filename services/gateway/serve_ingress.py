@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ..api import Limits
 from ..auth import AuthConfig, Authenticator
 from .core import GatewayCore
-from .grpc_front import metadata_value, status_of
+from .grpc_front import health_check, health_watch, metadata_value, status_of
 from .http_front import build_http_app
 
 log = logging.getLogger("inferscale.gateway")
@@ -19,8 +20,9 @@ class ServeBackends:
     """Backends over Serve deployment handles. Every per-user call carries multiplexed_model_id = user id,
     so Serve routes it to a replica that already holds the user's index / KV store."""
 
-    def __init__(self, encoder, retrieval, engine, timeout_s: float = 120.0):
+    def __init__(self, encoder, retrieval, engine, timeout_s: float = 120.0, metrics=None):
         self.encoder, self.retrieval, self.engine, self.timeout_s = encoder, retrieval, engine, timeout_s
+        self.metrics = metrics  # services.metrics.GatewayMetrics: q2ft
 
     def _r(self, user_id: str):
         return self.retrieval.options(multiplexed_model_id=user_id)
@@ -42,13 +44,17 @@ class ServeBackends:
     async def search(self, user_id, query, k):
         return await asyncio.wait_for(self._r(user_id).search.remote(user_id, query, k), self.timeout_s)
 
-    async def answer(self, user_id, query, k, max_tokens, temperature, mode):
+    async def answer(self, user_id, query, k, max_tokens, temperature, mode, conversation=None):
         from inferscale_core.compose import serving_order
 
-        hits = await self.search(user_id, query, k)
+        t0, first = time.perf_counter(), True
+        hits = await self.search(user_id, query, k)  # the query alone is searched, not the conversation
         fact_ids = serving_order(hits)  # most relevant last, next to the query
         async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
-                                                                       temperature, mode):
+                                                                       temperature, mode, conversation):
+            if first and self.metrics is not None:  # q2ft: query in -> first token out, retrieval included
+                self.metrics.q2ft.observe(time.perf_counter() - t0, tags={"mode": mode})
+            first = False
             yield piece
 
     async def forget(self, user_id, facts):
@@ -82,15 +88,23 @@ class ServeBackends:
         return out
 
 
-def _replica_core() -> GatewayCore:
-    """The GatewayCore of the Gateway replica serving this HTTP request. (The FastAPI app is pickled into
-    the replica, so it cannot close over module state; Serve's replica context names the instance.)"""
+def _replica() -> "Gateway":
+    """The Gateway replica serving this HTTP request. (The FastAPI app is pickled into the replica, so it
+    cannot close over module state; Serve's replica context names the instance.)"""
     from ray import serve
 
-    return serve.get_replica_context().servable_object.core
+    return serve.get_replica_context().servable_object
 
 
-http_app = build_http_app(_replica_core)
+def _replica_core() -> GatewayCore:
+    return _replica().core
+
+
+def _replica_metrics():
+    return _replica().metrics
+
+
+http_app = build_http_app(_replica_core, _replica_metrics)
 
 
 class Gateway:
@@ -101,13 +115,15 @@ class Gateway:
 
     def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
                  limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None):
+        from ..metrics import GatewayMetrics
         from ..registry import open_registry
 
         # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
         handles = (encoder, retrieval, engine)
         if any(h is None for h in handles) and not all(h is None for h in handles):
             raise ValueError("Gateway needs all three handles (encoder, retrieval, engine) or none")
-        backends = ServeBackends(*handles) if encoder is not None else None
+        self.metrics = GatewayMetrics()
+        backends = ServeBackends(*handles, metrics=self.metrics) if encoder is not None else None
         authenticator = Authenticator(AuthConfig.from_dict(auth))  # fails the replica when no key is configured
         if not authenticator.enabled:
             log.warning("AUTHENTICATION IS OFF (insecure_no_auth): any caller can read and change any user's memory")
@@ -125,10 +141,11 @@ class Gateway:
         return err
 
     async def _call(self, name: str, request, grpc_context):
-        try:
-            return await getattr(self.core, name)(request, self._caller(name, grpc_context))
-        except Exception as e:  # noqa: BLE001 - mapped to a status code for the proxy
-            raise self._refuse(name, e, grpc_context) from None
+        with self.metrics.request(name):
+            try:
+                return await getattr(self.core, name)(request, self._caller(name, grpc_context))
+            except Exception as e:  # noqa: BLE001 - mapped to a status code for the proxy
+                raise self._refuse(name, e, grpc_context) from None
 
     async def AddMemory(self, request, grpc_context):  # noqa: N802
         return await self._call("AddMemory", request, grpc_context)
@@ -157,9 +174,25 @@ class Gateway:
     async def Health(self, request, grpc_context):  # noqa: N802
         return await self._call("Health", request, grpc_context)
 
+    async def Check(self, request, grpc_context):  # noqa: N802 - grpc.health.v1.Health, open
+        with self.metrics.request("Check"):
+            try:
+                return await health_check(self.core, request)
+            except Exception as e:  # noqa: BLE001
+                raise self._refuse("Check", e, grpc_context) from None
+
+    async def Watch(self, request, grpc_context):  # noqa: N802 - grpc.health.v1.Health, open, streams
+        with self.metrics.request("Watch"):
+            try:
+                async for resp in health_watch(self.core, request):
+                    yield resp
+            except Exception as e:  # noqa: BLE001
+                raise self._refuse("Watch", e, grpc_context) from None
+
     async def Answer(self, request, grpc_context):  # noqa: N802 - server streaming
-        try:
-            async for chunk in self.core.Answer(request, self._caller("Answer", grpc_context)):
-                yield chunk
-        except Exception as e:  # noqa: BLE001
-            raise self._refuse("Answer", e, grpc_context) from None
+        with self.metrics.request("Answer"):
+            try:
+                async for chunk in self.core.Answer(request, self._caller("Answer", grpc_context)):
+                    yield chunk
+            except Exception as e:  # noqa: BLE001
+                raise self._refuse("Answer", e, grpc_context) from None

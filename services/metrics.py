@@ -1,0 +1,164 @@
+"""Prometheus metrics of the deployments.
+
+Metrics are made with `ray.serve.metrics`, which adds the `deployment`, `replica` and `application` tags, and are
+exported by Ray's metrics agent on every node's metrics export port (`ray start --metrics-export-port`, the
+chart's PodMonitor) with Ray's `ray_` prefix: `inferscale_requests_total` is scraped as
+`ray_inferscale_requests_total`.
+
+    inferscale_requests_total{rpc, code}   every deployment: calls by method / RPC and gRPC status code name
+    inferscale_queue_depth                 every deployment: requests this replica is working on now
+    inferscale_q2ft_seconds{mode}          gateway: query received -> first token back (retrieval included)
+    inferscale_ttft_seconds{mode}          engine: request submitted to vLLM -> first token
+    inferscale_injected_tokens_total       engine: prompt tokens vLLM loaded through the KV connector
+    inferscale_store_hits_total{tier}      engine: fact-store hits per tier (device, host, disk)
+    inferscale_resident_bytes{tier}        engine: KV bytes resident per tier
+    inferscale_encoder_batch_size          encoder pool: facts per encoder forward (after @serve.batch)
+
+No label ever holds a user id (unbounded cardinality, and personal data in the monitoring system). Serve's own
+multiplexing gauge labels each loaded model id, which here is a user id (`serve_registered_multiplexed_model_id
+{model_id=...}`): `hide_multiplexed_ids()` replaces that one gauge with a no-op in the replica's process.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+TIERS = ("device", "host", "disk")
+
+
+class _Discard:
+    """Stands in for a metric that must not be exported."""
+
+    def set(self, *a, **kw) -> None: ...
+    def inc(self, *a, **kw) -> None: ...
+    def observe(self, *a, **kw) -> None: ...
+    def set_default_tags(self, *a, **kw) -> None: ...
+
+
+def hide_multiplexed_ids() -> None:
+    """Serve (2.60) sets `serve_registered_multiplexed_model_id{model_id=<id>}` for every loaded model; our model
+    ids are user ids. Every multiplex wrapper made in this process gets a no-op for that gauge instead (the
+    model count, load latency and routing are untouched). Idempotent."""
+    from ray.serve import multiplex
+
+    cls = multiplex._ModelMultiplexWrapper
+    if getattr(cls.__init__, "_inferscale_hides_ids", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.registered_model_gauge = _Discard()
+
+    __init__._inferscale_hides_ids = True
+    cls.__init__ = __init__
+
+
+def code_of(e: BaseException | None) -> str:
+    """The gRPC status code name an exception is answered with (what the client sees)."""
+    if e is None:
+        return grpc.StatusCode.OK.name
+    from .api import to_api_error
+
+    return to_api_error(e).code.name
+
+
+class DeploymentMetrics:
+    """Request counts by method and status, and the queue depth, of one replica. Use `with m.request("Search"):`
+    around a call (also inside an async generator: the stream counts until it ends)."""
+
+    def __init__(self):
+        from ray.serve import metrics
+
+        self.requests = metrics.Counter("inferscale_requests_total", description="Calls by method/RPC and status code.",
+                                        tag_keys=("rpc", "code"))
+        self.queue = metrics.Gauge("inferscale_queue_depth",
+                                   description="Requests this replica is working on (queued or running).")
+        self._inflight = 0
+        self.queue.set(0)
+
+    def count(self, rpc: str, code: str) -> None:
+        self.requests.inc(tags={"rpc": rpc, "code": code})
+
+    def started(self) -> None:
+        self._inflight += 1
+        self.queue.set(self._inflight)
+
+    def finished(self, rpc: str, code: str) -> None:
+        self._inflight -= 1
+        self.queue.set(self._inflight)
+        self.count(rpc, code)
+
+    @contextlib.contextmanager
+    def request(self, rpc: str):
+        self.started()
+        code = grpc.StatusCode.OK.name
+        try:
+            yield
+        except (GeneratorExit, asyncio.CancelledError):  # the caller went away (a dropped stream)
+            code = grpc.StatusCode.CANCELLED.name
+            raise
+        except BaseException as e:
+            code = code_of(e)
+            raise
+        finally:
+            self.finished(rpc, code)
+
+
+class GatewayMetrics(DeploymentMetrics):
+    def __init__(self):
+        super().__init__()
+        from ray.serve import metrics
+
+        self.q2ft = metrics.Histogram("inferscale_q2ft_seconds", boundaries=LATENCY_BUCKETS_S, tag_keys=("mode",),
+                                      description="Query received by the gateway -> first token (retrieval included).")
+
+
+class EngineMetrics(DeploymentMetrics):
+    """Besides requests: TTFT per answer, and the engine's counters (vLLM's tokens loaded through the connector,
+    the worker store's hits and resident bytes per tier) copied from `AsyncInjectingEngine.metrics()`."""
+
+    def __init__(self):
+        super().__init__()
+        from ray.serve import metrics
+
+        self.ttft = metrics.Histogram("inferscale_ttft_seconds", boundaries=LATENCY_BUCKETS_S, tag_keys=("mode",),
+                                      description="Request submitted to vLLM -> first token.")
+        self.injected = metrics.Counter("inferscale_injected_tokens_total",
+                                        description="Prompt tokens vLLM loaded through the KV connector (injected).")
+        self.hits = metrics.Counter("inferscale_store_hits_total", tag_keys=("tier",),
+                                    description="Fact-store hits per tier (facts found there when a request loaded).")
+        self.resident = metrics.Gauge("inferscale_resident_bytes", tag_keys=("tier",),
+                                      description="KV bytes of facts resident per tier of the fact store.")
+        self._seen: dict[str, float] = {}
+
+    def _delta(self, key: str, total: float) -> float:
+        """Counters arrive as totals since the engine started; Ray's Counter wants increments."""
+        d = total - self._seen.get(key, 0.0)
+        self._seen[key] = total
+        return d if d > 0 else 0.0
+
+    def engine_snapshot(self, m: dict) -> None:
+        """`m`: AsyncInjectingEngine.metrics() ({"prompt_tokens_external_kv_transfer", ..., "worker": {...}})."""
+        d = self._delta("injected", float(m.get("prompt_tokens_external_kv_transfer", 0)))
+        if d:
+            self.injected.inc(d)
+        worker = m.get("worker") or {}
+        for tier in TIERS:
+            d = self._delta(f"hits_{tier}", float(worker.get(f"store_hits_{tier}", 0)))
+            if d:
+                self.hits.inc(d, tags={"tier": tier})
+            self.resident.set(float(worker.get(f"resident_bytes_{tier}", 0)), tags={"tier": tier})
+
+
+class EncoderMetrics(DeploymentMetrics):
+    def __init__(self):
+        super().__init__()
+        from ray.serve import metrics
+
+        self.batch = metrics.Histogram("inferscale_encoder_batch_size", boundaries=BATCH_BUCKETS,
+                                       description="Facts per encoder forward pass (requests merged by @serve.batch).")
