@@ -548,3 +548,32 @@ def test_merged_runs_report_what_one_run_over_all_conversations_reports(tmp_path
         runner.merge_runs([tmp_path / "syn-1", tmp_path / "other"], tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="locomo_results.json not found"):
         runner.merge_runs([tmp_path / "syn-1", tmp_path / "nothing"], tmp_path / "x")
+
+
+def test_pooled_reports_match_the_merged_run(tmp_path):
+    """bench/pool_reports.py pools committed Markdown reports: the question-weighted mean equals the merged run's
+    mean (to the reports' 3 decimals), and each conversation's verdict is read from its printed interval."""
+    pool_reports = _load_script("pool_reports")
+    common = ["--data", str(DEV), "--k", "5,10", "--w", "0,5", "--users", "0", "--latency-questions", "1",
+              "--bootstrap", "300"]
+    for sid in ("syn-1", "syn-2"):
+        runner.main(common + ["--sample-ids", sid, "--out", str(tmp_path / sid)], backend=ScriptedBackend())
+    merged = runner.main(["--merge", str(tmp_path / "syn-1"), str(tmp_path / "syn-2"), "--bootstrap", "300",
+                          "--out", str(tmp_path / "merged")])
+    rows = pool_reports.main([str(tmp_path / "syn-1"), str(tmp_path / "syn-2")])
+    exact = {(c["k"], c["w"]): c["f1"] for c in merged["comparisons"]}
+    assert {(r["k"], r["w"]) for r in rows} == set(exact)
+    for r in rows:
+        assert r["n"] == exact[(r["k"], r["w"])]["n"] == 19
+        assert r["mean"] == pytest.approx(exact[(r["k"], r["w"])]["mean_diff"], abs=1e-3)
+        assert r["lo"] <= r["mean"] <= r["hi"] and r["conversations"] == 2
+
+    report = tmp_path / "conv-x" / "locomo_results.md"
+    report.parent.mkdir()
+    report.write_text("## KV minus PI (paired)\n\n| k | w | n | ΔF1 | x |\n|---|---|---|---|---|\n"
+                      "| 10 | 5 | 150 | -0.020 [-0.041, -0.000] | – |\n| 50 | 5 | 150 | +0.012 [+0.001, +0.030] | – |\n")
+    (row10, row50) = pool_reports.main([str(report.parent)])
+    assert row10["below"] == ["conv-x"] and row10["include_0"] == 0  # -0.000 is printed for a negative end
+    assert row50["above"] == ["conv-x"] and row50["include_0"] == 0
+    with pytest.raises(SystemExit, match="not found"):
+        pool_reports.main([str(tmp_path / "nothing")])
