@@ -395,7 +395,8 @@ def test_autoscaled_gpu_pool_with_tls_ingress_and_pod_monitor(helm):
     assert set(ingresses) == {"big-http", "big-grpc"}
     for name, backend in (("big-http", "big-serve-svc"), ("big-grpc", "big-grpc")):
         spec = ingresses[name]["spec"]
-        assert spec["tls"][0]["secretName"] == "inferscale-tls" and spec["tls"][0]["hosts"] == [spec["rules"][0]["host"]]
+        (tls,) = spec["tls"]
+        assert tls["secretName"] == "inferscale-tls" and tls["hosts"] == [spec["rules"][0]["host"]]
         assert spec["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == backend
     assert ingresses["big-grpc"]["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
     (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]

@@ -58,7 +58,8 @@ def test_install_script_cpu_variant_in_a_fresh_venv(wheel, tmp_path):  # noqa: F
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INFERSCALE_CACHE", "VIRTUAL_ENV")}
     if not full:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-        site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+        site = subprocess.run([str(venv / "bin" / "python"), "-c", purelib],
                               capture_output=True, text=True, check=True).stdout.strip()
         Path(site, "_shared_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     cache = tmp_path / "cache"

@@ -72,14 +72,14 @@ def test_redis_binds_with_a_password_on_its_own_port():
 
 # ------------------------------------------------------------------------------ two Ray nodes, one machine
 def _ray(*args: str, env: dict, timeout: float = 180) -> None:
-    out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
     assert out.returncode == 0, f"ray {' '.join(args)}: {out.stdout[-2000:]}\n{out.stderr[-2000:]}"
 
 
 def _stop_ray(markers: list[str]) -> None:
     """Ends this test's Ray processes only: those whose command line names its temp dir or GCS address, and
-    their children.
-    (`ray stop` would end every Ray on the machine, other people's included.)"""
+    their children (`ray stop` would end every Ray on the machine, other people's included)."""
     def procs() -> dict[int, tuple[int, str]]:
         out = {}
         for d in Path("/proc").iterdir():
@@ -129,14 +129,14 @@ def two_node_ray(tmp_path):
     (redis_cmd,) = [c for c in RAW["head_start_ray_commands"] if "redis-server" in c]
     redis_cmd = (redis_cmd.replace(f"--port {REDIS_PORT}", f"--port {redis_port}")
                  .replace("$(hostname -I | awk '{print $1}')", ""))  # loopback only in a test
-    env = {**os.environ, "HOME": str(home)}
-    subprocess.run(["bash", "-c", redis_cmd], env=env, check=True, timeout=30)
     (start_head,) = [c for c in RAW["head_start_ray_commands"] if "ray start" in c]
+    for name, value in SERVE_START_ENV.items():  # the cluster file exports the same start-up timeouts
+        assert f"{name}={value}" in start_head
+    env = {**os.environ, "HOME": str(home)}
     password = (secrets / "redis-password").read_text().strip()
     ray_env = {**env, **vllm_cpu_env(), **SERVE_START_ENV, "INFERSCALE_REDIS_PASSWORD": password,
                "INFERSCALE_JWT_SECRET_FILE": str(secrets / "jwt-secret"), "RAY_USAGE_STATS_ENABLED": "0"}
-    for name, value in SERVE_START_ENV.items():  # the cluster file exports the same start-up timeouts
-        assert f"{name}={value}" in start_head
+    subprocess.run(["bash", "-c", redis_cmd], env=env, check=True, timeout=30)
     temp_dir = Path("/tmp") / f"isr{os.getpid()}"  # short (unix socket paths) and private to this test
     common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(400 << 20), "--disable-usage-stats"]
     try:
