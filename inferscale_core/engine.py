@@ -35,6 +35,8 @@ from .types import EncodedFact
 
 Mode = Literal["kv", "pi"]
 MODES = ("kv", "pi")
+RPC_DEATH_CHECK_S = 1.0  # how often a call into the worker checks that the engine is still alive
+
 assert SHARED_NAMESPACE == PREFIX_USER, "the worker's shared namespace must be Memory's prefix namespace"
 
 
@@ -461,7 +463,19 @@ class AsyncInjectingEngine:
         return self.engine
 
     async def _rpc(self, method: str, *args):
-        return (await self._started().collective_rpc(method, args=args))[0]
+        """A call into the engine's worker. vLLM never answers a call that is in flight when its engine core
+        dies, so the wait gives up (EngineDeadError) once the engine says it is dead."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        engine = self._started()
+        call = asyncio.ensure_future(engine.collective_rpc(method, args=args))
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=RPC_DEATH_CHECK_S)
+            if done:
+                return call.result()[0]
+            if engine.errored:
+                call.cancel()
+                raise EngineDeadError()
 
     # ---- Memory-backed management
     async def add(self, user_id: str, facts, windows=None, fact_ids=None, ws: Sequence[int] = (0,)) -> list[str]:

@@ -24,6 +24,7 @@ registry for that version and left out; the user is answered from the facts that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -68,6 +69,19 @@ def replica_disk_dir(kv_dir: str | None) -> str | None:
     path = Path(kv_dir).expanduser() / app / dep / f"slot-{slot}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+@contextlib.contextmanager
+def _engine_death_is_unavailable():
+    """A call that meets a dead vLLM engine is UNAVAILABLE (retryable: check_health has Serve replace this
+    replica), not an internal error."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        yield
+    except EngineDeadError:
+        raise ApiError(grpc.StatusCode.UNAVAILABLE, "this engine replica's vLLM engine died; it is being replaced, "
+                                                    "retry shortly") from None
 
 
 class _HeldUser:
@@ -208,7 +222,7 @@ class EngineReplica:
     async def put_facts(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> int:
         """`encoded` arrives resolved from the object store (the encoder's response, passed on unresolved).
         All or nothing: if the encoder failed on any fact, nothing is stored and the error names it."""
-        with self.metrics.request("put_facts"):
+        with self.metrics.request("put_facts"), _engine_death_is_unavailable():
             ids_versions = [(f, int(v)) for f, v in ids_versions]
             for i, enc in enumerate(encoded):
                 if isinstance(enc, EncodeFailure):
@@ -246,7 +260,7 @@ class EngineReplica:
 
         from inferscale_core.engine import Query
 
-        with self.metrics.request("answer"):
+        with self.metrics.request("answer"), _engine_death_is_unavailable():
             if mode not in API_MODES:
                 raise ValueError(f"mode must be one of {sorted(API_MODES)}, got {mode!r}")
             await self._user(user_id)

@@ -16,7 +16,7 @@ import pytest
 
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from test_service_e2e import Service, _engine_actor, _free_port
+from test_service_e2e import _engine_actor, running_service
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -39,24 +39,9 @@ CONVERSATION = [{"role": "system", "content": "You answer in one short sentence.
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    from inferscale_core.vllm_env import vllm_cpu_env
-    from services.app import ServiceConfig, single_node_deployments
-
-    kv_dir = tmp_path_factory.mktemp("kv")
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
-                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments(),
-                        auth={"hs256_secret_file": str(jwt_secret[0])})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": vllm_cpu_env()})
-    svc = None
-    try:
-        svc = Service(cfg, kv_dir, jwt_secret[1])
+    with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret) as svc:
         svc.ids[USER] = [f.fact_id for f in svc.client.add_facts(USER, FACTS)]
         yield svc
-    finally:
-        if svc is not None:
-            svc.stop()
-        ray.shutdown()
 
 
 def _client(service, user: str = USER, admin: bool = False, token: str | None = None):

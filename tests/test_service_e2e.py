@@ -11,6 +11,7 @@ each deployment); the tests run in order and share it:
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import time
@@ -93,18 +94,18 @@ class Service:
         return [c.text for c in chunks[:-1] if c.text] + ([chunks[-1].text] if chunks[-1].text else []), chunks[-1]
 
 
-@pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+@contextlib.contextmanager
+def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None, **ray_init):
+    """The application on a fresh local Ray (2 CPUs, one replica of each deployment); also used by
+    tests/test_openai_compat.py and tests/test_metrics.py. `ray_init`: more ray.init arguments."""
+    from inferscale_core.vllm_env import vllm_cpu_env
     from services.app import ServiceConfig, single_node_deployments
 
-    kv_dir = tmp_path_factory.mktemp("kv")
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments(),
                         auth={"hs256_secret_file": str(jwt_secret[0])})
-    from inferscale_core.vllm_env import vllm_cpu_env
-
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {**vllm_cpu_env(), "INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}})
+             runtime_env={"env_vars": {**vllm_cpu_env(), **(env_vars or {})}}, **ray_init)
     svc = None
     try:
         svc = Service(cfg, kv_dir, jwt_secret[1])
@@ -113,6 +114,13 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
         if svc is not None:
             svc.stop()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+    with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
+                         {"INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}) as svc:
+        yield svc
 
 
 def _code(call) -> tuple[grpc.StatusCode, str]:

@@ -34,14 +34,14 @@ UNSUPPORTED = {"tools": "tool calling", "functions": "function calling", "tool_c
                "audio": "audio output", "prediction": "predicted outputs", "logit_bias": "logit bias"}
 
 
-def error_body(err: ApiError, param: str | None = None) -> dict:
-    """An OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+def error_body(err: ApiError) -> dict:
+    """An OpenAI error object: {"error": {"message", "type", "param", "code"}} (the message names the field)."""
     kind = ("invalid_request_error" if err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                                                     grpc.StatusCode.RESOURCE_EXHAUSTED)
             else "authentication_error" if err.code == grpc.StatusCode.UNAUTHENTICATED
             else "permission_error" if err.code == grpc.StatusCode.PERMISSION_DENIED else "api_error")
     code = "model_not_found" if isinstance(err, ModelNotFound) else err.code.name.lower()
-    return {"error": {"message": err.message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": err.message, "type": kind, "param": None, "code": code}}
 
 
 def error_response(err: ApiError) -> JSONResponse:

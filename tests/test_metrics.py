@@ -1,0 +1,126 @@
+"""Observability of the running service: the Prometheus endpoint of Ray's metrics agent (the node's metrics export
+port, 127.0.0.1) is scraped after real traffic (gRPC and HTTP, several users) and must carry every deployment's
+metrics and no user id anywhere; an engine replica whose vLLM engine core dies fails Serve's health check and
+is replaced. One application for the module (started as tests/test_service_e2e.py starts it).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+from test_service_e2e import _free_port, running_service
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+
+# Distinctive ids: none of them may appear anywhere in the scrape (labels or values).
+USERS = {"metrics-user-7f3a9c": ["Ines grows tomatoes on her balcony.", "Ines plays the cello."],
+         "metrics-user-b41d02": ["Tariq drives a green van.", "Tariq has two daughters."]}
+SCRAPE_TIMEOUT_S = 120  # Ray's agent exports every ~10 s; a loaded machine is slower
+
+
+@pytest.fixture(scope="module")
+def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+    metrics_port = _free_port()
+    with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
+                         _metrics_export_port=metrics_port) as svc:
+        svc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        yield svc
+
+
+def _scrape(url: str) -> tuple[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    return text, [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def _has(samples, name: str, **labels) -> bool:
+    return any(s.name == name and all(s.labels.get(k) == v for k, v in labels.items()) for s in samples)
+
+
+def _value(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_every_deployment_exports_metrics_without_user_ids(service):
+    import httpx
+
+    from services.api import pb2, pb2_grpc
+
+    for user, facts in USERS.items():  # AddFacts: encoder, retrieval, engine; then an answer per user, two ways
+        service.client.add_facts(user, facts)
+        service.ask(user, "What does this person play or drive?", k=2, max_tokens=4)
+        r = httpx.post(f"http://127.0.0.1:{service.cfg.http_port}/v1/chat/completions", timeout=300,
+                       headers={"authorization": f"Bearer {token_for(service.secret, user)}"},
+                       json={"messages": [{"role": "user", "content": "What grows on the balcony?"}],
+                             "max_completion_tokens": 4})
+        assert r.status_code == 200, r.text
+    with pytest.raises(grpc.RpcError):  # one refused call: counted with its status code
+        pb2_grpc.MemoryStub(service.channel).Search(pb2.SearchRequest(user_id="metrics-user-7f3a9c", query="x"))
+    want = [  # (metric as scraped, labels it must have a series with)
+        ("ray_inferscale_requests_total", {"deployment": "Gateway", "rpc": "AddFacts", "code": "OK"}),
+        ("ray_inferscale_requests_total", {"deployment": "Gateway", "rpc": "Answer", "code": "OK"}),
+        ("ray_inferscale_requests_total", {"deployment": "Gateway", "rpc": "chat.completions", "code": "OK"}),
+        ("ray_inferscale_requests_total", {"deployment": "Gateway", "rpc": "Search", "code": "UNAUTHENTICATED"}),
+        ("ray_inferscale_requests_total", {"deployment": "Retrieval", "rpc": "search", "code": "OK"}),
+        ("ray_inferscale_requests_total", {"deployment": "EncoderPool", "rpc": "encode", "code": "OK"}),
+        ("ray_inferscale_requests_total", {"deployment": "EngineReplica", "rpc": "answer", "code": "OK"}),
+        ("ray_inferscale_q2ft_seconds_count", {"deployment": "Gateway", "mode": "inject"}),
+        ("ray_inferscale_ttft_seconds_count", {"deployment": "EngineReplica", "mode": "inject"}),
+        ("ray_inferscale_encoder_batch_size_count", {"deployment": "EncoderPool"}),
+        ("ray_inferscale_injected_tokens_total", {"deployment": "EngineReplica"}),
+        ("ray_inferscale_store_hits_total", {"deployment": "EngineReplica"}),
+        ("ray_inferscale_resident_bytes", {"deployment": "EngineReplica", "tier": "disk"}),
+        *(("ray_inferscale_queue_depth", {"deployment": d}) for d in ("Gateway", "Retrieval", "EncoderPool",
+                                                                      "EngineReplica")),
+        ("ray_serve_num_multiplexed_models", {"deployment": "EngineReplica"}),  # Serve's own metrics stay
+    ]
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    while True:
+        text, samples = _scrape(service.metrics_url)
+        missing = [(n, lb) for n, lb in want if not _has(samples, n, **lb)]
+        if not missing and _value(samples, "ray_inferscale_injected_tokens_total") > 0:
+            break
+        assert time.monotonic() < deadline, f"not exported within {SCRAPE_TIMEOUT_S} s: {missing}"
+        time.sleep(5)
+    assert _value(samples, "ray_inferscale_ttft_seconds_count", deployment="EngineReplica") >= 4
+    assert _value(samples, "ray_inferscale_store_hits_total") > 0
+    assert _value(samples, "ray_inferscale_resident_bytes", tier="disk") > 0  # written through to the disk tier
+    for user in USERS:
+        assert user not in text, f"a user id is in the metrics: {[ln for ln in text.splitlines() if user in ln][:3]}"
+    # Serve's per-model gauge would label each user id: it is not exported at all
+    assert not any(s.name.startswith("ray_serve_registered_multiplexed_model_id") and s.labels.get("model_id")
+                   for s in samples)
+
+
+def test_a_replica_whose_engine_died_fails_its_health_check_and_is_replaced(service):
+    import psutil
+
+    user = next(iter(USERS))
+    old_pid = service.engine_stats(user)["pid"]
+    cores = [p for p in psutil.Process(old_pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())
+             or "EngineCore" in p.name()]
+    assert cores, "no vLLM engine-core process under the engine replica"
+    for p in cores:
+        os.kill(p.pid, signal.SIGKILL)  # the engine dies; the replica process itself lives on
+    t, deadline = time.monotonic(), time.monotonic() + 600
+    while True:
+        try:
+            new_pid = service.engine_stats(user)["pid"]
+            if new_pid != old_pid:
+                break
+        except Exception:  # noqa: BLE001 - no replica while Serve starts the replacement
+            pass
+        assert time.monotonic() < deadline, "the replica with a dead engine was never replaced"
+        time.sleep(5)
+    _, final = service.ask(user, "What does Ines play?", k=2, max_tokens=4)
+    assert final.fact_ids  # answered from memory by the replacement
+    print(f"\nengine core killed -> replica replaced and answering after {time.monotonic() - t:.0f} s")
