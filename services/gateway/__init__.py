@@ -1,8 +1,9 @@
 """Gateway: the ingress of the service, split by front door over one transport-free core.
 
     core.py           GatewayCore (auth order, validation, all-or-nothing writes, the RPCs), GatewaySink (Mem0)
-    grpc_front.py     GrpcServicer + start_grpc_server: a plain grpc.aio server (Ray-less runs, API tests)
-    http_front.py     build_http_app: OpenAI-compatible POST /v1/chat/completions and /healthz (FastAPI)
+    grpc_front.py     GrpcServicer + start_grpc_server: a plain grpc.aio server (Ray-less runs, API tests);
+                      grpc.health.v1 Check/Watch for both gRPC front doors
+    http_front.py     build_http_app: OpenAI-compatible POST /v1/chat/completions, GET /v1/models, /healthz
     serve_ingress.py  Gateway (the Ray Serve deployment behind Serve's gRPC and HTTP proxies), ServeBackends
 
 The registry (the source of truth) is written first, then the change is pushed to the retrieval and engine
