@@ -77,6 +77,14 @@ def _ray(*args: str, env: dict, timeout: float = 180) -> None:
     assert out.returncode == 0, f"ray {' '.join(args)}: {out.stdout[-2000:]}\n{out.stderr[-2000:]}"
 
 
+def _reload_ray_auth() -> None:
+    """Make this process's Ray re-read RAY_AUTH_MODE / RAY_AUTH_TOKEN (it caches both)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 def _stop_ray(markers: list[str]) -> None:
     """Ends this test's Ray processes only: those whose command line names its temp dir or GCS address, and
     their children (`ray stop` would end every Ray on the machine, other people's included)."""
@@ -111,7 +119,7 @@ def _stop_ray(markers: list[str]) -> None:
 
 
 @pytest.fixture()
-def two_node_ray(tmp_path):
+def two_node_ray(tmp_path, monkeypatch):
     """Redis started by ray_cluster.yaml's own command (on a free port, loopback only), a head with no CPUs and
     a worker node that joins it with `ray start --address`, both on 127.0.0.1, the secrets handed to Ray by
     environment variable as the cluster file does. Yields (gcs address, redis url, jwt secret)."""
@@ -134,8 +142,17 @@ def two_node_ray(tmp_path):
         assert f"{name}={value}" in start_head
     env = {**os.environ, "HOME": str(home)}
     password = (secrets / "redis-password").read_text().strip()
+    # Ray's own token auth, with this cluster's token: ray 2.60 turns token auth on for any local ray.init()
+    # (RAY_AUTH_MODE=token in that process's environment, the token in the real ~/.ray), so the mode must not
+    # depend on which tests ran before this one in the same process.
     ray_env = {**env, **vllm_cpu_env(), **SERVE_START_ENV, "INFERSCALE_REDIS_PASSWORD": password,
-               "INFERSCALE_JWT_SECRET_FILE": str(secrets / "jwt-secret"), "RAY_USAGE_STATS_ENABLED": "0"}
+               "INFERSCALE_JWT_SECRET_FILE": str(secrets / "jwt-secret"), "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(32).hex()}
+    ray_env.pop("RAY_AUTH_TOKEN_PATH", None)
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # this process's driver joins with the same token
+        monkeypatch.setenv(name, ray_env[name])
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    _reload_ray_auth()
     subprocess.run(["bash", "-c", redis_cmd], env=env, check=True, timeout=30)
     temp_dir = Path("/tmp") / f"isr{os.getpid()}"  # short (unix socket paths) and private to this test
     common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(400 << 20), "--disable-usage-stats"]
@@ -146,6 +163,8 @@ def two_node_ray(tmp_path):
              "--dashboard-agent-listen-port", str(_free_port()), *common, env=ray_env)
         yield f"127.0.0.1:{gcs_port}", f"redis://127.0.0.1:{redis_port}/0", (secrets / "jwt-secret")
     finally:
+        monkeypatch.undo()
+        _reload_ray_auth()  # later tests in this process see the token state they had before
         _stop_ray([str(temp_dir), f"127.0.0.1:{gcs_port}"])
         subprocess.run(["redis-cli", "-p", str(redis_port), "-a", password, "--no-auth-warning", "shutdown", "nosave"],
                        capture_output=True, timeout=30)
