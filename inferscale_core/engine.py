@@ -286,13 +286,17 @@ class _EngineCore:
             raise ValueError(f"{len(fact_ids)} fact ids but {len(texts)} texts, {len(versions)} versions and "
                              f"{len(worker_ids)} worker ids")
         memory_ids = list(self.template.prefix_ids)
+        chunk_lens = [len(memory_ids)]  # per chunk: the connector's recompute_facts needs the fact boundaries
         for t in texts:
-            memory_ids += self.template.fact_ids(t)
+            ids = self.template.fact_ids(t)
+            memory_ids += ids
+            chunk_lens.append(len(ids))
         prompt_ids = memory_ids + self.template.query_ids(q.query, q.conversation)
         params = salt = None
         if q.mode == "kv" and fact_ids:
             chunk_ids = [self.prefix_id] + worker_ids
-            params = InjectionParams(q.user_id, tuple(chunk_ids), len(memory_ids), memory_hash(memory_ids))
+            params = InjectionParams(q.user_id, tuple(chunk_ids), len(memory_ids), memory_hash(memory_ids),
+                                     tuple(chunk_lens))
             salt = cache_salt(q.user_id, chunk_ids, [0, *versions])
         return Prepared(q, fact_ids, prompt_ids, len(memory_ids), params, salt, time.perf_counter() - t0)
 
