@@ -28,6 +28,13 @@ def token_for(secret: bytes, user: str, admin: bool = False, **kw) -> str:
     return mint(secret, user, (*USER_SCOPES, SCOPE_ADMIN) if admin else USER_SCOPES, **kw)
 
 
+def refused(call) -> tuple[grpc.StatusCode, str]:
+    """Run a gRPC call that must fail; its status code and details."""
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
 class _Token(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, token: str):
         self.token = token

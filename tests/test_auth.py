@@ -20,7 +20,7 @@ import grpc
 import jwt
 import pytest
 
-from auth_fixture import jwt_secret, one_call_per_rpc, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixture)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services.api import ApiError, pb2, pb2_grpc
@@ -52,12 +52,6 @@ def world(redis_url, jwt_secret):  # noqa: F811
     reg.close()
 
 
-def _refused(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    return e.value.code(), e.value.details()
-
-
 def _bearer(token: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")]
 
@@ -87,7 +81,7 @@ def test_every_rpc_refuses_bad_tokens_and_leaks_nothing(world, rpc):
         answers = []
         for user in (alice, ghost):
             fid = fact_id if user == alice else "no-such-fact"
-            code, details = _refused(lambda: one_call_per_rpc(user, fid)[rpc](stub, md))
+            code, details = refused(lambda: one_call_per_rpc(user, fid)[rpc](stub, md))
             assert code == want, (rpc, name, code, details)
             assert ALICE_FACT not in details and "4711" not in details and alice not in details, details
             assert "Traceback" not in details and "/" not in details.replace("/v1", ""), details
@@ -103,7 +97,7 @@ def test_a_token_without_the_write_scope_cannot_write(world):
     md = _bearer(mint(secret, alice, scopes=[SCOPE_READ]))
     assert stub.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact_id), metadata=md).text == ALICE_FACT
     for rpc in ("AddFacts", "UpdateMemory", "DeleteMemory", "DeleteUser", "AddMemory"):
-        code, details = _refused(lambda: one_call_per_rpc(alice, fact_id)[rpc](stub, md))
+        code, details = refused(lambda: one_call_per_rpc(alice, fact_id)[rpc](stub, md))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "memory:write" in details
     assert reg.get(alice, fact_id).version == 1
 
@@ -299,12 +293,12 @@ def test_tokens_over_tls(world):
                           timeout_s=10) as c:
             assert c.get(alice, fact_id).text == ALICE_FACT
         with MemoryClient(f"localhost:{srv.port}", token=token_for(secret, alice), timeout_s=5) as plain:
-            code, _ = _refused(lambda: plain.get(alice, fact_id))
+            code, _ = refused(lambda: plain.get(alice, fact_id))
             assert code == grpc.StatusCode.UNAVAILABLE
         untrusted = grpc.ssl_channel_credentials(root_certificates=_self_signed()[0])
         with MemoryClient(f"localhost:{srv.port}", credentials=untrusted, token=token_for(secret, alice),
                           timeout_s=5) as other:
-            code, _ = _refused(lambda: other.get(alice, fact_id))
+            code, _ = refused(lambda: other.get(alice, fact_id))
             assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()

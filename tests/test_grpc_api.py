@@ -12,7 +12,7 @@ import uuid
 import grpc
 import pytest
 
-from auth_fixture import jwt_secret, one_call_per_rpc, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixture)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services import api, codegen
@@ -55,12 +55,6 @@ def channel(core, admin_token):
 @pytest.fixture(scope="module")
 def stub(channel):
     return pb2_grpc.MemoryStub(channel)
-
-
-def _code(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    return e.value.code(), e.value.details()
 
 
 def _user() -> str:
@@ -123,30 +117,30 @@ EMPTY_USER_CALLS = {
 
 @pytest.mark.parametrize("rpc", sorted(EMPTY_USER_CALLS))
 def test_empty_user_is_invalid_argument(stub, rpc):
-    code, details = _code(lambda: EMPTY_USER_CALLS[rpc](stub))
+    code, details = refused(lambda: EMPTY_USER_CALLS[rpc](stub))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "user_id" in details and "empty" in details
 
 
 def test_bad_ids_are_invalid_argument(stub):
-    code, details = _code(lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="a/b", fact_id="f")))
+    code, details = refused(lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="a/b", fact_id="f")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "path separator" in details
-    code, details = _code(lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="u", fact_id="")))
+    code, details = refused(lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="u", fact_id="")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "fact_id" in details
 
 
 def test_oversized_fact_and_request_are_resource_exhausted(stub):
     uid = _user()
-    code, details = _code(lambda: stub.AddFacts(pb2.AddFactsRequest(
+    code, details = refused(lambda: stub.AddFacts(pb2.AddFactsRequest(
         user_id=uid, facts=[pb2.FactInput(text="ok"), pb2.FactInput(text="x" * (LIMITS.max_fact_chars + 1))])))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"facts[1].text is {LIMITS.max_fact_chars + 1} characters" in details
     big = pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="y" * 1500)] * 800)
-    code, details = _code(lambda: stub.AddFacts(big))
+    code, details = refused(lambda: stub.AddFacts(big))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes, the limit is" in details
-    code, details = _code(lambda: stub.Search(pb2.SearchRequest(user_id=uid, query="q" * 5000)))
+    code, details = refused(lambda: stub.Search(pb2.SearchRequest(user_id=uid, query="q" * 5000)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "query is 5000 characters" in details
-    code, details = _code(lambda: stub.AddFacts(pb2.AddFactsRequest(
+    code, details = refused(lambda: stub.AddFacts(pb2.AddFactsRequest(
         user_id=uid, facts=[pb2.FactInput(text="z")] * (LIMITS.max_facts_per_request + 1))))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "per request" in details
     # nothing was stored by any of the refused requests
@@ -156,7 +150,7 @@ def test_oversized_fact_and_request_are_resource_exhausted(stub):
 def test_per_user_quota_is_resource_exhausted(stub):
     uid = _user()
     stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text=f"f{i}") for i in range(4)]))
-    code, details = _code(lambda: stub.AddFacts(pb2.AddFactsRequest(
+    code, details = refused(lambda: stub.AddFacts(pb2.AddFactsRequest(
         user_id=uid, facts=[pb2.FactInput(text="a"), pb2.FactInput(text="b")])))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 5 facts per user" in details
 
@@ -166,9 +160,9 @@ def test_unknown_fact_is_not_found(stub):
     for call in (lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id="nope")),
                  lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id="nope", text="t")),
                  lambda: stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=uid, fact_id="nope"))):
-        code, details = _code(call)
+        code, details = refused(call)
         assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
-    code, details = _code(lambda: stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid)))
+    code, details = refused(lambda: stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid)))
     assert code == grpc.StatusCode.NOT_FOUND and "unknown user" in details
 
 
@@ -178,7 +172,7 @@ def test_another_users_fact_is_not_found(stub):
     for call in (lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id=bob, fact_id=fact.fact_id)),
                  lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=bob, fact_id=fact.fact_id, text="x")),
                  lambda: stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=bob, fact_id=fact.fact_id))):
-        code, details = _code(call)
+        code, details = refused(call)
         assert code == grpc.StatusCode.NOT_FOUND and "1234" not in details and alice not in details
     assert stub.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact.fact_id)).text == "alice's PIN is 1234"
     assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=bob)).facts) == 0
@@ -186,9 +180,9 @@ def test_another_users_fact_is_not_found(stub):
 
 @pytest.mark.parametrize("k", [-1, 65, 1000])
 def test_k_out_of_range_is_invalid_argument(stub, k):
-    code, details = _code(lambda: stub.Search(pb2.SearchRequest(user_id="u", query="q", k=k)))
+    code, details = refused(lambda: stub.Search(pb2.SearchRequest(user_id="u", query="q", k=k)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 64]" in details
-    code, details = _code(lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q", k=k))))
+    code, details = refused(lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q", k=k))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 64]" in details
 
 
@@ -208,7 +202,7 @@ def test_other_ranges_and_enums_are_invalid_argument(stub):
         (lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id="u", fact_id="f")), "nothing to update"),
     ]
     for call, needle in cases:
-        code, details = _code(call)
+        code, details = refused(call)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (needle, code, details)
         assert needle in details, (needle, details)
 
@@ -216,7 +210,7 @@ def test_other_ranges_and_enums_are_invalid_argument(stub):
 def test_malformed_request_is_invalid_argument(channel):
     raw_call = channel.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
                                    response_deserializer=pb2.Fact.FromString)
-    code, details = _code(lambda: raw_call(b"\x0a\xff\xff\xff\xff\x0f"))  # field 1, length past the end
+    code, details = refused(lambda: raw_call(b"\x0a\xff\xff\xff\xff\x0f"))  # field 1, length past the end
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid inferscale.v1.GetMemoryRequest" in details
 
 
@@ -224,15 +218,15 @@ def test_version_conflict_is_aborted(stub):
     uid = _user()
     (f,) = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="v1")])).facts
     stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id=f.fact_id, text="v2"))
-    code, details = _code(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
+    code, details = refused(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
         user_id=uid, fact_id=f.fact_id, text="v3", expected_version=1)))
     assert code == grpc.StatusCode.ABORTED and "at version 2" in details
 
 
 def test_registry_only_mode_answers_unavailable_for_serving(stub):
-    code, details = _code(lambda: stub.Search(pb2.SearchRequest(user_id="u", query="q")))
+    code, details = refused(lambda: stub.Search(pb2.SearchRequest(user_id="u", query="q")))
     assert code == grpc.StatusCode.UNAVAILABLE and "registry-only" in details
-    code, _ = _code(lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q"))))
+    code, _ = refused(lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q"))))
     assert code == grpc.StatusCode.UNAVAILABLE
 
 
@@ -323,15 +317,15 @@ def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token):
         uid = _user()
         (f,) = s.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="served by Ray")])).facts
         assert s.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=f.fact_id)).text == "served by Ray"
-        code, details = _code(lambda: s.GetMemory(pb2.GetMemoryRequest(user_id=_user(), fact_id=f.fact_id)))
+        code, details = refused(lambda: s.GetMemory(pb2.GetMemoryRequest(user_id=_user(), fact_id=f.fact_id)))
         assert code == grpc.StatusCode.NOT_FOUND and "unknown fact" in details
-        code, details = _code(lambda: s.Search(pb2.SearchRequest(user_id=uid, query="q", k=999)))
+        code, details = refused(lambda: s.Search(pb2.SearchRequest(user_id=uid, query="q", k=999)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
         raw = ch.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
                              response_deserializer=pb2.Fact.FromString)
-        code, details = _code(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f"))
+        code, details = refused(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f"))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in details
-        code, details = _code(lambda: list(s.Answer(pb2.AnswerRequest(user_id=uid, query="q", k=-1))))
+        code, details = refused(lambda: list(s.Answer(pb2.AnswerRequest(user_id=uid, query="q", k=-1))))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
         assert s.Health(pb2.HealthRequest()).components["registry"] == "ok"
     import httpx
@@ -363,7 +357,7 @@ def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jw
                               grpc.StatusCode.PERMISSION_DENIED)}
         for rpc, call in one_call_per_rpc(alice, fact.fact_id).items():
             for name, (md, want) in bad.items():
-                code, details = _code(lambda: call(s, md))
+                code, details = refused(lambda: call(s, md))
                 assert code == want, (rpc, name, code, details)
                 assert "secret" not in details and alice not in details and "Traceback" not in details
         assert s.GetMemory(pb2.GetMemoryRequest(user_id=alice, fact_id=fact.fact_id), metadata=own).version == 1

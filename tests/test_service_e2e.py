@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
+from auth_fixture import jwt_secret, refused, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 
 from inferscale_core.defaults import RECOMPUTE_TOKENS
@@ -125,12 +125,6 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
         yield svc
 
 
-def _code(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    return e.value.code(), e.value.details()
-
-
 def test_answers_stream_with_the_injected_memory(service):
     c = service.client
     service.ids["alice"] = [f.fact_id for f in c.add_facts("alice", ALICE)]
@@ -172,9 +166,9 @@ def test_one_user_never_sees_another_users_facts(service):
     pieces, final = service.ask("bob", CAT_Q, k=10, max_tokens=24)
     assert set(final.fact_ids) <= set(service.ids["bob"]) and len(final.fact_ids) == 3
     assert "Pixel" not in "".join(pieces)
-    code, details = _code(lambda: c.get("bob", service.ids["alice"][0]))
+    code, details = refused(lambda: c.get("bob", service.ids["alice"][0]))
     assert code == grpc.StatusCode.NOT_FOUND and "Pixel" not in details
-    code, _ = _code(lambda: c.delete("bob", service.ids["alice"][0]))
+    code, _ = refused(lambda: c.delete("bob", service.ids["alice"][0]))
     assert code == grpc.StatusCode.NOT_FOUND
     assert c.get("alice", service.ids["alice"][0]).text == ALICE[0]  # untouched
 
@@ -198,22 +192,22 @@ def test_bad_input_gets_the_right_status_codes(service):
     c, stub = service.client, service.client.stub
     from services.api import pb2
 
-    code, details = _code(lambda: list(c.answer("alice", "q", k=65)))
+    code, details = refused(lambda: list(c.answer("alice", "q", k=65)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
-    code, details = _code(lambda: list(c.answer("alice", "q", mode="telepathy")))
+    code, details = refused(lambda: list(c.answer("alice", "q", mode="telepathy")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "mode" in details
-    code, details = _code(lambda: list(c.answer("", "q")))
+    code, details = refused(lambda: list(c.answer("", "q")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "user_id" in details
-    code, details = _code(lambda: c.add_facts("alice", ["x" * 2001]))
+    code, details = refused(lambda: c.add_facts("alice", ["x" * 2001]))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "facts[0].text is 2001 characters" in details
-    code, details = _code(lambda: c.get("alice", "no-such-fact"))
+    code, details = refused(lambda: c.get("alice", "no-such-fact"))
     assert code == grpc.StatusCode.NOT_FOUND and "no-such-fact" in details
-    code, details = _code(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
+    code, details = refused(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
         user_id="alice", fact_id=service.ids["alice"][1], text="x", expected_version=7), metadata=c.metadata))
     assert code == grpc.StatusCode.ABORTED and "at version 1" in details
     raw = service.channel.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
                                       response_deserializer=pb2.Fact.FromString)
-    code, details = _code(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f", metadata=c.metadata))
+    code, details = refused(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f", metadata=c.metadata))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in details
     # a user without memory is answered without any
     _, final = service.ask("nobody", "What is two plus two?", max_tokens=4)
@@ -282,7 +276,7 @@ def test_add_memory_with_inference_runs_mem0_on_the_serving_model(service):
     again = c.add_memory("dana", DANA, infer=True)
     assert not {e.text for e in again} & {e.text for e in events}
     assert sorted(f.fact_id for f in c.list("dana")) == sorted(ids + [e.fact_id for e in again])
-    code, _ = _code(lambda: c.get("alice", ids[0]))
+    code, _ = refused(lambda: c.get("alice", ids[0]))
     assert code == grpc.StatusCode.NOT_FOUND
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from fact_texts import LONG_FACT, text_of_tokens
 from fuzz_inputs import fuzz_grpc, snapshot
+from auth_fixture import refused
 from redis_fixture import redis_password_url  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -91,12 +92,6 @@ def served(redis_password_url, tmp_path_factory):  # noqa: F811
             proc.wait()
 
 
-def _refused(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    return e.value.code(), e.value.details()
-
-
 def test_quick_start_needs_no_token_flag(served, capsys, monkeypatch):
     from inferscale_core.cli import main
 
@@ -134,7 +129,7 @@ def test_every_rpc_refuses_bad_tokens_and_leaks_nothing(served):
         s = pb2_grpc.MemoryStub(ch)
         for rpc, call in one_call_per_rpc("carol", fid).items():
             for name, (md, want) in bad.items():
-                code, details = _refused(lambda: call(s, md))
+                code, details = refused(lambda: call(s, md))
                 assert code == want, (rpc, name, code, details)
                 assert not any(t in details for t in ("bees", "Finnish", "orange", "Traceback", ".py")), details
         assert s.Health(pb2.HealthRequest()).status == "SERVING"  # open
@@ -160,11 +155,11 @@ def test_a_fact_over_the_encoder_limit_is_refused_before_anything_is_written(ser
 
     c = served.client("carol")
     before = snapshot(served.registry(), ["carol"])
-    code, details = _refused(lambda: c.add_facts("carol", ["Carol likes tea.", LONG_FACT]))
+    code, details = refused(lambda: c.add_facts("carol", ["Carol likes tea.", LONG_FACT]))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert details.startswith("facts[1].text is ") and "the limit is 256 tokens; nothing was stored" in details
     (fact,) = c.add_facts("carol", ["Carol likes tea."])
-    code, details = _refused(lambda: c.update("carol", fact.fact_id, text=LONG_FACT))
+    code, details = refused(lambda: c.update("carol", fact.fact_id, text=LONG_FACT))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("text is ")
     assert c.get("carol", fact.fact_id).text == "Carol likes tea."
     # exactly at the limit: stored, encoded, served
