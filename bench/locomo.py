@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from tqdm import tqdm
 
-from inferscale_core.defaults import RECOMPUTE_TOKENS
+from inferscale_core.defaults import RECOMPUTE_TOKENS, add_recompute_arguments
 from inferscale_core.eval import report
 from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
                                          load_locomo, require_data_path, window_turns)
@@ -612,12 +612,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--out", default=str(RESULTS_DIR), help="results folder (default bench/results)")
-    p.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
-                   help="KV mode: leave the memory's last N tokens to vLLM to compute with the query "
-                        "(default: the shipped default, %(default)s)")
-    p.add_argument("--recompute-facts", type=int, default=0,
-                   help="KV mode: leave the memory's last R facts, whole, to vLLM to compute with the query; with "
-                        "--recompute-tokens the longer suffix wins (default %(default)s)")
+    add_recompute_arguments(p)
     p.add_argument("--merge", nargs="+", metavar="RUN_DIR",
                    help="do not run: merge these runs' results (one conversation set each) into --out")
     a = p.parse_args(argv)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inferscale_core.defaults import RECOMPUTE_TOKENS  # noqa: E402
+from inferscale_core.defaults import add_recompute_arguments  # noqa: E402
 from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
 
 set_vllm_cpu_env(kv_cache_gib=2)  # before vLLM is imported
@@ -47,12 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-facts", type=int, default=None, help="use only the first N facts of the conversation")
     ap.add_argument("--sample-id", default=None, help="the conversation (default: the one with the most facts)")
     ap.add_argument("--dates", action="store_true", help="facts carry their session date, as in bench/locomo.py")
-    ap.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
-                    help="KV mode: leave the memory's last N tokens to vLLM to compute with the query "
-                         "(default: the shipped default, %(default)s)")
-    ap.add_argument("--recompute-facts", type=int, default=0,
-                    help="KV mode: leave the memory's last R facts, whole, to vLLM to compute with the query; with "
-                         "--recompute-tokens the longer suffix wins (default %(default)s)")
+    add_recompute_arguments(ap)
     ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)

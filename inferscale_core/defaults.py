@@ -18,3 +18,13 @@ RECOMPUTE_TOKENS = 32
 def serving_store_options(overrides: dict | None = None) -> dict:
     """The connector/store options a serving engine starts with: the shipped default, then `overrides`."""
     return {"recompute_tokens": RECOMPUTE_TOKENS, **(overrides or {})}
+
+
+def add_recompute_arguments(parser) -> None:
+    """The benchmarks' --recompute-tokens / --recompute-facts, defaulting to what ships."""
+    parser.add_argument("--recompute-tokens", type=int, default=RECOMPUTE_TOKENS,
+                        help="KV mode: leave the memory's last N tokens to vLLM to compute with the query "
+                             "(default: the shipped default, %(default)s)")
+    parser.add_argument("--recompute-facts", type=int, default=0,
+                        help="KV mode: leave the memory's last R facts, whole, to vLLM to compute with the query; "
+                             "with --recompute-tokens the longer suffix wins (default %(default)s)")
