@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import grpc
+
 from services.gateway import GatewayCore, start_grpc_server
 
 
@@ -15,6 +17,12 @@ class ServerThread:
         self.thread.start()
         self.server, self.port = asyncio.run_coroutine_threadsafe(
             start_grpc_server(core, tls=tls), self.loop).result(30)
+
+    def channel(self) -> grpc.Channel:
+        """A blocking client channel to this server, connected."""
+        ch = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        grpc.channel_ready_future(ch).result(timeout=30)
+        return ch
 
     def stop(self):
         asyncio.run_coroutine_threadsafe(self.server.stop(grace=None), self.loop).result(30)

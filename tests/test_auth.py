@@ -41,8 +41,7 @@ def world(redis_url, jwt_secret):  # noqa: F811
     reg = RedisRegistry(redis_url, prefix=f"auth{uuid.uuid4().hex[:8]}:")
     core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
     srv = ServerThread(core)
-    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    grpc.channel_ready_future(ch).result(timeout=30)
+    ch = srv.channel()
     alice = f"alice-{uuid.uuid4().hex[:6]}"
     (fact,) = pb2_grpc.MemoryStub(token_channel(ch, token_for(jwt_secret[1], alice))).AddFacts(
         pb2.AddFactsRequest(user_id=alice, facts=[pb2.FactInput(text=ALICE_FACT)])).facts

@@ -10,7 +10,6 @@ import random
 import time
 import uuid
 
-import grpc
 import pytest
 
 from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
@@ -30,8 +29,7 @@ def served(redis_url, jwt_secret):  # noqa: F811
     reg = RedisRegistry(redis_url, prefix=f"fuzz{uuid.uuid4().hex[:8]}:")
     core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
     srv = ServerThread(core)
-    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    grpc.channel_ready_future(ch).result(timeout=30)
+    ch = srv.channel()
     yield ch, core, reg, jwt_secret[1]
     ch.close()
     srv.stop()

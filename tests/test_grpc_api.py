@@ -45,8 +45,7 @@ def admin_token(jwt_secret):  # noqa: F811
 @pytest.fixture(scope="module")
 def channel(core, admin_token):
     srv = ServerThread(core)
-    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    grpc.channel_ready_future(ch).result(timeout=30)
+    ch = srv.channel()
     yield token_channel(ch, admin_token)
     ch.close()
     srv.stop()
