@@ -312,6 +312,14 @@ class EngineReplica:
         """Tokens left in the context after these messages (negative when they do not fit)."""
         return self.max_model_len - len(self.engine.core.chat_prompt(messages)["prompt_token_ids"])
 
+    async def load_user(self, user_id: str) -> str:
+        """Loads the user onto THIS replica (whichever one Serve routed the call to; admin and tests: put a user
+        on several replicas). Returns this replica's id."""
+        from inferscale_core.errors import check_id
+
+        await self._user(check_id("user_id", user_id))
+        return self.replica_id
+
     async def holds(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
         """Whether the worker store holds each `(fact_id, version)`: the KV side of a fact, for checks."""
         return await self.engine.has_encoded(user_id, [kv_id(f, v) for f, v in facts])
