@@ -259,6 +259,16 @@ def test_defaults_start_on_a_gpu_cluster(helm):
     assert "models" not in {v["name"] for p in _pod_specs(docs).values() for v in p.get("volumes", [])}
 
 
+def test_ray_ports_require_rays_token(helm):
+    """Ray's own ports run code for whoever reaches them: token auth is on by default (KubeRay makes the token and
+    sets it on every Ray container), and a named Secret replaces the generated one."""
+    auth = _rayservice(_render(helm))["spec"]["rayClusterConfig"]["authOptions"]
+    assert auth == {"mode": "token"}
+    auth = _rayservice(_render(helm, "ray.authTokenSecret=my-ray-token"))["spec"]["rayClusterConfig"]["authOptions"]
+    assert auth == {"mode": "token", "secretName": "my-ray-token"}
+    assert "authOptions" not in _rayservice(_render(helm, "ray.authToken=false"))["spec"]["rayClusterConfig"]
+
+
 def test_secrets_reach_the_pods_by_reference_only(helm):
     docs = _render(helm, release="rel")
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
