@@ -132,6 +132,28 @@ def test_user_version_moves_on_every_change(reg):
     assert reg.user_version("someone-else") == 0
 
 
+def test_user_versions_reads_many_counters_at_once(reg):
+    assert reg.user_versions([]) == []
+    reg.create("u1", [NewFact("a")])
+    (b,) = reg.create("u2", [NewFact("b")])
+    reg.delete("u2", b.fact_id)
+    assert reg.user_versions(["u1", "u2", "never"]) == [reg.user_version("u1"), reg.user_version("u2"), 0]
+    assert reg.user_versions(["u2", "u1"])[0] > reg.user_versions(["u1"])[0]
+    with pytest.raises(InvalidIdError):
+        reg.user_versions(["u1", ""])
+
+
+def test_find_many_leaves_out_what_the_user_does_not_own(reg):
+    a, b = reg.create("u", [NewFact("a"), NewFact("b")])
+    (other,) = reg.create("v", [NewFact("v's")])
+    reg.delete("u", b.fact_id)
+    got = reg.find_many("u", [b.fact_id, a.fact_id, other.fact_id, "never-existed"])
+    assert list(got) == [a.fact_id] and got[a.fact_id].text == "a" and got[a.fact_id].version == 1
+    assert reg.find_many("u", []) == {}
+    with pytest.raises(InvalidIdError):
+        reg.find_many("u", ["bad/id"])
+
+
 def test_caller_chosen_ids_and_duplicates(reg):
     (r,) = reg.create("u", [NewFact("a", fact_id="f-1")])
     assert r.fact_id == "f-1"

@@ -54,6 +54,9 @@ class ActorRegistry(Registry):
     def get_many(self, user_id, fact_ids):
         return self._call("get_many", user_id, fact_ids)
 
+    def find_many(self, user_id, fact_ids):
+        return self._call("find_many", user_id, fact_ids)
+
     def list(self, user_id, offset=0, limit=None):
         return self._call("list", user_id, offset, limit)
 
@@ -86,6 +89,9 @@ class ActorRegistry(Registry):
 
     def user_version(self, user_id):
         return self._call("user_version", user_id)
+
+    def user_versions(self, user_ids):
+        return self._call("user_versions", user_ids)
 
     def add_placement(self, user_id, replica_id):
         return self._call("add_placement", user_id, replica_id)

@@ -133,6 +133,11 @@ class Registry(ABC):
         """Records in the order asked; raises UnknownFactError for the first id the user does not own."""
 
     @abstractmethod
+    def find_many(self, user_id: str, fact_ids: list[str]) -> dict[str, FactRecord]:
+        """fact_id -> record for those of `fact_ids` the user owns now (one round trip); the others (deleted
+        meanwhile, or never the user's) are left out: what a hot path that may race a delete wants."""
+
+    @abstractmethod
     def list(self, user_id: str, offset: int = 0, limit: int | None = None) -> tuple[list[FactRecord], int | None]:
         """Facts in creation order from `offset`; returns (records, next offset or None at the end)."""
 
@@ -172,6 +177,10 @@ class Registry(ABC):
     @abstractmethod
     def user_version(self, user_id: str) -> int:
         """Counter bumped by every change to the user's facts (0 for a user never written)."""
+
+    @abstractmethod
+    def user_versions(self, user_ids: list[str]) -> list[int]:
+        """user_version of each user, in order, in one round trip (an engine replica's watch of its users)."""
 
     # --- placement map: user -> engine replicas that hold the user's KV store ---
     @abstractmethod

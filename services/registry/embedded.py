@@ -57,6 +57,16 @@ class EmbeddedRegistry(Registry):
         with self._lock:
             return [self._owned(user_id, check_id("fact_id", f)) for f in fact_ids]
 
+    def find_many(self, user_id, fact_ids):
+        check_id("user_id", user_id)
+        with self._lock:
+            out = {}
+            for f in fact_ids:
+                rec = self._facts.get(check_id("fact_id", f))
+                if rec is not None and rec.user_id == user_id:
+                    out[f] = rec
+            return out
+
     def list(self, user_id, offset=0, limit=None):
         check_id("user_id", user_id)
         if offset < 0 or (limit is not None and limit < 1):
@@ -137,6 +147,10 @@ class EmbeddedRegistry(Registry):
         check_id("user_id", user_id)
         with self._lock:
             return self._ver.get(user_id, 0)
+
+    def user_versions(self, user_ids):
+        with self._lock:
+            return [self._ver.get(check_id("user_id", u), 0) for u in user_ids]
 
     def add_placement(self, user_id, replica_id):
         check_id("user_id", user_id)

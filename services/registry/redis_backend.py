@@ -135,6 +135,18 @@ class RedisRegistry(Registry):
             rows = pipe.execute()
         return [self._owned(user_id, f, h) for f, h in zip(fact_ids, rows)]
 
+    def find_many(self, user_id, fact_ids):
+        check_id("user_id", user_id)
+        for f in fact_ids:
+            check_id("fact_id", f)
+        if not fact_ids:
+            return {}
+        with self.r.pipeline(transaction=False) as pipe:
+            for f in fact_ids:
+                pipe.hgetall(self._fact_key(f))
+            rows = pipe.execute()
+        return {f: self._record(f, h) for f, h in zip(fact_ids, rows) if h and h[b"user_id"].decode() == user_id}
+
     def list(self, user_id, offset=0, limit=None):
         check_id("user_id", user_id)
         if offset < 0 or (limit is not None and limit < 1):
@@ -238,6 +250,13 @@ class RedisRegistry(Registry):
         check_id("user_id", user_id)
         v = self.r.get(self._k("user", user_id, "ver"))
         return int(v) if v is not None else 0
+
+    def user_versions(self, user_ids):
+        for u in user_ids:
+            check_id("user_id", u)
+        if not user_ids:
+            return []
+        return [int(v) if v is not None else 0 for v in self.r.mget([self._k("user", u, "ver") for u in user_ids])]
 
     def add_placement(self, user_id, replica_id):
         check_id("user_id", user_id)
