@@ -71,6 +71,16 @@ def test_redis_binds_with_a_password_on_its_own_port():
 
 
 # ------------------------------------------------------------------------------ two Ray nodes, one machine
+def test_ray_ports_require_the_clusters_token():
+    """Ray's own ports run code for whoever reaches them: every node starts Ray with token auth and the same
+    token, read from a mounted secret file (never a value in this file)."""
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in RAW[key] if "ray start" in c]
+        assert "RAY_AUTH_MODE=token" in start and "RAY_AUTH_TOKEN_PATH=~/inferscale-secrets/ray-token" in start
+    assert RAW["file_mounts"]["~/inferscale-secrets/ray-token"] == "~/.inferscale/ray-token"
+    assert "RAY_AUTH_TOKEN=" not in yaml.safe_dump(RAW)
+
+
 def _ray(*args: str, env: dict, timeout: float = 180) -> None:
     out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], env=env, capture_output=True, text=True,
                          timeout=timeout)
@@ -133,6 +143,7 @@ def two_node_ray(tmp_path, monkeypatch):
     secrets.mkdir(parents=True)
     (secrets / "redis-password").write_text(os.urandom(24).hex() + "\n")
     (secrets / "jwt-secret").write_text(os.urandom(32).hex() + "\n")
+    (secrets / "ray-token").write_text(os.urandom(32).hex() + "\n")
     redis_port, gcs_port = _free_port(), _free_port()
     (redis_cmd,) = [c for c in RAW["head_start_ray_commands"] if "redis-server" in c]
     redis_cmd = (redis_cmd.replace(f"--port {REDIS_PORT}", f"--port {redis_port}")
@@ -147,10 +158,10 @@ def two_node_ray(tmp_path, monkeypatch):
     # depend on which tests ran before this one in the same process.
     ray_env = {**env, **vllm_cpu_env(), **SERVE_START_ENV, "INFERSCALE_REDIS_PASSWORD": password,
                "INFERSCALE_JWT_SECRET_FILE": str(secrets / "jwt-secret"), "RAY_USAGE_STATS_ENABLED": "0",
-               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(32).hex()}
-    ray_env.pop("RAY_AUTH_TOKEN_PATH", None)
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # this process's driver joins with the same token
-        monkeypatch.setenv(name, ray_env[name])
+               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(secrets / "ray-token")}  # as the file does
+    ray_env.pop("RAY_AUTH_TOKEN", None)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # this process's driver joins with the same token
+    monkeypatch.setenv("RAY_AUTH_TOKEN", (secrets / "ray-token").read_text().strip())
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     _reload_ray_auth()
     subprocess.run(["bash", "-c", redis_cmd], env=env, check=True, timeout=30)
