@@ -1,0 +1,64 @@
+"""What a running application looks like from outside: replica counts per deployment, sampled over time
+(tests/test_autoscaling.py; bench/service.py records them next to its load)."""
+from __future__ import annotations
+
+import threading
+import time
+
+
+def replica_counts(app_name: str = "inferscale") -> dict[str, int]:
+    """RUNNING replicas of each deployment of the app (replicas starting or stopping are not counted); {} when
+    the app is not deployed. Needs a connected Ray (ray.init) with Serve running."""
+    from ray import serve
+    from ray.serve._private.common import ReplicaState
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return {}
+    return {name: int(d.replica_states.get(ReplicaState.RUNNING, 0)) for name, d in app.deployments.items()}
+
+
+class ReplicaTimeline:
+    """Samples replica_counts every `period_s` in a background thread while in a `with` block.
+    `samples`: [(seconds since start, {deployment: running replicas})]; a failed sample is skipped."""
+
+    def __init__(self, app_name: str = "inferscale", period_s: float = 1.0):
+        self.app_name, self.period_s = app_name, period_s
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replica-timeline", daemon=True)
+        self._t0 = 0.0
+
+    def __enter__(self) -> "ReplicaTimeline":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.monotonic() - self._t0, replica_counts(self.app_name)))
+            except Exception:  # noqa: BLE001 - a busy controller misses a sample; the next one counts
+                pass
+            self._stop.wait(self.period_s)
+
+    def peak(self, deployment: str) -> int:
+        return max((c.get(deployment, 0) for _, c in self.samples), default=0)
+
+    def changes(self) -> list[tuple[float, dict[str, int]]]:
+        """The samples where some count differs from the previous sample (the first one included)."""
+        out, last = [], None
+        for t, counts in self.samples:
+            if counts != last:
+                out.append((t, counts))
+                last = counts
+        return out
+
+    def table(self) -> str:
+        """The changes as text lines: `t=12.0s Gateway=1 Retrieval=2 ...`."""
+        return "\n".join(f"t={t:6.1f}s " + " ".join(f"{k}={v}" for k, v in sorted(c.items()))
+                         for t, c in self.changes())

@@ -1,0 +1,145 @@
+"""Two engine replicas on one machine (issue 12 item 4): users spread over both, and under concurrent load every
+Answer is served by the replica that already holds its user (services/routing.py:UserAffinityRouter), so no
+user is loaded (its facts re-encoded or read from disk) on a second replica. A real local Ray (2 CPUs), Serve's
+gRPC proxy, redis-server and two vllm-cpu engines (SmolLM2, fp32, 1 GiB KV cache each); one app per module.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+
+APP = "inferscale"
+NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Milo", "Nia",
+         "Oto", "Pia"]
+PETS = ["Pixel", "Biscuit", "Mango", "Pepper", "Noodle", "Ziggy", "Olive", "Waffle"]
+MIN_USERS, MIN_PER_REPLICA = 8, 3
+THREADS, REQUESTS = 8, 40  # concurrent clients, Answers in all (5 per client), 4 tokens each
+
+
+def facts_of(name: str) -> list[str]:
+    i = NAMES.index(name)
+    return [f"{name} adopted a cat named {PETS[i % len(PETS)]} last spring.",
+            f"{name} works as a baker in the old town.",
+            f"{name} is learning to play the cello."]
+
+
+def engine_handle():
+    from ray import serve
+
+    return serve.get_deployment_handle("EngineReplica", app_name=APP)
+
+
+def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
+    """stats() of every engine replica: calls without a user go to a replica Serve picks at random, so ask
+    until each of `replicas` has answered (bounded)."""
+    out: dict[str, dict] = {}
+    handle = engine_handle()
+    for _ in range(attempts):
+        s = handle.stats.remote().result(timeout_s=60)
+        out[s["replica_id"]] = s
+        if len(out) == replicas:
+            return out
+    raise AssertionError(f"only {len(out)} of {replicas} engine replicas answered stats() in {attempts} calls")
+
+
+@pytest.fixture(scope="module")
+def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+    from inferscale_core.vllm_env import vllm_cpu_env
+    from services.app import DeploymentSpec, ServiceConfig, single_node_deployments
+    from test_service_e2e import Service, _free_port
+
+    deployments = single_node_deployments()
+    # Two engine replicas in the machine's 2 CPUs (0.25 + 0.5 + 0.25 + 2 x 0.5), few slots each: the load
+    # below keeps both full, which is when Serve's default router gives up on a busy holder.
+    deployments["EngineReplica"] = DeploymentSpec(2, 2, max_ongoing_requests=4, num_cpus=0.5)
+    kv_dir = tmp_path_factory.mktemp("kv")
+    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024,
+                        http_port=_free_port(), grpc_port=_free_port(), deployments=deployments,
+                        auth={"hs256_secret_file": str(jwt_secret[0])})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": vllm_cpu_env()})
+    svc = None
+    try:
+        svc = Service(cfg, kv_dir, jwt_secret[1])
+        svc.users = {}  # name -> fact ids
+        yield svc
+    finally:
+        if svc is not None:
+            svc.stop()
+        ray.shutdown()
+
+
+def test_users_spread_over_both_replicas(service):
+    """New users go to the replica their hash picks: add users until each replica holds a few (bounded)."""
+    for name in NAMES:
+        service.users[name] = [f.fact_id for f in service.client.add_facts(name, facts_of(name))]
+        if len(service.users) < MIN_USERS:
+            continue
+        held = [set(s["users"]) for s in stats_by_replica(2).values()]
+        if min(len(h) for h in held) >= MIN_PER_REPLICA:
+            break
+    stats = stats_by_replica(2)
+    held = [set(s["users"]) for s in stats.values()]
+    print(f"\n{len(service.users)} users: " + "; ".join(f"{rid}: {sorted(h)}" for rid, h in zip(stats, held)))
+    assert min(len(h) for h in held) >= MIN_PER_REPLICA, held
+    assert not held[0] & held[1]  # each user on one replica
+    assert held[0] | held[1] == set(service.users)
+    for s in stats.values():  # the facts were pushed by the write, never encoded again or read from disk
+        assert s["facts_encoded"] == 0 and s["facts_from_disk"] == 0
+        assert s["facts_pushed"] == 3 * len(s["users"])
+
+
+def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):  # noqa: F811
+    """THREADS clients, REQUESTS Answers over all users at once, each replica kept at its max_ongoing_requests:
+    every request is served where its user already is (hit rate 100%), nothing is loaded twice."""
+    from services.registry import RedisRegistry
+
+    before = stats_by_replica(2)
+    names = sorted(service.users)
+    work = [names[i % len(names)] for i in range(REQUESTS)]
+    lock, results = threading.Lock(), []
+
+    def one(name: str) -> None:
+        t = time.monotonic()
+        try:
+            chunks = list(service.client.answer(name, f"What is the name of {name}'s cat?", k=3, max_tokens=4))
+            outcome = ("OK", chunks[-1])
+        except grpc.RpcError as e:
+            outcome = (e.code().name, e.details())
+        with lock:
+            results.append((name, time.monotonic() - t, *outcome))
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(one, work))
+    wall = time.monotonic() - t0
+    after = stats_by_replica(2)
+
+    failed = [(n, code, detail) for n, _, code, detail in results if code != "OK"]
+    assert not failed, failed
+    for name, _, _, final in results:  # each answer used its own user's facts only
+        assert final.final and set(final.fact_ids) <= set(service.users[name]) and len(final.fact_ids) == 3
+    loads = sum(after[r]["users_loaded"] - before[r]["users_loaded"] for r in after)
+    reads = {k: sum(after[r][k] - before[r][k] for r in after) for k in ("facts_encoded", "facts_from_disk")}
+    hit_rate = 1 - loads / len(results)
+    latencies = sorted(s for _, s, _, _ in results)
+    print(f"\n{len(results)} Answers from {THREADS} threads in {wall:.1f} s; p50 {latencies[len(latencies) // 2]:.2f} s, "
+          f"max {latencies[-1]:.2f} s; user loads during the run: {loads} (hit rate {hit_rate:.0%}); {reads}")
+    assert loads == 0 and hit_rate == 1.0
+    assert reads == {"facts_encoded": 0, "facts_from_disk": 0}
+    held = {r: set(s["users"]) for r, s in after.items()}
+    assert held == {r: set(s["users"]) for r, s in before.items()}  # nobody moved
+    assert not set.intersection(*held.values())
+    registry = RedisRegistry(redis_url)
+    for name in names:  # the placement map agrees: one replica per user
+        assert len(registry.placement(name)) == 1, (name, registry.placement(name))
