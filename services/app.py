@@ -177,17 +177,23 @@ def deployment_options(cfg: ServiceConfig) -> dict[str, dict]:
 def build_app(cfg: ServiceConfig):
     """Gateway(encoder, retrieval, engine) over the three backend deployments."""
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
 
     from .encoder_pool import EncoderPool
     from .engine_replica import EngineReplica
     from .gateway import Gateway, http_app
     from .retrieval import Retrieval
+    from .routing import ROUTER_PATH
 
     opts = deployment_options(cfg)
     # Without Redis every replica must still see one registry: a named Ray actor holds it.
     registry_url = cfg.registry_url or f"{ACTOR_SCHEME}{APP_NAME}-registry"
     for name, seconds in GRACEFUL_SHUTDOWN_S.items():
         opts[name] = {"graceful_shutdown_timeout_s": seconds, **opts[name]}
+    # A user stays on the engine replica that holds its KV while that replica lives (services/routing.py);
+    # Serve's default router would load it on a second replica whenever the holder is busy.
+    opts["EngineReplica"] = {"request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
+                             **opts["EngineReplica"]}
     encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
         model_path=cfg.model_path, dtype=cfg.dtype)
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
