@@ -1,0 +1,870 @@
+"""The service under concurrent load, through its real front doors, against the engine alone on the same requests.
+
+1. Starts the application as `inferscale serve` runs it (local Ray on 127.0.0.1, Serve's proxies on 127.0.0.1,
+   one replica of each deployment unless told otherwise, the packaged SmolLM2, --dtype float32, a redis-server
+   started here on a free loopback port; `--registry embedded` uses the in-memory Ray-actor registry instead),
+   or targets a running one (`--target 127.0.0.1:GRPC,HTTP` with `--jwt-secret-file` or an admin `--token`).
+2. Gives each simulated user its own memory: ~60 LoCoMo observation facts (a window over the conversations'
+   sessions, a different window per user; `--data`, default ../shared/data/locomo_dev.json; `--quick` uses the
+   repository's synthetic tests/fixtures/locomo_mini.json), and questions of the same conversations.
+3. Drives it with clients the project did not write, in an interpreter of their own (bench/service_client.py):
+   gRPC with stubs compiled from protos/inferscale/v1/memory.proto by grpcio-tools into a temporary folder at
+   run time, HTTP with the official `openai` package; streamed answers, 8 tokens, greedy. N users at once, each
+   asking its questions one after another; KV injection (mode inject) and prompt injection (mode prompt) side
+   by side, k = 5 and 50. Per request: client time to first chunk, total time, the engine TTFT of the final
+   chunk (ttft_ms), the per-hop timings_ms when the service sends them, the status code.
+4. Shuts the service down and replays the gRPC cells' requests straight on AsyncInjectingEngine in this process
+   (same model, dtype, block size, context and store options as an engine replica; the same prompts: the
+   facts each service answer injected, in its order, as the same KV bytes, read from the service engine's disk
+   tier, or encoded here as the encoder pool does when the service is not ours); same concurrency.
+5. Prints and writes (bench/results/service_<tag>.json/.md/.png) the tables and issue 12's ratios with
+   met/missed and margins. lscpu's model and flags and the load average are in every output.
+
+Usage:
+  python bench/service.py --quick                      # N = 1, 4; k = 20; both modes, both doors; < 5 min
+  python bench/service.py --tag full                   # N = 1, 10, 25, 50, 100; k = 5, 50 (gRPC; HTTP at N = 1, 100)
+  python bench/service.py --target 127.0.0.1:9000,8000 --jwt-secret-file ~/.cache/inferscale/dev-jwt-secret
+
+Exit status 1 when a request failed or a ratio could not be computed (results are written first).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from inferscale_core.vllm_env import set_vllm_cpu_env, vllm_cpu_env  # noqa: E402
+
+set_vllm_cpu_env()  # before vLLM is imported: the engine replicas' settings (services/cli.py), 1 GiB KV cache
+
+MODES = ("inject", "prompt")               # the wire names (AnswerRequest.mode, inferscale_mode)
+ENGINE_MODES = {"inject": "kv", "prompt": "pi"}
+FULL = {"users": (1, 10, 25, 50, 100), "ks": (5, 50), "http_users": (1, 100), "facts": 60, "requests_n1": 10,
+        "requests_per_user": 2}
+QUICK = {"users": (1, 4), "ks": (20,), "http_users": (1, 4), "facts": 40, "requests_n1": 4, "requests_per_user": 2}
+FIXTURE = REPO / "tests" / "fixtures" / "locomo_mini.json"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+# Issue 12, item 2 (ratios measured in one run).
+TARGET_FIRST_CHUNK = {"low": 1.5, "high": 2.0}  # client first chunk / engine TTFT at the smallest / largest N
+TARGET_THROUGHPUT = 0.9                          # service req/s / engine-level req/s at the largest N
+TARGET_KV_PI_SLACK = 0.9                         # service KV/PI >= engine-level KV/PI x 0.9 ("minus 10%")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="N = 1, 4; one k (20); few requests; the fixture data")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="LoCoMo-format JSON (default: ../shared/data/locomo_dev.json; --quick: the fixture)")
+    ap.add_argument("--users", default=None, help="comma-separated concurrent users (default 1,10,25,50,100)")
+    ap.add_argument("--ks", default=None, help="comma-separated k (default 5,50)")
+    ap.add_argument("--http-users", default=None, help="the N that also run through HTTP (default 1,100)")
+    ap.add_argument("--modes", default=",".join(MODES), help="inject,prompt")
+    ap.add_argument("--facts-per-user", type=int, default=None, help="facts in each user's memory (default 60)")
+    ap.add_argument("--requests-n1", type=int, default=None, help="requests of the single user at N=1 (default 10)")
+    ap.add_argument("--requests-per-user", type=int, default=None, help="requests per user at N>1 (default 2)")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--model", default=None, help="HF model folder (default: the packaged SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--engine-replicas", type=int, default=1, help="EngineReplica replicas (fixed)")
+    ap.add_argument("--max-replicas", type=int, default=1,
+                    help="Gateway/Retrieval/EncoderPool autoscale from 1 to this (replica counts are recorded)")
+    ap.add_argument("--registry", default="redis", choices=["redis", "embedded"],
+                    help="redis: a redis-server started here on a free loopback port; embedded: Ray-actor registry")
+    ap.add_argument("--target", default=None, help="a running service instead: HOST:GRPC_PORT,HTTP_PORT (loopback)")
+    ap.add_argument("--jwt-secret-file", type=Path, default=None, help="--target: HS256 secret to sign user tokens")
+    ap.add_argument("--token", default=None, help="--target: one token with the memory:admin scope for all users")
+    ap.add_argument("--skip-engine", action="store_true", help="no engine-level phase (no ratios)")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--deadline-min", type=float, default=None, help="whole-run deadline (default 60; quick 12)")
+    ap.add_argument("--tag", default=None, help="results name: service_<tag>.* (default quick / full)")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    args = ap.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    ints = lambda s, d: tuple(int(x) for x in s.split(",")) if s else d  # noqa: E731
+    args.user_counts = tuple(sorted(set(ints(args.users, base["users"]))))
+    args.k_values = tuple(sorted(set(ints(args.ks, base["ks"]))))
+    args.http_counts = tuple(n for n in ints(args.http_users, base["http_users"]) if n in args.user_counts)
+    args.mode_list = tuple(m.strip() for m in args.modes.split(","))
+    args.facts_per_user = args.facts_per_user or base["facts"]
+    args.requests_n1 = args.requests_n1 or base["requests_n1"]
+    args.requests_per_user = args.requests_per_user or base["requests_per_user"]
+    args.tag = args.tag or ("quick" if args.quick else "full")
+    args.deadline_min = args.deadline_min or (12.0 if args.quick else 60.0)
+    problems = []
+    if not args.user_counts or min(args.user_counts) < 1:
+        problems.append("--users must be positive integers")
+    if not args.k_values or not all(1 <= k <= 64 for k in args.k_values):
+        problems.append("--ks must be in 1..64")
+    if not set(args.mode_list) <= set(MODES) or not args.mode_list:
+        problems.append(f"--modes must be a subset of {','.join(MODES)}")
+    if args.facts_per_user < max(args.k_values, default=1):
+        problems.append(f"--facts-per-user {args.facts_per_user} is below the largest k {max(args.k_values)}")
+    if args.target:
+        try:
+            host, ports = args.target.rsplit(":", 1)
+            args.grpc_port, args.http_port = (int(p) for p in ports.split(","))
+        except ValueError:
+            problems.append(f"--target must be HOST:GRPC_PORT,HTTP_PORT, got {args.target!r}")
+        else:
+            if host not in ("127.0.0.1", "localhost"):
+                problems.append("--target must be on this machine's loopback (127.0.0.1): load stays local")
+        if bool(args.jwt_secret_file) == bool(args.token):
+            problems.append("--target needs exactly one of --jwt-secret-file or --token")
+        if args.jwt_secret_file and not args.jwt_secret_file.is_file():
+            problems.append(f"--jwt-secret-file {args.jwt_secret_file} does not exist")
+    if args.data is None:
+        from inferscale_core.eval.locomo import default_data_path
+
+        args.data = FIXTURE if args.quick else default_data_path()
+    if args.data is None or not Path(args.data).is_file():
+        problems.append(f"LoCoMo data not found ({args.data or '../shared/data/locomo_dev.json'}): pass --data PATH "
+                        "(or --quick for the repository's fixture)")
+    if problems:
+        ap.error("; ".join(problems))
+    return args
+
+
+# ------------------------------------------------------------------------------------------ machine
+def cpu_description() -> dict:
+    """lscpu's model name and the flags that decide CPU inference speed."""
+    model, flags = "unknown CPU", set()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("model name",) and model == "unknown CPU":
+            model = value.strip()
+        if key.strip().lower() == "flags":
+            flags = set(value.split())
+    return {"model": model, "cores": os.cpu_count(), "flags": {f: f in flags for f in CPU_FLAGS}}
+
+
+def cpu_line(cpu: dict) -> str:
+    have = [f for f, ok in cpu["flags"].items() if ok] or ["none of " + ", ".join(CPU_FLAGS)]
+    return f"{cpu['model']}, {cpu['cores']} cores; flags: {' '.join(have)}"
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------ users
+@dataclass
+class BenchUser:
+    user_id: str
+    facts: list[str]
+    questions: list[str]
+    source: str                      # which conversations/sessions the facts come from (no LoCoMo text)
+    fact_ids: list[str] = field(default_factory=list)
+    next_question: int = 0
+
+    def take_questions(self, n: int) -> list[tuple[int, str]]:
+        """The next n questions (index, text); cycles when the pool is used up."""
+        out = [(i % len(self.questions), self.questions[i % len(self.questions)])
+               for i in range(self.next_question, self.next_question + n)]
+        self.next_question += n
+        return out
+
+
+def make_users(data: Path, n_users: int, facts_per_user: int, prefix: str) -> list[BenchUser]:
+    """User i's memory: `facts_per_user` consecutive facts (by conversation, then session) starting at
+    i/n of the way through all facts, so users hold different sessions' facts (windows overlap only when the
+    data has fewer than n x facts_per_user facts); its questions: those of the conversations it covers."""
+    from inferscale_core.eval.locomo import answerable, load_locomo
+
+    convs = load_locomo(data)
+    pool = [(c, f) for c in convs for f in c.facts]
+    if not pool:
+        raise SystemExit(f"{data} has no observation facts")
+    users = []
+    for i in range(n_users):
+        start = i * len(pool) // n_users
+        window = [pool[(start + j) % len(pool)] for j in range(min(facts_per_user, len(pool)))]
+        conv_ids = list(dict.fromkeys(c.sample_id for c, _ in window))
+        by_id = {c.sample_id: c for c in convs}
+        questions = list(dict.fromkeys(q.question for cid in conv_ids for q in answerable(by_id[cid].questions)))
+        if not questions:
+            questions = list(dict.fromkeys(q.question for c in convs for q in answerable(c.questions)))
+        rot = (7 * i) % len(questions)  # users of one conversation start at different questions
+        sessions = sorted({(c.sample_id, f.session) for c, f in window})
+        users.append(BenchUser(f"{prefix}-{i:03d}", [f.render(with_date=False) for _, f in window],
+                               questions[rot:] + questions[:rot],
+                               f"{len(window)} facts of {', '.join(conv_ids)} (sessions "
+                               f"{sessions[0][1]}..{sessions[-1][1]})"))
+    return users
+
+
+# ------------------------------------------------------------------------------------------ plan
+@dataclass
+class Cell:
+    id: str
+    door: str            # "grpc" | "http" | "engine"
+    users: int
+    mode: str            # wire name
+    k: int
+    plan: list[dict] = field(default_factory=list)  # per user: user_id, token, questions [(index, text)]
+
+
+def make_cells(args, users: list[BenchUser], tokens: dict[str, str]) -> list[Cell]:
+    """Service cells in run order: by N, then k, then mode (KV and PI side by side), gRPC then HTTP. Every
+    request of a user asks a question that user has not asked yet (until its pool runs out), so no cell is
+    answered from vLLM's prefix cache of an earlier cell."""
+    cells = []
+    for n in args.user_counts:
+        per_user = args.requests_n1 if n == 1 else args.requests_per_user
+        for k in args.k_values:
+            for mode in args.mode_list:
+                for door in ("grpc", "http") if n in args.http_counts else ("grpc",):
+                    cell = Cell(f"{door}-n{n}-{mode}-k{k}", door, n, mode, k)
+                    for u in users[:n]:
+                        cell.plan.append({"user_id": u.user_id, "token": tokens[u.user_id],
+                                          "questions": u.take_questions(per_user)})
+                    cells.append(cell)
+    return cells
+
+
+# ------------------------------------------------------------------------------------------ the service
+@contextlib.contextmanager
+def redis_server():
+    """A throwaway redis-server on a free loopback port (no persistence); yields its URL."""
+    import redis
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed (Debian package redis-server); use --registry embedded")
+    port, workdir = free_port(), tempfile.mkdtemp(prefix="inferscale-bench-redis-")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        for _ in range(200):
+            with contextlib.suppress(redis.ConnectionError):
+                redis.Redis.from_url(url).ping()
+                break
+            if proc.poll() is not None:
+                raise SystemExit(f"redis-server exited with {proc.returncode} on port {port}")
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def deployments(args) -> dict:
+    """`inferscale serve`'s deployments (services/app.py) with the replica counts asked for."""
+    from dataclasses import replace
+
+    from services.app import single_node_deployments
+
+    deps = single_node_deployments()
+    deps["EngineReplica"] = replace(deps["EngineReplica"], min_replicas=args.engine_replicas,
+                                    max_replicas=args.engine_replicas)
+    for name in ("Gateway", "Retrieval", "EncoderPool"):
+        deps[name] = replace(deps[name], min_replicas=1, max_replicas=args.max_replicas)
+    return deps
+
+
+@contextlib.contextmanager
+def own_service(args, workdir: Path):
+    """The app as `inferscale serve` starts it, on a local Ray bound to 127.0.0.1. Yields (cfg, secret)."""
+    import ray
+    from ray import serve
+
+    from services.app import SERVE_START_ENV, ServiceConfig, start_service
+
+    secret = secrets.token_urlsafe(48).encode()
+    secret_file = workdir / "jwt-secret"
+    secret_file.write_bytes(secret)
+    secret_file.chmod(0o600)
+    with contextlib.ExitStack() as stack:
+        registry_url = stack.enter_context(redis_server()) if args.registry == "redis" else None
+        deps = deployments(args)
+        cfg = ServiceConfig(model_path=args.model, registry_url=registry_url, dtype=args.dtype,
+                            max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
+                            kv_dir=str(workdir / "kv"), deployments=deps,
+                            auth={"hs256_secret_file": str(secret_file)})
+        env = {**vllm_cpu_env(), **SERVE_START_ENV}
+        os.environ.update(env)
+        # Ray schedules by these shares; the replicas at their maximum must fit (the cores are shared anyway).
+        ray_cpus = max(os.cpu_count() or 1, sum(d.num_cpus * d.max_replicas for d in deps.values()))
+        ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False, logging_level="ERROR",
+                 _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})
+        try:
+            t0 = time.monotonic()
+            start_service(cfg, host="127.0.0.1")
+            registry = "redis-server (loopback, started here)" if registry_url else "embedded (Ray actor)"
+            print(f"# service up in {time.monotonic() - t0:.0f} s: gRPC 127.0.0.1:{cfg.grpc_port}, HTTP "
+                  f"127.0.0.1:{cfg.http_port}, registry {registry}", flush=True)
+            yield cfg, secret
+        finally:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+
+
+class ReplicaSampler:
+    """Running replicas per deployment every `period_s` while the load runs (autoscaling, issue 12 item 6).
+    services/observe.py's replica_counts when it exists, else the same count from serve.status()."""
+
+    def __init__(self, period_s: float = 2.0):
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="replica-sampler")
+        self._t0 = time.monotonic()
+
+    @staticmethod
+    def counts() -> dict[str, int]:
+        try:
+            from services.observe import replica_counts
+        except ImportError:
+            from ray import serve
+            from ray.serve._private.common import ReplicaState
+
+            app = serve.status().applications.get("inferscale")
+            return {} if app is None else {n: int(d.replica_states.get(ReplicaState.RUNNING, 0))
+                                           for n, d in app.deployments.items()}
+        return replica_counts("inferscale")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # a busy controller misses a sample; the next one counts
+                self.samples.append({"t_s": round(time.monotonic() - self._t0, 1), **self.counts()})
+            self._stop.wait(self.period_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+# ------------------------------------------------------------------------------------------ the client
+def compile_client(workdir: Path) -> Path:
+    """memory.proto compiled by grpcio-tools into a folder of its own, with the load client beside it
+    (the approach of tests/test_grpc_interop.py)."""
+    from grpc_tools import protoc
+
+    src, out = workdir / "protos", workdir / "client"
+    (src / "inferscale/v1").mkdir(parents=True)
+    (src / "inferscale/v1/memory.proto").write_bytes((REPO / "protos/inferscale/v1/memory.proto").read_bytes())
+    out.mkdir()
+    rc = protoc.main(["grpc_tools.protoc", f"-I{src}", f"--python_out={out}", f"--grpc_python_out={out}",
+                      str(src / "inferscale/v1/memory.proto")])
+    if rc != 0:
+        raise SystemExit(f"grpcio-tools could not compile memory.proto (exit {rc})")
+    shutil.copy(REPO / "bench" / "service_client.py", out / "service_client.py")
+    return out / "service_client.py"
+
+
+def run_client(client: Path, plan: dict, expect: int, label: str, deadline: float) -> list[dict]:
+    """The client in its own interpreter (-I); its JSON lines, with a progress bar over `expect` of them.
+    Killed if it outlives the run's deadline (each request is bounded by its own timeout too)."""
+    from tqdm import tqdm
+
+    plan_file = client.parent / f"plan-{label}.json"
+    plan_file.write_text(json.dumps(plan))
+    proc = subprocess.Popen([sys.executable, "-I", str(client), str(plan_file)], cwd=client.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killer = threading.Timer(max(1.0, deadline - time.time() + plan["timeout_s"] + 60), proc.kill)
+    killer.start()
+    lines, done_cells = [], 0
+    try:
+        with tqdm(total=expect, desc=label, unit="req", disable=None, file=sys.stderr) as bar:
+            for line in proc.stdout:
+                if not line.startswith("{"):
+                    continue
+                obj = json.loads(line)
+                lines.append(obj)
+                if obj["type"] in ("request", "added", "deleted"):
+                    bar.update(1)
+                elif obj["type"] == "cell":
+                    done_cells += 1
+                    if bar.disable:  # no terminal: one line per cell instead of a bar
+                        print(f"  {obj['cell']} done in {obj['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        err = proc.stderr.read()
+        proc.wait()
+    finally:
+        killer.cancel()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {label} client failed (exit {proc.returncode}):\n{err[-3000:]}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ engine level
+def merged_disk_tier(kv_dir: Path, out: Path) -> Path | None:
+    """One folder with every user folder the service's engine replicas wrote (`{kv_dir}/inferscale/
+    EngineReplica/slot-*/<user>`, services/engine_replica.py:replica_disk_dir), as links: the engine here reads
+    the very KV bytes the service injected."""
+    slots = sorted((kv_dir / "inferscale" / "EngineReplica").glob("slot-*"))
+    if not slots:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    for slot in slots:
+        for user_dir in slot.iterdir():
+            if user_dir.is_dir() and not (out / user_dir.name).exists():
+                (out / user_dir.name).symlink_to(user_dir, target_is_directory=True)
+    return out
+
+
+async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], records: list[dict],
+                       disk_dir: Path | None, deadline: float) -> dict:
+    """The gRPC cells' requests straight on AsyncInjectingEngine, cell by cell, at the same concurrency."""
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from inferscale_core.defaults import serving_store_options
+    from inferscale_core.engine import AsyncInjectingEngine, Query
+    from services.app import ServiceConfig
+    from services.encoder_pool import FactEncoder, dtype_of
+    from services.engine_replica import kv_id
+
+    defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
+    t0 = time.monotonic()
+    fe = FactEncoder(args.model, device="cpu", dtype=args.dtype)
+    options = serving_store_options(defaults.store_options)
+    if disk_dir is not None:
+        options["disk_dir"] = str(disk_dir)
+    engine = AsyncInjectingEngine(model_path=args.model, prefix=fe.prefix(), dtype=dtype_of(args.dtype),
+                                  block_size=defaults.block_size, max_model_len=args.max_model_len,
+                                  store_options=options, **defaults.engine_overrides)
+    await engine.start()
+    by_id = {u.user_id: u for u in users}
+    needed = sorted({p["user_id"] for c in cells for p in c.plan})
+    from_disk = encoded_here = 0
+    for uid in needed:
+        u = by_id[uid]
+        ids = [kv_id(f, 1) for f in u.fact_ids]
+        have = await engine.has_encoded(uid, ids)
+        missing = [i for i, ok in enumerate(have) if not ok]
+        from_disk += len(ids) - len(missing)
+        if missing:  # not ours (--target) or not on disk: encoded here exactly as the encoder pool does
+            encoded = await asyncio.to_thread(fe.encode, [(u.facts[i], []) for i in missing])
+            await engine.put_encoded(uid, [(ids[i], e) for i, e in zip(missing, encoded)])
+            encoded_here += len(missing)
+        await engine.preload(uid)  # every fact in memory, as in the replica that received them
+    del fe
+    setup_s = time.monotonic() - t0
+    print(f"# engine level: AsyncInjectingEngine ready in {setup_s:.0f} s; facts from the service's disk tier "
+          f"{from_disk}, encoded here {encoded_here}", flush=True)
+
+    injected = {(r["cell"], r["user_id"], r["i"]): r.get("fact_ids") for r in records
+                if r["type"] == "request" and r["status"] == "OK"}
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+
+    async def one(cell: Cell, uid: str, question: str, fact_ids: list[str]) -> dict:
+        u = by_id[uid]
+        text_of = dict(zip(u.fact_ids, u.facts))
+        q = Query(uid, question, k=max(1, len(fact_ids)), mode=ENGINE_MODES[cell.mode])
+        p = engine.prepare_facts(q, fact_ids, [text_of[f] for f in fact_ids], [1] * len(fact_ids),
+                                 [kv_id(f, 1) for f in fact_ids])
+        out, t_start = {"status": "OK"}, time.perf_counter()
+        async for text, ans in engine.stream(p, sp):
+            if "t_first_s" not in out and (text or ans is not None):
+                out["t_first_s"] = time.perf_counter() - t_start
+            if ans is not None:
+                out.update(ttft_ms=(ans.ttft_s or 0.0) * 1000, prompt_tokens=ans.prompt_len,
+                           prefilled_tokens=ans.prompt_len - ans.num_cached_tokens,
+                           completion_tokens=len(ans.token_ids))
+        out["t_total_s"] = time.perf_counter() - t_start
+        return out
+
+    # Warm-up, as the service had: the first requests of an engine pay one-off kernel setup.
+    warm = next((c for c in cells if injected.get((c.id, c.plan[0]["user_id"], 0))), None)
+    if warm is not None:
+        for mode in args.mode_list:
+            wc = Cell("warm", "engine", 1, mode, warm.k)
+            await one(wc, warm.plan[0]["user_id"], warm.plan[0]["questions"][0][1],
+                      injected[(warm.id, warm.plan[0]["user_id"], 0)])
+
+    out_records, walls = [], {}
+    total = sum(len(p["questions"]) for c in cells for p in c.plan)
+    with tqdm(total=total, desc="engine", unit="req", disable=None, file=sys.stderr) as bar:
+        for cell in cells:
+            ecell = f"engine-n{cell.users}-{cell.mode}-k{cell.k}"
+            t_cell = time.perf_counter()
+
+            async def user_loop(p: dict) -> None:
+                for i, (qi, question) in enumerate(p["questions"]):
+                    base = {"type": "request", "cell": ecell, "user_id": p["user_id"], "i": i, "question_index": qi,
+                            "start_s": time.perf_counter() - t_cell}
+                    fact_ids = injected.get((cell.id, p["user_id"], i))
+                    if fact_ids is None:
+                        res = {"status": "NO_SERVICE_PROMPT", "t_total_s": 0.0}  # the service request failed
+                    elif time.time() > deadline:
+                        res = {"status": "NOT_SENT_DEADLINE", "t_total_s": 0.0}
+                    else:
+                        try:
+                            res = await asyncio.wait_for(one(cell, p["user_id"], question, fact_ids),
+                                                         args.request_timeout)
+                        except asyncio.TimeoutError:
+                            res = {"status": "TIMEOUT", "t_total_s": args.request_timeout}
+                    out_records.append({**base, **res})
+                    bar.update(1)
+
+            await asyncio.gather(*(user_loop(p) for p in cell.plan))
+            walls[ecell] = time.perf_counter() - t_cell
+            if bar.disable:
+                print(f"  {ecell} done in {walls[ecell]:.1f} s", file=sys.stderr, flush=True)
+    engine.shutdown()
+    return {"records": out_records, "walls": walls, "setup_s": setup_s, "facts_from_service_disk": from_disk,
+            "facts_encoded_here": encoded_here}
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if q < 100 else values[-1]
+
+
+def summarize(cell_id: str, door: str, n: int, mode: str, k: int, recs: list[dict], wall_s: float | None) -> dict:
+    ok = [r for r in recs if r["status"] == "OK"]
+    failures: dict[str, int] = {}
+    for r in recs:
+        if r["status"] != "OK":
+            failures[r["status"]] = failures.get(r["status"], 0) + 1
+    first = [r["t_first_s"] * 1000 for r in ok if r.get("t_first_s") is not None]
+    total = [r["t_total_s"] * 1000 for r in ok]
+    ttft = [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None]
+    timing_keys = sorted({key for r in ok for key in (r.get("timings_ms") or {})})
+    row = {"cell": cell_id, "door": door, "users": n, "mode": mode, "k": k, "requests": len(recs), "ok": len(ok),
+           "failures": failures, "wall_s": wall_s,
+           "req_per_s": (len(ok) / wall_s) if wall_s and ok else None,
+           "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in ok) if ok else None,
+           "prefilled_tokens_mean": statistics.mean(r["prefilled_tokens"] for r in ok
+                                                    if r.get("prefilled_tokens") is not None) if ok else None,
+           "timings_ms_p50": {key: pct([r["timings_ms"][key] for r in ok if key in (r.get("timings_ms") or {})], 50)
+                              for key in timing_keys}}
+    for name, vals in (("first_chunk_ms", first), ("total_ms", total), ("engine_ttft_ms", ttft)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}"] = pct(vals, q)
+    return row
+
+
+def table_rows(service_lines: list[dict], engine: dict | None, cells: list[Cell]) -> list[dict]:
+    walls = {o["cell"]: o["wall_s"] for o in service_lines if o["type"] == "cell"}
+    recs: dict[str, list] = {}
+    for r in service_lines:
+        if r["type"] == "request":
+            recs.setdefault(r["cell"], []).append(r)
+    rows = [summarize(c.id, c.door, c.users, c.mode, c.k, recs.get(c.id, []), walls.get(c.id)) for c in cells]
+    if engine is not None:
+        erecs: dict[str, list] = {}
+        for r in engine["records"]:
+            erecs.setdefault(r["cell"], []).append(r)
+        for c in cells:
+            if c.door == "grpc":
+                eid = f"engine-n{c.users}-{c.mode}-k{c.k}"
+                rows.append(summarize(eid, "engine", c.users, c.mode, c.k, erecs.get(eid, []),
+                                      engine["walls"].get(eid)))
+    return rows
+
+
+def ratios(rows: list[dict], args) -> list[dict]:
+    """Issue 12's item-2 targets, one line per (door, mode, k) they apply to; value None = not computable."""
+    at = {(r["door"], r["users"], r["mode"], r["k"]): r for r in rows}
+    lo, hi, kmax = min(args.user_counts), max(args.user_counts), max(args.k_values)
+    out = []
+
+    def div(a, b):
+        return a / b if a is not None and b not in (None, 0) else None
+
+    def add(name, door, n, mode, k, value, limit, kind, basis):
+        met = None if value is None else (value <= limit if kind == "max" else value >= limit)
+        margin = None if value is None else (limit - value if kind == "max" else value - limit)
+        out.append({"target": name, "door": door, "users": n, "mode": mode, "k": k, "value": value, "limit": limit,
+                    "kind": kind, "met": met, "margin": margin, "basis": basis})
+
+    for door in ("grpc", "http"):
+        for mode in args.mode_list:
+            for k in args.k_values:
+                for n, limit in ((lo, TARGET_FIRST_CHUNK["low"]), (hi, TARGET_FIRST_CHUNK["high"])):
+                    svc, eng = at.get((door, n, mode, k)), at.get(("engine", n, mode, k))
+                    if svc is None:
+                        continue
+                    add("first chunk / engine TTFT (final chunk)", door, n, mode, k,
+                        div(svc["first_chunk_ms_p50"], svc["engine_ttft_ms_p50"]), limit, "max",
+                        "p50 client first chunk / p50 ttft_ms of the same requests' final chunks")
+                    add("first chunk / engine-level TTFT", door, n, mode, k,
+                        div(svc["first_chunk_ms_p50"], eng and eng["engine_ttft_ms_p50"]), limit, "max",
+                        "p50 client first chunk / p50 TTFT of the same prompts on AsyncInjectingEngine, same N")
+                svc, eng = at.get((door, hi, mode, k)), at.get(("engine", hi, mode, k))
+                if svc is not None:
+                    add("service req/s / engine-level req/s", door, hi, mode, k,
+                        div(svc["req_per_s"], eng and eng["req_per_s"]), TARGET_THROUGHPUT, "min",
+                        "same requests, same concurrency")
+        kv, pi = at.get((door, hi, "inject", kmax)), at.get((door, hi, "prompt", kmax))
+        ekv, epi = at.get(("engine", hi, "inject", kmax)), at.get(("engine", hi, "prompt", kmax))
+        if kv is not None and pi is not None:
+            engine_ratio = div(ekv and ekv["req_per_s"], epi and epi["req_per_s"])
+            add("service KV/PI req/s vs engine-level KV/PI x 0.9", door, hi, "inject/prompt", kmax,
+                div(kv["req_per_s"], pi["req_per_s"]), engine_ratio * TARGET_KV_PI_SLACK if engine_ratio else None,
+                "min", f"engine-level KV/PI = {engine_ratio:.2f}" if engine_ratio else "engine-level ratio missing")
+    failed = sum(sum(r["failures"].values()) for r in rows)
+    out.append({"target": "zero failed requests", "door": "all", "users": "all", "mode": "all", "k": "all",
+                "value": failed, "limit": 0, "kind": "max", "met": failed == 0, "margin": -failed,
+                "basis": "every cell, every door, and the engine replay"})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ output
+def fmt(v, digits=0) -> str:
+    if v is None:
+        return "–"
+    return f"{v:,.{digits}f}"
+
+
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# Service under load (`{m['command']}`)", "",
+             f"CPU: {m['cpu_line']}. **CPU times, not GPU times.** Load average (1 min): {m['load']}.",
+             f"Service: {m['service']}. Model {m['model']}, dtype {m['dtype']}, {m['max_tokens']} answer tokens, "
+             f"greedy, streamed. Users: {m['users_desc']}. Requests per user: {m['requests_n1']} at N=1, "
+             f"{m['requests_per_user']} at N>1 (one after another).",
+             f"Engine level: {m.get('engine_desc', 'not run')}.", "",
+             "| door | users | mode | k | requests | ok | failures | req/s | first chunk p50 / p90 / p99 ms "
+             "| total p50 / p99 ms | engine TTFT p50 / p90 ms (final chunk) | prompt tokens | prefilled "
+             "| hops p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        hops = ", ".join(f"{k} {v:.0f}" for k, v in r["timings_ms_p50"].items() if v is not None) or "–"
+        fails = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items())) or "0"
+        lines.append(
+            f"| {r['door']} | {r['users']} | {r['mode']} | {r['k']} | {r['requests']} | {r['ok']} | {fails} | "
+            f"{fmt(r['req_per_s'], 2)} | {fmt(r['first_chunk_ms_p50'])} / {fmt(r['first_chunk_ms_p90'])} / "
+            f"{fmt(r['first_chunk_ms_p99'])} | {fmt(r['total_ms_p50'])} / {fmt(r['total_ms_p99'])} | "
+            f"{fmt(r['engine_ttft_ms_p50'])} / {fmt(r['engine_ttft_ms_p90'])} | {fmt(r['prompt_tokens_mean'])} | "
+            f"{fmt(r['prefilled_tokens_mean'])} | {hops} |")
+    lines += ["", "Targets (issue 12, item 2; ratios of this run):", "",
+              "| target | door | users | mode | k | measured | limit | verdict | margin |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for t in result["ratios"]:
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
+        lim = fmt(t["limit"], 2) if isinstance(t["limit"], float) else str(t["limit"])
+        val = fmt(t["value"], 2) if isinstance(t["value"], float) else str(t["value"])
+        mar = fmt(t["margin"], 2) if isinstance(t["margin"], float) else str(t["margin"])
+        lines.append(f"| {t['target']} | {t['door']} | {t['users']} | {t['mode']} | {t['k']} | {val} | "
+                     f"{'<=' if t['kind'] == 'max' else '>='} {lim} | {verdict} | {mar} |")
+    if result.get("replicas"):
+        lines += ["", "Replica counts (RUNNING) when they changed:", ""]
+        last = None
+        for s in result["replicas"]:
+            counts = {k: v for k, v in s.items() if k != "t_s"}
+            if counts != last:
+                lines.append(f"- t={s['t_s']:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+                last = counts
+    if result.get("failure_examples"):
+        lines += ["", "Failures (first of each status):", ""]
+        lines += [f"- {e['cell']}: {e['status']}: {e.get('error', '')}" for e in result["failure_examples"]]
+    lines += ["", f"Wall time {m['wall_s']:.0f} s. Checks: {'; '.join(result['checks'])}.", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["rows"]
+    panels = 3 if result.get("replicas") else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    series = sorted({(r["door"], r["mode"], r["k"]) for r in rows})
+    for door, mode, k in series:
+        pts = sorted((r["users"], r) for r in rows if (r["door"], r["mode"], r["k"]) == (door, mode, k))
+        style = {"grpc": "-o", "http": "--s", "engine": ":^"}[door]
+        label = f"{door} {mode} k={k}"
+        key = "engine_ttft_ms_p50" if door == "engine" else "first_chunk_ms_p50"
+        xs = [n for n, r in pts if r[key] is not None]
+        axes[0].plot(xs, [r[key] for n, r in pts if r[key] is not None], style, label=label)
+        xs = [n for n, r in pts if r["req_per_s"] is not None]
+        axes[1].plot(xs, [r["req_per_s"] for n, r in pts if r["req_per_s"] is not None], style, label=label)
+    axes[0].set(xscale="log", yscale="log", xlabel="concurrent users",
+                ylabel="ms (p50)", title="client first chunk (service) / TTFT (engine level)")
+    axes[1].set(xscale="log", xlabel="concurrent users", ylabel="req/s", title="throughput")
+    axes[0].legend(fontsize=6)
+    if panels == 3:
+        names = sorted({k for s in result["replicas"] for k in s if k != "t_s"})
+        for name in names:
+            axes[2].step([s["t_s"] for s in result["replicas"]], [s.get(name, 0) for s in result["replicas"]],
+                         where="post", label=name)
+        axes[2].set(xlabel="s since the load started", ylabel="RUNNING replicas", title="replicas")
+        axes[2].legend(fontsize=7)
+    fig.suptitle(f"{result['meta']['cpu_line'][:90]} (CPU)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_run = time.monotonic()
+    deadline = time.time() + args.deadline_min * 60
+    cpu = cpu_description()
+    load = {"start": load_average()}
+    print(f"# {cpu_line(cpu)}; load average {load['start']}", flush=True)
+    run_id = secrets.token_hex(3)
+    users = make_users(args.data, max(args.user_counts), args.facts_per_user, f"svcbench-{run_id}")
+    workdir = Path(tempfile.mkdtemp(prefix="inferscale-bench-service-"))
+    client = compile_client(workdir)
+    service_lines: list[dict] = []
+    replicas: list[dict] = []
+    checks: list[str] = []
+    own = args.target is None
+    try:
+        with contextlib.ExitStack() as stack:
+            if own:
+                cfg, secret = stack.enter_context(own_service(args, workdir))
+                grpc_port, http_port = cfg.grpc_port, cfg.http_port
+                service_desc = (f"own app (`inferscale serve` config: {args.engine_replicas} EngineReplica, Gateway/"
+                                f"Retrieval/EncoderPool 1..{args.max_replicas}; registry {args.registry}; Ray and "
+                                f"Serve on 127.0.0.1)")
+            else:
+                grpc_port, http_port, cfg = args.grpc_port, args.http_port, None
+                secret = args.jwt_secret_file.read_bytes().strip() if args.jwt_secret_file else None
+                service_desc = f"running service at {args.target}"
+            from services.auth import USER_SCOPES, mint
+
+            tokens = {u.user_id: (mint(secret, u.user_id, USER_SCOPES, ttl_s=6 * 3600) if secret else args.token)
+                      for u in users}
+            base_plan = {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}/v1",
+                         "timeout_s": args.request_timeout, "deadline": deadline, "checkout": str(REPO)}
+            load["before_add"] = load_average()
+            t0 = time.monotonic()
+            added = run_client(client, {**base_plan, "command": "add", "users": [
+                {"user_id": u.user_id, "token": tokens[u.user_id], "facts": u.facts} for u in users]},
+                len(users), "add facts", deadline)
+            add_s = time.monotonic() - t0
+            bad = [a for a in added if a["status"] != "OK"]
+            if bad:
+                raise SystemExit(f"adding facts failed for {len(bad)} users: {bad[0]}")
+            for a in added:
+                next(u for u in users if u.user_id == a["user_id"]).fact_ids = a["fact_ids"]
+            n_facts = sum(len(u.facts) for u in users)
+            print(f"# {len(users)} users, {n_facts} facts added in {add_s:.0f} s", flush=True)
+
+            # Warm-up (not recorded): one request per mode and door, as the engine phase gets.
+            warm_cells = [Cell(f"warm-{door}-{mode}", door, 1, mode, max(args.k_values),
+                               [{"user_id": users[0].user_id, "token": tokens[users[0].user_id],
+                                 "questions": users[0].take_questions(1)}])
+                          for door in ("grpc", "http") for mode in args.mode_list]
+            cells = make_cells(args, users, tokens)
+            plan = {**base_plan, "command": "run", "max_tokens": args.max_tokens,
+                    "cells": [{"id": c.id, "door": c.door, "mode": c.mode, "k": c.k, "max_tokens": args.max_tokens,
+                               "users": c.plan} for c in warm_cells + cells]}
+            expect = sum(len(p["questions"]) for c in warm_cells + cells for p in c.plan)
+            load["before_service_load"] = load_average()
+            sampler = ReplicaSampler() if own and (args.engine_replicas > 1 or args.max_replicas > 1) else None
+            with sampler or contextlib.nullcontext():
+                service_lines = run_client(client, plan, expect, "service", deadline)
+            replicas = sampler.samples if sampler else []
+            load["after_service_load"] = load_average()
+            info = next((o for o in service_lines if o["type"] == "client"), {})
+            checks.append(f"load client imported nothing of the checkout: {info.get('from_checkout') == []}")
+            checks.append(f"AnswerChunk.timings_ms in the proto: {info.get('has_timings_field')}")
+            service_lines = [o for o in service_lines if not str(o.get("cell", "")).startswith("warm-")]
+            if not own:
+                run_client(client, {**base_plan, "command": "delete", "users": [
+                    {"user_id": u.user_id, "token": tokens[u.user_id]} for u in users]}, len(users), "cleanup",
+                    deadline + 120)
+        # The service is down here (our own): the engine runs alone on the cores.
+        engine = None
+        if not args.skip_engine:
+            grpc_cells = [c for c in cells if c.door == "grpc"]
+            disk = merged_disk_tier(workdir / "kv", workdir / "engine-kv") if own else None
+            load["before_engine"] = load_average()
+            engine = asyncio.run(engine_phase(args, cfg, users, grpc_cells, service_lines, disk, deadline))
+            load["after_engine"] = load_average()
+            by_key = {(r["cell"].replace("grpc-", "engine-", 1), r["user_id"], r["i"]): r for r in service_lines
+                      if r["type"] == "request" and r["status"] == "OK" and r["cell"].startswith("grpc-")}
+            pairs = [(by_key[(e["cell"], e["user_id"], e["i"])], e) for e in engine["records"]
+                     if e["status"] == "OK" and (e["cell"], e["user_id"], e["i"]) in by_key]
+            match = sum(s["prompt_tokens"] == e["prompt_tokens"] for s, e in pairs)
+            checks.append(f"engine replay prompts of the service's length: {match}/{len(pairs)}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    rows = table_rows(service_lines, engine, cells)
+    result = {"meta": {
+        "command": "python bench/service.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "cpu": cpu, "cpu_line": cpu_line(cpu), "load": load, "service": service_desc,
+        "model": args.model or "SmolLM2-135M-Instruct (packaged)", "dtype": args.dtype, "max_tokens": args.max_tokens,
+        "users_desc": f"{len(users)} users x {args.facts_per_user} facts from {Path(args.data).name} "
+                      f"(e.g. user 0: {users[0].source})",
+        "user_sources": {u.user_id: u.source for u in users},
+        "requests_n1": args.requests_n1, "requests_per_user": args.requests_per_user,
+        "user_counts": args.user_counts, "ks": args.k_values, "http_users": args.http_counts,
+        "add_facts_s": add_s, "facts": n_facts, "wall_s": time.monotonic() - t_run}}
+    if engine is not None:
+        result["meta"]["engine_desc"] = (f"AsyncInjectingEngine in this process after the service stopped; the gRPC "
+                                         f"cells' prompts replayed at the same N; facts from the service's disk tier "
+                                         f"{engine['facts_from_service_disk']}, encoded here "
+                                         f"{engine['facts_encoded_here']}; ready in {engine['setup_s']:.0f} s")
+    result["rows"] = rows
+    result["ratios"] = ratios(rows, args)
+    result["replicas"] = replicas
+    examples, seen = [], set()
+    for r in service_lines + (engine["records"] if engine else []):
+        if r.get("type") == "request" and r["status"] != "OK" and r["status"] not in seen:
+            seen.add(r["status"])
+            examples.append({"cell": r["cell"], "status": r["status"], "error": r.get("error", "")})
+    result["failure_examples"] = examples
+    result["checks"] = checks
+    # Per-request records without LoCoMo text (question indices only): LoCoMo is CC BY-NC, not shipped.
+    result["requests"] = [{k: v for k, v in r.items() if k != "type"} for r in service_lines
+                          if r["type"] == "request"] + (engine["records"] if engine else [])
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"service_{args.tag}"
+    md = markdown(result)
+    stem.with_suffix(".md").write_text(md)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    plotted = plot(result, stem.with_suffix(".png"))
+    print("\n" + md)
+    print(f"written: {stem}.json, {stem}.md" + (f", {stem}.png" if plotted else " (matplotlib missing: no plot)"))
+    missing = [t for t in result["ratios"] if t["met"] is None]
+    failed = next(t for t in result["ratios"] if t["target"] == "zero failed requests")["value"]
+    if failed or missing:
+        print(f"exit 1: {failed} failed requests, {len(missing)} ratios not computable", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
