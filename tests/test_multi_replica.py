@@ -133,7 +133,8 @@ def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):  # no
     reads = {k: sum(after[r][k] - before[r][k] for r in after) for k in ("facts_encoded", "facts_from_disk")}
     hit_rate = 1 - loads / len(results)
     latencies = sorted(s for _, s, _, _ in results)
-    print(f"\n{len(results)} Answers from {THREADS} threads in {wall:.1f} s; p50 {latencies[len(latencies) // 2]:.2f} s, "
+    print(f"\n{len(results)} Answers from {THREADS} threads in {wall:.1f} s; "
+          f"p50 {latencies[len(latencies) // 2]:.2f} s, "
           f"max {latencies[-1]:.2f} s; user loads during the run: {loads} (hit rate {hit_rate:.0%}); {reads}")
     assert loads == 0 and hit_rate == 1.0
     assert reads == {"facts_encoded": 0, "facts_from_disk": 0}

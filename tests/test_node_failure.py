@@ -1,0 +1,210 @@
+"""A Ray node dies under load (issue 12 item 5). Two Ray nodes on this machine, all on 127.0.0.1 with Ray token
+auth: the head runs the Serve controller, the gRPC proxy, Gateway, Retrieval, EncoderPool and one EngineReplica;
+a worker node (`ray start --address`) runs the second EngineReplica. Users are spread over both engines
+(services/routing.py), facts in Redis. A bounded load run (a fixed number of Answers from a few threads, each
+with a deadline) is going on when the worker node's raylet is SIGKILLed (a crash, not `ray stop`). Then:
+  - every request ends OK or UNAVAILABLE (retryable), never INTERNAL/UNKNOWN or a hang (DEADLINE_EXCEEDED);
+  - the users of the lost replica are answered again by the head's replica (re-encoded from Redis), and the
+    test prints how long that took (the kill -> their first successful answer);
+  - no fact is lost: ListMemories and the injected fact ids of every user are what they were before.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
+from redis_fixture import _free_port, redis_url  # noqa: F401  (fixture)
+from serve_specs import spec_with
+from test_multi_replica import NAMES, facts_of, stats_by_replica
+from test_ray_cluster import _ray, _reload_ray_auth, _stop_ray
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+
+THREADS, REQUESTS = 4, 32   # the load run: Answers in all, from this many clients
+KILL_AFTER = 6              # the worker node dies once this many Answers have finished
+REQUEST_TIMEOUT_S = 240     # per Answer: a hang shows up as DEADLINE_EXCEEDED
+ALLOWED = {"OK", "UNAVAILABLE"}
+
+
+def _pids(pattern: str) -> dict[int, str]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if pattern in cmd:
+                out[int(d.name)] = cmd
+    return out
+
+
+def _children(pid: int) -> set[int]:
+    """pid and all its descendants."""
+    table = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                table[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, grew = {pid}, True
+    while grew:
+        more = {p for p, pp in table.items() if pp in out} - out
+        grew = bool(more)
+        out |= more
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
+    """Head (2 CPUs, the `head` and one `engine_slot` resource) + worker (2 CPUs, one `engine_slot`), the app
+    started on them. Yields a dict: the gRPC client, the worker's raylet pid, `strays` (pids to end afterwards)."""
+    from inferscale_core.vllm_env import vllm_cpu_env
+    from services.app import SERVE_START_ENV, ServiceConfig, start_service
+    from services.client import MemoryClient
+
+    token = os.urandom(32).hex()
+    ray_env = {**os.environ, **vllm_cpu_env(), **SERVE_START_ENV, "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+               "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))}  # the models
+    ray_env.pop("RAY_AUTH_TOKEN_PATH", None)
+    # Each node its own home, so kv_dir "~/kv" is a disk of its own, as on separate machines (engine replicas
+    # on two nodes both have local rank 0: one shared folder would be written by both).
+    homes = {node: tmp_path_factory.mktemp(f"{node}-home") for node in ("head", "worker")}
+    gcs_port = _free_port()
+    temp_dir = Path("/tmp") / f"isn{os.getpid()}"  # short (unix socket paths) and private to this module
+    common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(300 << 20), "--disable-usage-stats",
+              "--num-cpus", "2"]
+    head = {"head": 3, "engine_slot": 1}
+    on_head = {"head": 1}
+    cfg = ServiceConfig(
+        registry_url=redis_url, kv_dir="~/kv", max_model_len=1024,
+        http_port=_free_port(), grpc_port=_free_port(), auth={"hs256_secret_file": str(jwt_secret[0])},
+        deployments={"Gateway": spec_with(on_head, num_cpus=0.25), "Retrieval": spec_with(on_head, num_cpus=0.25),
+                     "EncoderPool": spec_with(on_head, num_cpus=0.5),
+                     # one engine per node: each node has one engine_slot
+                     "EngineReplica": spec_with({"engine_slot": 1}, min_replicas=2, max_replicas=2,
+                                               num_cpus=0.5)})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_AUTH_MODE", "token")  # this process's driver joins with the cluster's token
+    mp.setenv("RAY_AUTH_TOKEN", token)
+    mp.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    _reload_ray_auth()
+    strays: set[int] = set()
+    try:
+        _ray("start", "--head", "--port", str(gcs_port), "--include-dashboard", "false", "--temp-dir", str(temp_dir),
+             "--resources", json.dumps(head), "--dashboard-agent-listen-port", str(_free_port()), *common,
+             env={**ray_env, "HOME": str(homes["head"])})
+        _ray("start", "--address", f"127.0.0.1:{gcs_port}", "--resources", json.dumps({"engine_slot": 1}),
+             "--dashboard-agent-listen-port", str(_free_port()), *common, env={**ray_env, "HOME": str(homes["worker"])})
+        ray.init(address=f"127.0.0.1:{gcs_port}", logging_level="ERROR")
+        (worker,) = [n for n in ray.nodes() if n["Alive"] and "head" not in n["Resources"]]
+        raylets = [p for p, cmd in _pids("raylet").items()
+                   if f"--node_id={worker['NodeID']}" in cmd]
+        assert len(raylets) == 1, f"the worker's raylet: {raylets}"
+        start_service(cfg, proxy_location="HeadOnly")  # two nodes on one address: one proxy
+        client = MemoryClient(f"127.0.0.1:{cfg.grpc_port}", timeout_s=REQUEST_TIMEOUT_S,
+                              token=token_for(jwt_secret[1], "node-admin", admin=True, ttl_s=3600))
+        info = {"client": client, "raylet": raylets[0], "strays": strays}
+        yield info
+        client.close()
+    finally:
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - the cluster may be half gone; the processes are ended below
+            pass
+        ray.shutdown()
+        mp.undo()
+        _reload_ray_auth()
+        _stop_ray([str(temp_dir), f"127.0.0.1:{gcs_port}"])
+        for pid in strays:  # the dead node's worker processes, no longer children of any raylet
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_dead_node_loses_no_request_and_no_fact(cluster):
+    client = cluster["client"]
+    users: dict[str, list[str]] = {}
+    for name in NAMES:  # add users until each engine (one per node) holds at least two (bounded)
+        users[name] = [f.fact_id for f in client.add_facts(name, facts_of(name))]
+        if len(users) >= 4 and min(len(s["users"]) for s in stats_by_replica(2).values()) >= 2:
+            break
+    stats = stats_by_replica(2)
+    worker_pids = _children(cluster["raylet"])  # the worker node's processes
+    on_worker = [s for s in stats.values() if s["pid"] in worker_pids]
+    assert len(on_worker) == 1, [(s["pid"], s["replica_id"]) for s in stats.values()]
+    moving = set(on_worker[0]["users"])  # users whose engine dies with the node
+    assert 2 <= len(moving) < len(users)
+    before = {u: (sorted(f.fact_id for f in client.list(u)), sorted(ids)) for u, ids in users.items()}
+    assert all(listed == ids for listed, ids in before.values())
+    cluster["strays"] |= worker_pids
+
+    names = sorted(users)
+    work = [names[i % len(names)] for i in range(REQUESTS)]
+    lock, results, finished = threading.Lock(), [], threading.Event()
+
+    def one(name: str) -> None:
+        t = time.monotonic()
+        try:
+            chunks = list(client.answer(name, f"What is the name of {name}'s cat?", k=3, max_tokens=4))
+            outcome, final = "OK", chunks[-1]
+        except grpc.RpcError as e:
+            outcome, final = e.code().name, e.details()
+        with lock:
+            results.append((name, t, time.monotonic(), outcome, final))
+            if len(results) >= KILL_AFTER:
+                finished.set()
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        futures = [pool.submit(one, n) for n in work]
+        assert finished.wait(timeout=600), "the load run did not get going"
+        os.kill(cluster["raylet"], signal.SIGKILL)
+        t_kill = time.monotonic()
+        for f in futures:
+            f.result(timeout=REQUEST_TIMEOUT_S + 60)
+
+    codes = {}
+    for _, _, _, outcome, _ in results:
+        codes[outcome] = codes.get(outcome, 0) + 1
+    bad = [(n, outcome, detail) for n, _, _, outcome, detail in results if outcome not in ALLOWED]
+    failed = [r for r in results if r[3] != "OK"]
+    # the moved users' answers that started after the kill and succeeded: the new replica served them
+    after_kill = sorted((end, n) for n, start, end, outcome, _ in results
+                        if outcome == "OK" and start > t_kill and n in moving)
+    first_failure = min((end for _, _, end, _, _ in failed), default=None)
+    print(f"\n{len(results)} Answers, {THREADS} threads, worker raylet killed after {KILL_AFTER}: {codes}; "
+          f"users moved: {sorted(moving)}")
+    if first_failure is not None:
+        print(f"first failure {first_failure - t_kill:.1f} s after the kill")
+    assert not bad, bad
+    assert len(results) == REQUESTS
+
+    # After the run: every user answered, the moved ones by the head's replica, all facts still there.
+    t_recovered = after_kill[0][0] if after_kill else None
+    for name in names:
+        listed = sorted(f.fact_id for f in client.list(name))
+        chunks = list(client.answer(name, f"What is the name of {name}'s cat?", k=3, max_tokens=4))
+        if t_recovered is None and name in moving:
+            t_recovered = time.monotonic()
+        assert listed == before[name][0], name
+        assert sorted(chunks[-1].fact_ids) == sorted(users[name]), (name, chunks[-1].fact_ids)
+    print(f"recovery: the moved users' first successful answer {t_recovered - t_kill:.1f} s after the kill"
+          + (f" ({t_recovered - first_failure:.1f} s after the first failure)" if first_failure else ""))
+    (survivor,) = stats_by_replica(1).values()
+    assert set(survivor["users"]) == set(users)
+    assert survivor["facts_encoded"] >= 3 * len(moving)  # the moved users' facts, re-encoded from Redis
