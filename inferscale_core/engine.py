@@ -148,6 +148,8 @@ class Answer:
     ttft_s: float | None = None  # submit -> first token (streaming engine only)
     logprobs: list | None = field(default=None, repr=False)
     finish_reason: str | None = None  # vLLM's: "stop" (end of sequence or stop string) or "length"
+    # vLLM's RequestStateStats (engine-core queued / scheduled / first-token timestamps) when it logs stats
+    engine_stats: Any = field(default=None, repr=False)
 
 
 class _EngineCore:
@@ -317,7 +319,8 @@ class _EngineCore:
         return Answer(text=c.text, token_ids=list(c.token_ids), fact_ids=p.fact_ids, mode=p.query.mode,
                       k=p.query.k, w=p.query.w, prompt_len=len(p.prompt_ids), memory_len=p.memory_len,
                       num_cached_tokens=out.num_cached_tokens or 0, retrieve_s=p.retrieve_s, ttft_s=ttft_s,
-                      logprobs=c.logprobs, finish_reason=c.finish_reason)
+                      logprobs=c.logprobs, finish_reason=c.finish_reason,
+                      engine_stats=getattr(out, "metrics", None))
 
 
 def default_sampling(max_tokens: int = 64):

@@ -41,6 +41,7 @@ SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PRO
 # up to max_max_tokens tokens, minutes on a CPU. Serve's default is 20 s. Set in code, so a Serve config that
 # does not name it keeps it.
 GRACEFUL_SHUTDOWN_S = {"Gateway": 300.0, "EngineReplica": 300.0}
+GATEWAY_MAX_QUEUED = 1024  # requests waiting for a gateway replica before Serve sheds load (429)
 
 
 @dataclass
@@ -48,7 +49,12 @@ class DeploymentSpec:
     min_replicas: int = 1
     max_replicas: int = 1
     target_ongoing_requests: float = 8
-    max_ongoing_requests: int = 32
+    # Requests Serve sends one replica at once. Large: the engine replica's own admission (sized from its KV
+    # cache) decides what runs, so Serve must not queue in front of it.
+    max_ongoing_requests: int = 256
+    # Requests a deployment's callers may queue when every replica is at max_ongoing_requests; beyond that Serve
+    # refuses at once (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED). -1: unbounded (Serve's default).
+    max_queued_requests: int = -1
     num_cpus: float = 1
     num_gpus: float = 0
     # A replica busy with a long CPU prefill or a model load answers its health check late; Serve's 30 s
@@ -63,6 +69,8 @@ class DeploymentSpec:
                              f"{self.max_replicas}")
         return {
             "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "backpressure_config": {"status_code": 429, "retry_after_s": 1.0},
             "autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                                    "initial_replicas": max(self.min_replicas, 1),
                                    "target_ongoing_requests": self.target_ongoing_requests,
@@ -76,10 +84,11 @@ class DeploymentSpec:
 def _default_deployments() -> dict[str, DeploymentSpec]:
     # CPU-only defaults (a laptop, CI); the chart's values give the GPU layout.
     return {
-        "Gateway": DeploymentSpec(1, 2, target_ongoing_requests=64, max_ongoing_requests=256),
+        "Gateway": DeploymentSpec(1, 2, target_ongoing_requests=64, max_ongoing_requests=512,
+                                  max_queued_requests=GATEWAY_MAX_QUEUED),
         "EncoderPool": DeploymentSpec(1, 2, target_ongoing_requests=4, max_ongoing_requests=16),
-        "Retrieval": DeploymentSpec(1, 2, target_ongoing_requests=32, max_ongoing_requests=128),
-        "EngineReplica": DeploymentSpec(1, 1, target_ongoing_requests=16, max_ongoing_requests=64),
+        "Retrieval": DeploymentSpec(1, 2, target_ongoing_requests=32, max_ongoing_requests=256),
+        "EngineReplica": DeploymentSpec(1, 1, target_ongoing_requests=16, max_ongoing_requests=512),
     }
 
 
@@ -87,7 +96,12 @@ def single_node_deployments() -> dict[str, DeploymentSpec]:
     """One replica of each deployment in 1.5 CPUs: fits a 2-core machine (`inferscale serve`, the e2e test).
     The CPU numbers are Ray's scheduling shares; vLLM and torch use the cores they are given by the env."""
     cpus = {"Gateway": 0.25, "EncoderPool": 0.5, "Retrieval": 0.25, "EngineReplica": 0.5}
-    return {name: DeploymentSpec(1, 1, max_ongoing_requests=32, num_cpus=n) for name, n in cpus.items()}
+    specs = {name: DeploymentSpec(1, 1, num_cpus=n) for name, n in cpus.items()}
+    # Serve must not queue in front of the engine's admission; the gateway's queue is bounded (load shedding).
+    specs["Gateway"].max_ongoing_requests, specs["Gateway"].max_queued_requests = 512, GATEWAY_MAX_QUEUED
+    specs["EngineReplica"].max_ongoing_requests = 512
+    specs["EncoderPool"].max_ongoing_requests = 32
+    return specs
 
 
 @dataclass
@@ -102,6 +116,9 @@ class ServiceConfig:
     grpc_port: int = 9000
     limits: dict = field(default_factory=dict)  # overrides of api.Limits
     engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args, e.g. gpu_memory_utilization
+    # Engine replica admission: tokens in flight (prompt + max_tokens) may reach the KV cache's size times
+    # this before requests are refused with RESOURCE_EXHAUSTED / 429 (services/admission.py).
+    admission_queue_factor: float = 2.0
     # Disk tier of each engine replica's fact store (node-local; a restarted replica reloads from it instead
     # of re-encoding). None: no disk tier. store_options: the worker store's byte budgets.
     kv_dir: str | None = None
@@ -116,7 +133,8 @@ class ServiceConfig:
         return {"model_path": self.model_path, "embedder_path": self.embedder_path,
                 "registry_url": self.registry_url, "dtype": self.dtype, "block_size": self.block_size,
                 "max_model_len": self.max_model_len, "limits": dict(self.limits),
-                "engine_overrides": dict(self.engine_overrides), "kv_dir": self.kv_dir,
+                "engine_overrides": dict(self.engine_overrides),
+                "admission_queue_factor": float(self.admission_queue_factor), "kv_dir": self.kv_dir,
                 "store_options": dict(self.store_options), **({"auth": dict(self.auth)} if self.auth else {})}
 
     @classmethod
@@ -139,6 +157,7 @@ class ServiceConfig:
             deps[name] = DeploymentSpec(min_replicas=int(v["minReplicas"]), max_replicas=int(v["maxReplicas"]),
                                         target_ongoing_requests=float(v["targetOngoingRequests"]),
                                         max_ongoing_requests=int(v["maxOngoingRequests"]),
+                                        max_queued_requests=int(v.get("maxQueuedRequests", -1)),
                                         num_cpus=float(v["numCpus"]), num_gpus=float(v["numGpus"]))
         return cls(model_path=values["model"]["path"], embedder_path=values["model"].get("embedderPath"),
                    registry_url=registry_url_for(values, release), dtype=values["model"]["dtype"],
@@ -146,6 +165,7 @@ class ServiceConfig:
                    http_port=int(values["ports"]["http"]), grpc_port=int(values["ports"]["grpc"]),
                    limits=dict(values.get("limits") or {}),
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),
+                   admission_queue_factor=float(values["model"].get("admissionQueueFactor", 2.0)),
                    kv_dir=values["kvStore"]["dir"], store_options=dict(values["kvStore"].get("options") or {}),
                    auth=auth_args_for(values), deployments=deps)
 
@@ -201,7 +221,8 @@ def build_app(cfg: ServiceConfig):
     engine = serve.deployment(EngineReplica, name="EngineReplica", **opts["EngineReplica"]).bind(
         encoder, registry_url=registry_url, model_path=cfg.model_path, dtype=cfg.dtype,
         block_size=cfg.block_size, max_model_len=cfg.max_model_len, kv_dir=cfg.kv_dir,
-        store_options=cfg.store_options, engine_overrides=cfg.engine_overrides)
+        store_options=cfg.store_options, engine_overrides=cfg.engine_overrides,
+        admission_queue_factor=cfg.admission_queue_factor)
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
     return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
                         embedder_path=cfg.embedder_path, auth=cfg.auth)

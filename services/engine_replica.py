@@ -2,16 +2,30 @@
 plus the KV of the users routed here.
 
 Users are multiplexed (`multiplexed_model_id` = user id): Serve routes a user to a replica that already holds
-it, and a replica holds at most MAX_USERS users (Serve's LRU). Loading a user ("sync") makes the worker store
-hold the registry's facts of the user at their current versions:
+it, and a replica holds at most MAX_USERS users (Serve's LRU). Serve's loader (`_user`) only registers the
+user (it runs under one lock per replica, so it must stay short); the user's facts are synced by the request
+itself, under that user's own lock, so a cold user with many facts never holds up another user.
+
+Syncing a user makes the worker store hold the registry's facts of the user at their current versions:
   1. the registry (Redis) lists the user's facts and versions (one read of the version counter when nothing
      moved since the last sync),
   2. facts the worker store already has at that version are kept: after a restart they are found in its disk
      tier (`kv_dir`), written through on every put, so nothing is encoded again,
   3. the rest is encoded by the encoder pool from the registry's text and window; the KV comes back through
-     the Ray object store.
+     the Ray object store and goes into the engine in chunks of PUT_CHUNK_TOKENS, so vLLM's step loop keeps
+     running between them.
 Facts are stored in the worker under `kv_id(fact_id, version)`, so a copy on disk is used only for the exact
 version the registry names; an update or a delete removes the older versions.
+
+The hot path: the replica keeps, per held user, each servable fact's version and text from its last sync, so
+an Answer costs one registry read (the user's version counter) however many facts it names.
+
+Deletes reach every replica that holds the user: the gateway pushes a delete to the replica Serve routes the
+user to, and each replica's watch (every WATCH_PERIOD_S) reads the version counters of all its users in one
+MGET and drops the KV of facts deleted or moved on (re-encoding waits for the user's next request).
+
+Admission (services/admission.py): a request runs when its tokens fit in the KV cache times a queue factor,
+else it is refused at once with RESOURCE_EXHAUSTED, so load reaches vLLM's batch instead of queues in front.
 
 Writes from the gateway arrive as `put_facts(user, ids_versions, encoded)` where `encoded` is the encoder
 pool's response that the gateway passed on unresolved: Serve resolves it here, from the object store. A write
@@ -28,15 +42,18 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from ray import serve
 
 import grpc
 
-from inferscale_core.errors import UnknownFactError
+from inferscale_core.errors import check_id
 
+from .admission import DEFAULT_QUEUE_FACTOR, Admission
 from .api import ApiError
 from .encoder_pool import EncodeFailure
 from .registry import open_registry
@@ -44,6 +61,33 @@ from .registry import open_registry
 log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
 API_MODES = {"inject": "kv", "prompt": "pi"}  # wire names -> engine modes
+WATCH_PERIOD_S = float(os.environ.get("INFERSCALE_ENGINE_WATCH_S", "0.5"))
+PUT_CHUNK_TOKENS = 512  # KV tokens per call into the engine core: its step loop waits while a call runs
+
+
+@dataclass(frozen=True)
+class HeldFact:
+    """A fact whose KV the worker store holds, at this version, with its text (prompt mode needs it)."""
+    version: int
+    text: str
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def put_chunks(items: list, token_counts: list[int], max_tokens: int = PUT_CHUNK_TOKENS) -> list[list]:
+    """`items` cut, in order, into runs of at most `max_tokens` tokens (an item larger than that alone)."""
+    chunks, cur, used = [], [], 0
+    for item, n in zip(items, token_counts):
+        if cur and used + n > max_tokens:
+            chunks.append(cur)
+            cur, used = [], 0
+        cur.append(item)
+        used += n
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def kv_id(fact_id: str, version: int) -> str:
@@ -84,6 +128,19 @@ def _engine_death_is_unavailable():
                                                     "retry shortly") from None
 
 
+def engine_timings(ans) -> dict[str, float]:
+    """vLLM's own per-request hops (its RequestStateStats, engine-core clock): "vllm_queue" queued ->
+    scheduled, "prefill" scheduled -> first token (the connector's injection included); "engine_ttft" this
+    replica's submit -> first token (the final chunk's ttft_ms)."""
+    out = {"engine_ttft": ms(ans.ttft_s or 0.0)}
+    st = ans.engine_stats
+    if st is not None and st.queued_ts and st.scheduled_ts:
+        out["vllm_queue"] = ms(st.scheduled_ts - st.queued_ts)
+        if st.first_token_ts:
+            out["prefill"] = ms(st.first_token_ts - st.scheduled_ts)
+    return out
+
+
 class _HeldUser:
     """What the multiplexed loader hands Serve. Serve calls __del__ when it evicts the user (LRU); Python
     calls it again when the object dies, hence the flag."""
@@ -107,7 +164,8 @@ class EngineReplica:
     async def __init__(self, encoder, registry_url: str | None = None, model_path: str | None = None,
                        dtype: str = "float32", block_size: int = 32, max_model_len: int = 4096,
                        kv_dir: str | None = None, store_options: dict | None = None,
-                       engine_overrides: dict | None = None):
+                       engine_overrides: dict | None = None,
+                       admission_queue_factor: float = DEFAULT_QUEUE_FACTOR):
         from inferscale_core.defaults import serving_store_options
         from inferscale_core.engine import AsyncInjectingEngine
 
@@ -131,17 +189,26 @@ class EngineReplica:
                                            store_options=options, **(engine_overrides or {}))
         await self.engine.start()
         self.max_model_len = max_model_len
-        self._held: dict[str, dict[str, int]] = {}  # user -> fact_id -> version held by the worker store
-        self._synced: dict[str, int] = {}            # user -> registry user_version last synced
+        cache = self.engine.engine.vllm_config.cache_config  # filled in by the engine core at start-up
+        # vLLM keeps one block of the pool as its null block: the rest holds requests' tokens.
+        self.admission = Admission((int(cache.num_gpu_blocks) - 1) * int(cache.block_size), admission_queue_factor)
+        log.info("engine replica %s: KV cache of %d tokens, admitting up to %d tokens in flight", self.replica_id,
+                 self.admission.capacity_tokens, self.admission.limit_tokens)
+        self._held: dict[str, dict[str, HeldFact]] = {}  # user -> fact_id -> what the worker store holds
+        self._synced: dict[str, int] = {}   # user -> registry user_version last synced
+        self._pruned: dict[str, int] = {}   # user -> user_version the watch last dropped moved facts for
         self._user_locks: dict[str, asyncio.Lock] = {}
         self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_pushed": 0, "users_loaded": 0,
-                         "users_evicted": 0, "facts_unservable": 0}
-        self._exporter = asyncio.get_running_loop().create_task(self._export_engine_metrics())
+                         "users_evicted": 0, "facts_unservable": 0, "facts_dropped_by_watch": 0}
+        loop = asyncio.get_running_loop()
+        self._exporter = loop.create_task(self._export_engine_metrics())
+        self._watcher = loop.create_task(self._watch())
 
     # ------------------------------------------------------------------------------ user placement
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _HeldUser:
-        await self._sync(user_id)
+        """Serve's loader, run under ONE lock for the whole replica: it only registers the user. Its facts are
+        synced by `_sync`, under the user's own lock."""
         await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
         self.counters["users_loaded"] += 1
         return _HeldUser(self, user_id, asyncio.get_running_loop())
@@ -149,63 +216,73 @@ class EngineReplica:
     def _lock(self, user_id: str) -> asyncio.Lock:
         return self._user_locks.setdefault(user_id, asyncio.Lock())
 
-    async def _sync(self, user_id: str) -> None:
-        """Make the worker store hold exactly the registry's facts of the user, at their versions."""
+    async def _sync(self, user_id: str) -> dict[str, HeldFact]:
+        """Make the worker store hold exactly the registry's servable facts of the user, at their versions;
+        returns what it holds. One registry read (the version counter) when nothing moved."""
         async with self._lock(user_id):
             version = await asyncio.to_thread(self.registry.user_version, user_id)
             if self._synced.get(user_id) == version:
-                return
+                return self._held[user_id]
             # Read after `version`: a change landing in between bumps the counter again and the next
             # request re-syncs; this replica can only be ahead of `version`, never silently behind.
             wanted = await asyncio.to_thread(self.registry.fact_versions, user_id)
             held = self._held.setdefault(user_id, {})
-            moved = {f: v for f, v in held.items() if wanted.get(f) != v}
-            if moved:
-                await self.engine.delete_encoded(user_id, [kv_id(f, v) for f, v in moved.items()])
-                for f in moved:
-                    del held[f]
-            need = [(f, v) for f, v in wanted.items() if held.get(f) != v]
+            await self._drop_moved(user_id, held, wanted)
+            need = [f for f in wanted if f not in held]
             if need:
+                found = await asyncio.to_thread(self.registry.find_many, user_id, need)  # one round trip
+                recs = [found[f] for f in need if f in found]  # deleted since the listing: the next sync
                 # Disk tier first: the worker store lists every fact written before a restart.
-                present = await self.engine.has_encoded(user_id, [kv_id(f, v) for f, v in need])
-                for (f, v), ok in zip(need, present):
+                present = await self.engine.has_encoded(user_id, [kv_id(r.fact_id, r.version) for r in recs])
+                for r, ok in zip(recs, present):
                     if ok:
-                        held[f] = v
+                        held[r.fact_id] = HeldFact(r.version, r.text)
                 self.counters["facts_from_disk"] += sum(present)
-                recs = []
-                for (f, v), ok in zip(need, present):
-                    if ok:
-                        continue
-                    try:
-                        rec = await asyncio.to_thread(self.registry.get, user_id, f)
-                    except UnknownFactError:
-                        continue  # deleted since the listing; the next sync sees it
-                    if not rec.unservable_reason:  # known bad at this version: not asked again
-                        recs.append(rec)
-                if recs:
-                    encoded = await self.encoder.encode.remote([(r.text, list(r.window)) for r in recs])
-                    good = [(r, e) for r, e in zip(recs, encoded) if not isinstance(e, EncodeFailure)]
-                    for r, e in zip(recs, encoded):
-                        if isinstance(e, EncodeFailure):
-                            log.warning("fact %s v%d of a user cannot be encoded: %s", r.fact_id, r.version, e.reason)
-                            await asyncio.to_thread(self.registry.set_unservable, user_id, r.fact_id, r.version,
-                                                    e.reason)
-                    if good:
-                        await self._put(user_id, [(r.fact_id, r.version) for r, _ in good], [e for _, e in good])
-                    self.counters["facts_encoded"] += len(good)
-                    self.counters["facts_unservable"] += len(recs) - len(good)
+                # A version known to be bad is not encoded again.
+                todo = [r for r, ok in zip(recs, present) if not ok and not r.unservable_reason]
+                if todo:
+                    await self._encode_and_put(user_id, todo)
             self._synced[user_id] = version
+            self._pruned.pop(user_id, None)
+            # A user's placement is dropped with its facts (DeleteUser): say again that this replica holds it.
+            await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
+            return held
 
-    async def _put(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> None:
-        if len(ids_versions) != len(encoded):
-            raise ValueError(f"{len(ids_versions)} fact ids but {len(encoded)} encoded facts")
-        await self.engine.put_encoded(user_id, [(kv_id(f, v), enc) for (f, v), enc in zip(ids_versions, encoded)])
-        old = [i for f, v in ids_versions for i in older_kv_ids(f, v)]
+    async def _encode_and_put(self, user_id: str, recs: list) -> None:
+        encoded = await self.encoder.encode.remote([(r.text, list(r.window)) for r in recs])
+        good = [(r, e) for r, e in zip(recs, encoded) if not isinstance(e, EncodeFailure)]
+        for r, e in zip(recs, encoded):
+            if isinstance(e, EncodeFailure):
+                log.warning("fact %s v%d of a user cannot be encoded: %s", r.fact_id, r.version, e.reason)
+                await asyncio.to_thread(self.registry.set_unservable, user_id, r.fact_id, r.version, e.reason)
+        if good:
+            await self._put(user_id, [(r.fact_id, r.version, r.text) for r, _ in good], [e for _, e in good])
+        self.counters["facts_encoded"] += len(good)
+        self.counters["facts_unservable"] += len(recs) - len(good)
+
+    async def _drop_moved(self, user_id: str, held: dict[str, HeldFact], wanted: dict[str, int]) -> int:
+        """Drops from the worker store the held facts that are deleted or at another version in `wanted`."""
+        moved = {f: h.version for f, h in held.items() if wanted.get(f) != h.version}
+        if moved:
+            await self.engine.delete_encoded(user_id, [kv_id(f, v) for f, v in moved.items()])
+            for f in moved:
+                del held[f]
+        return len(moved)
+
+    async def _put(self, user_id: str, facts: list[tuple[str, int, str]], encoded: list) -> None:
+        """`facts`: (fact_id, version, text) of each encoded fact. Chunked: each call into the engine core
+        holds up its step loop (every user's decoding) for as long as it runs."""
+        if len(facts) != len(encoded):
+            raise ValueError(f"{len(facts)} fact ids but {len(encoded)} encoded facts")
+        items = [(kv_id(f, v), enc) for (f, v, _), enc in zip(facts, encoded)]
+        for chunk in put_chunks(items, [enc.num_tokens for enc in encoded]):
+            await self.engine.put_encoded(user_id, chunk)
+        old = [i for f, v, _ in facts for i in older_kv_ids(f, v)]
         if old:
             await self.engine.delete_encoded(user_id, old)
         held = self._held.setdefault(user_id, {})
-        for f, v in ids_versions:
-            held[f] = v
+        for f, v, text in facts:
+            held[f] = HeldFact(v, text)
 
     async def _unload(self, user_id: str) -> None:
         """LRU eviction. With a disk tier the worker store keeps the facts (its byte budgets decide what stays
@@ -215,24 +292,54 @@ class EngineReplica:
                 await self.engine.delete_encoded(user_id, None)
             self._held.pop(user_id, None)
             self._synced.pop(user_id, None)
+            self._pruned.pop(user_id, None)
         self.counters["users_evicted"] += 1
         await asyncio.to_thread(self.registry.remove_placement, user_id, self.replica_id)
 
+    # ------------------------------------------------------------------------------ the watch
+    async def _watch(self) -> None:
+        """Every WATCH_PERIOD_S: the version counters of the users held here, in one read; a user whose counter
+        moved loses the KV of its deleted or changed facts now, not at its next request (which re-syncs)."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            try:
+                await self._watch_once()
+            except Exception as e:  # noqa: BLE001 - Redis away for a moment: the next round tries again
+                log.warning("watch of held users failed: %s", e)
+
+    async def _watch_once(self) -> None:
+        users = list(self._synced)
+        if not users:
+            return
+        versions = await asyncio.to_thread(self.registry.user_versions, users)
+        for user_id, version in zip(users, versions):
+            if self._synced.get(user_id, version) != version and self._pruned.get(user_id) != version:
+                await self._prune(user_id, version)
+
+    async def _prune(self, user_id: str, version: int) -> None:
+        async with self._lock(user_id):
+            held = self._held.get(user_id)
+            if held is None or self._synced.get(user_id) == version:  # unloaded or re-synced meanwhile
+                return
+            wanted = await asyncio.to_thread(self.registry.fact_versions, user_id)
+            self.counters["facts_dropped_by_watch"] += await self._drop_moved(user_id, held, wanted)
+            self._pruned[user_id] = version
+
     # ------------------------------------------------------------------------------ called by the gateway
-    async def put_facts(self, user_id: str, ids_versions: list[tuple[str, int]], encoded: list) -> int:
-        """`encoded` arrives resolved from the object store (the encoder's response, passed on unresolved).
-        All or nothing: if the encoder failed on any fact, nothing is stored and the error names it."""
+    async def put_facts(self, user_id: str, facts: list[tuple[str, int, str]], encoded: list) -> int:
+        """`facts`: (fact_id, version, text) of each new fact. `encoded` arrives resolved from the object store
+        (the encoder's response, passed on unresolved). All or nothing: if the encoder failed on any fact,
+        nothing is stored and the error names it."""
         with self.metrics.request("put_facts"), _engine_death_is_unavailable():
-            ids_versions = [(f, int(v)) for f, v in ids_versions]
+            facts = [(f, int(v), str(t)) for f, v, t in facts]
             for i, enc in enumerate(encoded):
                 if isinstance(enc, EncodeFailure):
                     raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored")
             async with self._lock(user_id):
-                await self._put(user_id, ids_versions, encoded)
+                await self._put(user_id, facts, encoded)
             self.counters["facts_pushed"] += len(encoded)
-            # Load (sync) after the put: a first load then finds these facts held and encodes only the others.
-            await self._user(user_id)
+            await self._user(user_id)  # registers the user here (Serve routes its requests to this replica)
             return len(encoded)
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> int:
@@ -250,35 +357,33 @@ class EngineReplica:
             async with self._lock(user_id):
                 self._held.pop(user_id, None)
                 self._synced.pop(user_id, None)
+                self._pruned.pop(user_id, None)
                 return await self.engine.delete_encoded(user_id, None)
 
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
                      mode: str, conversation: list[dict] | None = None):
-        """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT and the injected fact ids.
-        `conversation`: system messages and earlier turns, after the memory in the chat template."""
+        """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT, the injected fact ids and
+        `timings_ms` (this replica's hops). `conversation`: system messages and earlier turns, after the memory
+        in the chat template. Refused with RESOURCE_EXHAUSTED (EngineAtCapacity) when the KV cache is full."""
         from vllm import SamplingParams
 
         from inferscale_core.engine import Query
 
+        t_in = time.perf_counter()
         with self.metrics.request("answer"), _engine_death_is_unavailable():
             if mode not in API_MODES:
                 raise ValueError(f"mode must be one of {sorted(API_MODES)}, got {mode!r}")
             await self._user(user_id)
-            await self._sync(user_id)  # cheap when nothing moved: one read of the version counter
-            recs = []
-            held = self._held.get(user_id, {})
-            for f in fact_ids:  # retrieval may name a fact deleted since, or one that cannot be served: skip it
-                try:
-                    rec = await asyncio.to_thread(self.registry.get, user_id, f)
-                except UnknownFactError:
-                    continue
-                if held.get(f) == rec.version:  # both modes serve the same facts (an A/B of injection)
-                    recs.append(rec)
-            q = Query(user_id, query, k=max(1, len(recs)), mode=API_MODES[mode],
+            held = await self._sync(user_id)  # one read of the version counter when nothing moved
+            t_synced = time.perf_counter()
+            # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped.
+            # Both modes serve the same facts (an A/B of injection).
+            facts = [(f, held[f]) for f in fact_ids if f in held]
+            q = Query(user_id, query, k=max(1, len(facts)), mode=API_MODES[mode],
                       conversation=tuple(conversation or ()))
             try:
-                p = self.engine.prepare_facts(q, [r.fact_id for r in recs], [r.text for r in recs],
-                                              [r.version for r in recs], [kv_id(r.fact_id, r.version) for r in recs])
+                p = self.engine.prepare_facts(q, [f for f, _ in facts], [h.text for _, h in facts],
+                                              [h.version for _, h in facts], [kv_id(f, h.version) for f, h in facts])
             except ValueError as e:  # the chat template refused the conversation
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             if len(p.prompt_ids) >= self.max_model_len:
@@ -286,27 +391,36 @@ class EngineReplica:
                                f"the prompt is {len(p.prompt_ids)} tokens (memory, conversation and query); the "
                                f"model's context is {self.max_model_len} tokens: send fewer or shorter messages")
             sp = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-            async for text, ans in self.engine.stream(p, sp):
-                if ans is None:
-                    yield {"text": text}
-                    continue
-                if ans.ttft_s is not None:
-                    self.metrics.ttft.observe(ans.ttft_s, tags={"mode": mode})
-                yield {"final": True, "fact_ids": ans.fact_ids, "ttft_ms": (ans.ttft_s or 0.0) * 1000,
-                       "prompt_tokens": ans.prompt_len, "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
-                       "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop"}
+            with self.admission.admit(min(len(p.prompt_ids) + max_tokens, self.max_model_len)):
+                t_submit = time.perf_counter()
+                async for text, ans in self.engine.stream(p, sp):
+                    if ans is None:
+                        yield {"text": text}
+                        continue
+                    if ans.ttft_s is not None:
+                        self.metrics.ttft.observe(ans.ttft_s, tags={"mode": mode})
+                    yield {"final": True, "fact_ids": ans.fact_ids, "ttft_ms": (ans.ttft_s or 0.0) * 1000,
+                           "prompt_tokens": ans.prompt_len,
+                           "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
+                           "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop",
+                           "timings_ms": {"user_sync": ms(t_synced - t_in), "admission_wait": ms(t_submit - t_in),
+                                          **engine_timings(ans)}}
 
     async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
                    structured: dict | None = None) -> str:
         """Plain chat generation with the serving model, no memory (Mem0's extraction step). `structured`:
-        the fields of vLLM's StructuredOutputsParams (json_object, json, regex, ...)."""
+        the fields of vLLM's StructuredOutputsParams (json_object, json, regex, ...). Admitted like answers:
+        it shares the KV cache with them."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
-        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                            structured_outputs=StructuredOutputsParams(**structured) if structured else None)
-        text, _, _ = await self.engine.chat(messages, sp)
-        return text
+        with _engine_death_is_unavailable():
+            sp = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                structured_outputs=StructuredOutputsParams(**structured) if structured else None)
+            prompt_len = len(self.engine.core.chat_prompt(messages)["prompt_token_ids"])
+            with self.admission.admit(min(prompt_len + max_tokens, self.max_model_len)):
+                text, _, _ = await self.engine.chat(messages, sp)
+            return text
 
     async def chat_room(self, messages: list[dict]) -> int:
         """Tokens left in the context after these messages (negative when they do not fit)."""
@@ -314,21 +428,23 @@ class EngineReplica:
 
     async def load_user(self, user_id: str) -> str:
         """Loads the user onto THIS replica (whichever one Serve routed the call to; admin and tests: put a user
-        on several replicas). Returns this replica's id."""
-        from inferscale_core.errors import check_id
-
+        on several replicas), facts synced. Returns this replica's id."""
         await self._user(check_id("user_id", user_id))
+        await self._sync(user_id)
         return self.replica_id
 
-    async def holds(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
-        """Whether the worker store holds each `(fact_id, version)`: the KV side of a fact, for checks."""
-        return await self.engine.has_encoded(user_id, [kv_id(f, v) for f, v in facts])
+    async def holds(self, user_id: str, facts: list[tuple[str, int]], with_replica: bool = False):
+        """Whether the worker store holds each `(fact_id, version)`: the KV side of a fact, for checks.
+        `with_replica`: {"replica_id": this replica, "holds": [...]} (a check across several replicas)."""
+        held = await self.engine.has_encoded(user_id, [kv_id(f, v) for f, v in facts])
+        return {"replica_id": self.replica_id, "holds": held} if with_replica else held
 
     # ------------------------------------------------------------------------------ observability
     async def stats(self) -> dict:
         """This replica's counters, the users it holds, and the engine's (vLLM + worker store) metrics."""
         return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir,
-                "users": sorted(self._held), **self.counters, "engine": await self.engine.metrics()}
+                "users": sorted(self._held), **self.counters, "admission": self.admission.stats(),
+                "engine": await self.engine.metrics()}
 
     async def health(self) -> str:
         await self.engine.has_encoded("__health__", ["probe"])  # a round trip to the engine's worker

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from ray import serve
 
-from inferscale_core.errors import UnknownFactError, UnknownUserError
+from inferscale_core.errors import UnknownUserError
 from inferscale_core.index import VectorIndex
 
 from .registry import Registry
@@ -28,20 +28,35 @@ MAX_USERS = int(os.environ.get("INFERSCALE_RETRIEVAL_MAX_USERS", "1024"))
 
 
 class RetrievalCore:
-    """Registry-synced per-user indices. Thread-safe; blocking (call from a thread in async code)."""
+    """Registry-synced per-user indices. Thread-safe; blocking (call from a thread in async code).
+
+    Locking is per user: syncing one user (registry reads, embedding its new facts) never holds up another
+    user's search. The query is embedded before any user lock is taken. Embedding itself runs one call at a
+    time (`_embed_lock`: a fast tokenizer is not safe to call from two threads at once); VectorIndex guards
+    its own matrices."""
 
     def __init__(self, registry: Registry, embedder, device: str | torch.device = "cpu"):
         self.registry = registry
         self.embedder = embedder
         self.index = VectorIndex(embedder.dim, device=device)
-        self._lock = threading.RLock()
+        self._locks_guard = threading.Lock()            # only to create/drop entries of _locks
+        self._locks: dict[str, threading.RLock] = {}    # user -> the lock of its sync state and index rows
+        self._embed_lock = threading.Lock()
         self._synced: dict[str, int] = {}              # user -> registry user_version last synced
         self._versions: dict[str, dict[str, int]] = {}  # user -> fact_id -> fact version indexed
+
+    def _lock(self, user_id: str) -> threading.RLock:
+        with self._locks_guard:
+            return self._locks.setdefault(user_id, threading.RLock())
+
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        with self._embed_lock:
+            return self.embedder.embed(texts)
 
     # ----------------------------------------------------------------------------------- sync
     def ensure(self, user_id: str) -> int:
         """Bring the user's index up to the registry's state; returns the number of facts indexed."""
-        with self._lock:
+        with self._lock(user_id):
             version = self.registry.user_version(user_id)
             if self._synced.get(user_id) == version:
                 return self.index.size(user_id)
@@ -52,12 +67,8 @@ class RetrievalCore:
             for fid in [f for f in have if f not in wanted]:
                 self._drop(user_id, fid)
             stale = [f for f, v in wanted.items() if have.get(f) != v]
-            recs = []
-            for fid in stale:
-                try:
-                    recs.append(self.registry.get(user_id, fid))
-                except UnknownFactError:  # deleted since the listing: the next sync sees that too
-                    continue
+            # One round trip; a fact deleted since the listing is left out (the next sync sees that too).
+            recs = list(self.registry.find_many(user_id, stale).values()) if stale else []
             self._add_records(user_id, recs)
             self._synced[user_id] = version
             return self.index.size(user_id)
@@ -73,7 +84,7 @@ class RetrievalCore:
             rows.append(torch.as_tensor(np.stack([r.embedding for r in reuse])))
             ids += [r.fact_id for r in reuse]
         if fresh:
-            embs = self.embedder.embed([r.text for r in fresh]).cpu()
+            embs = self._embed([r.text for r in fresh]).cpu()
             for r, e in zip(fresh, embs):
                 self.registry.set_embedding(user_id, r.fact_id, r.version, e.numpy())
             rows.append(embs)
@@ -92,26 +103,20 @@ class RetrievalCore:
     def index_facts(self, user_id: str, facts: list[tuple[str, int, str]]) -> int:
         """Eagerly index just-written facts `(fact_id, version, text)`: embed, write the embeddings back to the
         registry, add them here. Does not mark the user synced (other changes may be pending)."""
-        with self._lock:
-            recs = []
-            for fid, version, _text in facts:
-                try:
-                    rec = self.registry.get(user_id, fid)
-                except UnknownFactError:
-                    continue  # deleted meanwhile
-                if rec.version == version:
-                    recs.append(rec)
+        with self._lock(user_id):
+            found = self.registry.find_many(user_id, [fid for fid, _, _ in facts])  # deleted meanwhile: absent
+            recs = [found[fid] for fid, version, _ in facts if fid in found and found[fid].version == version]
             self._add_records(user_id, recs)
             return len(recs)
 
     def forget(self, user_id: str, fact_ids: list[str]) -> None:
-        with self._lock:
+        with self._lock(user_id):
             for fid in fact_ids:
                 self._drop(user_id, fid)
 
     def unload(self, user_id: str) -> None:
         """Drop the user's index from memory (LRU eviction or DeleteUser); the registry keeps everything."""
-        with self._lock:
+        with self._lock(user_id):
             self._synced.pop(user_id, None)
             self._versions.pop(user_id, None)
             try:
@@ -122,11 +127,8 @@ class RetrievalCore:
     # -------------------------------------------------------------------------------- reads
     def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
         """Top-k `(fact_id, score)` of the user, best first; [] for a user with no facts."""
-        with self._lock:
-            if self.ensure(user_id) == 0:
-                return []
-            q = self.embedder.embed([query])[0]
-            return [(f, float(s)) for f, s in self.index.search(user_id, q, k)]
+        q = self._embed([query])[0]  # before the user's lock: a search never waits on another's embedding
+        return self._search(user_id, q, k)
 
     def search_vector(self, user_id: str, vector, k: int) -> list[tuple[str, float]]:
         """Top-k by a query embedding computed elsewhere (same model); normalized here like ours."""
@@ -134,14 +136,16 @@ class RetrievalCore:
         if q.shape != (self.index.dim,):
             raise ValueError(f"query vector has shape {tuple(q.shape)}, the index holds {self.index.dim}-d vectors")
         q = q / q.norm().clamp_min(1e-12)
-        with self._lock:
+        return self._search(user_id, q.to(self.index.device), k)
+
+    def _search(self, user_id: str, q: torch.Tensor, k: int) -> list[tuple[str, float]]:
+        with self._lock(user_id):
             if self.ensure(user_id) == 0:
                 return []
-            return [(f, float(s)) for f, s in self.index.search(user_id, q.to(self.index.device), k)]
+            return [(f, float(s)) for f, s in self.index.search(user_id, q, k)]
 
     def users(self) -> list[str]:
-        with self._lock:
-            return list(self._synced)
+        return list(self._synced)
 
 
 class _LoadedUser:
@@ -174,7 +178,8 @@ class Retrieval:
 
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _LoadedUser:
-        await asyncio.to_thread(self.core.ensure, user_id)
+        """Serve's loader runs under one lock for the whole replica: it only registers the user; the request
+        syncs the index (RetrievalCore.ensure, under the user's own lock)."""
         return _LoadedUser(self.core, user_id)
 
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:

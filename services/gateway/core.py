@@ -38,8 +38,8 @@ class Backends(Protocol):
 
     def answer(self, user_id: str, query: str, k: int, max_tokens: int, temperature: float,
                mode: str, conversation: list[dict] | None = None) -> AsyncIterator[dict]:
-        """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", ...}. `conversation`:
-        system messages and earlier turns, put after the memory in the chat template."""
+        """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", "timings_ms", ...}.
+        `conversation`: system messages and earlier turns, put after the memory in the chat template."""
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> None:
         """Deleted facts `(fact_id, last version)`: out of the indices and every KV store."""
@@ -218,14 +218,8 @@ class GatewayCore:
                                         for f, s in hits if f in recs])
 
     async def _records(self, user_id: str, fact_ids: list[str]) -> dict[str, FactRecord]:
-        """Records of the user by id, skipping any deleted since the replica answered."""
-        out = {}
-        for fid in fact_ids:
-            try:
-                out[fid] = await _blocking(self.registry.get, user_id, fid)
-            except KeyError:
-                continue
-        return out
+        """Records of the user by id, in one registry round trip, skipping any deleted since the replica answered."""
+        return await _blocking(self.registry.find_many, user_id, fact_ids) if fact_ids else {}
 
     async def Answer(self, raw, caller: Principal):  # noqa: N802 - async generator of AnswerChunk
         req = api.parse("Answer", raw, self.limits)
@@ -246,7 +240,7 @@ class GatewayCore:
                     fact_ids=piece.get("fact_ids", []), prompt_tokens=piece.get("prompt_tokens", 0),
                     prefilled_tokens=piece.get("prefilled_tokens", 0),
                     completion_tokens=piece.get("completion_tokens", 0),
-                    finish_reason=piece.get("finish_reason", ""))
+                    finish_reason=piece.get("finish_reason", ""), timings_ms=piece.get("timings_ms", {}))
             else:
                 yield pb2.AnswerChunk(text=piece.get("text", ""))
 

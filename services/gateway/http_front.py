@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import api
+from ..admission import EngineAtCapacity
 from ..api import ApiError, pb2
 from ..auth import Principal
 
@@ -35,7 +36,11 @@ UNSUPPORTED = {"tools": "tool calling", "functions": "function calling", "tool_c
 
 
 def error_body(err: ApiError) -> dict:
-    """An OpenAI error object: {"error": {"message", "type", "param", "code"}} (the message names the field)."""
+    """An OpenAI error object: {"error": {"message", "type", "param", "code"}} (the message names the field).
+    Overload (EngineAtCapacity) is OpenAI's 429 kind: type "rate_limit_error", code "engine_at_capacity"."""
+    if isinstance(err, EngineAtCapacity):
+        return {"error": {"message": err.message, "type": "rate_limit_error", "param": None,
+                          "code": "engine_at_capacity"}}
     kind = ("invalid_request_error" if err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                                                     grpc.StatusCode.RESOURCE_EXHAUSTED)
             else "authentication_error" if err.code == grpc.StatusCode.UNAUTHENTICATED
@@ -45,7 +50,10 @@ def error_body(err: ApiError) -> dict:
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    """An OpenAI error object with the status code of `err`; 401 carries the WWW-Authenticate challenge."""
+    """An OpenAI error object with the status code of `err`; 401 carries the WWW-Authenticate challenge.
+    Overload is 429 with Retry-After (RESOURCE_EXHAUSTED for a too-large request or a quota stays 413)."""
+    if isinstance(err, EngineAtCapacity):
+        return JSONResponse(status_code=429, headers={"Retry-After": str(err.retry_after_s)}, content=error_body(err))
     headers = {"WWW-Authenticate": "Bearer"} if err.code == grpc.StatusCode.UNAUTHENTICATED else None
     return JSONResponse(status_code=HTTP_STATUS.get(err.code, 500), headers=headers, content=error_body(err))
 
@@ -179,8 +187,10 @@ def _usage(last) -> dict:
 
 
 def _extra(last) -> dict:
-    """InferScale's own fields next to OpenAI's: which facts were injected, TTFT, tokens actually prefilled."""
-    return {"fact_ids": list(last.fact_ids), "ttft_ms": last.ttft_ms, "prefilled_tokens": last.prefilled_tokens}
+    """InferScale's own fields next to OpenAI's: which facts were injected, TTFT, tokens actually prefilled, and
+    the per-hop timings of AnswerChunk.timings_ms."""
+    return {"fact_ids": list(last.fact_ids), "ttft_ms": last.ttft_ms, "prefilled_tokens": last.prefilled_tokens,
+            "timings_ms": dict(last.timings_ms)}
 
 
 def chat_call(body: bytes, caller: Principal, auth_enabled: bool) -> ChatCall:

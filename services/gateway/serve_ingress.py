@@ -38,7 +38,8 @@ class ServeBackends:
         # The encoder's response is handed to the engine call unresolved: Serve passes it on as an object
         # reference and the engine replica reads the KV tensors from the object store; they never come here.
         encoded = self.encoder.encode.remote([(r.text, list(r.window)) for r in records])
-        placed = self._e(user_id).put_facts.remote(user_id, [(r.fact_id, r.version) for r in records], encoded)
+        placed = self._e(user_id).put_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records],
+                                                   encoded)
         await asyncio.wait_for(asyncio.gather(indexed, placed), self.timeout_s)
 
     async def search(self, user_id, query, k):
@@ -49,12 +50,18 @@ class ServeBackends:
 
         t0, first = time.perf_counter(), True
         hits = await self.search(user_id, query, k)  # the query alone is searched, not the conversation
+        retrieval_ms = (time.perf_counter() - t0) * 1000
         fact_ids = serving_order(hits)  # most relevant last, next to the query
         async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
                                                                        temperature, mode, conversation):
-            if first and self.metrics is not None:  # q2ft: query in -> first token out, retrieval included
-                self.metrics.q2ft.observe(time.perf_counter() - t0, tags={"mode": mode})
+            if first:  # q2ft: query in -> first token out, retrieval included
+                first_ms = (time.perf_counter() - t0) * 1000
+                if self.metrics is not None:
+                    self.metrics.q2ft.observe(first_ms / 1000, tags={"mode": mode})
             first = False
+            if piece.get("final"):  # the gateway's hops next to the engine replica's
+                piece = {**piece, "timings_ms": {**piece.get("timings_ms", {}), "retrieval": retrieval_ms,
+                                                 "gateway_total_to_first_chunk": first_ms}}
             yield piece
 
     async def forget(self, user_id, facts):

@@ -40,6 +40,7 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "max_model_len" (int .Values.model.maxModelLen) -}}
 {{- $_ := set $args "limits" (.Values.limits | default dict) -}}
 {{- $_ := set $args "engine_overrides" (.Values.model.engineOverrides | default dict) -}}
+{{- $_ := set $args "admission_queue_factor" (float64 .Values.model.admissionQueueFactor) -}}
 {{- $_ := set $args "kv_dir" .Values.kvStore.dir -}}
 {{- $_ := set $args "store_options" (.Values.kvStore.options | default dict) -}}
 {{- $auth := include "inferscale.authArgs" . | fromYaml -}}
@@ -49,6 +50,7 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- range $d := $app.deployments -}}
 {{- $v := required (printf "values.deployments.%s is missing" $d.name) (get $.Values.deployments $d.name) -}}
 {{- $_ := set $d "max_ongoing_requests" (int $v.maxOngoingRequests) -}}
+{{- $_ := set $d "max_queued_requests" (int $v.maxQueuedRequests) -}}
 {{- $as := $d.autoscaling_config -}}
 {{- $_ := set $as "min_replicas" (int $v.minReplicas) -}}
 {{- $_ := set $as "max_replicas" (int $v.maxReplicas) -}}
