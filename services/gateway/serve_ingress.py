@@ -7,13 +7,23 @@ import asyncio
 import logging
 import time
 
-from ..api import Limits
+import grpc
+
+from ..api import Limits, to_api_error
 from ..auth import AuthConfig, Authenticator
 from .core import GatewayCore
 from .grpc_front import health_check, health_watch, metadata_value, status_of
 from .http_front import build_http_app
 
 log = logging.getLogger("inferscale.gateway")
+ANSWER_RETRIES = 2  # an Answer whose engine replica was lost before its first piece is tried this often again
+RETRY_WAIT_S = 0.5
+
+
+def _replica_lost(e: BaseException) -> bool:
+    """A backend replica that died or cannot be reached, or whose vLLM engine died (UNAVAILABLE); not a
+    timeout, not a refusal."""
+    return not isinstance(e, TimeoutError) and to_api_error(e).code == grpc.StatusCode.UNAVAILABLE
 
 
 class ServeBackends:
@@ -46,23 +56,35 @@ class ServeBackends:
         return await asyncio.wait_for(self._r(user_id).search.remote(user_id, query, k), self.timeout_s)
 
     async def answer(self, user_id, query, k, max_tokens, temperature, mode, conversation=None):
+        """Streams the engine's pieces. An engine replica lost before the first piece (died, unreachable, its
+        vLLM engine dead: UNAVAILABLE) is retried up to ANSWER_RETRIES times, on the replica Serve's router
+        picks once it knows (services/routing.py moves the user); after a piece was sent the error is final."""
         from inferscale_core.compose import serving_order
 
         t0, first = time.perf_counter(), True
         hits = await self.search(user_id, query, k)  # the query alone is searched, not the conversation
         retrieval_ms = (time.perf_counter() - t0) * 1000
         fact_ids = serving_order(hits)  # most relevant last, next to the query
-        async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
-                                                                       temperature, mode, conversation):
-            if first:  # q2ft: query in -> first token out, retrieval included
-                first_ms = (time.perf_counter() - t0) * 1000
-                if self.metrics is not None:
-                    self.metrics.q2ft.observe(first_ms / 1000, tags={"mode": mode})
-            first = False
-            if piece.get("final"):  # the gateway's hops next to the engine replica's
-                piece = {**piece, "timings_ms": {**piece.get("timings_ms", {}), "retrieval": retrieval_ms,
-                                                 "gateway_total_to_first_chunk": first_ms}}
-            yield piece
+        for attempt in range(ANSWER_RETRIES + 1):
+            try:
+                async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
+                                                                               temperature, mode, conversation):
+                    if first:  # q2ft: query in -> first token out, retrieval included
+                        first_ms = (time.perf_counter() - t0) * 1000
+                        if self.metrics is not None:
+                            self.metrics.q2ft.observe(first_ms / 1000, tags={"mode": mode})
+                    first = False
+                    if piece.get("final"):  # the gateway's hops next to the engine replica's
+                        piece = {**piece, "timings_ms": {**piece.get("timings_ms", {}), "retrieval": retrieval_ms,
+                                                         "gateway_total_to_first_chunk": first_ms}}
+                    yield piece
+                return
+            except Exception as e:  # noqa: BLE001 - retried, or raised as it is
+                if not first or attempt == ANSWER_RETRIES or not _replica_lost(e):
+                    raise
+                log.warning("answer: engine replica lost before the first piece (%s); retry %d of %d",
+                            type(e).__name__, attempt + 1, ANSWER_RETRIES)
+                await asyncio.sleep(RETRY_WAIT_S * (attempt + 1))  # lets Serve's router learn of the death
 
     async def forget(self, user_id, facts):
         await asyncio.gather(self._r(user_id).forget.remote(user_id, [f for f, _ in facts]),
