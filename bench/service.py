@@ -91,7 +91,7 @@ def parse_args(argv=None):
     ap.add_argument("--token", default=None, help="--target: one token with the memory:admin scope for all users")
     ap.add_argument("--skip-engine", action="store_true", help="no engine-level phase (no ratios)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    ap.add_argument("--deadline-min", type=float, default=None, help="whole-run deadline (default 60; quick 12)")
+    ap.add_argument("--deadline-min", type=float, default=None, help="whole-run deadline (default 60; quick 25)")
     ap.add_argument("--tag", default=None, help="results name: service_<tag>.* (default quick / full)")
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args(argv)
@@ -105,7 +105,7 @@ def parse_args(argv=None):
     args.requests_n1 = args.requests_n1 or base["requests_n1"]
     args.requests_per_user = args.requests_per_user or base["requests_per_user"]
     args.tag = args.tag or ("quick" if args.quick else "full")
-    args.deadline_min = args.deadline_min or (12.0 if args.quick else 60.0)
+    args.deadline_min = args.deadline_min or (25.0 if args.quick else 60.0)
     problems = []
     if not args.user_counts or min(args.user_counts) < 1:
         problems.append("--users must be positive integers")
@@ -234,7 +234,10 @@ def make_cells(args, users: list[BenchUser], tokens: dict[str, str]) -> list[Cel
     request of a user asks a question that user has not asked yet (until its pool runs out), so no cell is
     answered from vLLM's prefix cache of an earlier cell."""
     cells = []
-    for n in args.user_counts:
+    # The smallest and largest N first (the targets need them), then the others, so that a run stopped by its
+    # deadline still has what the ratios need.
+    order = [min(args.user_counts), max(args.user_counts)]
+    for n in list(dict.fromkeys(order + list(args.user_counts))):
         per_user = args.requests_n1 if n == 1 else args.requests_per_user
         for k in args.k_values:
             for mode in args.mode_list:
@@ -646,6 +649,14 @@ def fmt(v, digits=0) -> str:
     return f"{v:,.{digits}f}"
 
 
+HOPS = ("retrieval", "user_sync", "admission_wait", "vllm_queue", "prefill", "engine_ttft",
+        "gateway_total_to_first_chunk")  # AnswerChunk.timings_ms, in the order a request meets them
+
+
+def hop_order(name: str) -> tuple[int, str]:
+    return (HOPS.index(name) if name in HOPS else len(HOPS), name)
+
+
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Service under load (`{m['command']}`)", "",
@@ -659,7 +670,8 @@ def markdown(result: dict) -> str:
              "| hops p50 ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        hops = ", ".join(f"{k} {v:.0f}" for k, v in r["timings_ms_p50"].items() if v is not None) or "–"
+        t = r["timings_ms_p50"]
+        hops = ", ".join(f"{k} {t[k]:.0f}" for k in sorted(t, key=hop_order) if t[k] is not None) or "–"
         fails = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items())) or "0"
         lines.append(
             f"| {r['door']} | {r['users']} | {r['mode']} | {r['k']} | {r['requests']} | {r['ok']} | {fails} | "
@@ -791,8 +803,11 @@ def main(argv=None) -> int:
             expect = sum(len(p["questions"]) for c in warm_cells + cells for p in c.plan)
             load["before_service_load"] = load_average()
             sampler = ReplicaSampler() if own and (args.engine_replicas > 1 or args.max_replicas > 1) else None
+            # The service load may use 55% of the time left; the engine replay gets the rest.
+            load_deadline = time.time() + 0.55 * (deadline - time.time())
             with sampler or contextlib.nullcontext():
-                service_lines = run_client(client, plan, expect, "service", deadline)
+                service_lines = run_client(client, {**plan, "deadline": load_deadline}, expect, "service",
+                                           load_deadline)
             replicas = sampler.samples if sampler else []
             load["after_service_load"] = load_average()
             info = next((o for o in service_lines if o["type"] == "client"), {})
