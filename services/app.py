@@ -61,6 +61,9 @@ class DeploymentSpec:
     # default would restart it in the middle of start-up on a loaded machine.
     health_check_period_s: float = 10
     health_check_timeout_s: float = 120
+    # Seconds the load must stay above / below target before autoscaling adds / removes a replica.
+    upscale_delay_s: float = 10
+    downscale_delay_s: float = 300
 
     def options(self) -> dict:
         """Serve deployment options. Autoscaling follows ongoing requests per replica."""
@@ -74,7 +77,8 @@ class DeploymentSpec:
             "autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                                    "initial_replicas": max(self.min_replicas, 1),
                                    "target_ongoing_requests": self.target_ongoing_requests,
-                                   "upscale_delay_s": 10, "downscale_delay_s": 300},
+                                   "upscale_delay_s": self.upscale_delay_s,
+                                   "downscale_delay_s": self.downscale_delay_s},
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
