@@ -91,6 +91,9 @@ def parse_args(argv=None):
     ap.add_argument("--token", default=None, help="--target: one token with the memory:admin scope for all users")
     ap.add_argument("--skip-engine", action="store_true", help="no engine-level phase (no ratios)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--retry-overload", type=int, default=0,
+                    help="times a client asks again, 1 s later, when the service sheds its request "
+                         "(RESOURCE_EXHAUSTED / HTTP 429); 0: a shed request is a failure (default)")
     ap.add_argument("--deadline-min", type=float, default=None, help="whole-run deadline (default 60; quick 25)")
     ap.add_argument("--tag", default=None, help="results name: service_<tag>.* (default quick / full)")
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
@@ -563,7 +566,7 @@ def summarize(cell_id: str, door: str, n: int, mode: str, k: int, recs: list[dic
     ttft = [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None]
     timing_keys = sorted({key for r in ok for key in (r.get("timings_ms") or {})})
     row = {"cell": cell_id, "door": door, "users": n, "mode": mode, "k": k, "requests": len(recs), "ok": len(ok),
-           "failures": failures, "wall_s": wall_s,
+           "failures": failures, "wall_s": wall_s, "retried": sum(1 for r in ok if r.get("attempts", 1) > 1),
            "req_per_s": (len(ok) / wall_s) if wall_s and ok else None,
            "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in ok) if ok else None,
            "prefilled_tokens_mean": statistics.mean(r["prefilled_tokens"] for r in ok
@@ -660,10 +663,13 @@ def hop_order(name: str) -> tuple[int, str]:
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Service under load (`{m['command']}`)", "",
-             f"CPU: {m['cpu_line']}. **CPU times, not GPU times.** Load average (1 min): {m['load']}.",
+             f"CPU: {m['cpu_line']}. **CPU times, not GPU times.** Load average (1 min): "
+             + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in m["load"].items()) + ".",
              f"Service: {m['service']}. Model {m['model']}, dtype {m['dtype']}, {m['max_tokens']} answer tokens, "
              f"greedy, streamed. Users: {m['users_desc']}. Requests per user: {m['requests_n1']} at N=1, "
-             f"{m['requests_per_user']} at N>1 (one after another).",
+             f"{m['requests_per_user']} at N>1 (one after another); a request shed by the service is "
+             + (f"asked again 1 s later, up to {m['retry_overload']} times." if m.get("retry_overload")
+                else "a failure (no retry)."),
              f"Engine level: {m.get('engine_desc', 'not run')}.", "",
              "| door | users | mode | k | requests | ok | failures | req/s | first chunk p50 / p90 / p99 ms "
              "| total p50 / p99 ms | engine TTFT p50 / p90 ms (final chunk) | prompt tokens | prefilled "
@@ -673,8 +679,9 @@ def markdown(result: dict) -> str:
         t = r["timings_ms_p50"]
         hops = ", ".join(f"{k} {t[k]:.0f}" for k in sorted(t, key=hop_order) if t[k] is not None) or "–"
         fails = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items())) or "0"
+        retried = f" ({r['retried']} retried)" if r.get("retried") else ""
         lines.append(
-            f"| {r['door']} | {r['users']} | {r['mode']} | {r['k']} | {r['requests']} | {r['ok']} | {fails} | "
+            f"| {r['door']} | {r['users']} | {r['mode']} | {r['k']} | {r['requests']} | {r['ok']}{retried} | {fails} | "
             f"{fmt(r['req_per_s'], 2)} | {fmt(r['first_chunk_ms_p50'])} / {fmt(r['first_chunk_ms_p90'])} / "
             f"{fmt(r['first_chunk_ms_p99'])} | {fmt(r['total_ms_p50'])} / {fmt(r['total_ms_p99'])} | "
             f"{fmt(r['engine_ttft_ms_p50'])} / {fmt(r['engine_ttft_ms_p90'])} | {fmt(r['prompt_tokens_mean'])} | "
@@ -797,7 +804,7 @@ def main(argv=None) -> int:
                                  "questions": users[0].take_questions(1)}])
                           for door in ("grpc", "http") for mode in args.mode_list]
             cells = make_cells(args, users, tokens)
-            plan = {**base_plan, "command": "run", "max_tokens": args.max_tokens,
+            plan = {**base_plan, "command": "run", "max_tokens": args.max_tokens, "retry_overload": args.retry_overload,
                     "cells": [{"id": c.id, "door": c.door, "mode": c.mode, "k": c.k, "max_tokens": args.max_tokens,
                                "users": c.plan} for c in warm_cells + cells]}
             expect = sum(len(p["questions"]) for c in warm_cells + cells for p in c.plan)
@@ -844,6 +851,7 @@ def main(argv=None) -> int:
                       f"(e.g. user 0: {users[0].source})",
         "user_sources": {u.user_id: u.source for u in users},
         "requests_n1": args.requests_n1, "requests_per_user": args.requests_per_user,
+        "retry_overload": args.retry_overload,
         "user_counts": args.user_counts, "ks": args.k_values, "http_users": args.http_counts,
         "add_facts_s": add_s, "facts": n_facts, "wall_s": time.monotonic() - t_run}}
     if engine is not None:

@@ -27,6 +27,9 @@ from inferscale.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 HAS_TIMINGS = "timings_ms" in memory_pb2.AnswerChunk.DESCRIPTOR.fields_by_name
 
 
+OVERLOADED = ("RESOURCE_EXHAUSTED", "429")  # the service's backpressure (gRPC, HTTP)
+
+
 def emit(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -126,16 +129,29 @@ async def run_cell(plan: dict, cell: dict, channels: Channels, http_clients: dic
             if time.time() > deadline:
                 emit({**base, "status": "NOT_SENT_DEADLINE", "t_total_s": 0.0})
                 continue
-            if cell["door"] == "grpc":
-                res = await grpc_answer(await channels.stub(u["user_id"]), u, question, cell, timeout_s)
-            else:
-                try:
-                    res = await asyncio.wait_for(http_answer(http_clients[u["user_id"]], u, question, cell),
-                                                 timeout_s + 30)
-                except asyncio.TimeoutError:
-                    res = {"status": "TIMEOUT", "error": f"no answer within {timeout_s + 30:.0f} s",
-                           "t_total_s": timeout_s + 30}
+            t_user, attempts = time.perf_counter(), 0
+            while True:
+                t_attempt = time.perf_counter()
+                res = await answer(u, question)
+                attempts += 1
+                # Shed by the service's backpressure: a polite client waits and asks again (--retry-overload).
+                if (res["status"] in OVERLOADED and attempts <= plan.get("retry_overload", 0)
+                        and time.time() < deadline):
+                    await asyncio.sleep(plan.get("retry_wait_s", 1.0))
+                    continue
+                break
+            if "t_first_s" in res:  # the user waited from its first attempt
+                res["t_first_s"] += t_attempt - t_user
+            res.update(t_total_s=time.perf_counter() - t_user, attempts=attempts)
             emit({**base, **res})
+
+    async def answer(u: dict, question: str) -> dict:
+        if cell["door"] == "grpc":
+            return await grpc_answer(await channels.stub(u["user_id"]), u, question, cell, timeout_s)
+        try:
+            return await asyncio.wait_for(http_answer(http_clients[u["user_id"]], u, question, cell), timeout_s + 30)
+        except asyncio.TimeoutError:
+            return {"status": "TIMEOUT", "error": f"no answer within {timeout_s + 30:.0f} s"}
 
     if cell["door"] == "http":
         import openai
