@@ -1,5 +1,6 @@
 """DeploymentSpecs with Serve options that services/app.py does not expose, for tests that need them: custom Ray
-resources (to pin a deployment to a node) and autoscaling timings in seconds instead of minutes."""
+resources (to pin a deployment to a node) and Serve's autoscaling metric timings (how often replicas report,
+over how long they are averaged), so that a test sees a scaling decision within seconds."""
 from __future__ import annotations
 
 import dataclasses

@@ -25,9 +25,10 @@ ray = pytest.importorskip("ray")
 
 APP = "inferscale"
 SCALED = ("Gateway", "Retrieval", "EncoderPool")
-# Seconds, not minutes: replicas report every 0.5 s, averaged over 2 s; 2 s above target to add one, 5 s below to
-# remove it.
-FAST = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 2.0, "downscale_delay_s": 5.0}
+# Seconds, not minutes: 2 s above target to add a replica, 5 s below to remove it; replicas report every 0.5 s,
+# averaged over 2 s (Serve's metric timings, which DeploymentSpec leaves at their defaults).
+DELAYS = {"upscale_delay_s": 2.0, "downscale_delay_s": 5.0}
+FAST_METRICS = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0}
 RAMP = [(1, 4), (8, 64), (1, 2)]  # (concurrent clients, Answers) per step
 UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of the ramp's start, gone DOWN_BY_S later
 
@@ -38,8 +39,8 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     from services.app import ServiceConfig
     from test_service_e2e import Service, _free_port
 
-    deployments = {name: spec_with(autoscaling=FAST, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
-                                   num_cpus=0.25) for name in SCALED}
+    deployments = {name: spec_with(autoscaling=FAST_METRICS, min_replicas=1, max_replicas=2,
+                                   target_ongoing_requests=1, num_cpus=0.25, **DELAYS) for name in SCALED}
     deployments["EngineReplica"] = spec_with(num_cpus=0.5)
     kv_dir = tmp_path_factory.mktemp("kv")
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024, http_port=_free_port(),
