@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 
+# Serve's own router, subclassed for requests without a user; a private module in ray 2.60 (pinned in pyproject).
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
