@@ -66,6 +66,15 @@ def test_overload_crosses_processes_as_itself_and_maps_to_429():
     assert too_big.status_code == 413  # a request over a size limit or quota stays 413
 
 
+def test_puts_into_the_engine_core_are_cut_into_bounded_chunks():
+    from services.engine_replica import put_chunks
+
+    items = list("abcdef")
+    chunks = put_chunks(items, [300, 200, 100, 600, 50, 50], max_tokens=512)
+    assert chunks == [["a", "b"], ["c"], ["d"], ["e", "f"]]  # in order; one larger than the bound goes alone
+    assert put_chunks([], [], max_tokens=512) == []
+
+
 class _HeldListing:
     """The real RedisRegistry, except that listing one user's facts waits until the test releases it: a slow
     sync of that user (a big user, a slow Redis) in progress."""
