@@ -90,6 +90,8 @@ def parse_args(argv=None):
     ap.add_argument("--jwt-secret-file", type=Path, default=None, help="--target: HS256 secret to sign user tokens")
     ap.add_argument("--token", default=None, help="--target: one token with the memory:admin scope for all users")
     ap.add_argument("--skip-engine", action="store_true", help="no engine-level phase (no ratios)")
+    ap.add_argument("--engine-niceness", type=int, default=15,
+                    help="niceness of the engine-level phase (default 15: what Ray gives the service's replicas)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     ap.add_argument("--retry-overload", type=int, default=0,
                     help="times a client asks again, 1 s later, when the service sheds its request "
@@ -454,6 +456,10 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     from services.engine_replica import kv_id
 
     defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
+    # Ray starts its workers, the service's replicas among them, at niceness 15 (its worker_niceness default):
+    # the engine here runs at the same, so that on a shared machine both sides get the same share of the cores.
+    if args.engine_niceness > os.nice(0):
+        os.nice(args.engine_niceness - os.nice(0))  # before vLLM starts: its threads and processes inherit it
     t0 = time.monotonic()
     fe = FactEncoder(args.model, device="cpu", dtype=args.dtype)
     options = serving_store_options(defaults.store_options)
@@ -855,7 +861,8 @@ def main(argv=None) -> int:
         "user_counts": args.user_counts, "ks": args.k_values, "http_users": args.http_counts,
         "add_facts_s": add_s, "facts": n_facts, "wall_s": time.monotonic() - t_run}}
     if engine is not None:
-        result["meta"]["engine_desc"] = (f"AsyncInjectingEngine in this process after the service stopped; the gRPC "
+        result["meta"]["engine_desc"] = (f"AsyncInjectingEngine in this process after the service stopped, at "
+                                         f"niceness {args.engine_niceness} (Ray's replicas run at 15); the gRPC "
                                          f"cells' prompts replayed at the same N; facts from the service's disk tier "
                                          f"{engine['facts_from_service_disk']}, encoded here "
                                          f"{engine['facts_encoded_here']}; ready in {engine['setup_s']:.0f} s")
