@@ -717,6 +717,28 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def rounded(obj):
+    if isinstance(obj, float):
+        return round(obj, 4)
+    if isinstance(obj, dict):
+        return {k: rounded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [rounded(v) for v in obj]
+    return obj
+
+
+def write_json(result: dict, path: Path) -> None:
+    """The result, one per-request record a line (thousands of them in a full run)."""
+    parts = []
+    for key, value in result.items():
+        if key == "requests":
+            body = "[\n" + ",\n".join(json.dumps(rounded(r), separators=(",", ":")) for r in value) + "\n]"
+        else:
+            body = json.dumps(value, indent=1, default=str)
+        parts.append(f"{json.dumps(key)}: {body}")
+    path.write_text("{\n" + ",\n".join(parts) + "\n}\n")
+
+
 def plot(result: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -729,17 +751,19 @@ def plot(result: dict, path: Path) -> bool:
     panels = 3 if result.get("replicas") else 2
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
     series = sorted({(r["door"], r["mode"], r["k"]) for r in rows})
+    colors = {mk: f"C{i}" for i, mk in enumerate(sorted({(m, k) for _, m, k in series}))}  # one per mode and k
     for door, mode, k in series:
         pts = sorted((r["users"], r) for r in rows if (r["door"], r["mode"], r["k"]) == (door, mode, k))
         style = {"grpc": "-o", "http": "--s", "engine": ":^"}[door]
         label = f"{door} {mode} k={k}"
         key = "engine_ttft_ms_p50" if door == "engine" else "first_chunk_ms_p50"
         xs = [n for n, r in pts if r[key] is not None]
-        axes[0].plot(xs, [r[key] for n, r in pts if r[key] is not None], style, label=label)
+        axes[0].plot(xs, [r[key] for n, r in pts if r[key] is not None], style, label=label, color=colors[mode, k])
         xs = [n for n, r in pts if r["req_per_s"] is not None]
-        axes[1].plot(xs, [r["req_per_s"] for n, r in pts if r["req_per_s"] is not None], style, label=label)
+        axes[1].plot(xs, [r["req_per_s"] for n, r in pts if r["req_per_s"] is not None], style, label=label,
+                     color=colors[mode, k])
     axes[0].set(xscale="log", yscale="log", xlabel="concurrent users",
-                ylabel="ms (p50)", title="client first chunk (service) / TTFT (engine level)")
+                ylabel="ms (p50)", title="client first chunk (grpc, http) / TTFT (engine level)")
     axes[1].set(xscale="log", xlabel="concurrent users", ylabel="req/s", title="throughput")
     axes[0].legend(fontsize=6)
     if panels == 3:
@@ -877,14 +901,16 @@ def main(argv=None) -> int:
     result["failure_examples"] = examples
     result["checks"] = checks
     # Per-request records without LoCoMo text (question indices only): LoCoMo is CC BY-NC, not shipped.
-    result["requests"] = [{k: v for k, v in r.items() if k != "type"} for r in service_lines
+    # Fact ids are replaced by their count: the replay needed them, the record does not (megabytes at k=50).
+    result["requests"] = [{**{k: v for k, v in r.items() if k not in ("type", "fact_ids")},
+                           "facts": len(r.get("fact_ids") or [])} for r in service_lines
                           if r["type"] == "request"] + (engine["records"] if engine else [])
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"service_{args.tag}"
     md = markdown(result)
     stem.with_suffix(".md").write_text(md)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    write_json(result, stem.with_suffix(".json"))
     plotted = plot(result, stem.with_suffix(".png"))
     print("\n" + md)
     print(f"written: {stem}.json, {stem}.md" + (f", {stem}.png" if plotted else " (matplotlib missing: no plot)"))
