@@ -16,7 +16,8 @@
 4. Shuts the service down and replays the gRPC cells' requests straight on AsyncInjectingEngine in this process
    (same model, dtype, block size, context and store options as an engine replica; the same prompts: the
    facts each service answer injected, in its order, as the same KV bytes, read from the service engine's disk
-   tier, or encoded here as the encoder pool does when the service is not ours); same concurrency.
+   tier, or encoded here as the encoder pool does when the service is not ours); same concurrency; at niceness
+   15, the niceness Ray gives the service's replicas (on a shared machine both sides get the same share).
 5. Prints and writes (bench/results/service_<tag>.json/.md/.png) the tables and issue 12's ratios with
    met/missed and margins. lscpu's model and flags and the load average are in every output.
 
@@ -25,7 +26,9 @@ Usage:
   python bench/service.py --tag full                   # N = 1, 10, 25, 50, 100; k = 5, 50 (gRPC; HTTP at N = 1, 100)
   python bench/service.py --target 127.0.0.1:9000,8000 --jwt-secret-file ~/.cache/inferscale/dev-jwt-secret
 
-Exit status 1 when a request failed or a ratio could not be computed (results are written first).
+A request the service sheds (RESOURCE_EXHAUSTED / HTTP 429) is a failure unless --retry-overload N lets the client
+ask again 1 s later. Exit status 1 when a request failed or a ratio could not be computed (results are written
+first).
 """
 from __future__ import annotations
 
