@@ -35,9 +35,8 @@ UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of th
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    from inferscale_core.vllm_env import vllm_cpu_env
     from services.app import ServiceConfig
-    from test_service_e2e import Service, _free_port
+    from test_service_e2e import _free_port, service_on_local_ray
 
     deployments = {name: spec_with(autoscaling=FAST_METRICS, min_replicas=1, max_replicas=2,
                                    target_ongoing_requests=1, num_cpus=0.25, **DELAYS) for name in SCALED}
@@ -47,16 +46,8 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
                         grpc_port=_free_port(), deployments=deployments,
                         auth={"hs256_secret_file": str(jwt_secret[0])})
     # Logical CPUs (Ray's scheduling shares) for two replicas of each scaled deployment on 2 real cores.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": vllm_cpu_env()})
-    svc = None
-    try:
-        svc = Service(cfg, kv_dir, jwt_secret[1])
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, num_cpus=4) as svc:
         yield svc
-    finally:
-        if svc is not None:
-            svc.stop()
-        ray.shutdown()
 
 
 def test_replicas_rise_under_load_and_fall_back(service):

@@ -59,9 +59,8 @@ def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    from inferscale_core.vllm_env import vllm_cpu_env
     from services.app import DeploymentSpec, ServiceConfig, single_node_deployments
-    from test_service_e2e import Service, _free_port
+    from test_service_e2e import _free_port, service_on_local_ray
 
     if os.environ.get("INFERSCALE_MEASURE_SERVE_ROUTER"):  # a measurement, not the test: Serve's own router
         import services.routing
@@ -75,17 +74,9 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024,
                         http_port=_free_port(), grpc_port=_free_port(), deployments=deployments,
                         auth={"hs256_secret_file": str(jwt_secret[0])})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": vllm_cpu_env()})
-    svc = None
-    try:
-        svc = Service(cfg, kv_dir, jwt_secret[1])
+    with service_on_local_ray(cfg, kv_dir, jwt_secret) as svc:
         svc.users = {}  # name -> fact ids
         yield svc
-    finally:
-        if svc is not None:
-            svc.stop()
-        ray.shutdown()
 
 
 def test_users_spread_over_both_replicas(service):

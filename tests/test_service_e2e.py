@@ -97,16 +97,13 @@ class Service:
 
 
 @contextlib.contextmanager
-def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None, **ray_init):
-    """The application on a fresh local Ray (2 CPUs, one replica of each deployment); also used by
-    tests/test_openai_compat.py and tests/test_metrics.py. `ray_init`: more ray.init arguments."""
+def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_vars: dict | None = None,
+                         **ray_init):
+    """The application `cfg` on a fresh local Ray (`num_cpus` logical CPUs, vLLM's CPU settings in every worker),
+    shut down with it; used by every test module that runs the whole app. `ray_init`: more ray.init arguments."""
     from inferscale_core.vllm_env import vllm_cpu_env
-    from services.app import ServiceConfig, single_node_deployments
 
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
-                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments(),
-                        auth={"hs256_secret_file": str(jwt_secret[0])})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {**vllm_cpu_env(), **(env_vars or {})}}, **ray_init)
     svc = None
     try:
@@ -116,6 +113,19 @@ def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | N
         if svc is not None:
             svc.stop()
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None, **ray_init):
+    """The application on a fresh local Ray (2 CPUs, one replica of each deployment); also used by
+    tests/test_openai_compat.py and tests/test_metrics.py. `ray_init`: more ray.init arguments."""
+    from services.app import ServiceConfig, single_node_deployments
+
+    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
+                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments(),
+                        auth={"hs256_secret_file": str(jwt_secret[0])})
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env_vars, **ray_init) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="module")

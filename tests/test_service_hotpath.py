@@ -120,10 +120,9 @@ def test_a_slow_sync_of_one_user_does_not_block_another_users_search(redis_url):
 # ------------------------------------------------------------------------------------ the application
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    ray = pytest.importorskip("ray")
-    from test_service_e2e import Service, _free_port
+    pytest.importorskip("ray")
+    from test_service_e2e import _free_port, service_on_local_ray
 
-    from inferscale_core.vllm_env import vllm_cpu_env
     from services.app import ServiceConfig, single_node_deployments
 
     deps = single_node_deployments()
@@ -133,16 +132,8 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
                         max_model_len=KV_BLOCKS * BLOCK, block_size=BLOCK, engine_overrides={"num_gpu_blocks_override": KV_BLOCKS + 1},
                         admission_queue_factor=1.0, http_port=_free_port(), grpc_port=_free_port(),
                         deployments=deps, auth={"hs256_secret_file": str(jwt_secret[0])})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": vllm_cpu_env()})
-    svc = None
-    try:
-        svc = Service(cfg, tmp_path_factory.mktemp("unused"), jwt_secret[1])
+    with service_on_local_ray(cfg, tmp_path_factory.mktemp("unused"), jwt_secret) as svc:
         yield svc
-    finally:
-        if svc is not None:
-            svc.stop()
-        ray.shutdown()
 
 
 def _engine():
