@@ -23,7 +23,7 @@ import pytest
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from test_grpc_api import serve_ports  # noqa: F401  (fixture: the registry-only Gateway behind Serve's proxies)
+from test_grpc_serve_proxy import serve_ports  # noqa: F401  (fixture: the registry-only Gateway behind Serve's proxies)
 
 ROOT = Path(__file__).resolve().parent.parent
 
