@@ -41,9 +41,11 @@ from tqdm import tqdm
 from inferscale_core.defaults import RECOMPUTE_TOKENS, add_recompute_arguments
 from inferscale_core.eval import report
 from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
-                                         load_locomo, require_data_path, window_turns)
+                                         load_locomo, require_data_path, window_facts,
+                                         window_turns)
 from inferscale_core.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
 from inferscale_core.eval.stats import by_category, group_by, paired_bootstrap, summarize
+from inferscale_core.template import PromptTemplate
 
 MODES = ("kv", "pi")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -220,6 +222,7 @@ class RunConfig:
     throughput_k: tuple[int, ...] | None = None  # k in the throughput phase; None = the smallest k
     throughput_tokens: int = 50           # output tokens per throughput request
     fact_dates: bool = True               # prefix facts with their session date
+    window_kind: str = "turns"            # KV windows: the w previous turns, or the w previous facts of the session
     judge_model: str | None = None
     dtype: str = "bfloat16"               # the engine's (vLLM cache) dtype
     encode_dtype: str = "float32"         # the encoder's dtype (facts are cast to dtype in the worker)
@@ -253,9 +256,21 @@ def select_questions(questions: Sequence[Question], n: int | None) -> list[Quest
     return sorted(picked, key=lambda q: order[q.qid])
 
 
-def memory_items(conv: Conversation, w: int, fact_dates: bool = True) -> list[FactWithWindow]:
-    return [FactWithWindow(f.fact_id, f.render(with_date=fact_dates),
-                           tuple(t.render() for t in window_turns(conv, f, w))) for f in conv.facts]
+WINDOW_KINDS = ("turns", "facts")
+
+
+def memory_items(conv: Conversation, w: int, fact_dates: bool = True, window_kind: str = "turns") -> list[FactWithWindow]:
+    """Each fact with the window it is encoded behind: the w conversation turns before its source turn
+    ("turns"), or the w facts of its own session before it, rendered as the memory lines they are served as
+    ("facts")."""
+    if window_kind == "turns":
+        window = lambda f: tuple(t.render() for t in window_turns(conv, f, w))  # noqa: E731
+    elif window_kind == "facts":
+        window = lambda f: tuple(PromptTemplate.render_fact(g.render(with_date=fact_dates))  # noqa: E731
+                                 for g in window_facts(conv, f, w))
+    else:
+        raise ValueError(f"window kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
+    return [FactWithWindow(f.fact_id, f.render(with_date=fact_dates), window(f)) for f in conv.facts]
 
 
 def _check(conv: Conversation, req: Request, raw) -> Answer:
@@ -330,6 +345,8 @@ def run_benchmark(cfg: RunConfig, backend: AnswerBackend, judge: Judge | None = 
         raise TypeError(f"{type(backend).__name__} does not implement AnswerBackend (add_facts, answer)")
     if not cfg.k or not cfg.w or any(k <= 0 for k in cfg.k) or any(w < 0 for w in cfg.w):
         raise ValueError(f"need k > 0 and w >= 0, got k={cfg.k} w={cfg.w}")
+    if cfg.window_kind not in WINDOW_KINDS:
+        raise ValueError(f"window kind must be one of {WINDOW_KINDS}, got {cfg.window_kind!r}")
     convs = load_conversations(cfg)
     selected = [(c, q) for c in convs for q in select_questions(c.questions, cfg.max_questions)]
     if not selected:
@@ -344,7 +361,7 @@ def run_benchmark(cfg: RunConfig, backend: AnswerBackend, judge: Judge | None = 
     encode = []
     for conv in tqdm(convs, desc="add facts", disable=not progress):
         for w in cfg.w:
-            items = memory_items(conv, w, cfg.fact_dates)
+            items = memory_items(conv, w, cfg.fact_dates, cfg.window_kind)
             t0 = time.perf_counter()
             backend.add_facts(user_id(conv, w), items, w)
             row = {"sample_id": conv.sample_id, "w": w, "n_facts": len(items), "add_facts_s": time.perf_counter() - t0,
@@ -509,7 +526,7 @@ def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
 
 # Settings that must agree between runs merged into one report (the rest is per run).
 MERGE_KEYS = ("data", "model", "k", "w", "latency_k", "max_tokens", "fact_dates", "dtype", "encode_dtype",
-              "judge_model", "max_questions", "recompute_tokens", "recompute_facts")
+              "judge_model", "max_questions", "recompute_tokens", "recompute_facts", "window_kind")
 
 
 def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamples: int | None = None,
@@ -603,6 +620,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--requests-per-user", type=int, default=2, help="throughput phase: questions per user")
     p.add_argument("--throughput-k", type=_int_list, help="k in the throughput phase (default: smallest k)")
     p.add_argument("--throughput-tokens", type=int, default=50, help="output tokens per throughput request")
+    p.add_argument("--window-kind", choices=WINDOW_KINDS, default="turns",
+                   help="what a fact's w-item window is: the conversation turns before its source turn, or the "
+                        "facts of its own session before it, as memory lines (default %(default)s)")
     p.add_argument("--no-fact-dates", action="store_true", help="do not prefix facts with their session date")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine (KV cache) dtype")
     p.add_argument("--encode-dtype", default="float32", choices=["bfloat16", "float32"], help="encoder dtype")
@@ -627,7 +647,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                      throughput_tokens=a.throughput_tokens, fact_dates=not a.no_fact_dates,
                      judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
                      bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()),
-                     recompute_tokens=a.recompute_tokens, recompute_facts=a.recompute_facts)
+                     recompute_tokens=a.recompute_tokens, recompute_facts=a.recompute_facts,
+                     window_kind=a.window_kind)
 
 
 def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None, judge: Judge | None = None) -> dict:

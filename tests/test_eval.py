@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from inferscale_core.eval.locomo import (Fact, LocomoFormatError, answerable, load_locomo, parse_dia_ids,
-                                         window_turns)
+                                         window_facts, window_turns)
 from inferscale_core.eval.report import write_report
 from inferscale_core.eval.scoring import (JUDGE_PROMPT, judge_prompt, locomo_f1, normalize_answer,
                                           parse_judge_reply, token_f1)
@@ -117,6 +117,38 @@ def _write(tmp_path, data, raw=None):
     p = tmp_path / "locomo.json"
     p.write_text(raw if raw is not None else json.dumps(data))
     return p
+
+
+def test_window_facts_are_the_w_before_in_the_same_session(dev):
+    conv = dev[0]
+    sessions = sorted({f.session for f in conv.facts})
+    session = [f for f in conv.facts if f.session == sessions[-1]]
+    assert len(session) >= 3
+    by_turn = sorted(session, key=lambda f: (f.turn_index, conv.facts.index(f)))
+    last = by_turn[-1]
+    got = window_facts(conv, last, 2)
+    assert got == by_turn[-3:-1]  # oldest first, the fact itself excluded
+    assert window_facts(conv, last, 1000) == by_turn[:-1]  # never crosses into another session
+    assert window_facts(conv, by_turn[0], 5) == [] and window_facts(conv, last, 0) == []
+    with pytest.raises(ValueError, match="window"):
+        window_facts(conv, last, -1)
+
+
+def test_facts_windows_are_rendered_as_memory_lines(dev):
+    from inferscale_core.template import PromptTemplate
+
+    conv = dev[0]
+    items = runner.memory_items(conv, 3, window_kind="facts")
+    fact = conv.facts[-1]
+    assert items[-1].window == tuple(PromptTemplate.render_fact(g.render()) for g in window_facts(conv, fact, 3))
+    assert all(line.startswith("- [") and line.endswith("\n") for i in items for line in i.window)
+    assert runner.memory_items(conv, 3, window_kind="turns")[-1].window == tuple(
+        t.render() for t in window_turns(conv, fact, 3))
+    with pytest.raises(ValueError, match="window kind"):
+        runner.memory_items(conv, 3, window_kind="sessions")
+    assert runner.parse_args(["--data", "x.json", "--window-kind", "facts"]).window_kind == "facts"
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--data", "x.json", "--window-kind", "sessions"])
 
 
 def test_tiny_file_loads(tmp_path):
@@ -577,3 +609,48 @@ def test_pooled_reports_match_the_merged_run(tmp_path):
     assert row50["above"] == ["conv-x"] and row50["include_0"] == 0
     with pytest.raises(SystemExit, match="not found"):
         pool_reports.main([str(tmp_path / "nothing")])
+
+
+def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
+    """bench/pareto.py: one row per (setting, w) with the pooled gap at k=10 and k=50, the conversations whose
+    own interval includes 0, the TTFT ratio from the bench/ttft.py report, and the issue's verdict."""
+    pareto = _load_script("pareto")
+
+    def report(folder, sid, rows):
+        path = tmp_path / folder / sid / "locomo_results.md"
+        path.parent.mkdir(parents=True)
+        path.write_text(f"Data `x`: conversations {sid}; 10 facts; 100 answerable questions.\n\n"
+                        "## KV minus PI (paired)\n\n| k | w | n | ΔF1 | x |\n|---|---|---|---|---|\n" + rows)
+
+    ok = "| 10 | 5 | 100 | -0.001 [-0.020, +0.018] | – |\n| 50 | 5 | 100 | +0.002 [-0.015, +0.019] | – |\n"
+    for i in range(6):
+        report("good", f"conv-{i}", ok)
+    report("good", "conv-6", "| 10 | 5 | 100 | -0.030 [-0.050, -0.010] | – |\n"
+                             "| 50 | 5 | 100 | +0.001 [-0.015, +0.017] | – |\n")
+    merged = tmp_path / "good" / "all" / "locomo_results.md"  # a merged run beside them is not a conversation
+    merged.parent.mkdir()
+    merged.write_text("Data `x`: conversations conv-0, conv-1; 20 facts.\n\n## KV minus PI\n\n"
+                      "| 10 | 5 | 200 | -0.500 [-0.600, -0.400] | – |\n")
+    for i in range(7):
+        report("bad", f"conv-{i}", "| 10 | 5 | 100 | -0.030 [-0.050, -0.010] | – |\n"
+                                   "| 50 | 5 | 100 | -0.030 [-0.050, -0.010] | – |\n")
+    fast, slow = tmp_path / "fast.md", tmp_path / "slow.md"
+    fast.write_text("TTFT(PI,k=50)/TTFT(KV,k=50) = 10.4x; TTFT(KV,k=50)/TTFT(KV,k=5) = 1.5\n")
+    slow.write_text("TTFT(PI,k=50)/TTFT(KV,k=50) = 8.1x\n")
+
+    rows = pareto.main(["--point", "fast good", str(tmp_path / "good"), str(fast),
+                        "--point", "slow good", str(tmp_path / "good"), str(slow),
+                        "--point", "fast bad", str(tmp_path / "bad"), str(fast), "--out", str(tmp_path / "out")])
+    by = {r["label"]: r for r in rows}
+    assert by["fast good"]["conversations"] == 7 and by["fast good"]["ratio"] == 10.4
+    assert by["fast good"]["k10"]["include_0"] == 6 and by["fast good"]["k10"]["below"] == ["conv-6"]
+    assert by["fast good"]["k50"]["include_0"] == 7
+    assert by["fast good"]["accuracy_target"] and by["fast good"]["target"]
+    assert by["slow good"]["accuracy_target"] and not by["slow good"]["target"]  # 8.1x < 10x
+    assert not by["fast bad"]["accuracy_target"] and by["fast bad"]["k50"]["include_0"] == 0
+    table = (tmp_path / "out" / "pareto.md").read_text()
+    assert "| fast good | 5 |" in table and "6 of 7 (below: conv-6)" in table and "10.4x" in table
+    with pytest.raises(SystemExit, match="TTFT"):
+        pareto.main(["--point", "x", str(tmp_path / "good"), str(tmp_path / "good" / "conv-0" / "locomo_results.md")])
+    with pytest.raises(SystemExit, match="no single-conversation"):
+        pareto.main(["--point", "x", str(tmp_path / "out"), str(fast)])

@@ -128,6 +128,19 @@ def window_turns(conversation: Conversation, fact: Fact, w: int) -> list[Turn]:
     return list(conversation.turns[max(0, t - w):t])
 
 
+def window_facts(conversation: Conversation, fact: Fact, w: int) -> list[Fact]:
+    """The w facts of the fact's own session that precede it, oldest first (ordered by source turn, then file
+    order). Encoded as memory lines, they make the fact's context look like the memory it is served in: the
+    same line format, the same session date. The fact itself is not included."""
+    if w < 0:
+        raise ValueError(f"window size must be >= 0, got {w}")
+    position = {f.fact_id: i for i, f in enumerate(conversation.facts)}
+    session = sorted((f for f in conversation.facts if f.session == fact.session),
+                     key=lambda f: (f.turn_index, position[f.fact_id]))
+    i = next(j for j, f in enumerate(session) if f.fact_id == fact.fact_id)
+    return session[max(0, i - w):i]
+
+
 def parse_dia_ids(value) -> tuple[str, ...]:
     """Normalize a dia_id field (a string, possibly "D1:2, D1:4" or "D8:6; D9:17", or a list) to ids."""
     parts = value if isinstance(value, list) else [value]

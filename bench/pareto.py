@@ -1,0 +1,137 @@
+"""Accuracy against speed, one point per setting (issue 13): the KV−PI F1 gap pooled over the conversations (and
+how many conversations' own intervals include 0) at k=10 and k=50, against TTFT(PI)/TTFT(KV) at k=50.
+
+Each point is a label, a folder of per-conversation bench/locomo.py runs (one sub-folder per conversation, as
+the accuracy loops in BENCHMARKS.md write them) and the bench/ttft.py report of the same serving setting.
+Encoding-side settings (the window) cost nothing at serving time: they share the TTFT report of the serving
+setting they ran with. Pooling as in bench/pool_reports.py (from the committed Markdown).
+
+    python bench/pareto.py \\
+        --point "recompute 0" bench/results/accuracy bench/results/ttft_conv26_amx_recompute0.md \\
+        --point "recompute 32" bench/results/accuracy-recompute32 bench/results/ttft_conv26_amx_recompute32.md \\
+        --out bench/results/pareto
+
+writes pareto.md (the table) and pareto.png (ΔF1 at k=50 against the TTFT ratio, 95% intervals).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pool_reports  # noqa: E402
+
+_RATIO = re.compile(r"TTFT\(PI,k=50\)/TTFT\(KV,k=50\) = (\d+(?:\.\d+)?)x")
+_CONVERSATIONS = re.compile(r"conversations ([^;]+);")
+TARGET_RATIO = 10.0      # issue 13: TTFT(PI)/TTFT(KV) at k=50
+TARGET_CONVERSATIONS = 6  # of 7: conversations whose own interval includes 0, at k=10 and at k=50
+
+
+def ttft_ratio(path: Path) -> float:
+    """TTFT(PI)/TTFT(KV) at k=50 from a bench/ttft.py report (its summary line)."""
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: pass a report written by bench/ttft.py")
+    m = _RATIO.search(path.read_text(encoding="utf-8"))
+    if not m:
+        raise SystemExit(f"{path}: no 'TTFT(PI,k=50)/TTFT(KV,k=50) = ...x' line (a bench/ttft.py report with k=50?)")
+    return float(m.group(1))
+
+
+def conversation_reports(folder: Path) -> dict[str, dict]:
+    """{conversation: read_report} for the single-conversation runs under `folder` (merged runs are skipped)."""
+    reports = {}
+    for path in sorted(folder.glob("*/locomo_results.md")):
+        m = _CONVERSATIONS.search(path.read_text(encoding="utf-8"))
+        if m and "," not in m.group(1):
+            reports[path.parent.name] = pool_reports.read_report(path)
+    if not reports:
+        raise SystemExit(f"{folder}: no single-conversation bench/locomo.py reports in its sub-folders")
+    return reports
+
+
+def points(specs: list[tuple[str, str, str]]) -> list[dict]:
+    """One row per (label, w): pooled k=10 and k=50 rows, the TTFT ratio, and whether the issue's target holds."""
+    rows = []
+    for label, folder, ttft in specs:
+        ratio = ttft_ratio(Path(ttft))
+        reports = conversation_reports(Path(folder))
+        pooled = {(r["k"], r["w"]): r for r in pool_reports.pool(reports)}
+        for w in sorted({w for _, w in pooled}):
+            at = {k: pooled.get((k, w)) for k in (10, 50)}
+            if not all(at.values()):
+                continue
+            holds = all(r["lo"] <= 0 <= r["hi"] and r["include_0"] >= TARGET_CONVERSATIONS for r in at.values())
+            rows.append({"label": label, "w": w, "k10": at[10], "k50": at[50], "ratio": ratio,
+                         "conversations": len(reports), "accuracy_target": holds,
+                         "target": holds and ratio >= TARGET_RATIO, "folder": folder, "ttft_report": ttft})
+    return rows
+
+
+def _cell(r: dict) -> str:
+    return f"{r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| setting | w | ΔF1 k=10 pooled | conv. incl. 0 (k=10) | ΔF1 k=50 pooled | conv. incl. 0 (k=50) | "
+             "TTFT PI/KV k=50 | accuracy target | whole target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in rows:
+        below = lambda r: f" (below: {', '.join(r['below'])})" if r["below"] else ""  # noqa: E731
+        lines.append(f"| {p['label']} | {p['w']} | {_cell(p['k10'])} | {p['k10']['include_0']} of "
+                     f"{p['conversations']}{below(p['k10'])} | {_cell(p['k50'])} | {p['k50']['include_0']} of "
+                     f"{p['conversations']}{below(p['k50'])} | {p['ratio']:.1f}x | "
+                     f"{'met' if p['accuracy_target'] else 'missed'} | {'met' if p['target'] else 'missed'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in rows:
+        r = p["k50"]
+        ax.errorbar(p["ratio"], r["mean"], yerr=[[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]], fmt="o", capsize=3,
+                    label=f"{p['label']}, w={p['w']} ({r['include_0']}/{p['conversations']} conv. incl. 0)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.axvline(TARGET_RATIO, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("TTFT(PI) / TTFT(KV) at k=50 (higher is faster)")
+    ax.set_ylabel("F1 KV − PI at k=50, pooled, 95% CI")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--point", nargs=3, action="append", required=True, metavar=("LABEL", "ACCURACY_DIR", "TTFT_MD"),
+                    help="a setting: its label, its per-conversation accuracy runs, its bench/ttft.py report")
+    ap.add_argument("--out", type=Path, default=None, help="folder for pareto.md and pareto.png (default: print only)")
+    a = ap.parse_args(argv)
+    rows = points(a.point)
+    table = markdown(rows)
+    print(table, end="")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        sources = "\n".join(f"- {p['label']}: `{p['folder']}`, `{p['ttft_report']}`"
+                            for p in {p['label']: p for p in rows}.values())
+        (a.out / "pareto.md").write_text(f"Command: `python bench/pareto.py {' '.join(_quote(x) for x in argv or sys.argv[1:])}`\n\n"
+                                         f"{table}\nSources:\n{sources}\n", encoding="utf-8")
+        plot(rows, a.out / "pareto.png")
+    return rows
+
+
+def _quote(arg: str) -> str:
+    return f'"{arg}"' if " " in arg else arg
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
