@@ -263,31 +263,13 @@ def make_cells(args, users: list[BenchUser], tokens: dict[str, str]) -> list[Cel
 @contextlib.contextmanager
 def redis_server():
     """A throwaway redis-server on a free loopback port (no persistence); yields its URL."""
-    import redis
+    from services.registry.local_redis import RedisServerMissing, local_redis_server
 
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed (Debian package redis-server); use --registry embedded")
-    port, workdir = free_port(), tempfile.mkdtemp(prefix="inferscale-bench-redis-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
     try:
-        for _ in range(200):
-            with contextlib.suppress(redis.ConnectionError):
-                redis.Redis.from_url(url).ping()
-                break
-            if proc.poll() is not None:
-                raise SystemExit(f"redis-server exited with {proc.returncode} on port {port}")
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
+        with local_redis_server() as url:
+            yield url
+    except RedisServerMissing as e:  # raised before the server starts, never by the caller's block
+        raise SystemExit(f"{e}; use --registry embedded") from None
 
 
 def deployments(args) -> dict:

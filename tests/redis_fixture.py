@@ -6,56 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from services.registry.local_redis import RedisServerMissing, local_redis_server
 
 
 @contextlib.contextmanager
 def redis_server(password: str | None = None):
-    """A redis-server bound to 127.0.0.1 on a free port (with `requirepass` when a password is given);
-    yields its URL, the password in it."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (Debian package redis-server); the registry tests need it")
-    import redis
-
-    port = _free_port()
-    workdir = tempfile.mkdtemp(prefix="inferscale-redis-")
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir]
-    if password:
-        args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"redis://:{password}@127.0.0.1:{port}/0" if password else f"redis://127.0.0.1:{port}/0"
+    """services.registry.local_redis.local_redis_server; a missing redis-server fails the test, naming it."""
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {port} (exit {proc.poll()})")
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+        with local_redis_server(password) as url:
+            yield url
+    except RedisServerMissing as e:  # raised before the server starts, never by the caller's block
+        pytest.fail(f"{e}; the registry tests need it")
 
 
 @pytest.fixture(scope="module")
