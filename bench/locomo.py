@@ -41,7 +41,7 @@ from tqdm import tqdm
 from inferscale_core.defaults import RECOMPUTE_TOKENS, add_recompute_arguments
 from inferscale_core.eval import report
 from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
-                                         load_locomo, require_data_path, window_facts,
+                                         load_locomo, require_data_path, session_facts,
                                          window_turns)
 from inferscale_core.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
 from inferscale_core.eval.stats import by_category, group_by, paired_bootstrap, summarize
@@ -264,13 +264,16 @@ def memory_items(conv: Conversation, w: int, fact_dates: bool = True, window_kin
     ("turns"), or the w facts of its own session before it, rendered as the memory lines they are served as
     ("facts")."""
     if window_kind == "turns":
-        window = lambda f: tuple(t.render() for t in window_turns(conv, f, w))  # noqa: E731
-    elif window_kind == "facts":
-        window = lambda f: tuple(PromptTemplate.render_fact(g.render(with_date=fact_dates))  # noqa: E731
-                                 for g in window_facts(conv, f, w))
+        windows = {f.fact_id: tuple(t.render() for t in window_turns(conv, f, w)) for f in conv.facts}
+    elif window_kind == "facts":  # each session's facts added together, in turn order: what the service does
+        windows = {}
+        for session in sorted({f.session for f in conv.facts}):
+            facts = session_facts(conv, session)
+            texts = [f.render(with_date=fact_dates) for f in facts]
+            windows.update(zip((f.fact_id for f in facts), PromptTemplate.neighbour_windows(texts, w)))
     else:
         raise ValueError(f"window kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
-    return [FactWithWindow(f.fact_id, f.render(with_date=fact_dates), window(f)) for f in conv.facts]
+    return [FactWithWindow(f.fact_id, f.render(with_date=fact_dates), windows[f.fact_id]) for f in conv.facts]
 
 
 def _check(conv: Conversation, req: Request, raw) -> Answer:

@@ -54,6 +54,15 @@ class PromptTemplate:
     def render_fact(text: str) -> str:
         return f"- {text.strip()}\n"
 
+    @staticmethod
+    def neighbour_windows(fact_texts: Sequence[str], w: int) -> list[tuple[str, ...]]:
+        """For facts added together, in order: each one's window is the w facts before it, rendered as the
+        memory lines they are served as (context-window encoding behind neighbouring facts)."""
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"window size must be an int >= 0, got {w!r}")
+        lines = [PromptTemplate.render_fact(t) for t in fact_texts]
+        return [tuple(lines[max(0, i - w):i]) for i in range(len(lines))]
+
     def fact_ids(self, text: str) -> list[int]:
         if not text or not text.strip():
             raise ValueError("fact text is empty")

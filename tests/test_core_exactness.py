@@ -90,6 +90,24 @@ def test_corollary2_windows_holding_preceding_facts_equal_joint_prompt(model_and
 
 
 @torch.no_grad()
+def test_neighbour_windows_of_facts_added_together_equal_joint_prompt(model_and_tok):
+    """PromptTemplate.neighbour_windows (the service's window rule for facts added together) are text: encoded
+    with w >= the facts before, and composed in the order they were added, they are the joint prompt."""
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    windows = PromptTemplate.neighbour_windows(FACTS, len(FACTS))
+    assert [len(win) for win in windows] == [0, 1, 2]
+    encoder = PreRopeEncoder(model, tok)
+    items = [(prefix, ())] + [(f, [prefix, *win]) for f, win in zip(facts, windows)]
+    comp = compose(ChunkedRope(model.config), encoder.encode_batch(items, batch_size=2, progress=False), query)
+    joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
+    assert (query_logits(model, comp) - joint).abs().max().item() < 1e-4
+    assert PromptTemplate.neighbour_windows(FACTS, 1)[2] == (PromptTemplate.render_fact(FACTS[1]),)
+    with pytest.raises(ValueError, match="window size"):
+        PromptTemplate.neighbour_windows(FACTS, -1)
+
+
+@torch.no_grad()
 def test_batched_encoding_with_padding_equals_one_at_a_time(model_and_tok):
     model, tok = model_and_tok
     prefix, facts, _ = ids_of(model_and_tok)

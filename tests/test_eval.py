@@ -140,7 +140,11 @@ def test_facts_windows_are_rendered_as_memory_lines(dev):
     conv = dev[0]
     items = runner.memory_items(conv, 3, window_kind="facts")
     fact = conv.facts[-1]
-    assert items[-1].window == tuple(PromptTemplate.render_fact(g.render()) for g in window_facts(conv, fact, 3))
+    # built with the service's rule (PromptTemplate.neighbour_windows over each session's facts), they are
+    # exactly each fact's window_facts as memory lines
+    for item, f in zip(items, conv.facts):
+        assert item.window == tuple(PromptTemplate.render_fact(g.render()) for g in window_facts(conv, f, 3))
+    assert sum(len(i.window) == 3 for i in items) > len(items) // 2
     assert all(line.startswith("- [") and line.endswith("\n") for i in items for line in i.window)
     assert runner.memory_items(conv, 3, window_kind="turns")[-1].window == tuple(
         t.render() for t in window_turns(conv, fact, 3))
@@ -634,13 +638,17 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
     for i in range(7):
         report("bad", f"conv-{i}", "| 10 | 5 | 100 | -0.030 [-0.050, -0.010] | – |\n"
                                    "| 50 | 5 | 100 | -0.030 [-0.050, -0.010] | – |\n")
+    for i in range(7):  # KV ahead of PI on two conversations at k=50
+        report("better", f"conv-{i}", ok if i > 1 else "| 10 | 5 | 100 | -0.001 [-0.020, +0.018] | – |\n"
+                                                          "| 50 | 5 | 100 | +0.030 [+0.010, +0.050] | – |\n")
     fast, slow = tmp_path / "fast.md", tmp_path / "slow.md"
     fast.write_text("TTFT(PI,k=50)/TTFT(KV,k=50) = 10.4x; TTFT(KV,k=50)/TTFT(KV,k=5) = 1.5\n")
     slow.write_text("TTFT(PI,k=50)/TTFT(KV,k=50) = 8.1x\n")
 
     rows = pareto.main(["--point", "fast good", str(tmp_path / "good"), str(fast),
                         "--point", "slow good", str(tmp_path / "good"), str(slow),
-                        "--point", "fast bad", str(tmp_path / "bad"), str(fast), "--out", str(tmp_path / "out")])
+                        "--point", "fast bad", str(tmp_path / "bad"), str(fast),
+                        "--point", "better", str(tmp_path / "better"), str(fast), "--out", str(tmp_path / "out")])
     by = {r["label"]: r for r in rows}
     assert by["fast good"]["conversations"] == 7 and by["fast good"]["ratio"] == 10.4
     assert by["fast good"]["k10"]["include_0"] == 6 and by["fast good"]["k10"]["below"] == ["conv-6"]
@@ -648,8 +656,12 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
     assert by["fast good"]["accuracy_target"] and by["fast good"]["target"]
     assert by["slow good"]["accuracy_target"] and not by["slow good"]["target"]  # 8.1x < 10x
     assert not by["fast bad"]["accuracy_target"] and by["fast bad"]["k50"]["include_0"] == 0
+    assert by["fast good"]["accuracy_not_below"] and not by["fast bad"]["accuracy_not_below"]
+    assert by["better"]["k50"]["above"] == ["conv-0", "conv-1"] and by["better"]["k50"]["include_0"] == 5
+    assert not by["better"]["accuracy_target"] and by["better"]["accuracy_not_below"]  # KV ahead is no loss
     table = (tmp_path / "out" / "pareto.md").read_text()
     assert "| fast good | 5 |" in table and "6 of 7 (below: conv-6)" in table and "10.4x" in table
+    assert "5 of 7 (above: conv-0, conv-1)" in table
     with pytest.raises(SystemExit, match="TTFT"):
         pareto.main(["--point", "x", str(tmp_path / "good"), str(tmp_path / "good" / "conv-0" / "locomo_results.md")])
     with pytest.raises(SystemExit, match="no single-conversation"):

@@ -128,15 +128,20 @@ def window_turns(conversation: Conversation, fact: Fact, w: int) -> list[Turn]:
     return list(conversation.turns[max(0, t - w):t])
 
 
+def session_facts(conversation: Conversation, session: int) -> list[Fact]:
+    """The facts of one session in the order they became known: by source turn, then file order."""
+    position = {f.fact_id: i for i, f in enumerate(conversation.facts)}
+    return sorted((f for f in conversation.facts if f.session == session),
+                  key=lambda f: (f.turn_index, position[f.fact_id]))
+
+
 def window_facts(conversation: Conversation, fact: Fact, w: int) -> list[Fact]:
-    """The w facts of the fact's own session that precede it, oldest first (ordered by source turn, then file
-    order). Encoded as memory lines, they make the fact's context look like the memory it is served in: the
-    same line format, the same session date. The fact itself is not included."""
+    """The w facts of the fact's own session that precede it (session_facts order), oldest first. Encoded as
+    memory lines, they make the fact's context look like the memory it is served in: the same line format,
+    the same session date. The fact itself is not included."""
     if w < 0:
         raise ValueError(f"window size must be >= 0, got {w}")
-    position = {f.fact_id: i for i, f in enumerate(conversation.facts)}
-    session = sorted((f for f in conversation.facts if f.session == fact.session),
-                     key=lambda f: (f.turn_index, position[f.fact_id]))
+    session = session_facts(conversation, fact.session)
     i = next(j for j, f in enumerate(session) if f.fact_id == fact.fact_id)
     return session[max(0, i - w):i]
 
