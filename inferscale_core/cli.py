@@ -39,31 +39,33 @@ def demo(args) -> int:
     set_vllm_cpu_env()
     import torch
 
-    from .defaults import serving_store_options
+    from .defaults import NEIGHBOUR_WINDOW, default_windows, serving_store_options
     from .engine import InjectingEngine, default_sampling
 
     dtype = getattr(torch, args.dtype)
     options = serving_store_options({} if args.recompute_tokens is None
                                     else {"recompute_tokens": args.recompute_tokens})
+    w = NEIGHBOUR_WINDOW
     print(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded default)'} on vLLM ({args.dtype}, CPU), "
-          f"recompute_tokens={options['recompute_tokens']} ...")
+          f"neighbour window={w}, recompute_tokens={options['recompute_tokens']}, "
+          f"recompute_facts={options['recompute_facts']} ...")
     engine = InjectingEngine(model_path=args.model, dtype=dtype, store_options=options)
     sampling = default_sampling(max_tokens=24)
     kv_wrong_pi_right = []
     try:
         for user, facts in DEMO_FACTS.items():
             t = time.perf_counter()
-            engine.add(user, facts)
+            engine.add(user, facts, default_windows(facts, w=w), ws=(w,))  # as the service adds them
             print(f"{user}: {len(facts)} facts encoded once in {time.perf_counter() - t:.2f} s")
         for mode in ("kv", "pi"):  # first requests pay one-off kernel set-up; keep it out of the timings
-            engine.generate("alice", "Hello!", k=args.k, mode=mode, sampling_params=sampling)
+            engine.generate("alice", "Hello!", k=args.k, w=w, mode=mode, sampling_params=sampling)
         for user, question, expected in DEMO_QUESTIONS:
             print(f"\n[{user}] {question}  (expected: {expected})")
             right = {}
             texts = {}
             for mode in ("kv", "pi"):
                 t = time.perf_counter()
-                ans = engine.generate(user, question, k=args.k, mode=mode, sampling_params=sampling)
+                ans = engine.generate(user, question, k=args.k, w=w, mode=mode, sampling_params=sampling)
                 took = time.perf_counter() - t
                 texts[mode] = ans.text.strip()
                 right[mode] = expected.lower() in texts[mode].lower()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from inferscale_core.cli import DEMO_FACTS, DEMO_QUESTIONS
-from inferscale_core.defaults import RECOMPUTE_TOKENS
+from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_FACTS, RECOMPUTE_TOKENS, default_windows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,9 @@ def test_demo_kv_is_right_wherever_prompt_injection_is_right():
                           capture_output=True, text=True, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed:\n{out}\n{proc.stderr[-3000:]}"
-    assert f"recompute_tokens={RECOMPUTE_TOKENS}" in out  # the demo runs the shipped default
+    # the demo runs the shipped default
+    assert (f"neighbour window={NEIGHBOUR_WINDOW}, recompute_tokens={RECOMPUTE_TOKENS}, "
+            f"recompute_facts={RECOMPUTE_FACTS}") in out
     verdicts = [line.strip() for line in out.splitlines() if line.strip().startswith("-> ")]
     assert len(verdicts) == len(DEMO_QUESTIONS)
     assert not any("KV WRONG" in v for v in verdicts)
@@ -40,3 +42,12 @@ def test_demo_kv_is_right_wherever_prompt_injection_is_right():
     assert f"OK: on all {len(DEMO_QUESTIONS)} questions" in out
     injected = next(line for line in out.splitlines() if line.startswith("injected tokens:"))
     assert int(injected.split(":")[1].split(",")[0]) > 0  # memory KV really was injected, not all recomputed
+
+
+def test_default_windows_keep_a_callers_window_and_give_the_rest_their_neighbours():
+    texts = ["a one", "b two", "c three"]
+    assert default_windows(texts, w=1) == [(), ("- a one\n",), ("- b two\n",)]
+    assert default_windows(texts, [[], ["user: hi"], []], w=2) == [(), ("user: hi",), ("- a one\n", "- b two\n")]
+    assert default_windows(texts, w=0) == [(), (), ()]
+    with pytest.raises(ValueError, match="3 facts but 2 windows"):
+        default_windows(texts, [[], []])

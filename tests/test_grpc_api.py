@@ -92,6 +92,27 @@ def test_fact_crud_round_trip(stub):
     assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid)).facts) == 0
 
 
+def test_facts_added_together_are_encoded_behind_their_neighbours(stub, registry):
+    """The shipped default (inferscale_core.defaults): a fact without a window of its own is stored (and so
+    encoded) behind the NEIGHBOUR_WINDOW facts before it in the same call, as memory lines; a caller's window
+    wins; facts of another call are not its neighbours."""
+    from inferscale_core.defaults import NEIGHBOUR_WINDOW
+    from inferscale_core.template import PromptTemplate
+
+    uid = _user()
+    texts = ["likes green tea", "has a dog named Rex", "lives in Oslo", "plays chess"]
+    first = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text=t) for t in texts[:3]] + [
+        pb2.FactInput(text=texts[3], window=["user: I won at chess today"])])).facts
+    windows = [registry.get(uid, f.fact_id).window for f in first]
+    lines = [PromptTemplate.render_fact(t) for t in texts]
+    assert NEIGHBOUR_WINDOW >= 2 and windows[:3] == [(), (lines[0],), (lines[0], lines[1])]
+    assert windows[1] == ("- likes green tea\n",)
+    assert windows[3] == ("user: I won at chess today",)
+    (later,) = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="owns a bike")])).facts
+    assert registry.get(uid, later.fact_id).window == ()
+    stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid))
+
+
 def test_add_memory_without_inference_stores_messages(stub):
     uid = _user()
     res = stub.AddMemory(pb2.AddMemoryRequest(user_id=uid, infer=False, metadata={"session": "s1"}, messages=[

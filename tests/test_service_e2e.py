@@ -151,8 +151,8 @@ def test_answers_stream_with_the_injected_memory(service):
     assert final.ttft_ms > 0 and final.completion_tokens > 0
     assert len(final.fact_ids) == 3 and set(final.fact_ids) <= set(service.ids["alice"])
     assert final.fact_ids[-1] == service.ids["alice"][0]  # the cat fact, next to the query
-    # vLLM's own accounting: the memory's tokens came from the connector, except its last RECOMPUTE_TOKENS (the
-    # shipped default), which vLLM prefilled with the query.
+    # vLLM's own accounting: the memory's tokens came from the connector, except the suffix the shipped default
+    # leaves to vLLM (its last RECOMPUTE_TOKENS; 0 today), which vLLM prefilled with the query.
     loaded = (after["engine"]["prompt_tokens_external_kv_transfer"]
               - before["engine"].get("prompt_tokens_external_kv_transfer", 0))
     computed = after["engine"]["prompt_tokens_local_compute"] - before["engine"].get("prompt_tokens_local_compute", 0)

@@ -10,11 +10,14 @@ travels to the engine replica as an object-store reference (see serve_ingress.Se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
+
+from inferscale_core.defaults import default_windows
 
 from .. import api
 from ..api import ApiError, Limits, pb2
@@ -119,6 +122,10 @@ class GatewayCore:
         names = names or [f"facts[{i}].text" for i in range(len(facts))]
         for f, name in zip(facts, names):
             api.text_field(f.text, name, self.limits.max_fact_chars)
+        # The shipped encoding default: facts added together, each behind the facts before it in this call
+        # (a caller's own window wins). Stored with the fact, so a re-encode uses the same window.
+        windows = default_windows([f.text for f in facts], [f.window for f in facts])
+        facts = [dataclasses.replace(f, window=win) for f, win in zip(facts, windows)]
         await self._check_encodable([f.text for f in facts], names)
         recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota())
         if self.backends is not None:
