@@ -62,10 +62,26 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_conversation(reports: dict[str, dict[tuple[int, int], dict]]) -> str:
+    """Each conversation's own ΔF1 [95% CI] per (k, w), one row per conversation."""
+    keys = sorted(set.intersection(*(set(r) for r in reports.values())))
+    lines = ["| conversation | n | " + " | ".join(f"k={k} w={w}" for k, w in keys) + " |",
+             "|---|---|" + "---|" * len(keys)]
+    for name in sorted(reports):
+        cells = []
+        for key in keys:
+            r = reports[name][key]
+            mark = " (below 0)" if r["below"] else " (above 0)" if r["above"] else ""
+            cells.append(f"{r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]{mark}")
+        lines.append(f"| {name} | {reports[name][keys[0]]['n']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="folders (or files) of bench/locomo.py reports, one "
                                                        "conversation set each")
+    ap.add_argument("--conversations", action="store_true", help="also print each conversation's own row")
     a = ap.parse_args(argv)
     reports = {}
     for run in a.runs:
@@ -81,6 +97,8 @@ def main(argv=None) -> list[dict]:
             raise SystemExit(str(e)) from None
     rows = pool(reports)
     print(markdown(rows), end="")
+    if a.conversations:
+        print("\n" + per_conversation(reports), end="")
     return rows
 
 

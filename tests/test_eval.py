@@ -609,6 +609,8 @@ def test_pooled_reports_match_the_merged_run(tmp_path):
     report.write_text("## KV minus PI (paired)\n\n| k | w | n | ΔF1 | x |\n|---|---|---|---|---|\n"
                       "| 10 | 5 | 150 | -0.020 [-0.041, -0.000] | – |\n| 50 | 5 | 150 | +0.012 [+0.001, +0.030] | – |\n")
     (row10, row50) = pool_reports.main([str(report.parent)])
+    table = pool_reports.per_conversation({"conv-x": pool_reports.read_report(report)})
+    assert "| conv-x | 150 | -0.020 [-0.041, -0.000] (below 0) | +0.012 [+0.001, +0.030] (above 0) |" in table
     assert row10["below"] == ["conv-x"] and row10["include_0"] == 0  # -0.000 is printed for a negative end
     assert row50["above"] == ["conv-x"] and row50["include_0"] == 0
     with pytest.raises(SystemExit, match="not found"):
