@@ -661,9 +661,13 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
     assert by["fast good"]["accuracy_not_below"] and not by["fast bad"]["accuracy_not_below"]
     assert by["better"]["k50"]["above"] == ["conv-0", "conv-1"] and by["better"]["k50"]["include_0"] == 5
     assert not by["better"]["accuracy_target"] and by["better"]["accuracy_not_below"]  # KV ahead is no loss
+    assert not by["better"]["target"] and by["better"]["target_not_below"]
     table = (tmp_path / "out" / "pareto.md").read_text()
     assert "| fast good | 5 |" in table and "6 of 7 (below: conv-6)" in table and "10.4x" in table
     assert "5 of 7 (above: conv-0, conv-1)" in table
+    (median,) = pareto.main(["--point", "runs", str(tmp_path / "good"), f"{fast},{slow},{fast}"])
+    assert median["ratio"] == 10.4 and median["ratios"] == [8.1, 10.4, 10.4] and median["target"]
+    assert "10.4x (median of 3 runs: 8.1, 10.4, 10.4)" in pareto.markdown([median])
     with pytest.raises(SystemExit, match="TTFT"):
         pareto.main(["--point", "x", str(tmp_path / "good"), str(tmp_path / "good" / "conv-0" / "locomo_results.md")])
     with pytest.raises(SystemExit, match="no single-conversation"):
