@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from redis_fixture import _free_port
 from services import app as service_app
 from services.app import DEPLOYMENTS, DeploymentSpec, ServiceConfig, chart_serve_config, dump, serve_config
+from services.registry.local_redis import free_port
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "inferscale"
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -308,7 +308,7 @@ def test_rendered_redis_command_binds_and_requires_the_password(helm, tmp_path):
     assert c["command"] == ["sh", "-c"] and "requirepass" not in " ".join(c["command"])
     script = c["args"][0]
     assert "--appendonly yes --appendfsync everysec" in script and "--protected-mode yes" in script
-    port = _free_port()
+    port = free_port()
     script = (script.replace("/tmp/auth.conf", str(tmp_path / "auth.conf")).replace("--dir /data", f"--dir {tmp_path}")
               .replace(f"--port {VALUES['redis']['port']}", f"--port {port}"))
     password = "pw-" + os.urandom(16).hex()

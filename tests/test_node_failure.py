@@ -22,7 +22,8 @@ import grpc
 import pytest
 
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
-from redis_fixture import _free_port, redis_url  # noqa: F401  (fixture)
+from redis_fixture import redis_url  # noqa: F401  (fixture)
+from services.registry.local_redis import free_port
 from serve_specs import spec_with
 from test_multi_replica import NAMES, facts_of, stats_by_replica
 from test_ray_cluster import _ray, _reload_ray_auth, _stop_ray
@@ -82,7 +83,7 @@ def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
     # Each node its own home, so kv_dir "~/kv" is a disk of its own, as on separate machines (engine replicas
     # on two nodes both have local rank 0: one shared folder would be written by both).
     homes = {node: tmp_path_factory.mktemp(f"{node}-home") for node in ("head", "worker")}
-    gcs_port = _free_port()
+    gcs_port = free_port()
     temp_dir = Path("/tmp") / f"isn{os.getpid()}"  # short (unix socket paths) and private to this module
     common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(300 << 20), "--disable-usage-stats",
               "--num-cpus", "2"]
@@ -90,7 +91,7 @@ def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
     on_head = {"head": 1}
     cfg = ServiceConfig(
         registry_url=redis_url, kv_dir="~/kv", max_model_len=1024,
-        http_port=_free_port(), grpc_port=_free_port(), auth={"hs256_secret_file": str(jwt_secret[0])},
+        http_port=free_port(), grpc_port=free_port(), auth={"hs256_secret_file": str(jwt_secret[0])},
         deployments={"Gateway": spec_with(on_head, num_cpus=0.25), "Retrieval": spec_with(on_head, num_cpus=0.25),
                      "EncoderPool": spec_with(on_head, num_cpus=0.5),
                      # one engine per node: each node has one engine_slot
@@ -104,10 +105,10 @@ def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
     strays: set[int] = set()
     try:
         _ray("start", "--head", "--port", str(gcs_port), "--include-dashboard", "false", "--temp-dir", str(temp_dir),
-             "--resources", json.dumps(head), "--dashboard-agent-listen-port", str(_free_port()), *common,
+             "--resources", json.dumps(head), "--dashboard-agent-listen-port", str(free_port()), *common,
              env={**ray_env, "HOME": str(homes["head"])})
         _ray("start", "--address", f"127.0.0.1:{gcs_port}", "--resources", json.dumps({"engine_slot": 1}),
-             "--dashboard-agent-listen-port", str(_free_port()), *common, env={**ray_env, "HOME": str(homes["worker"])})
+             "--dashboard-agent-listen-port", str(free_port()), *common, env={**ray_env, "HOME": str(homes["worker"])})
         ray.init(address=f"127.0.0.1:{gcs_port}", logging_level="ERROR")
         (worker,) = [n for n in ray.nodes() if n["Alive"] and "head" not in n["Resources"]]
         raylets = [p for p, cmd in _pids("raylet").items()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from redis_fixture import _free_port
+from services.registry.local_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
@@ -144,7 +144,7 @@ def two_node_ray(tmp_path, monkeypatch):
     (secrets / "redis-password").write_text(os.urandom(24).hex() + "\n")
     (secrets / "jwt-secret").write_text(os.urandom(32).hex() + "\n")
     (secrets / "ray-token").write_text(os.urandom(32).hex() + "\n")
-    redis_port, gcs_port = _free_port(), _free_port()
+    redis_port, gcs_port = free_port(), free_port()
     (redis_cmd,) = [c for c in RAW["head_start_ray_commands"] if "redis-server" in c]
     redis_cmd = (redis_cmd.replace(f"--port {REDIS_PORT}", f"--port {redis_port}")
                  .replace("$(hostname -I | awk '{print $1}')", ""))  # loopback only in a test
@@ -169,9 +169,9 @@ def two_node_ray(tmp_path, monkeypatch):
     common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(400 << 20), "--disable-usage-stats"]
     try:
         _ray("start", "--head", "--port", str(gcs_port), "--num-cpus", "0", "--include-dashboard", "false",
-             "--temp-dir", str(temp_dir), "--dashboard-agent-listen-port", str(_free_port()), *common, env=ray_env)
+             "--temp-dir", str(temp_dir), "--dashboard-agent-listen-port", str(free_port()), *common, env=ray_env)
         _ray("start", "--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "2",
-             "--dashboard-agent-listen-port", str(_free_port()), *common, env=ray_env)
+             "--dashboard-agent-listen-port", str(free_port()), *common, env=ray_env)
         yield f"127.0.0.1:{gcs_port}", f"redis://127.0.0.1:{redis_port}/0", (secrets / "jwt-secret")
     finally:
         monkeypatch.undo()
@@ -196,7 +196,7 @@ def test_two_ray_nodes_run_the_app(two_node_ray, tmp_path):
 
     gcs, redis_url, jwt_secret = two_node_ray
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(tmp_path / "kv"), max_model_len=2048,
-                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments())
+                        http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments())
     assert "@" not in cfg.app_args()["registry_url"]  # the password is not in the app's config
     ray.init(address=gcs, logging_level="ERROR")
     try:
