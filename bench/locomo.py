@@ -41,8 +41,7 @@ from tqdm import tqdm
 from inferscale_core.defaults import RECOMPUTE_TOKENS, add_recompute_arguments
 from inferscale_core.eval import report
 from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
-                                         load_locomo, require_data_path, session_facts,
-                                         window_turns)
+                                         load_locomo, require_data_path, session_facts, window_turns)
 from inferscale_core.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
 from inferscale_core.eval.stats import by_category, group_by, paired_bootstrap, summarize
 from inferscale_core.template import PromptTemplate

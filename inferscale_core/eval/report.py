@@ -85,8 +85,8 @@ def markdown(results: dict) -> str:
         f"{ds['n_questions']} answerable questions ("
         + ", ".join(f"{name} {n}" for name, n in ds["per_category"].items()) + ").  ",
         f"Model `{cfg.get('model') or 'engine default'}`; judge `{judge_name}`; "
-        f"k = {list(cfg['k'])}, w = {list(cfg['w'])} ({cfg.get('window_kind', 'turns')} windows); bootstrap {cfg['bootstrap_resamples']} resamples, "
-        f"seed {cfg['seed']}.\n",
+        f"k = {list(cfg['k'])}, w = {list(cfg['w'])} ({cfg.get('window_kind', 'turns')} windows); "
+        f"bootstrap {cfg['bootstrap_resamples']} resamples, seed {cfg['seed']}.\n",
         "F1 is LoCoMo's token F1 (per-category rules, stemmed); w does not apply to pi.\n",
         _setup_line(results),
         "## Accuracy\n",
