@@ -115,7 +115,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     same_x = {}
     for p in rows:  # points sharing one TTFT ratio are spread a little sideways, so none hides another
         same_x.setdefault(p["ratio"], []).append(p)
@@ -128,7 +128,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax.axvline(TARGET_RATIO, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("TTFT(PI) / TTFT(KV) at k=50 (higher is faster)")
     ax.set_ylabel("F1 KV − PI at k=50, pooled, 95% CI")
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: no point hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
