@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from inferscale_core.eval.locomo import (Fact, LocomoFormatError, answerable, load_locomo, parse_dia_ids,
-                                         window_facts, window_turns)
+                                         session_facts, window_turns)
 from inferscale_core.eval.report import write_report
 from inferscale_core.eval.scoring import (JUDGE_PROMPT, judge_prompt, locomo_f1, normalize_answer,
                                           parse_judge_reply, token_f1)
@@ -119,35 +119,37 @@ def _write(tmp_path, data, raw=None):
     return p
 
 
-def test_window_facts_are_the_w_before_in_the_same_session(dev):
+def test_session_facts_in_the_order_they_became_known(dev):
     conv = dev[0]
     sessions = sorted({f.session for f in conv.facts})
-    session = [f for f in conv.facts if f.session == sessions[-1]]
-    assert len(session) >= 3
-    by_turn = sorted(session, key=lambda f: (f.turn_index, conv.facts.index(f)))
-    last = by_turn[-1]
-    got = window_facts(conv, last, 2)
-    assert got == by_turn[-3:-1]  # oldest first, the fact itself excluded
-    assert window_facts(conv, last, 1000) == by_turn[:-1]  # never crosses into another session
-    assert window_facts(conv, by_turn[0], 5) == [] and window_facts(conv, last, 0) == []
-    with pytest.raises(ValueError, match="window"):
-        window_facts(conv, last, -1)
+    for session in sessions:
+        got = session_facts(conv, session)
+        expected = sorted((f for f in conv.facts if f.session == session),
+                          key=lambda f: (f.turn_index, conv.facts.index(f)))  # by source turn, then file order
+        assert got == expected
+    assert len(session_facts(conv, sessions[-1])) >= 3 and session_facts(conv, max(sessions) + 1) == []
 
 
-def test_facts_windows_are_rendered_as_memory_lines(dev):
+def test_facts_windows_are_the_w_facts_before_in_the_same_session_as_memory_lines(dev):
     from inferscale_core.template import PromptTemplate
 
     conv = dev[0]
+    sessions = sorted({f.session for f in conv.facts})
+    for w in (0, 2, 3, 1000):  # 1000: the whole session before the fact, never another session's facts
+        windows = {i.fact_id: i.window for i in runner.memory_items(conv, w, window_kind="facts")}
+        for session in sessions:
+            facts = session_facts(conv, session)
+            for j, f in enumerate(facts):  # oldest first, the fact itself excluded
+                assert windows[f.fact_id] == tuple(PromptTemplate.render_fact(g.render())
+                                                   for g in facts[max(0, j - w):j])
     items = runner.memory_items(conv, 3, window_kind="facts")
-    fact = conv.facts[-1]
-    # built with the service's rule (PromptTemplate.neighbour_windows over each session's facts), they are
-    # exactly each fact's window_facts as memory lines
-    for item, f in zip(items, conv.facts):
-        assert item.window == tuple(PromptTemplate.render_fact(g.render()) for g in window_facts(conv, f, 3))
     assert sum(len(i.window) == 3 for i in items) > len(items) // 2
     assert all(line.startswith("- [") and line.endswith("\n") for i in items for line in i.window)
+    fact = conv.facts[-1]
     assert runner.memory_items(conv, 3, window_kind="turns")[-1].window == tuple(
         t.render() for t in window_turns(conv, fact, 3))
+    with pytest.raises(ValueError, match="window size"):
+        runner.memory_items(conv, -1, window_kind="facts")
     with pytest.raises(ValueError, match="window kind"):
         runner.memory_items(conv, 3, window_kind="sessions")
     assert runner.parse_args(["--data", "x.json", "--window-kind", "facts"]).window_kind == "facts"

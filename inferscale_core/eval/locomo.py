@@ -135,17 +135,6 @@ def session_facts(conversation: Conversation, session: int) -> list[Fact]:
                   key=lambda f: (f.turn_index, position[f.fact_id]))
 
 
-def window_facts(conversation: Conversation, fact: Fact, w: int) -> list[Fact]:
-    """The w facts of the fact's own session that precede it (session_facts order), oldest first. Encoded as
-    memory lines, they make the fact's context look like the memory it is served in: the same line format,
-    the same session date. The fact itself is not included."""
-    if w < 0:
-        raise ValueError(f"window size must be >= 0, got {w}")
-    session = session_facts(conversation, fact.session)
-    i = next(j for j, f in enumerate(session) if f.fact_id == fact.fact_id)
-    return session[max(0, i - w):i]
-
-
 def parse_dia_ids(value) -> tuple[str, ...]:
     """Normalize a dia_id field (a string, possibly "D1:2, D1:4" or "D8:6; D9:17", or a list) to ids."""
     parts = value if isinstance(value, list) else [value]
