@@ -39,7 +39,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -175,12 +174,6 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ------------------------------------------------------------------------------------------ users
 @dataclass
 class BenchUser:
@@ -293,6 +286,7 @@ def own_service(args, workdir: Path):
     from ray import serve
 
     from services.app import SERVE_START_ENV, ServiceConfig, start_service
+    from services.registry.local_redis import free_port
 
     secret = secrets.token_urlsafe(48).encode()
     secret_file = workdir / "jwt-secret"

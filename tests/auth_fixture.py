@@ -28,6 +28,12 @@ def token_for(secret: bytes, user: str, admin: bool = False, **kw) -> str:
     return mint(secret, user, (*USER_SCOPES, SCOPE_ADMIN) if admin else USER_SCOPES, **kw)
 
 
+@pytest.fixture(scope="module")
+def admin_token(jwt_secret):
+    """A support engineer's token with the admin scope: may act on any user."""
+    return token_for(jwt_secret[1], "support", admin=True)
+
+
 def refused(call) -> tuple[grpc.StatusCode, str]:
     """Run a gRPC call that must fail; its status code and details."""
     with pytest.raises(grpc.RpcError) as e:

@@ -36,14 +36,16 @@ UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of th
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     from services.app import ServiceConfig
-    from test_service_e2e import _free_port, service_on_local_ray
+    from test_service_e2e import service_on_local_ray
+
+    from services.registry.local_redis import free_port
 
     deployments = {name: spec_with(autoscaling=FAST_METRICS, min_replicas=1, max_replicas=2,
                                    target_ongoing_requests=1, num_cpus=0.25, **DELAYS) for name in SCALED}
     deployments["EngineReplica"] = spec_with(num_cpus=0.5)
     kv_dir = tmp_path_factory.mktemp("kv")
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024, http_port=_free_port(),
-                        grpc_port=_free_port(), deployments=deployments,
+    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024, http_port=free_port(),
+                        grpc_port=free_port(), deployments=deployments,
                         auth={"hs256_secret_file": str(jwt_secret[0])})
     # Logical CPUs (Ray's scheduling shares) for two replicas of each scaled deployment on 2 real cores.
     with service_on_local_ray(cfg, kv_dir, jwt_secret, num_cpus=4) as svc:

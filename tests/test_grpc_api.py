@@ -13,7 +13,7 @@ import uuid
 import grpc
 import pytest
 
-from auth_fixture import jwt_secret, refused, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import admin_token, jwt_secret, refused, token_channel, token_for  # noqa: F401  (fixtures)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services import api, codegen
@@ -36,11 +36,6 @@ def registry(redis_url):  # noqa: F811
 def core(registry, jwt_secret):  # noqa: F811
     auth = Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0])))
     return GatewayCore(registry, backends=None, limits=LIMITS, auth=auth)
-
-
-@pytest.fixture(scope="module")
-def admin_token(jwt_secret):  # noqa: F811
-    return token_for(jwt_secret[1], "support", admin=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,27 +9,15 @@ import uuid
 import grpc
 import pytest
 
-from auth_fixture import jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import admin_token, jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixtures)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from services import api
 from services.api import pb2, pb2_grpc
-
-
-@pytest.fixture(scope="module")
-def admin_token(jwt_secret):  # noqa: F811
-    return token_for(jwt_secret[1], "support", admin=True)
+from services.registry.local_redis import free_port
 
 
 def _user() -> str:
     return f"user-{uuid.uuid4().hex[:8]}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +29,7 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
 
     from services.gateway import Gateway, http_app
 
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:

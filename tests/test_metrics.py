@@ -15,7 +15,9 @@ import pytest
 
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from test_service_e2e import _free_port, running_service
+from test_service_e2e import running_service
+
+from services.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -28,7 +30,7 @@ SCRAPE_TIMEOUT_S = 120  # Ray's agent exports every ~10 s; a loaded machine is s
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
                          _metrics_export_port=metrics_port) as svc:
         svc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

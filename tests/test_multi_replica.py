@@ -60,7 +60,9 @@ def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     from services.app import DeploymentSpec, ServiceConfig, single_node_deployments
-    from test_service_e2e import _free_port, service_on_local_ray
+    from test_service_e2e import service_on_local_ray
+
+    from services.registry.local_redis import free_port
 
     if os.environ.get("INFERSCALE_MEASURE_SERVE_ROUTER"):  # a measurement, not the test: Serve's own router
         import services.routing
@@ -72,7 +74,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     deployments["EngineReplica"] = DeploymentSpec(2, 2, max_ongoing_requests=4, num_cpus=0.5)
     kv_dir = tmp_path_factory.mktemp("kv")
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024,
-                        http_port=_free_port(), grpc_port=_free_port(), deployments=deployments,
+                        http_port=free_port(), grpc_port=free_port(), deployments=deployments,
                         auth={"hs256_secret_file": str(jwt_secret[0])})
     with service_on_local_ray(cfg, kv_dir, jwt_secret) as svc:
         svc.users = {}  # name -> fact ids

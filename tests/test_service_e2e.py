@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from auth_fixture import jwt_secret, refused, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 
 from inferscale_core.defaults import RECOMPUTE_TOKENS
+from services.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -39,12 +39,6 @@ BOB = ["Bob plays bass guitar in a jazz trio on Fridays.",
        "Bob moved from Toronto to Denver last year."]
 CAT_Q = "What is the name of Alice's cat?"
 APP = "inferscale"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -122,7 +116,7 @@ def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | N
     from services.app import ServiceConfig, single_node_deployments
 
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
-                        http_port=_free_port(), grpc_port=_free_port(), deployments=single_node_deployments(),
+                        http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments(),
                         auth={"hs256_secret_file": str(jwt_secret[0])})
     with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env_vars, **ray_init) as svc:
         yield svc

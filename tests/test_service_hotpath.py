@@ -121,7 +121,9 @@ def test_a_slow_sync_of_one_user_does_not_block_another_users_search(redis_url):
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     pytest.importorskip("ray")
-    from test_service_e2e import _free_port, service_on_local_ray
+    from test_service_e2e import service_on_local_ray
+
+    from services.registry.local_redis import free_port
 
     from services.app import ServiceConfig, single_node_deployments
 
@@ -130,7 +132,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     deps["EngineReplica"].num_cpus = 0.25  # two engines and the rest in Ray's 2 CPUs
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(tmp_path_factory.mktemp("kv")),
                         max_model_len=KV_BLOCKS * BLOCK, block_size=BLOCK, engine_overrides={"num_gpu_blocks_override": KV_BLOCKS + 1},
-                        admission_queue_factor=1.0, http_port=_free_port(), grpc_port=_free_port(),
+                        admission_queue_factor=1.0, http_port=free_port(), grpc_port=free_port(),
                         deployments=deps, auth={"hs256_secret_file": str(jwt_secret[0])})
     with service_on_local_ray(cfg, tmp_path_factory.mktemp("unused"), jwt_secret) as svc:
         yield svc

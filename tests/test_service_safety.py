@@ -12,7 +12,6 @@ development secret. One app for the module; the tests run in order and share it:
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,12 @@ from fact_texts import LONG_FACT, text_of_tokens
 from fuzz_inputs import fuzz_grpc, snapshot
 from auth_fixture import refused
 from redis_fixture import redis_password_url  # noqa: F401  (fixture)
+from services.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray")
 CAROL = ["Carol keeps bees on her roof.", "Carol speaks Finnish.", "Carol's bike is painted orange."]
 START_TIMEOUT_S = 900  # a first start on a busy 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -67,7 +61,7 @@ def served(redis_password_url, tmp_path_factory):  # noqa: F811
     from services.auth import ensure_dev_secret
 
     ensure_dev_secret()  # what `serve` does; made here first so the test can read it at once
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "services.cli", "serve", "--redis-url", redis_password_url,
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--max-model-len", "2048",
