@@ -2,13 +2,26 @@
 
 Pipeline: encode (encoder.PreRopeEncoder) -> store (store.FactStore) -> index (index.VectorIndex) ->
 compose (compose.compose) -> inject (connector.InferScaleConnector in vLLM, hf_inject for transformers).
-"""
-from .compose import Composition, compose, serving_order
-from .encoder import PreRopeEncoder, capture_pre_rope
-from .model_spec import ModelSpec, UnsupportedModelError
-from .rope import ChunkedRope
-from .template import PromptTemplate
-from .types import EncodedFact
 
-__all__ = ["ChunkedRope", "Composition", "EncodedFact", "ModelSpec", "PreRopeEncoder", "PromptTemplate",
-           "UnsupportedModelError", "capture_pre_rope", "compose", "serving_order"]
+The names below are imported on first use (PEP 562), so that importing a light submodule
+(`inferscale_core.errors`, `inferscale_core.vllm_env`) does not import torch.
+"""
+from importlib import import_module
+
+_EXPORTS = {"Composition": "compose", "compose": "compose", "serving_order": "compose",
+            "PreRopeEncoder": "encoder", "capture_pre_rope": "encoder",
+            "ModelSpec": "model_spec", "UnsupportedModelError": "model_spec",
+            "ChunkedRope": "rope", "PromptTemplate": "template", "EncodedFact": "types"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

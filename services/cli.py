@@ -1,8 +1,10 @@
-"""`inferscale serve | add | ask | token`: the Ray Serve application on this machine and its gRPC client.
+"""`inferscale serve | token` and the client's commands: the Ray Serve application on this machine and its gRPC
+client.
 
     inferscale serve [--redis-url redis://:PASSWORD@127.0.0.1:6379/0]     # Ctrl-C stops it
     inferscale add alice "Alice adopted a grey cat named Pixel." "Alice lives in Lisbon."
     inferscale ask alice "What is my cat called?"
+    inferscale list alice --json      # also: search, get, update, delete, status (inferscale_client/cli.py)
     inferscale token alice            # a bearer token for alice (last line), for other clients
 
 `serve` starts a local Ray, the four deployments at one replica each (services/app.py:single_node_deployments)
@@ -12,7 +14,7 @@ written to --kv-dir either way. Mounted by inferscale_core/cli.py.
 
 Auth (docs/security.md): `serve` verifies tokens signed with the local development secret
 (<inferscale cache>/dev-jwt-secret, made on first use, mode 0600) unless --jwt-secret-file, --jwt-public-key-file
-or --jwks-url names another key; --insecure-no-auth turns auth off. `add`/`ask` send --token or
+or --jwks-url names another key; --insecure-no-auth turns auth off. The client commands send --token or
 $INFERSCALE_TOKEN; with neither, against a server on this machine, they sign a token for the user with the
 local development secret, so the quick start needs no extra step.
 """
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 
+from inferscale_client import cli as client_cli
 from inferscale_core.vllm_env import vllm_cpu_env
 
 
@@ -55,28 +58,9 @@ def add_commands(sub) -> None:
     p.add_argument("--secret-file", default=None, help="HS256 secret (default: the local development secret)")
     p.set_defaults(fn=token_cmd)
 
-    p = sub.add_parser("add", help="store facts for a user (gRPC)")
-    p.add_argument("user")
-    p.add_argument("facts", nargs="+")
-    _client_args(p)
-    p.set_defaults(fn=add_cmd)
-
-    p = sub.add_parser("ask", help="answer a question with the user's memory injected; streams the answer (gRPC)")
-    p.add_argument("user")
-    p.add_argument("question")
-    p.add_argument("--k", type=int, default=0, help="facts to inject (0: the server's default)")
-    p.add_argument("--max-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--mode", default="inject", choices=["inject", "prompt"],
-                   help="inject: facts as KV; prompt: the Mem0 baseline, facts as text")
-    _client_args(p)
-    p.set_defaults(fn=ask_cmd)
-
-
-def _client_args(p) -> None:
-    p.add_argument("--target", default="127.0.0.1:9000", help="gRPC address of the service")
-    p.add_argument("--token", default=None, help="bearer token (default: $INFERSCALE_TOKEN; against a server on "
-                                                 "this machine, one signed with the local development secret)")
+    # add / ask / list / search / get / update / delete / status: the light client's commands, with a token
+    # signed by the local development secret where none is given and the server is on this machine.
+    client_cli.add_commands(sub, token_fallback=client_token)
 
 
 # ------------------------------------------------------------------------------------------ serve
@@ -188,12 +172,6 @@ def client_token(args, user: str) -> str | None:
     return None
 
 
-def _client(args, user: str):
-    from .client import MemoryClient
-
-    return MemoryClient(args.target, timeout_s=300, token=client_token(args, user))
-
-
 def token_cmd(args) -> int:
     from pathlib import Path
 
@@ -204,46 +182,6 @@ def token_cmd(args) -> int:
     print(f"# token for {args.user!r}, scopes {' '.join(scopes)}, valid {args.ttl_hours:g} h, signed with {path}\n"
           "# send it as the gRPC metadata / HTTP header  authorization: Bearer <token>", file=sys.stderr)
     print(mint(path.read_bytes().strip(), args.user, scopes, ttl_s=args.ttl_hours * 3600))
-    return 0
-
-
-def _fail(err) -> int:
-    print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-    return 1
-
-
-def add_cmd(args) -> int:
-    import grpc
-
-    with _client(args, args.user) as c:
-        try:
-            facts = c.add_facts(args.user, args.facts)
-        except grpc.RpcError as e:
-            return _fail(e)
-    for f in facts:
-        print(f"{f.fact_id}  {f.text}")
-    return 0
-
-
-def ask_cmd(args, out=None) -> int:
-    import grpc
-
-    out = out or sys.stdout
-    t0 = time.perf_counter()
-    with _client(args, args.user) as c:
-        try:
-            for chunk in c.answer(args.user, args.question, k=args.k, max_tokens=args.max_tokens,
-                                  temperature=args.temperature, mode=args.mode):
-                if chunk.text:
-                    out.write(chunk.text)
-                    out.flush()
-                if chunk.final:
-                    total = (time.perf_counter() - t0) * 1000
-                    out.write(f"\n\nTTFT {chunk.ttft_ms:.1f} ms (engine), {total:.0f} ms in all; "
-                              f"prompt {chunk.prompt_tokens} tokens, {chunk.prefilled_tokens} prefilled\n"
-                              f"facts ({args.mode}): {', '.join(chunk.fact_ids) or 'none'}\n")
-        except grpc.RpcError as e:
-            return _fail(e)
     return 0
 
 

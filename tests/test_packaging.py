@@ -1,5 +1,7 @@
 """`pip install .` as a user does it: an sdist, a wheel built from it (the build hook generates the gRPC code),
-installed (not editable) into a fresh virtualenv, used from outside the source tree.
+installed (not editable) into a fresh virtualenv, used from outside the source tree. The same for the client-only
+distribution (client/): installed where neither torch nor the server's packages can be imported, it talks to a
+real gRPC server with its blocking client, its asyncio client and its `inferscale` commands.
 
 The fresh venv sees the test venv's site-packages through a .pth file (torch, grpc, ray ... are not
 downloaded again) but NOT its editable install of this checkout: a .pth line adds a folder, the .pth files
@@ -8,6 +10,7 @@ inside that folder (the editable finder) are not run. The wheel is installed wit
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,13 +23,15 @@ from pathlib import Path
 
 import pytest
 
+from auth_fixture import jwt_secret  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 # What an sdist is made from; everything else in the checkout (tests, bench, docs) stays out of the package.
-SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos", "services", "inferscale_core")
-GENERATED = ("services/_generated/memory_pb2.py", "services/_generated/memory_pb2_grpc.py",
-             "services/_generated/memory.proto")
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos", "services", "inferscale_core",
+           "inferscale_client", "client")
+GENERATED = ("inferscale_client/_generated/memory_pb2.py", "inferscale_client/_generated/memory_pb2_grpc.py",
+             "inferscale_client/_generated/memory.proto")
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> str:
@@ -36,21 +41,27 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 300, env: dict | None = Non
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """sdist of a copy of the checkout (no generated code in it), then a wheel built from that sdist."""
-    work = tmp_path_factory.mktemp("pkg")
-    src = work / "src"
+def source_copy(tmp_path_factory) -> Path:
+    """A copy of the checkout's package sources (no generated code; client/'s links kept as links)."""
+    src = tmp_path_factory.mktemp("pkg") / "src"
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "_generated", "*.egg-info", "build", "dist")
     for name in SOURCES:
         p = ROOT / name
         if p.is_dir():
-            shutil.copytree(p, src / name, ignore=ignore)
+            shutil.copytree(p, src / name, ignore=ignore, symlinks=True)
         else:
             shutil.copy2(p, src / name)
+    return src
+
+
+def _sdist_then_wheel(project: Path, dist_name: str) -> Path:
+    """sdist of `project` (no generated code in it), then a wheel built from that sdist, as pip does."""
+    work = project.parent / f"build-{dist_name}"
     # --no-build-isolation: the build requirements (setuptools, grpcio-tools) come from the test venv.
-    _run([sys.executable, "-c", "from setuptools import build_meta as b; print(b.build_sdist('../sdist'))"], src)
-    (sdist,) = (work / "sdist").glob("inferscale-*.tar.gz")
+    _run([sys.executable, "-c", f"from setuptools import build_meta as b; print(b.build_sdist({str(work / 'sdist')!r}))"],
+         project)
+    (sdist,) = (work / "sdist").glob(f"{dist_name}-*.tar.gz")
     with tarfile.open(sdist) as tf:
         names = tf.getnames()
         assert any(n.endswith("protos/inferscale/v1/memory.proto") for n in names)
@@ -59,14 +70,25 @@ def wheel(tmp_path_factory) -> Path:
     (unpacked,) = (work / "unpacked").iterdir()
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(work / "dist"),
           str(unpacked)], work)
-    (whl,) = (work / "dist").glob("inferscale-*.whl")
+    (whl,) = (work / "dist").glob(f"{dist_name}-*.whl")
     return whl
+
+
+@pytest.fixture(scope="module")
+def wheel(source_copy) -> Path:
+    return _sdist_then_wheel(source_copy, "inferscale")
+
+
+@pytest.fixture(scope="module")
+def client_wheel(source_copy) -> Path:
+    return _sdist_then_wheel(source_copy / "client", "inferscale_client")
 
 
 def test_wheel_carries_the_generated_grpc_code(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert set(GENERATED) <= names
     assert "services/codegen.py" in names and "inferscale_core/cli.py" in names
+    assert not any(n.startswith("services/_generated/") for n in names), "one copy of the generated code"
     assert not any(n.startswith(("tests/", "bench/", "protos/")) for n in names)
     assert not any(n.endswith(".lock") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -121,7 +143,7 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     (site / "_shared_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--no-index", str(wheel)],
          tmp_path)
-    assert (site / "services" / "_generated" / "memory_pb2.py").exists()
+    assert (site / "inferscale_client" / "_generated" / "memory_pb2.py").exists()
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run_dir = tmp_path / "elsewhere"  # cwd is not the checkout, so `import services` cannot pick it up
@@ -136,3 +158,137 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     # the console script of the wheel, from that venv
     help_text = _run([str(venv / "bin" / "inferscale"), "--help"], run_dir, env=env)
     assert "serve" in help_text and "ask" in help_text
+
+
+# ---------------------------------------------------------------------------------------------- client-only
+def test_client_wheel_carries_only_the_client(wheel, client_wheel):
+    names = set(zipfile.ZipFile(client_wheel).namelist())
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"inferscale_client"}, tops  # no generic top-level name, nothing of the server
+    assert set(GENERATED) <= names
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [ln.split(":", 1)[1].strip() for ln in zipfile.ZipFile(client_wheel).read(meta).decode().splitlines()
+                if ln.startswith("Requires-Dist:")]
+    assert sorted(r.split(">")[0].split("<")[0].split("=")[0] for r in requires) == ["grpcio", "protobuf"], requires
+    version = [ln for ln in zipfile.ZipFile(client_wheel).read(meta).decode().splitlines()
+               if ln.startswith("Version:")]
+    full_meta = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+    assert version[0] in zipfile.ZipFile(wheel).read(full_meta).decode().splitlines()  # released together
+    # the same client files in both distributions (built from one source)
+    full = zipfile.ZipFile(wheel)
+    for n in names:
+        if n.startswith("inferscale_client/") and not n.endswith(".stamp.json"):
+            assert full.read(n) == zipfile.ZipFile(client_wheel).read(n), n
+
+
+def _link_distributions(requirements: list[str], into: Path) -> None:
+    """Make `into` a site folder holding exactly the installed distributions `requirements` need (their
+    dependencies too), linked from the test venv: what `pip install inferscale-client` would bring, no more."""
+    from importlib.metadata import distribution
+    from packaging.requirements import Requirement
+
+    seen, todo = set(), [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        dist = distribution(req.name)
+        if dist.metadata["Name"].lower() in seen:
+            continue
+        seen.add(dist.metadata["Name"].lower())
+        todo += [Requirement(r) for r in dist.requires or ()]
+        site = Path(dist.locate_file(""))
+        for top in {Path(str(f)).parts[0] for f in dist.files if not str(f).startswith("..")}:
+            if not (into / top).exists() and (site / top).exists():
+                (into / top).symlink_to(site / top)
+
+
+CLIENT_ROUND_TRIP = textwrap.dedent("""
+    import asyncio, importlib.util, sys, sysconfig
+    from pathlib import Path
+
+    import inferscale_client
+    from inferscale_client import AsyncMemoryClient, MemoryClient
+
+    site = Path(sysconfig.get_path("purelib"))
+    assert Path(inferscale_client.__file__).resolve().is_relative_to(site.resolve()), inferscale_client.__file__
+    for name in ("torch", "vllm", "ray", "redis", "services", "inferscale_core"):
+        assert importlib.util.find_spec(name) is None, f"{name} is importable in the client-only venv"
+    assert not (site / "services").exists()
+
+    with MemoryClient() as c:  # target and token from INFERSCALE_TARGET / INFERSCALE_TOKEN
+        (f,) = c.add_facts("pkg-client", ["Installed without torch."], metadata={"src": "sync"})
+        assert [g.fact_id for g in c.list("pkg-client")] == [f.fact_id]
+
+    async def main():
+        async with AsyncMemoryClient() as c:
+            got = await c.get("pkg-client", f.fact_id)
+            upd = await c.update("pkg-client", f.fact_id, text="Installed without torch, twice.")
+            listed = [g.text async for g in c.list("pkg-client")]
+            health = await c.health()
+            print("ASYNC", got.text, upd.version, listed, health.status)
+
+    asyncio.run(main())
+    print("SYNC", f.fact_id, dict(f.metadata), "torch" in sys.modules)
+""")
+
+
+def test_client_only_install_imports_without_torch_and_talks_to_a_real_server(client_wheel, tmp_path, redis_url,
+                                                                                jwt_secret):  # noqa: F811
+    """inferscale-client in a venv that sees only grpcio and protobuf (and what they need): its clients and
+    commands against the gateway's real gRPC server (registry-only, Redis, auth on)."""
+    from grpc_thread import ServerThread
+    from services.auth import AuthConfig, Authenticator
+    from services.gateway import GatewayCore
+    from services.registry import RedisRegistry
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
+    py = venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path).strip())
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    _link_distributions(["grpcio", "protobuf"], deps)
+    assert not (deps / "torch").exists()
+    (site / "_client_deps.pth").write_text(f"{deps}\n")
+    # with its dependencies resolved (no index: they must be satisfied by what `deps` holds)
+    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index", str(client_wheel)],
+         tmp_path)
+
+    reg = RedisRegistry(redis_url, prefix=f"pkgclient{os.getpid()}:")
+    core = GatewayCore(reg, backends=None, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
+    srv = ServerThread(core)
+    try:
+        from auth_fixture import token_for
+
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(INFERSCALE_TARGET=f"127.0.0.1:{srv.port}", INFERSCALE_TOKEN=token_for(jwt_secret[1], "pkg-client"))
+        run_dir = tmp_path / "elsewhere"
+        run_dir.mkdir()
+        out = _run([str(py), "-c", CLIENT_ROUND_TRIP], run_dir, timeout=120, env=env)
+        assert "ASYNC Installed without torch. 2 ['Installed without torch, twice.'] SERVING" in out, out
+        assert "{'src': 'sync'} False" in out, out
+
+        cli = str(venv / "bin" / "inferscale")
+        listed = json.loads(_run([cli, "list", "pkg-client", "--json"], run_dir, env=env))
+        assert [f["text"] for f in listed] == ["Installed without torch, twice."] and listed[0]["version"] == "2"
+        fid = listed[0]["fact_id"]
+        got = json.loads(_run([cli, "update", "pkg-client", fid, "--meta", "k=v", "--json"], run_dir, env=env))
+        assert got["metadata"] == {"src": "sync", "k": "v"} and got["version"] == "3"
+        assert json.loads(_run([cli, "get", "pkg-client", fid, "--json"], run_dir, env=env))["metadata"]["k"] == "v"
+        status = json.loads(_run([cli, "status", "--json"], run_dir, env=env))
+        assert status["status"] == "SERVING" and status["target"] == env["INFERSCALE_TARGET"]
+        assert json.loads(_run([cli, "delete", "pkg-client", fid, "--json"], run_dir, env=env)) == {
+            "user_id": "pkg-client", "deleted_fact_ids": [fid]}
+        assert json.loads(_run([cli, "list", "pkg-client", "--json"], run_dir, env=env)) == []
+        # an error is one line naming the status code, exit 1, no traceback
+        bad = subprocess.run([cli, "get", "pkg-client", fid], cwd=run_dir, env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 1 and bad.stderr.startswith("error: NOT_FOUND: ") and "Traceback" not in bad.stderr
+        other = {**env, "INFERSCALE_TOKEN": token_for(jwt_secret[1], "someone-else")}
+        bad = subprocess.run([cli, "list", "pkg-client"], cwd=run_dir, env=other, capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 1 and "PERMISSION_DENIED" in bad.stderr, bad.stderr
+    finally:
+        srv.stop()
+        reg.close()

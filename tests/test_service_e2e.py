@@ -252,6 +252,47 @@ def test_cli_add_and_ask(service, capsys):
     assert "PERMISSION_DENIED" in capsys.readouterr().err
 
 
+def test_async_client_answers_with_messages_and_the_cli_prints_json(service, capsys):
+    """inferscale_client's asyncio client (search, answer with `messages`) and the client commands with --json,
+    against the running app, with a user's own token."""
+    import asyncio
+    import json
+
+    from inferscale_client import AsyncMemoryClient
+    from inferscale_core.cli import main
+
+    target, token = f"127.0.0.1:{service.cfg.grpc_port}", token_for(service.secret, "erin")
+    system = [{"role": "system", "content": "You are a gardening assistant. Answer in a few words."}]
+
+    async def run():
+        async with AsyncMemoryClient(target, token=token, timeout_s=300) as c:
+            added = await c.add_facts("erin", ["Erin grows tomatoes on her balcony.", "Erin's bike is red."])
+            hits = await c.search("erin", "Which vegetables does Erin grow?", k=1)
+            finals = []
+            for messages in (None, system):
+                chunks = [ch async for ch in c.answer("erin", "What does Erin grow?", k=2, max_tokens=8,
+                                                      messages=messages)]
+                assert chunks[-1].final and not any(ch.final for ch in chunks[:-1])
+                finals.append(chunks[-1])
+            return added, hits, finals
+
+    added, hits, (plain, with_system) = asyncio.run(run())
+    assert [h.fact.fact_id for h in hits] == [added[0].fact_id]
+    assert set(plain.fact_ids) == set(with_system.fact_ids) == {f.fact_id for f in added}
+    assert with_system.prompt_tokens > plain.prompt_tokens  # the system message reached the prompt
+
+    cli = ["--target", target, "--token", token, "--json"]
+    assert main(["search", "erin", "tomatoes", "--k", "1", *cli]) == 0
+    assert [h["fact"]["fact_id"] for h in json.loads(capsys.readouterr().out)] == [added[0].fact_id]
+    assert main(["ask", "erin", "What does Erin grow?", "--k", "2", "--max-tokens", "8", *cli]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["final"] and set(answer["fact_ids"]) == {f.fact_id for f in added} and "text" in answer
+    assert main(["list", "erin", *cli]) == 0
+    assert [f["fact_id"] for f in json.loads(capsys.readouterr().out)] == [f.fact_id for f in added]
+    assert main(["delete", "erin", "--all", *cli]) == 0
+    assert json.loads(capsys.readouterr().out) == {"user_id": "erin", "deleted": 2}
+
+
 DANA = [{"role": "user", "content": "Hi! I'm Dana. I just moved to Oslo and I work as a marine biologist."},
         {"role": "assistant", "content": "Welcome to Oslo, Dana! Marine biology sounds fascinating."},
         {"role": "user", "content": "Thanks. I also have two cats, Miso and Tofu."}]
