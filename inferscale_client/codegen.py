@@ -1,9 +1,11 @@
 """The Python protobuf/gRPC code of protos/inferscale/v1/memory.proto, generated at BUILD time.
 
     python -m inferscale_client.codegen [--force]   regenerate inferscale_client/_generated/ in a checkout
-    generate(out_dir)                      what setup.py's build hook calls (wheel: into the build folder,
-                                           editable install: into the source tree)
-    load()                                 (memory_pb2, memory_pb2_grpc); imports only, never generates
+    generate(out_dir)     what setup.py's build hook calls (wheel: into the build folder, editable install: into
+                          the source tree)
+    load()                (memory_pb2, memory_pb2_grpc); in an installed package it only imports; in a source
+                          checkout where the code was never generated (a clone made before the code moved here
+                          from services/_generated) it generates it once, if grpcio-tools is installed
 
 The generated package lives in the light client package (inferscale_client._generated), so that the client and
 the server share one copy and the client imports without the server's dependencies.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -99,9 +102,12 @@ def generate(out_dir: Path = OUT_DIR, force: bool = False, proto_root: Path = PR
 
 
 def load():
-    """(memory_pb2, memory_pb2_grpc) as built by the install. Never runs protoc."""
+    """(memory_pb2, memory_pb2_grpc) as built by the install; runs protoc only in a checkout that never had it."""
     if PROTO_ROOT.is_dir():  # a source checkout: the code must match the .proto beside it
         stamp = _stamp(OUT_DIR)
+        if not stamp and importlib.util.find_spec("grpc_tools") is not None:
+            generate(OUT_DIR)  # what `pip install -e .` would have done; locked against concurrent imports
+            stamp = _stamp(OUT_DIR)
         if not stamp:
             raise RuntimeError(f"the gRPC code of {PROTO_FILE} has not been generated in this checkout "
                                f"({OUT_DIR}); run: {REGENERATE}")
