@@ -1,9 +1,11 @@
-# Two entry points for a fresh machine. Both build the virtualenv on first use (scripts/bootstrap.sh).
+# Two entry points for a fresh machine. Both build the virtualenv on first use (scripts/bootstrap.sh: the system
+# libraries with apt-get where missing, then the venv; its header lists what it installs).
 VENV = $(shell bash scripts/bootstrap.sh | tail -n 1)
+CHECK = [ -x "$$venv/bin/python" ] || { echo "make: scripts/bootstrap.sh failed (its message is above)" >&2; exit 1; }
 
 .PHONY: demo test
-demo:
-	@venv=$(VENV); HF_HUB_OFFLINE=1 $$venv/bin/inferscale demo
+demo:  # the engine's own log lines go to ~/.cache/inferscale/demo.log (`inferscale demo --log-file`)
+	@venv=$(VENV); $(CHECK); HF_HUB_OFFLINE=1 $$venv/bin/inferscale demo
 
 test:
-	@venv=$(VENV); bash scripts/run_tests.sh $$venv
+	@venv=$(VENV); $(CHECK); bash scripts/run_tests.sh $$venv

@@ -3,6 +3,9 @@ Serve application and its gRPC client), bench (the benchmark scripts)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import os
 import subprocess
 import sys
 import time
@@ -31,11 +34,57 @@ DEMO_QUESTIONS = [("alice", "What is the name of Alice's cat?", "Miso"),
                   ("bob", "Which city did Bob move from?", "Toronto")]
 
 
+@contextlib.contextmanager
+def engine_output_to(log_path: Path):
+    """Everything this process and its children write to stdout/stderr (vLLM's and torch's INFO/WARNING lines,
+    C++ and OpenMP messages included: the file descriptors themselves are redirected) goes to `log_path`; yields
+    a text stream on the original stdout for the caller's own lines. Restored on exit."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    with open(log_path, "wb") as log:  # the last run's log
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            out.close()
+
+
 def demo(args) -> int:
     """Two users' facts encoded once, each question answered with KV injection and with prompt injection on the
     same vLLM engine, at the shipped default setting (inferscale_core/defaults.py); prints both answers, whether
     they agree and are right, their latency and where vLLM got the memory tokens from. Exits 1 if KV injection
-    answers a question wrongly where prompt injection answers it right."""
+    answers a question wrongly where prompt injection answers it right. The engine's own log lines go to
+    --log-file (default <inferscale cache>/demo.log), so the terminal shows only the demo."""
+    if args.log_file == "-":
+        return _demo(args, sys.stdout)
+    log_path = Path(args.log_file) if args.log_file else demo_log_path()
+    print(f"demo: the engine's log goes to {log_path}", flush=True)
+    try:
+        with engine_output_to(log_path) as out:
+            return _demo(args, out)
+    except BaseException:
+        print(f"demo failed; the engine's log is in {log_path}", file=sys.stderr)
+        raise
+
+
+def demo_log_path() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "demo.log"
+
+
+def _demo(args, out) -> int:
+    say = functools.partial(print, file=out, flush=True)  # the demo's own lines, on the terminal
     set_vllm_cpu_env()
     import torch
 
@@ -46,7 +95,7 @@ def demo(args) -> int:
     options = serving_store_options({} if args.recompute_tokens is None
                                     else {"recompute_tokens": args.recompute_tokens})
     w = NEIGHBOUR_WINDOW
-    print(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded default)'} on vLLM ({args.dtype}, CPU), "
+    say(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded default)'} on vLLM ({args.dtype}, CPU), "
           f"neighbour window={w}, recompute_tokens={options['recompute_tokens']}, "
           f"recompute_facts={options['recompute_facts']} ...")
     engine = InjectingEngine(model_path=args.model, dtype=dtype, store_options=options)
@@ -56,11 +105,11 @@ def demo(args) -> int:
         for user, facts in DEMO_FACTS.items():
             t = time.perf_counter()
             engine.add(user, facts, default_windows(facts, w=w), ws=(w,))  # as the service adds them
-            print(f"{user}: {len(facts)} facts encoded once in {time.perf_counter() - t:.2f} s")
+            say(f"{user}: {len(facts)} facts encoded once in {time.perf_counter() - t:.2f} s")
         for mode in ("kv", "pi"):  # first requests pay one-off kernel set-up; keep it out of the timings
             engine.generate("alice", "Hello!", k=args.k, w=w, mode=mode, sampling_params=sampling)
         for user, question, expected in DEMO_QUESTIONS:
-            print(f"\n[{user}] {question}  (expected: {expected})")
+            say(f"\n[{user}] {question}  (expected: {expected})")
             right = {}
             texts = {}
             for mode in ("kv", "pi"):
@@ -70,29 +119,29 @@ def demo(args) -> int:
                 texts[mode] = ans.text.strip()
                 right[mode] = expected.lower() in texts[mode].lower()
                 label = "KV injection    " if mode == "kv" else "prompt injection"
-                print(f"  {label} {took * 1000:7.1f} ms  prompt {ans.prompt_len} tok, "
+                say(f"  {label} {took * 1000:7.1f} ms  prompt {ans.prompt_len} tok, "
                       f"not prefilled {ans.num_cached_tokens}, {'right' if right[mode] else 'WRONG'}: "
                       f"{texts[mode]!r}")
             same = "identical answers" if texts["kv"] == texts["pi"] else "different words"
             verdict = ("KV and PI agree" if right["kv"] == right["pi"] else
                        "KV right where PI is wrong" if right["kv"] else "KV WRONG where PI is right")
-            print(f"  -> {verdict} ({same})")
+            say(f"  -> {verdict} ({same})")
             if right["pi"] and not right["kv"]:
                 kv_wrong_pi_right.append(question)
         m = engine.metrics()
         by_source = {k.removeprefix("prompt_tokens_"): int(v) for k, v in m.items() if k.startswith("prompt_tokens_")}
-        print(f"\nprompt tokens by source (vLLM counters, both modes): {by_source}")
+        say(f"\nprompt tokens by source (vLLM counters, both modes): {by_source}")
         worker = m.get("worker", {})
-        print(f"injected tokens: {int(worker.get('injected_tokens', 0))}, injection time "
+        say(f"injected tokens: {int(worker.get('injected_tokens', 0))}, injection time "
               f"{worker.get('injection_seconds', 0) * 1000:.1f} ms in all")
     finally:
         engine.shutdown()
     n = len(DEMO_QUESTIONS)
     if kv_wrong_pi_right:
-        print(f"\nFAILED: KV injection answered {len(kv_wrong_pi_right)} of {n} questions wrongly where prompt "
+        say(f"\nFAILED: KV injection answered {len(kv_wrong_pi_right)} of {n} questions wrongly where prompt "
               f"injection was right: {kv_wrong_pi_right}")
         return 1
-    print(f"\nOK: on all {n} questions KV injection is right wherever prompt injection is right.")
+    say(f"\nOK: on all {n} questions KV injection is right wherever prompt injection is right.")
     return 0
 
 
@@ -115,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute-tokens", type=int, default=None,
                    help="memory tokens vLLM computes with the query instead of injecting them "
                         "(default: the shipped default in inferscale_core/defaults.py)")
+    p.add_argument("--log-file", default=None,
+                   help="where the engine's INFO/WARNING lines go (default: <inferscale cache>/demo.log; "
+                        "'-': the terminal)")
     p.set_defaults(fn=demo)
     p = sub.add_parser("bench", help="run a benchmark script from bench/ (encode, ttft, locomo, gpu)")
     p.add_argument("name")

