@@ -448,3 +448,52 @@ def test_missing_serve_config_file_fails_the_render(helm, tmp_path):
     (chart / "files" / "serve-config.yaml").unlink()
     out = subprocess.run([helm, "template", "x", str(chart)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "emit-serve-config" in out.stderr
+
+
+@pytest.mark.parametrize("values_file", [None, *EXAMPLES], ids=lambda p: p.name if p else "defaults")
+def test_ray_pods_outlive_the_replicas_graceful_shutdown(helm, values_file):
+    """Kubernetes kills a pod terminationGracePeriodSeconds after asking it to stop: every Ray pod must give its
+    replicas their graceful_shutdown_timeout_s (services/app.py) to finish the answers they are streaming."""
+    docs = _render(helm, values_file=values_file)
+    longest = max(service_app.GRACEFUL_SHUTDOWN_S.values())
+    for group, pod in _pod_specs(docs).items():
+        if group != "redis":
+            assert pod["terminationGracePeriodSeconds"] > longest, group
+
+
+def test_deploy_doc_states_the_charts_resources():
+    """docs/deploy.md's deployment table gives each deployment the CPUs and GPUs of the chart's defaults."""
+    import re
+
+    doc = (CHART.parent.parent / "docs" / "deploy.md").read_text()
+    for name, spec in VALUES["deployments"].items():
+        (row,) = [ln for ln in doc.splitlines() if ln.startswith(f"| {name} |")]
+        cpus, gpus = re.search(r"\| ([\d.]+) CPU(?:, ([\d.]+) GPU)? \|", row).groups()
+        assert (float(cpus), float(gpus or 0)) == (spec["numCpus"], spec["numGpus"]), row
+
+
+def test_deploy_doc_kubernetes_commands_work_as_written(helm):
+    """Every `helm install` line of docs/deploy.md's Kubernetes block renders as written (`helm template` with the
+    same arguments, from the repository root), and the objects the next lines name exist: the RayService `mem`,
+    the Secret `mem-jwt` with key `secret`, the Service `mem-grpc` with port 9000."""
+    import re
+    import shlex
+
+    root = CHART.parent.parent
+    doc = (root / "docs" / "deploy.md").read_text()
+    block = doc.split("### Kubernetes (KubeRay)", 1)[1].split("```", 2)[1]
+    installs = [shlex.split(ln.split("#", 1)[0]) for ln in block.splitlines() if ln.startswith("helm install ")]
+    assert len(installs) == 4
+    for args in installs:
+        out = subprocess.run([helm, "template", *args[2:]], cwd=root, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (args, out.stderr)
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+        assert {("RayService", "mem"), ("Secret", "mem-jwt"), ("Service", "mem-grpc")} <= names, names
+        (secret,) = [d for d in docs if (d["kind"], d["metadata"]["name"]) == ("Secret", "mem-jwt")]
+        assert "secret" in {**secret.get("data", {}), **secret.get("stringData", {})}
+        (svc,) = [d for d in docs if (d["kind"], d["metadata"]["name"]) == ("Service", "mem-grpc")]
+        assert 9000 in [p["port"] for p in svc["spec"]["ports"]]
+    for name in ("kubectl get rayservice mem", "kubectl get secret mem-jwt -o jsonpath='{.data.secret}'",
+                 "kubectl port-forward svc/mem-grpc 9000:9000"):
+        assert re.search(re.escape(name), block), name

@@ -14,11 +14,12 @@ import re
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from test_packaging import wheel  # noqa: F401  (fixture: sdist -> wheel of this checkout)
+from test_packaging import source_copy, wheel  # noqa: F401  (fixtures: sdist -> wheel of this checkout)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -34,6 +35,10 @@ def test_dockerfiles_build_the_wheel_and_call_the_one_install_script(variant):
     text = (DOCKER / f"Dockerfile.{variant}").read_text()
     assert _stages(DOCKER / f"Dockerfile.{variant}") == ["wheel", "install", ""]  # multi-stage, runtime last
     assert "pip wheel" in text and "COPY protos protos" in text  # the build hook needs the .proto
+    # every package the wheel is made of (pyproject.toml's packages.find) is copied into the wheel stage
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for pkg in (p.rstrip("*") for p in packages["include"]):
+        assert f"COPY {pkg} {pkg}" in text, pkg
     (run,) = re.findall(r"bash /tmp/install.sh (.*?)\n(?!\s)", text, flags=re.S)
     assert f"--variant {variant}" in run and "--cache /opt/inferscale/cache" in run
     assert "INFERSCALE_CACHE=/opt/inferscale/cache" in text  # where install.sh converted the model
