@@ -31,8 +31,8 @@ TokenFallback = Callable[[argparse.Namespace, str], "str | None"]
 
 
 def add_commands(sub, token_fallback: TokenFallback | None = None) -> None:
-    def parser(name: str, help: str, fn, user: bool = True):
-        p = sub.add_parser(name, help=help)
+    def parser(name: str, summary: str, fn, user: bool = True):
+        p = sub.add_parser(name, help=summary)
         if user:
             p.add_argument("user")
         p.add_argument("--target", default=os.environ.get(TARGET_ENV) or LOCAL_TARGET,
@@ -104,15 +104,19 @@ def as_dict(message) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def _dump(obj, out) -> None:
-    out.write(json.dumps(obj, ensure_ascii=False, indent=2) + "\n")
-
-
 def _meta(pairs: list[str]) -> dict[str, str]:
     bad = [p for p in pairs if "=" not in p]
     if bad:
         raise ValueError(f"--meta must be KEY=VALUE, got {bad[0]!r}")
     return dict(p.split("=", 1) for p in pairs)
+
+
+def _print(out, as_json: bool, doc, lines: str) -> None:
+    """One JSON document (--json) or the human-readable lines."""
+    if as_json:
+        out.write(json.dumps(doc, ensure_ascii=False, indent=2) + "\n")
+    else:
+        out.write(lines)
 
 
 def _fact_line(f) -> str:
@@ -123,11 +127,7 @@ def _fact_line(f) -> str:
 
 def add_cmd(c, args, out) -> int:
     facts = c.add_facts(args.user, args.facts, metadata=_meta(args.meta))
-    if args.json:
-        _dump([as_dict(f) for f in facts], out)
-    else:
-        for f in facts:
-            out.write(f"{f.fact_id}  {f.text}\n")
+    _print(out, args.json, [as_dict(f) for f in facts], "".join(f"{f.fact_id}  {f.text}\n" for f in facts))
     return 0
 
 
@@ -145,7 +145,8 @@ def ask_cmd(c, args, out) -> int:
             final = chunk
     total_ms = (time.perf_counter() - t0) * 1000
     if args.json:
-        _dump({**(as_dict(final) if final else {}), "text": "".join(text), "total_ms": round(total_ms, 1)}, out)
+        _print(out, True, {**(as_dict(final) if final else {}), "text": "".join(text),
+                           "total_ms": round(total_ms, 1)}, "")
     elif final is not None:
         out.write(f"\n\nTTFT {final.ttft_ms:.1f} ms (engine), {total_ms:.0f} ms in all; "
                   f"prompt {final.prompt_tokens} tokens, {final.prefilled_tokens} prefilled\n"
@@ -155,28 +156,20 @@ def ask_cmd(c, args, out) -> int:
 
 def list_cmd(c, args, out) -> int:
     facts = list(c.list(args.user, page_size=args.page_size))
-    if args.json:
-        _dump([as_dict(f) for f in facts], out)
-    else:
-        for f in facts:
-            out.write(_fact_line(f) + "\n")
-        out.write(f"# {len(facts)} facts\n")
+    _print(out, args.json, [as_dict(f) for f in facts],
+           "".join(_fact_line(f) + "\n" for f in facts) + f"# {len(facts)} facts\n")
     return 0
 
 
 def search_cmd(c, args, out) -> int:
     hits = c.search(args.user, args.query, k=args.k)
-    if args.json:
-        _dump([as_dict(h) for h in hits], out)
-    else:
-        for h in hits:
-            out.write(f"{h.score:.3f}  {_fact_line(h.fact)}\n")
+    _print(out, args.json, [as_dict(h) for h in hits], "".join(f"{h.score:.3f}  {_fact_line(h.fact)}\n" for h in hits))
     return 0
 
 
 def get_cmd(c, args, out) -> int:
     f = c.get(args.user, args.fact_id)
-    _dump(as_dict(f), out) if args.json else out.write(_fact_line(f) + "\n")
+    _print(out, args.json, as_dict(f), _fact_line(f) + "\n")
     return 0
 
 
@@ -185,7 +178,7 @@ def update_cmd(c, args, out) -> int:
         raise ValueError("update needs --text and/or --meta KEY=VALUE (or --replace-metadata)")
     f = c.update(args.user, args.fact_id, text=args.text, metadata=_meta(args.meta),
                  expected_version=args.expected_version, replace_metadata=args.replace_metadata)
-    _dump(as_dict(f), out) if args.json else out.write(_fact_line(f) + "\n")
+    _print(out, args.json, as_dict(f), _fact_line(f) + "\n")
     return 0
 
 
@@ -194,22 +187,19 @@ def delete_cmd(c, args, out) -> int:
         raise ValueError("delete needs FACT_IDs or --all (not both)")
     if args.all:
         n = c.delete_user(args.user)
-        _dump({"user_id": args.user, "deleted": n}, out) if args.json else out.write(
-            f"deleted {n} facts of {args.user}\n")
+        _print(out, args.json, {"user_id": args.user, "deleted": n}, f"deleted {n} facts of {args.user}\n")
         return 0
     for fid in args.fact_ids:
         c.delete(args.user, fid)
-    _dump({"user_id": args.user, "deleted_fact_ids": args.fact_ids}, out) if args.json else out.write(
-        "".join(f"deleted {fid}\n" for fid in args.fact_ids))
+    _print(out, args.json, {"user_id": args.user, "deleted_fact_ids": args.fact_ids},
+           "".join(f"deleted {fid}\n" for fid in args.fact_ids))
     return 0
 
 
 def status_cmd(c, args, out) -> int:
     h = c.health()
-    if args.json:
-        _dump({**as_dict(h), "target": args.target}, out)
-    else:
-        out.write(f"{args.target}: {h.status}\n" + "".join(f"  {k}: {v}\n" for k, v in sorted(h.components.items())))
+    _print(out, args.json, {**as_dict(h), "target": args.target},
+           f"{args.target}: {h.status}\n" + "".join(f"  {k}: {v}\n" for k, v in sorted(h.components.items())))
     return 0 if h.status == "SERVING" else 1
 
 

@@ -59,8 +59,8 @@ def _sdist_then_wheel(project: Path, dist_name: str) -> Path:
     """sdist of `project` (no generated code in it), then a wheel built from that sdist, as pip does."""
     work = project.parent / f"build-{dist_name}"
     # --no-build-isolation: the build requirements (setuptools, grpcio-tools) come from the test venv.
-    _run([sys.executable, "-c", f"from setuptools import build_meta as b; print(b.build_sdist({str(work / 'sdist')!r}))"],
-         project)
+    build = f"from setuptools import build_meta as b; print(b.build_sdist({str(work / 'sdist')!r}))"
+    _run([sys.executable, "-c", build], project)
     (sdist,) = (work / "sdist").glob(f"{dist_name}-*.tar.gz")
     with tarfile.open(sdist) as tf:
         names = tf.getnames()
