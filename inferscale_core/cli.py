@@ -3,7 +3,6 @@ Serve application and its gRPC client), bench (the benchmark scripts)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import subprocess
@@ -34,29 +33,19 @@ DEMO_QUESTIONS = [("alice", "What is the name of Alice's cat?", "Miso"),
                   ("bob", "Which city did Bob move from?", "Toronto")]
 
 
-@contextlib.contextmanager
 def engine_output_to(log_path: Path):
-    """Everything this process and its children write to stdout/stderr (vLLM's and torch's INFO/WARNING lines,
-    C++ and OpenMP messages included: the file descriptors themselves are redirected) goes to `log_path`; yields
-    a text stream on the original stdout for the caller's own lines. Restored on exit."""
+    """From now on, everything this process and its children write to stdout/stderr (vLLM's and torch's
+    INFO/WARNING lines, C++ and OpenMP messages, the engine's shutdown and exit-time lines: the file descriptors
+    themselves are redirected) goes to `log_path`. Returns a text stream on the original stdout for the caller's
+    own lines. For a command that exits when its work is done: nothing is restored."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     with open(log_path, "wb") as log:  # the last run's log
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-            out.close()
+    return out
 
 
 def demo(args) -> int:
@@ -69,11 +58,11 @@ def demo(args) -> int:
         return _demo(args, sys.stdout)
     log_path = Path(args.log_file) if args.log_file else demo_log_path()
     print(f"demo: the engine's log goes to {log_path}", flush=True)
+    out = engine_output_to(log_path)
     try:
-        with engine_output_to(log_path) as out:
-            return _demo(args, out)
+        return _demo(args, out)
     except BaseException:
-        print(f"demo failed; the engine's log is in {log_path}", file=sys.stderr)
+        out.write(f"demo failed; the error and the engine's log are in {log_path}\n")
         raise
 
 

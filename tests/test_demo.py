@@ -65,26 +65,29 @@ from pathlib import Path
 from inferscale_core.cli import engine_output_to
 
 logging.basicConfig(stream=sys.stdout, level=logging.INFO)  # as vLLM's logger: a handler on sys.stdout
-with engine_output_to(Path(sys.argv[1])) as out:
-    out.write("demo line 1\\n")
-    logging.getLogger("vllm").info("engine INFO line")
-    print("WARNING a print to sys.stdout", flush=True)
-    os.write(2, b"C-level stderr line\\n")
-    subprocess.run(["sh", "-c", "echo child process line"])
-    out.write("demo line 2\\n")
-print("after the block", flush=True)
+print("before", flush=True)
+out = engine_output_to(Path(sys.argv[1]))
+out.write("demo line 1\\n")
+logging.getLogger("vllm").info("engine INFO line")
+print("WARNING a print to sys.stdout", flush=True)
+os.write(2, b"C-level stderr line\\n")
+subprocess.run(["sh", "-c", "echo child process line"])
+out.write("demo line 2\\n")
+import atexit
+atexit.register(lambda: print("exit-time line", file=sys.stderr, flush=True))
 """
 
 
 def test_engine_output_goes_to_the_log_and_the_demo_lines_to_the_terminal(tmp_path):
-    """What `make demo` relies on: inside engine_output_to, whatever the process or its children write to stdout
-    or stderr (Python logging, print, C-level writes, subprocesses) lands in the log; the demo's own stream and
-    everything after the block stay on the terminal."""
+    """What `make demo` relies on: after engine_output_to, whatever the process or its children write to stdout or
+    stderr (Python logging, print, C-level writes, subprocesses, exit-time lines) lands in the log; the demo's own
+    stream stays on the terminal."""
     log = tmp_path / "engine.log"
     proc = subprocess.run([sys.executable, "-c", REDIRECT, str(log)], capture_output=True, text=True, timeout=60,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "demo line 1\ndemo line 2\nafter the block\n" and proc.stderr == ""
+    assert proc.stdout == "before\ndemo line 1\ndemo line 2\n" and proc.stderr == ""
     text = log.read_text()
-    for line in ("engine INFO line", "WARNING a print to sys.stdout", "C-level stderr line", "child process line"):
+    for line in ("engine INFO line", "WARNING a print to sys.stdout", "C-level stderr line", "child process line",
+                 "exit-time line"):
         assert line in text, text
