@@ -1,5 +1,6 @@
-"""`inferscale` command line: demo (the main job on the embedded default model), serve / add / ask (the Ray
-Serve application and its gRPC client), bench (the benchmark scripts)."""
+"""`inferscale` command line: demo (the main job on the embedded default model), serve / token (the Ray Serve
+application, services/cli.py), add / ask / list / search / get / update / delete / status (its gRPC client,
+inferscale_client/cli.py), bench (the benchmark scripts)."""
 from __future__ import annotations
 
 import argparse
