@@ -5,9 +5,13 @@ connector options) and the benchmarks' defaults all read them from here. `Inject
 themselves keep the bare mechanism (no windows unless given, nothing recomputed unless told), so the exactness
 tests say exactly what they test.
 
-NEIGHBOUR_WINDOW = 5: facts added together (one AddFacts/AddMemory call, one `engine.add`) are each encoded
-behind the 5 facts added before them, rendered as the memory lines they are served as
-(`PromptTemplate.neighbour_windows`); a fact the caller sends with its own window (conversation turns) keeps it.
+NEIGHBOUR_WINDOW = 5: a new fact is encoded behind the 5 facts its user stored most recently before it, whatever
+call they came in (the earlier facts of its own call included), rendered as the memory lines they are served as
+(`PromptTemplate.neighbour_windows`); so adding facts one by one or together gives the same windows and the same
+KV. A fact the caller sends with its own window (conversation turns) keeps it. The window is stored with the
+fact (a re-encode reproduces it); when a neighbour is later deleted or its text changes, the facts encoded
+behind it get the line removed or replaced and are re-encoded (`rewindow`), so a deleted text survives in no
+other fact's window or KV (docs/architecture.md, "Neighbour windows").
 RECOMPUTE_TOKENS = RECOMPUTE_FACTS = 0: the whole memory is injected, only the query is prefilled.
 Measured on all 1,035 LoCoMo development questions (7 conversations, SmolLM2-135M, bf16), conversation by
 conversation: see BENCHMARKS.md for the table and for what was tried instead (recomputing the last 32 tokens or
@@ -30,14 +34,27 @@ def serving_store_options(overrides: dict | None = None) -> dict:
 
 
 def default_windows(fact_texts: Sequence[str], windows: Sequence[Sequence[str]] | None = None,
-                    w: int = NEIGHBOUR_WINDOW) -> list[tuple[str, ...]]:
+                    w: int = NEIGHBOUR_WINDOW, stored: Sequence[str] = ()) -> list[tuple[str, ...]]:
     """The window each of `fact_texts` (added together, in order) is encoded behind: the caller's own when it
-    gave one (non-empty), else the w facts before it in this call, as memory lines."""
-    neighbours = PromptTemplate.neighbour_windows(fact_texts, w)
+    gave one (non-empty), else the w facts the user stored most recently before it, as memory lines.
+    `stored`: the texts of the user's facts stored before this call, oldest first (the last w are enough)."""
+    neighbours = PromptTemplate.neighbour_windows(fact_texts, w, stored)
     given = list(windows) if windows is not None else [()] * len(fact_texts)
     if len(given) != len(neighbours):
         raise ValueError(f"{len(fact_texts)} facts but {len(given)} windows")
     return [tuple(g) if g else n for g, n in zip(given, neighbours)]
+
+
+def rewindow(window: Sequence[str], old_text: str, new_text: str | None) -> tuple[str, ...] | None:
+    """A stored window after a neighbour's text `old_text` was deleted (`new_text` None: its line leaves the
+    window) or changed to `new_text` (its line is replaced); None when the window does not hold that line."""
+    old_line = PromptTemplate.render_fact(old_text)
+    if old_line not in window:
+        return None
+    if new_text is None:
+        return tuple(line for line in window if line != old_line)
+    new_line = PromptTemplate.render_fact(new_text)
+    return tuple(new_line if line == old_line else line for line in window)
 
 
 def add_recompute_arguments(parser) -> None:

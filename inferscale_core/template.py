@@ -55,13 +55,17 @@ class PromptTemplate:
         return f"- {text.strip()}\n"
 
     @staticmethod
-    def neighbour_windows(fact_texts: Sequence[str], w: int) -> list[tuple[str, ...]]:
-        """For facts added together, in order: each one's window is the w facts before it, rendered as the
-        memory lines they are served as (context-window encoding behind neighbouring facts)."""
+    def neighbour_windows(fact_texts: Sequence[str], w: int, stored: Sequence[str] = ()) -> list[tuple[str, ...]]:
+        """For facts added together, in order, by a user whose memory already holds `stored` (texts, oldest
+        first): each fact's window is the w facts stored most recently before it (the earlier ones of this
+        call included), rendered as the memory lines they are served as (context-window encoding behind
+        neighbouring facts). Adding facts one by one or together gives the same windows."""
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"window size must be an int >= 0, got {w!r}")
-        lines = [PromptTemplate.render_fact(t) for t in fact_texts]
-        return [tuple(lines[max(0, i - w):i]) for i in range(len(lines))]
+        before = list(stored)[max(0, len(stored) - w):] if w else []
+        lines = [PromptTemplate.render_fact(t) for t in (*before, *fact_texts)]
+        first = len(before)
+        return [tuple(lines[max(0, i - w):i]) for i in range(first, len(lines))]
 
     def fact_ids(self, text: str) -> list[int]:
         if not text or not text.strip():

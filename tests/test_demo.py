@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from inferscale_core.cli import DEMO_FACTS, DEMO_QUESTIONS
-from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_FACTS, RECOMPUTE_TOKENS, default_windows
+from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_FACTS, RECOMPUTE_TOKENS, default_windows, rewindow
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,6 +57,17 @@ def test_default_windows_keep_a_callers_window_and_give_the_rest_their_neighbour
     assert default_windows(texts, w=0) == [(), (), ()]
     with pytest.raises(ValueError, match="3 facts but 2 windows"):
         default_windows(texts, [[], []])
+    # facts the user stored before this call are neighbours too: one by one gives what together gives
+    assert default_windows(texts[2:], w=2, stored=texts[:2]) == default_windows(texts, w=2)[2:]
+    assert default_windows(["d"], w=2, stored=texts) == [("- b two\n", "- c three\n")]
+    assert default_windows(["d"], w=0, stored=texts) == [()]
+
+
+def test_rewindow_drops_or_replaces_a_neighbours_line():
+    win = ("- a one\n", "user: hi", "- b two\n")
+    assert rewindow(win, "a one", None) == ("user: hi", "- b two\n")
+    assert rewindow(win, "b two", "b 2") == ("- a one\n", "user: hi", "- b 2\n")
+    assert rewindow(win, "c three", None) is None and rewindow((), "a one", None) is None
 
 
 REDIRECT = """

@@ -87,10 +87,11 @@ def test_fact_crud_round_trip(stub):
     assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid)).facts) == 0
 
 
-def test_facts_added_together_are_encoded_behind_their_neighbours(stub, registry):
-    """The shipped default (inferscale_core.defaults): a fact without a window of its own is stored (and so
-    encoded) behind the NEIGHBOUR_WINDOW facts before it in the same call, as memory lines; a caller's window
-    wins; facts of another call are not its neighbours."""
+def test_facts_are_encoded_behind_the_users_latest_facts(stub, registry):
+    """The shipped default (inferscale_core.defaults), through gRPC with the Redis registry: a fact without a
+    window of its own is stored (and so encoded) behind the NEIGHBOUR_WINDOW facts its user stored most recently,
+    whatever call they came in, as memory lines; a caller's window wins; deleting a neighbour takes its line out
+    of the windows behind it."""
     from inferscale_core.defaults import NEIGHBOUR_WINDOW
     from inferscale_core.template import PromptTemplate
 
@@ -100,11 +101,14 @@ def test_facts_added_together_are_encoded_behind_their_neighbours(stub, registry
         pb2.FactInput(text=texts[3], window=["user: I won at chess today"])])).facts
     windows = [registry.get(uid, f.fact_id).window for f in first]
     lines = [PromptTemplate.render_fact(t) for t in texts]
-    assert NEIGHBOUR_WINDOW >= 2 and windows[:3] == [(), (lines[0],), (lines[0], lines[1])]
+    assert NEIGHBOUR_WINDOW >= 4 and windows[:3] == [(), (lines[0],), (lines[0], lines[1])]
     assert windows[1] == ("- likes green tea\n",)
     assert windows[3] == ("user: I won at chess today",)
     (later,) = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="owns a bike")])).facts
-    assert registry.get(uid, later.fact_id).window == ()
+    assert registry.get(uid, later.fact_id).window == tuple(lines)  # added alone: the earlier calls' facts
+    stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=uid, fact_id=first[1].fact_id))
+    assert registry.get(uid, later.fact_id).window == (lines[0], lines[2], lines[3])
+    assert registry.get(uid, first[2].fact_id).window == (lines[0],)
     stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid))
 
 

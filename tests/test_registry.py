@@ -63,6 +63,30 @@ def test_list_pages_in_creation_order(reg):
         reg.list("u", -1, 2)
 
 
+def test_latest_is_the_users_most_recent_facts_oldest_first(reg):
+    """What a new fact is encoded behind (inferscale_core/defaults.py): the user's last n facts, whatever call
+    they came in, never another user's, and without the deleted ones."""
+    ids = [r.fact_id for r in reg.create("u", [NewFact(f"fact {i}") for i in range(3)])]
+    ids += [r.fact_id for r in reg.create("u", [NewFact("fact 3")])]
+    reg.create("other", [NewFact("not yours")])
+    assert [r.fact_id for r in reg.latest("u", 2)] == ids[2:]
+    assert [r.fact_id for r in reg.latest("u", 10)] == ids and reg.latest("u", 0) == []
+    reg.delete("u", ids[3])
+    assert [r.text for r in reg.latest("u", 2)] == ["fact 1", "fact 2"]
+    assert reg.latest("nobody", 5) == []
+
+
+def test_update_can_change_the_window_alone(reg):
+    """A re-windowed fact (a neighbour left the memory): new version, same text and embedding, new window."""
+    (r,) = reg.create("u", [NewFact("likes tea", embedding=[1.0, 0.0], window=("- a\n", "- b\n"))])
+    new = reg.update("u", r.fact_id, window=("- b\n",), expected_version=1)
+    got = reg.get("u", r.fact_id)
+    assert new.version == got.version == 2 and got.window == ("- b\n",) and got.text == "likes tea"
+    assert got.embedding is not None and reg.user_bytes("u") == len("likes tea") + 2 + len('["- b\\n"]')
+    with pytest.raises(ValueError, match="window"):
+        reg.update("u", r.fact_id, window=("ok", 3))
+
+
 def test_embedding_round_trip_and_staleness(reg):
     (rec,) = reg.create("u", [NewFact("x", embedding=np.arange(4, dtype=np.float32))])
     assert np.array_equal(reg.get("u", rec.fact_id).embedding, np.arange(4, dtype=np.float32))

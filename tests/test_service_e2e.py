@@ -184,6 +184,11 @@ def test_update_and_delete_reach_the_engine(service):
     pieces, final = service.ask("bob", "What is Bob allergic to?", k=1, max_tokens=16)
     assert final.fact_ids == [fid] and final.prefilled_tokens < final.prompt_tokens
     assert "shellfish" in "".join(pieces).lower()
+    # bob's third fact was encoded behind the second (neighbour windows): the update re-encoded it with the new
+    # text in its window, and the KV computed behind the old text left the engine (docs/architecture.md)
+    third = service.ids["bob"][2]
+    assert c.get("bob", third).version == 2
+    assert service.engine_holds("bob", [(third, 2), (third, 1)]) == [True, False]
     c.delete("bob", service.ids["bob"][2])
     _, final = service.ask("bob", "Where did Bob move from?", k=10, max_tokens=4)
     assert service.ids["bob"][2] not in final.fact_ids and len(final.fact_ids) == 2

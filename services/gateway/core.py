@@ -17,12 +17,13 @@ from typing import Protocol
 
 import grpc
 
-from inferscale_core.defaults import default_windows
+from inferscale_core.defaults import NEIGHBOUR_WINDOW, default_windows, rewindow
+from inferscale_core.errors import UnknownFactError
 
 from .. import api
 from ..api import ApiError, Limits, pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
-from ..registry import FactRecord, NewFact, Registry
+from ..registry import FactRecord, NewFact, Registry, VersionConflictError
 
 log = logging.getLogger("inferscale.gateway")
 
@@ -122,9 +123,11 @@ class GatewayCore:
         names = names or [f"facts[{i}].text" for i in range(len(facts))]
         for f, name in zip(facts, names):
             api.text_field(f.text, name, self.limits.max_fact_chars)
-        # The shipped encoding default: facts added together, each behind the facts before it in this call
-        # (a caller's own window wins). Stored with the fact, so a re-encode uses the same window.
-        windows = default_windows([f.text for f in facts], [f.window for f in facts])
+        # The shipped encoding default: each fact behind the facts its user stored most recently, this call's
+        # earlier ones included (a caller's own window wins). Stored with the fact: a re-encode reproduces it.
+        stored = ([r.text for r in await _blocking(self.registry.latest, user_id, NEIGHBOUR_WINDOW)]
+                  if any(not f.window for f in facts) else [])
+        windows = default_windows([f.text for f in facts], [f.window for f in facts], stored=stored)
         facts = [dataclasses.replace(f, window=win) for f, win in zip(facts, windows)]
         await self._check_encodable([f.text for f in facts], names)
         recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota())
@@ -152,22 +155,55 @@ class GatewayCore:
 
     async def update_fact(self, user_id: str, fact_id: str, text: str | None, metadata: dict | None,
                           replace_metadata: bool = False, expected_version: int = 0, embedding=None) -> FactRecord:
+        old = None
         if text is not None:
             api.text_field(text, "text", self.limits.max_fact_chars)
             await self._check_encodable([text], ["text"])
+            old = await _blocking(self.registry.get, user_id, fact_id)
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
                               embedding=embedding, quota=self.limits.quota())
         if text is not None and self.backends is not None:  # metadata changes do not touch KV or embeddings
             # The text passed the encoder's check; a push that still fails is repaired by the replicas' sync.
             await self._push(self.backends.index_facts(user_id, [rec]), "index_facts (update)")
+        if old is not None and old.text != rec.text:
+            await self._rewindow(user_id, old.text, rec.text)
         return rec
 
     async def delete_fact(self, user_id: str, fact_id: str) -> FactRecord:
         rec = await _blocking(self.registry.delete, user_id, fact_id)
         if self.backends is not None:
             await self._push(self.backends.forget(user_id, [(fact_id, rec.version)]), "forget")
+        await self._rewindow(user_id, rec.text, None)
         return rec
+
+    async def _rewindow(self, user_id: str, old_text: str, new_text: str | None) -> list[FactRecord]:
+        """A fact's text left the memory (deleted, or changed to `new_text`): every fact of the user encoded
+        behind it gets that line removed (or replaced) in its stored window and is re-encoded, so the old text
+        survives in no other fact's window or KV. Costs one pass over the user's facts plus up to
+        NEIGHBOUR_WINDOW re-encodes (docs/architecture.md, "Neighbour windows")."""
+        changed, offset = [], 0
+        while offset is not None:
+            page, offset = await _blocking(self.registry.list, user_id, offset, 1000)
+            for rec in page:
+                for _ in range(3):  # a concurrent write to the same fact: read it again
+                    win = rewindow(rec.window, old_text, new_text)
+                    if win is None:
+                        break
+                    try:
+                        changed.append(await _blocking(self.registry.update, user_id, rec.fact_id, window=win,
+                                                       expected_version=rec.version))
+                        break
+                    except UnknownFactError:  # deleted meanwhile
+                        break
+                    except VersionConflictError:
+                        try:
+                            rec = await _blocking(self.registry.get, user_id, rec.fact_id)
+                        except UnknownFactError:
+                            break
+        if changed and self.backends is not None:  # a failed push is repaired by the replicas' sync
+            await self._push(self.backends.index_facts(user_id, changed), "index_facts (neighbour left)")
+        return changed
 
     async def _extract(self, user_id: str, messages: list[dict], metadata: dict) -> list[dict]:
         """Mem0's add with inference (services/mem0_provider.py), in a worker thread."""

@@ -63,14 +63,17 @@ class ActorRegistry(Registry):
     def count(self, user_id):
         return self._call("count", user_id)
 
+    def latest(self, user_id, n):
+        return self._call("latest", user_id, n)
+
     def fact_versions(self, user_id):
         return self._call("fact_versions", user_id)
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None):
+               expected_version=0, quota=None, window=None):
         return self._call("update", user_id, fact_id, text=text, metadata=metadata,
                           replace_metadata=replace_metadata, embedding=embedding, expected_version=expected_version,
-                          quota=quota)
+                          quota=quota, window=window)
 
     def set_embedding(self, user_id, fact_id, version, embedding):
         return self._call("set_embedding", user_id, fact_id, version, embedding)

@@ -67,7 +67,7 @@ class FactRecord:
     created_at: float = 0.0
     updated_at: float = 0.0
     embedding: np.ndarray | None = None  # float32 [dim], None until indexed
-    window: tuple[str, ...] = ()  # conversation turns the fact was encoded behind (re-encoding needs them)
+    window: tuple[str, ...] = ()  # what the fact was encoded behind: turns or neighbour lines (re-encoding needs it)
     unservable_reason: str = ""  # non-empty: this version failed to encode; Answer leaves it out
 
     def public(self) -> dict:
@@ -144,6 +144,13 @@ class Registry(ABC):
     @abstractmethod
     def count(self, user_id: str) -> int: ...
 
+    def latest(self, user_id: str, n: int) -> list[FactRecord]:
+        """The user's n most recently stored facts, oldest first: the neighbours a new fact is encoded behind
+        (inferscale_core/defaults.py). Backends that can do it in one read override this."""
+        if n <= 0:
+            return []
+        return self.list(user_id, max(0, self.count(user_id) - n), n)[0]
+
     @abstractmethod
     def fact_versions(self, user_id: str) -> dict[str, int]:
         """fact_id -> version for every fact of the user: what a replica compares its cache against."""
@@ -151,9 +158,10 @@ class Registry(ABC):
     @abstractmethod
     def update(self, user_id: str, fact_id: str, text: str | None = None, metadata: dict | None = None,
                replace_metadata: bool = False, embedding=None, expected_version: int = 0,
-               quota: Quota | None = None) -> FactRecord:
-        """New text and/or metadata; version + 1. A new text without a new embedding clears the embedding
-        (the old one describes the old text); a new version is servable until an encoder says otherwise."""
+               quota: Quota | None = None, window: tuple[str, ...] | None = None) -> FactRecord:
+        """New text, metadata and/or window (what the fact is encoded behind); version + 1. A new text without
+        a new embedding clears the embedding (the old one describes the old text); a new version is servable
+        until an encoder says otherwise."""
 
     @abstractmethod
     def set_embedding(self, user_id: str, fact_id: str, version: int, embedding) -> bool:
@@ -204,18 +212,20 @@ class Registry(ABC):
 
     # shared helpers
     @staticmethod
-    def _checked_update(user_id: str, fact_id: str, text, metadata, embedding) -> np.ndarray | None:
+    def _checked_update(user_id: str, fact_id: str, text, metadata, embedding, window=None) -> np.ndarray | None:
         """Validate an update's arguments (both backends); returns the embedding as an array, or None."""
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
         if text is not None:
             _check_text(text)
+        if window is not None:
+            _check_window(window)
         if metadata is not None:
             _check_metadata(metadata)
         return _as_embedding(embedding)
 
     @staticmethod
-    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb) -> FactRecord:
+    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb, window=None) -> FactRecord:
         if metadata is None:
             meta = cur.metadata
         elif replace_metadata:
@@ -226,7 +236,8 @@ class Registry(ABC):
         if emb is None:
             emb = cur.embedding if new_text == cur.text else None
         return replace(cur, text=new_text, metadata=meta, version=cur.version + 1, updated_at=time.time(),
-                       embedding=emb, unservable_reason="")
+                       embedding=emb, unservable_reason="",
+                       window=cur.window if window is None else tuple(window))
 
     @staticmethod
     def _new_records(user_id: str, facts: list[NewFact], now: float) -> list[FactRecord]:

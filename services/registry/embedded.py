@@ -82,6 +82,11 @@ class EmbeddedRegistry(Registry):
         with self._lock:
             return len(self._order.get(user_id, []))
 
+    def latest(self, user_id, n):
+        check_id("user_id", user_id)
+        with self._lock:
+            return [self._facts[f] for f in self._order.get(user_id, [])[-n:]] if n > 0 else []
+
     def user_bytes(self, user_id):
         check_id("user_id", user_id)
         with self._lock:
@@ -93,13 +98,13 @@ class EmbeddedRegistry(Registry):
             return {f: self._facts[f].version for f in self._order.get(user_id, [])}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None):
-        emb = self._checked_update(user_id, fact_id, text, metadata, embedding)
+               expected_version=0, quota=None, window=None):
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
         with self._lock:
             cur = self._owned(user_id, fact_id)
             if expected_version and cur.version != expected_version:
                 raise VersionConflictError(fact_id, expected_version, cur.version)
-            new = self._updated(cur, text, metadata, replace_metadata, emb)
+            new = self._updated(cur, text, metadata, replace_metadata, emb, window)
             grown = fact_bytes(new) - fact_bytes(cur)
             check_quota(quota, user_id, 0, self._bytes.get(user_id, 0), 0, grown)
             self._facts[fact_id] = new

@@ -162,6 +162,14 @@ class RedisRegistry(Registry):
         check_id("user_id", user_id)
         return int(self.r.zcard(self._k("user", user_id, "facts")))
 
+    def latest(self, user_id, n):
+        check_id("user_id", user_id)
+        if n <= 0:
+            return []
+        ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), -n, -1)]
+        found = self.find_many(user_id, ids)  # one deleted in between is left out
+        return [found[f] for f in ids if f in found]
+
     def user_bytes(self, user_id):
         check_id("user_id", user_id)
         return int(self.r.get(self._k("user", user_id, "bytes")) or 0)
@@ -176,15 +184,15 @@ class RedisRegistry(Registry):
         return {f: int(v) for f, v in zip(ids, vers) if v is not None}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None):
-        emb = self._checked_update(user_id, fact_id, text, metadata, embedding)
+               expected_version=0, quota=None, window=None):
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
         key, bytes_key = self._fact_key(fact_id), self._k("user", user_id, "bytes")
 
         def body(pipe):
             cur = self._owned(user_id, fact_id, pipe.hgetall(key))
             if expected_version and cur.version != expected_version:
                 raise VersionConflictError(fact_id, expected_version, cur.version)
-            new = self._updated(cur, text, metadata, replace_metadata, emb)
+            new = self._updated(cur, text, metadata, replace_metadata, emb, window)
             grown = fact_bytes(new) - fact_bytes(cur)
             check_quota(quota, user_id, 0, int(pipe.get(bytes_key) or 0), 0, grown)
             pipe.multi()

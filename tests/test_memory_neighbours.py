@@ -1,0 +1,86 @@
+"""Neighbour windows come from the user's memory, not from the call (inferscale_core/defaults.py), as the
+gateway applies them: GatewayCore with the embedded registry in registry-only mode (what is stored is what the
+encoders encode: text and window), and what a neighbour's later delete or update does to the facts encoded
+behind it (docs/architecture.md, "Neighbour windows")."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from inferscale_core.defaults import NEIGHBOUR_WINDOW
+from inferscale_core.template import PromptTemplate
+from services.api import pb2
+from services.auth import Authenticator
+from services.gateway import GatewayCore
+from services.registry import EmbeddedRegistry, NewFact
+
+LINE = PromptTemplate.render_fact
+
+
+@pytest.fixture
+def core():
+    return GatewayCore(EmbeddedRegistry(), backends=None, auth=Authenticator.insecure())
+
+
+def _add(core, user, *texts, window=()):
+    return [r.fact_id for r in asyncio.run(core.store_new(user, [NewFact(t, window=window) for t in texts]))]
+
+
+def _window(core, user, fid):
+    return core.registry.get(user, fid).window
+
+
+def test_a_fact_added_alone_is_encoded_behind_the_users_latest_facts(core):
+    assert NEIGHBOUR_WINDOW == 5
+    texts = [f"fact number {i}" for i in range(9)]
+    ids = []
+    for t in texts[:3]:  # one call per fact
+        ids += _add(core, "ann", t)
+    _add(core, "bob", "bob's fact")  # another user's facts are never neighbours
+    ids += _add(core, "ann", *texts[3:6])  # one call, three facts: they see the earlier calls and each other
+    ids += _add(core, "ann", texts[6], window=("user: I won at chess today",))  # a caller's own window wins
+    ids += _add(core, "ann", *texts[7:])
+    lines = [LINE(t) for t in texts]
+    expected = [tuple(lines[max(0, j - 5):j]) for j in range(len(texts))]
+    expected[6] = ("user: I won at chess today",)
+    assert [_window(core, "ann", f) for f in ids] == expected
+    assert expected[8] == tuple(lines[3:8]) and expected[1] == (lines[0],)  # stored before, whatever call
+    (bobs,) = core.registry.list("bob")[0]
+    assert bobs.window == ()
+
+
+def test_deleting_a_neighbour_takes_its_text_out_of_every_window(core):
+    """Privacy: a deleted fact's text survives in no other fact's stored window (and so in no KV: a window
+    change is a new version, which the encoders re-encode from text and window)."""
+    texts = [f"fact number {i}" for i in range(8)]
+    ids = [f for t in texts for f in _add(core, "ann", t)]
+    before = {f: core.registry.get("ann", f) for f in ids}
+    asyncio.run(core.delete_fact("ann", ids[3]))
+    gone = LINE(texts[3])
+    after = {r.fact_id: r for r in core.registry.list("ann")[0]}
+    assert ids[3] not in after and not any(gone in r.window for r in after.values())
+    for f, r in after.items():
+        if gone in before[f].window:  # facts 4..7 were encoded behind it: re-windowed, new version
+            assert r.window == tuple(x for x in before[f].window if x != gone) and r.version == 2
+        else:
+            assert r.window == before[f].window and r.version == 1
+    assert sum(r.version == 2 for r in after.values()) == 4
+    new = _add(core, "ann", "a new fact")[0]  # the 5 latest facts still stored
+    assert _window(core, "ann", new) == tuple(LINE(t) for t in (texts[2], *texts[4:8]))
+
+
+def test_updating_a_neighbour_replaces_its_line_in_every_window(core):
+    ids = [f for t in ("likes tea", "lives in Oslo", "plays chess") for f in _add(core, "ann", t)]
+    asyncio.run(core.update_fact("ann", ids[0], "likes coffee", None))
+    assert _window(core, "ann", ids[1]) == (LINE("likes coffee"),)
+    assert _window(core, "ann", ids[2]) == (LINE("likes coffee"), LINE("lives in Oslo"))
+    assert [core.registry.get("ann", f).version for f in ids] == [2, 2, 2]
+    asyncio.run(core.update_fact("ann", ids[1], None, {"src": "chat"}))  # metadata only: no window moves
+    assert [core.registry.get("ann", f).version for f in ids] == [2, 3, 2]
+
+
+def test_after_delete_user_nothing_is_a_neighbour(core):
+    _add(core, "ann", "likes tea", "lives in Oslo")
+    asyncio.run(core.DeleteUser(pb2.DeleteUserRequest(user_id="ann"), core.authenticate("DeleteUser", None)))
+    assert _window(core, "ann", _add(core, "ann", "plays chess")[0]) == ()
