@@ -2,8 +2,13 @@
 same model, same run.
 
 For every conversation and window size w, the conversation's memory facts are added once for a user
-"<sample_id>.w<w>", each with the w dialogue turns before it (KV mode encodes the fact in that context;
-prompt injection only ever uses the fact text). Phases:
+"<sample_id>.w<w>", in the order the service would get them (session by session, each session's facts in
+turn order), one fact per add call (`--add-as fact`, the product's worst case) or one session per call
+(`--add-as session`). KV mode encodes each fact behind its window: by default the service's rule
+(inferscale_core/defaults.py: the w facts the user stored most recently before it, as memory lines), or the
+w dialogue turns before it (`--window-kind turns`); prompt injection only ever uses the fact text. With no
+accuracy flags the run measures the shipped default (w = NEIGHBOUR_WINDOW, neighbours from memory, nothing
+recomputed) at k = 5, 10, 20, 50. Phases:
   accuracy   every selected question in both modes for every k (and w for kv), scored with LoCoMo's F1
              (and, with --judge-model, a binary LLM judge); batched when the backend can (answer_many)
   latency    the first --latency-questions questions again, one request at a time, for every --latency-k:
@@ -38,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from tqdm import tqdm
 
-from inferscale_core.defaults import RECOMPUTE_TOKENS, add_recompute_arguments
+from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_TOKENS, add_recompute_arguments, default_windows
 from inferscale_core.eval import report
 from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
                                          load_locomo, require_data_path, session_facts, window_turns)
@@ -48,7 +53,7 @@ from inferscale_core.template import PromptTemplate
 
 MODES = ("kv", "pi")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-FULL_DEFAULTS = {"k": (5, 10, 20, 50), "w": (0, 5, 20, 50), "users": (10, 25, 50, 75, 100), "conversations": None,
+FULL_DEFAULTS = {"k": (5, 10, 20, 50), "w": (NEIGHBOUR_WINDOW,), "users": (10, 25, 50, 75, 100), "conversations": None,
                  "max_questions": None, "latency_questions": 20}
 QUICK_DEFAULTS = {"k": (5, 10), "w": (0, 5), "users": (10,), "conversations": 1, "max_questions": 6,
                   "latency_questions": 2}
@@ -221,7 +226,8 @@ class RunConfig:
     throughput_k: tuple[int, ...] | None = None  # k in the throughput phase; None = the smallest k
     throughput_tokens: int = 50           # output tokens per throughput request
     fact_dates: bool = True               # prefix facts with their session date
-    window_kind: str = "turns"            # KV windows: the w previous turns, or the w previous facts of the session
+    window_kind: str = "memory"           # KV windows: see WINDOW_KINDS
+    add_as: str = "fact"                  # facts per add call: one ("fact") or a session's ("session")
     judge_model: str | None = None
     dtype: str = "bfloat16"               # the engine's (vLLM cache) dtype
     encode_dtype: str = "float32"         # the encoder's dtype (facts are cast to dtype in the worker)
@@ -255,24 +261,44 @@ def select_questions(questions: Sequence[Question], n: int | None) -> list[Quest
     return sorted(picked, key=lambda q: order[q.qid])
 
 
-WINDOW_KINDS = ("turns", "facts")
+# What a fact's w-item window is: "memory", the service's rule (the w facts the user stored most recently
+# before it, whatever call they came in); "facts", the earlier rule (the w facts before it in its own add call,
+# a session's facts added together); "turns", the w conversation turns before its source turn.
+WINDOW_KINDS = ("memory", "facts", "turns")
+ADD_AS = ("fact", "session")
 
 
-def memory_items(conv: Conversation, w: int, fact_dates: bool = True, window_kind: str = "turns") -> list[FactWithWindow]:
-    """Each fact with the window it is encoded behind: the w conversation turns before its source turn
-    ("turns"), or the w facts of its own session before it, rendered as the memory lines they are served as
-    ("facts")."""
-    if window_kind == "turns":
-        windows = {f.fact_id: tuple(t.render() for t in window_turns(conv, f, w)) for f in conv.facts}
-    elif window_kind == "facts":  # each session's facts added together, in turn order: what the service does
-        windows = {}
-        for session in sorted({f.session for f in conv.facts}):
-            facts = session_facts(conv, session)
-            texts = [f.render(with_date=fact_dates) for f in facts]
-            windows.update(zip((f.fact_id for f in facts), PromptTemplate.neighbour_windows(texts, w)))
-    else:
+def add_calls(conv: Conversation, w: int, fact_dates: bool = True, window_kind: str = "memory",
+              add_as: str = "fact") -> list[list[FactWithWindow]]:
+    """The add calls the service would get for the conversation (one per fact, or one per session), in
+    order, each fact with the window it is encoded behind."""
+    if add_as not in ADD_AS:
+        raise ValueError(f"add-as must be one of {ADD_AS}, got {add_as!r}")
+    if window_kind not in WINDOW_KINDS:
         raise ValueError(f"window kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
-    return [FactWithWindow(f.fact_id, f.render(with_date=fact_dates), windows[f.fact_id]) for f in conv.facts]
+    sessions = [session_facts(conv, s) for s in sorted({f.session for f in conv.facts})]
+    calls = [call for facts in sessions for call in ([[f] for f in facts] if add_as == "fact" else [facts])]
+    fixed = {}  # the windows that do not depend on what the user stored before
+    if window_kind == "facts":
+        for facts in sessions:
+            texts = [f.render(with_date=fact_dates) for f in facts]
+            fixed.update(zip((f.fact_id for f in facts), PromptTemplate.neighbour_windows(texts, w)))
+    elif window_kind == "turns":
+        fixed = {f.fact_id: tuple(t.render() for t in window_turns(conv, f, w)) for f in conv.facts}
+    stored: list[str] = []  # the user's memory so far, oldest first
+    out = []
+    for call in calls:
+        texts = [f.render(with_date=fact_dates) for f in call]
+        windows = (default_windows(texts, w=w, stored=stored) if window_kind == "memory"  # the gateway's rule
+                   else [fixed[f.fact_id] for f in call])
+        out.append([FactWithWindow(f.fact_id, t, tuple(win)) for f, t, win in zip(call, texts, windows)])
+        stored += texts
+    return out
+
+
+def memory_items(conv: Conversation, w: int, fact_dates: bool = True, window_kind: str = "memory") -> list[FactWithWindow]:
+    """Each fact, in the order the service gets them, with the window it is encoded behind (WINDOW_KINDS)."""
+    return [i for call in add_calls(conv, w, fact_dates, window_kind) for i in call]
 
 
 def _check(conv: Conversation, req: Request, raw) -> Answer:
@@ -349,6 +375,8 @@ def run_benchmark(cfg: RunConfig, backend: AnswerBackend, judge: Judge | None = 
         raise ValueError(f"need k > 0 and w >= 0, got k={cfg.k} w={cfg.w}")
     if cfg.window_kind not in WINDOW_KINDS:
         raise ValueError(f"window kind must be one of {WINDOW_KINDS}, got {cfg.window_kind!r}")
+    if cfg.add_as not in ADD_AS:
+        raise ValueError(f"add-as must be one of {ADD_AS}, got {cfg.add_as!r}")
     convs = load_conversations(cfg)
     selected = [(c, q) for c in convs for q in select_questions(c.questions, cfg.max_questions)]
     if not selected:
@@ -363,11 +391,12 @@ def run_benchmark(cfg: RunConfig, backend: AnswerBackend, judge: Judge | None = 
     encode = []
     for conv in tqdm(convs, desc="add facts", disable=not progress):
         for w in cfg.w:
-            items = memory_items(conv, w, cfg.fact_dates, cfg.window_kind)
+            calls = add_calls(conv, w, cfg.fact_dates, cfg.window_kind, cfg.add_as)
             t0 = time.perf_counter()
-            backend.add_facts(user_id(conv, w), items, w)
-            row = {"sample_id": conv.sample_id, "w": w, "n_facts": len(items), "add_facts_s": time.perf_counter() - t0,
-                   "loadavg": os.getloadavg()[0]}
+            for items in calls:  # as the service gets them: one add call per fact (or per session)
+                backend.add_facts(user_id(conv, w), items, w)
+            row = {"sample_id": conv.sample_id, "w": w, "n_facts": sum(map(len, calls)), "add_calls": len(calls),
+                   "add_facts_s": time.perf_counter() - t0, "loadavg": os.getloadavg()[0]}
             if callable(getattr(backend, "memory_bytes", None)):
                 row["bytes"] = backend.memory_bytes(user_id(conv, w))
             encode.append(row)
@@ -528,7 +557,7 @@ def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
 
 # Settings that must agree between runs merged into one report (the rest is per run).
 MERGE_KEYS = ("data", "model", "k", "w", "latency_k", "max_tokens", "fact_dates", "dtype", "encode_dtype",
-              "judge_model", "max_questions", "recompute_tokens", "recompute_facts", "window_kind")
+              "judge_model", "max_questions", "recompute_tokens", "recompute_facts", "window_kind", "add_as")
 
 
 def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamples: int | None = None,
@@ -543,7 +572,8 @@ def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamp
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: pass folders written by bench/locomo.py --out")
         runs.append(json.loads(path.read_text()))
-    defaults = {f.name: f.default for f in fields(RunConfig)}  # runs written before a setting existed
+    defaults = {f.name: f.default for f in fields(RunConfig)}  # runs written before a setting existed ...
+    defaults.update(window_kind="turns", add_as="conversation")  # ... had turn windows, all facts in one call
     first = {**defaults, **runs[0]["config"]}
     for d, run in zip(run_dirs[1:], runs[1:]):
         differ = [key for key in MERGE_KEYS if run["config"].get(key, defaults[key]) != first[key]]
@@ -608,7 +638,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                    help="LoCoMo-format JSON (default: ../shared/data/locomo_dev.json when present)")
     p.add_argument("--model", default=None, help="model folder for the engine (default: SmolLM2-135M-Instruct)")
     p.add_argument("--k", type=_int_list, help="facts retrieved per question (default 5,10,20,50; quick 5,10)")
-    p.add_argument("--w", type=_int_list, help="window turns encoded with each fact (default 0,5,20,50; quick 0,5)")
+    p.add_argument("--w", type=_int_list, help="window items encoded with each fact (default: the shipped "
+                                                 f"{NEIGHBOUR_WINDOW}; quick 0,5)")
     p.add_argument("--users", type=_users,
                    help="concurrent users in the throughput phase (default 10,25,50,75,100; quick 10; 0 = skip)")
     p.add_argument("--conversations", type=int, help="use only the first N conversations")
@@ -622,9 +653,14 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--requests-per-user", type=int, default=2, help="throughput phase: questions per user")
     p.add_argument("--throughput-k", type=_int_list, help="k in the throughput phase (default: smallest k)")
     p.add_argument("--throughput-tokens", type=int, default=50, help="output tokens per throughput request")
-    p.add_argument("--window-kind", choices=WINDOW_KINDS, default="turns",
-                   help="what a fact's w-item window is: the conversation turns before its source turn, or the "
-                        "facts of its own session before it, as memory lines (default %(default)s)")
+    p.add_argument("--window-kind", choices=WINDOW_KINDS, default="memory",
+                   help="what a fact's w-item window is: the w facts the user stored most recently before it "
+                        "(memory, the service's rule), the w facts before it in its own session (facts, the "
+                        "earlier rule), or the w conversation turns before its source turn (turns); as memory "
+                        "lines except turns (default %(default)s)")
+    p.add_argument("--add-as", choices=ADD_AS, default="fact",
+                   help="facts per add call, in the service's order: one (fact, the product's worst case) or "
+                        "a whole session's (session) (default %(default)s)")
     p.add_argument("--no-fact-dates", action="store_true", help="do not prefix facts with their session date")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine (KV cache) dtype")
     p.add_argument("--encode-dtype", default="float32", choices=["bfloat16", "float32"], help="encoder dtype")
@@ -650,7 +686,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                      judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
                      bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()),
                      recompute_tokens=a.recompute_tokens, recompute_facts=a.recompute_facts,
-                     window_kind=a.window_kind)
+                     window_kind=a.window_kind, add_as=a.add_as)
 
 
 def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None, judge: Judge | None = None) -> dict:

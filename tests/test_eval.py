@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from inferscale_core.eval.locomo import (Fact, LocomoFormatError, answerable, load_locomo, parse_dia_ids,
                                          session_facts, window_turns)
@@ -15,6 +16,7 @@ from inferscale_core.eval.scoring import (JUDGE_PROMPT, judge_prompt, locomo_f1,
                                           parse_judge_reply, token_f1)
 from inferscale_core.eval.stats import by_category, paired_bootstrap, summarize
 from inferscale_core.eval.stem import porter_stem
+from inferscale_core.template import PromptTemplate
 
 REPO = Path(__file__).resolve().parents[1]
 # Synthetic conversations in LoCoMo's format, made for the tests (tests/fixtures/make_locomo_mini.py);
@@ -131,8 +133,7 @@ def test_session_facts_in_the_order_they_became_known(dev):
 
 
 def test_facts_windows_are_the_w_facts_before_in_the_same_session_as_memory_lines(dev):
-    from inferscale_core.template import PromptTemplate
-
+    """The earlier rule (--window-kind facts): neighbours only from the fact's own session."""
     conv = dev[0]
     sessions = sorted({f.session for f in conv.facts})
     for w in (0, 2, 3, 1000):  # 1000: the whole session before the fact, never another session's facts
@@ -145,9 +146,9 @@ def test_facts_windows_are_the_w_facts_before_in_the_same_session_as_memory_line
     items = runner.memory_items(conv, 3, window_kind="facts")
     assert sum(len(i.window) == 3 for i in items) > len(items) // 2
     assert all(line.startswith("- [") and line.endswith("\n") for i in items for line in i.window)
+    turns = {i.fact_id: i.window for i in runner.memory_items(conv, 3, window_kind="turns")}
     fact = conv.facts[-1]
-    assert runner.memory_items(conv, 3, window_kind="turns")[-1].window == tuple(
-        t.render() for t in window_turns(conv, fact, 3))
+    assert turns[fact.fact_id] == tuple(t.render() for t in window_turns(conv, fact, 3))
     with pytest.raises(ValueError, match="window size"):
         runner.memory_items(conv, -1, window_kind="facts")
     with pytest.raises(ValueError, match="window kind"):
@@ -155,6 +156,56 @@ def test_facts_windows_are_the_w_facts_before_in_the_same_session_as_memory_line
     assert runner.parse_args(["--data", "x.json", "--window-kind", "facts"]).window_kind == "facts"
     with pytest.raises(SystemExit):
         runner.parse_args(["--data", "x.json", "--window-kind", "sessions"])
+
+
+def test_memory_windows_do_not_depend_on_how_the_facts_arrive(dev):
+    """The shipped rule (inferscale_core/defaults.py): a fact's neighbours are the w facts the user stored most
+    recently before it, across sessions and calls; one fact per call, one session per call and the whole
+    conversation in one call give the same windows."""
+    from inferscale_core.defaults import default_windows
+
+    conv = dev[0]
+    order = [f for s in sorted({f.session for f in conv.facts}) for f in session_facts(conv, s)]
+    lines = [PromptTemplate.render_fact(f.render()) for f in order]
+    for w in (0, 1, 5, 1000):
+        one = runner.add_calls(conv, w, add_as="fact")
+        per_session = runner.add_calls(conv, w, add_as="session")
+        assert len(one) == len(order) and len(per_session) == len({f.session for f in conv.facts})
+        assert [i for c in one for i in c] == [i for c in per_session for i in c]
+        windows = [i.window for c in one for i in c]
+        assert windows == [tuple(lines[max(0, j - w):j]) for j in range(len(order))]
+        assert windows == default_windows([f.render() for f in order], w=w)  # all in one call
+    second = [i.window for i in per_session[1]]  # a session's first fact sees the previous session's last facts
+    assert second[0] == tuple(lines[max(0, len(per_session[0]) - 1000):len(per_session[0])])
+    assert runner.parse_args(["--data", "x.json"]).add_as == "fact"
+    assert runner.parse_args(["--data", "x.json", "--add-as", "session"]).add_as == "session"
+    with pytest.raises(ValueError, match="add-as"):
+        runner.add_calls(conv, 5, add_as="turn")
+
+
+def test_facts_added_one_by_one_get_the_same_kv_as_added_together(dev, smollm2):
+    """Through the real encoder (SmolLM2, fp32, behind the instruction prefix as Memory encodes): a
+    conversation's facts added one per call and added per session have the same windows, so each fact's KV is
+    the same, bit for bit, when each is encoded on its own (a batch of several pads them to one width, which
+    reorders fp32 sums: tests/test_core_exactness.py)."""
+    from inferscale_core.memory import Memory
+
+    model, tok = smollm2
+    conv = dev[1]  # syn-2: 6 facts in 2 sessions
+    mem_one = Memory(model=model, tokenizer=tok)
+    for call in runner.add_calls(conv, 5, add_as="fact"):
+        mem_one.add("u", [i.text for i in call], [list(i.window) for i in call], [i.fact_id for i in call])
+    together = [i for call in runner.add_calls(conv, 5, add_as="session") for i in call]
+    assert sum(len(i.window) > 0 for i in together) == len(together) - 1
+    for item in together:
+        got = mem_one.store.get("u", item.fact_id)
+        alone = mem_one.encoder.encode(mem_one.template.fact_ids(item.text), mem_one.context(item.window))
+        assert mem_one.get("u", item.fact_id).window == list(item.window)
+        assert torch.equal(got.k_pre, alone.k_pre) and torch.equal(got.v, alone.v)
+    # and the window matters: the last fact encoded with no neighbours has other KV
+    last = together[-1]
+    bare = mem_one.encoder.encode(mem_one.template.fact_ids(last.text), mem_one.context(()))
+    assert not torch.equal(bare.k_pre, mem_one.store.get("u", last.fact_id).k_pre)
 
 
 def test_tiny_file_loads(tmp_path):
@@ -319,11 +370,13 @@ class ScriptedBackend:
 
     def __init__(self):
         self.facts: dict[str, list] = {}
+        self.add_calls: dict[str, int] = {}
         self.calls: list[tuple] = []
 
     def add_facts(self, user_id, facts_with_windows, w):
         assert user_id.endswith(f".w{w}")
-        self.facts[user_id] = list(facts_with_windows)
+        self.facts.setdefault(user_id, []).extend(facts_with_windows)
+        self.add_calls[user_id] = self.add_calls.get(user_id, 0) + 1
 
     def answer(self, user_id, question, k, mode):
         self.calls.append((user_id, question, k, mode))
@@ -355,12 +408,15 @@ def test_runner_two_question_slice(dev, tmp_path):
                        "--bootstrap", "500", "--out", str(out)], backend=backend, judge=ScriptedJudge())
     conv = dev[0]
 
-    # memory: one user per (conversation, w), every fact with exactly its window
+    # memory: one user per (conversation, w), the facts one per add call in the service's order (session by
+    # session), each behind the w facts added before it (the shipped rule, neighbours from memory)
     assert set(backend.facts) == {"syn-1.w0", "syn-1.w5"}
     items = backend.facts["syn-1.w5"]
-    assert [i.fact_id for i in items] == [f.fact_id for f in conv.facts]
-    assert items[5].window == tuple(t.render() for t in window_turns(conv, conv.facts[5], 5))
-    assert items[5].text == conv.facts[5].render()
+    order = [f for s in sorted({f.session for f in conv.facts}) for f in session_facts(conv, s)]
+    assert [i.fact_id for i in items] == [f.fact_id for f in order] and backend.add_calls["syn-1.w5"] == len(order)
+    lines = [PromptTemplate.render_fact(f.render()) for f in order]
+    assert [i.window for i in items] == [tuple(lines[max(0, j - 5):j]) for j in range(len(order))]
+    assert items[5].text == order[5].render()
     assert all(i.window == () for i in backend.facts["syn-1.w0"])
 
     # answers: 2 questions x (2 k x 2 w kv + 2 k pi) for accuracy and again for latency, plus 2 warm-up

@@ -45,7 +45,8 @@ def _setup_line(results: dict) -> str:
         return ""
     backend = ", ".join(f"{k} {v}" for k, v in b.items()) if isinstance(b, dict) else (b or "")
     load = t.get("loadavg_start")
-    return (f"Machine: {m.get('device', '?')} ({m.get('cpu_model', '')}); backend: {backend}; "
+    flags = f", flags {' '.join(m['cpu_flags'])}" if m.get("cpu_flags") else ""
+    return (f"Machine: {m.get('device', '?')} ({m.get('cpu_model', '')}{flags}); backend: {backend}; "
             f"wall {_f(t.get('wall_s'), 0)} s, accuracy phase {_f(t.get('s_per_question'), 2)} s per question "
             f"({t.get('requests_per_question', '?')} requests); load average at start "
             f"{_f(load[0] if load else None, 1)}, at end {_f((t.get('loadavg_end') or [None])[0], 1)}.\n")
@@ -85,7 +86,8 @@ def markdown(results: dict) -> str:
         f"{ds['n_questions']} answerable questions ("
         + ", ".join(f"{name} {n}" for name, n in ds["per_category"].items()) + ").  ",
         f"Model `{cfg.get('model') or 'engine default'}`; judge `{judge_name}`; "
-        f"k = {list(cfg['k'])}, w = {list(cfg['w'])} ({cfg.get('window_kind', 'turns')} windows); "
+        f"k = {list(cfg['k'])}, w = {list(cfg['w'])} ({cfg.get('window_kind', 'turns')} windows, facts added "
+        f"one {cfg.get('add_as', 'conversation')} per call); "
         f"bootstrap {cfg['bootstrap_resamples']} resamples, seed {cfg['seed']}.\n",
         "F1 is LoCoMo's token F1 (per-category rules, stemmed); w does not apply to pi.\n",
         _setup_line(results),

@@ -19,17 +19,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # the lscpu flags CPU inference rides on
+
+
 def machine() -> dict:
-    """What the numbers were measured on: CPU count and model name, load average now."""
-    model = ""
+    """What the numbers were measured on: CPU count, model name and speed flags (lscpu's), load average now."""
+    model, flags = "", set()
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
+            if line.startswith("model name") and not model:
                 model = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"device": f"CPU x{os.cpu_count()}", "cpu_model": model, "loadavg": list(os.getloadavg())}
+    return {"device": f"CPU x{os.cpu_count()}", "cpu_model": model,
+            "cpu_flags": [f for f in SPEED_FLAGS if f in flags], "loadavg": list(os.getloadavg())}
 
 
 @dataclass
