@@ -1,5 +1,7 @@
 """Accuracy against speed, one point per setting (issue 13): the KV−PI F1 gap pooled over the conversations (and
-how many conversations' own intervals include 0) at k=10 and k=50, against TTFT(PI)/TTFT(KV) at k=50.
+how many conversations' own intervals include 0) at k=10 and k=50, against TTFT(PI)/TTFT(KV) at k=50; and, for
+settings measured at every k (5, 10, 20, 50), issue 21's verdict: at every k neither the pooled interval nor
+any conversation's own interval lies below 0.
 
 Each point is a label, a folder of per-conversation bench/locomo.py runs (one sub-folder per conversation, as
 the accuracy loops in BENCHMARKS.md write them) and the bench/ttft.py report(s) of the same serving setting
@@ -29,6 +31,7 @@ _RATIO = re.compile(r"TTFT\(PI,k=50\)/TTFT\(KV,k=50\) = (\d+(?:\.\d+)?)x")
 _CONVERSATIONS = re.compile(r"conversations ([^;]+);")
 TARGET_RATIO = 10.0      # issue 13: TTFT(PI)/TTFT(KV) at k=50
 TARGET_CONVERSATIONS = 6  # of 7: conversations whose own interval includes 0, at k=10 and at k=50
+EVERY_K = (5, 10, 20, 50)  # issue 21: the target holds at each of these k, for every conversation
 
 
 def ttft_ratios(paths: str) -> list[float]:
@@ -75,7 +78,11 @@ def points(specs: list[tuple[str, str, str]]) -> list[dict]:
             # loss, so the table also says whether the target holds when "not below 0" is what counts.
             not_below = all(r["hi"] >= 0 and len(reports) - len(r["below"]) >= TARGET_CONVERSATIONS
                             for r in at.values())
-            rows.append({"label": label, "w": w, "k10": at[10], "k50": at[50], "ratio": ratio, "ratios": ratios,
+            by_k = {k: pooled[(k, w)] for k in EVERY_K if (k, w) in pooled}
+            # issue 21: at every k, pooled and each conversation on its own not below 0 (above counts as met)
+            every_k = len(by_k) == len(EVERY_K) and all(r["hi"] >= 0 and not r["below"] for r in by_k.values())
+            rows.append({"label": label, "w": w, "k10": at[10], "k50": at[50], "by_k": by_k,
+                         "every_k_not_below": every_k, "ratio": ratio, "ratios": ratios,
                          "conversations": len(reports), "accuracy_target": holds, "accuracy_not_below": not_below,
                          "target": holds and ratio >= TARGET_RATIO,
                          "target_not_below": not_below and ratio >= TARGET_RATIO, "folder": folder, "ttft_report": ttft})
@@ -104,6 +111,21 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {p['label']} | {p['w']} | {_cell(p['k10'])} | {convs(p['k10'])} | {_cell(p['k50'])} | "
                      f"{convs(p['k50'])} | {_ratio(p)} | {verdict(p['accuracy_target'])} | "
                      f"{verdict(p['accuracy_not_below'])} | {verdict(p['target'])} | {verdict(p['target_not_below'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def every_k_markdown(rows: list[dict]) -> str:
+    """Settings measured at every k: the pooled gap and the conversations below 0 at each k (issue 21)."""
+    full = [p for p in rows if len(p["by_k"]) == len(EVERY_K)]
+    if not full:
+        return ""
+    lines = ["| setting | w | conversations | " + " | ".join(f"ΔF1 k={k} pooled; conv. below 0" for k in EVERY_K)
+             + " | every k: none below 0 |", "|---|---|---|" + "---|" * (len(EVERY_K) + 1)]
+    for p in full:
+        cells = [f"{_cell(r)}; {len(r['below'])}" + (f" ({', '.join(r['below'])})" if r["below"] else "")
+                 for r in (p["by_k"][k] for k in EVERY_K)]
+        lines.append(f"| {p['label']} | {p['w']} | {p['conversations']} | " + " | ".join(cells)
+                     + f" | {'met' if p['every_k_not_below'] else 'missed'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -144,6 +166,9 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     rows = points(a.point)
     table = markdown(rows)
+    every_k = every_k_markdown(rows)
+    if every_k:
+        table += f"\nAt every k (issue 21):\n\n{every_k}"
     print(table, end="")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -726,6 +726,16 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
     (median,) = pareto.main(["--point", "runs", str(tmp_path / "good"), f"{fast},{slow},{fast}"])
     assert median["ratio"] == 10.4 and median["ratios"] == [8.1, 10.4, 10.4] and median["target"]
     assert "10.4x (median of 3 runs: 8.1, 10.4, 10.4)" in pareto.markdown([median])
+    assert all(p["by_k"] == {} or set(p["by_k"]) <= {10, 50} for p in rows) and "At every k" not in table
+    # issue 21's verdict needs every k: met when nothing is below 0 at k = 5, 10, 20, 50
+    for i in range(2):
+        report("allk", f"conv-{i}", ok + "| 5 | 5 | 100 | +0.001 [-0.020, +0.018] | – |\n"
+                                        f"| 20 | 5 | 100 | {'-0.030 [-0.050, -0.010]' if i else '+0.000 [-0.010, +0.010]'} | – |\n")
+    (allk,) = pareto.main(["--point", "all k", str(tmp_path / "allk"), str(fast), "--out", str(tmp_path / "o2")])
+    assert set(allk["by_k"]) == {5, 10, 20, 50} and allk["by_k"][20]["below"] == ["conv-1"]
+    assert not allk["every_k_not_below"] and "At every k" in (tmp_path / "o2" / "pareto.md").read_text()
+    every = pareto.every_k_markdown([allk])
+    assert "| all k | 5 | 2 |" in every and "; 1 (conv-1) |" in every and every.endswith("| missed |\n")
     with pytest.raises(SystemExit, match="TTFT"):
         pareto.main(["--point", "x", str(tmp_path / "good"), str(tmp_path / "good" / "conv-0" / "locomo_results.md")])
     with pytest.raises(SystemExit, match="no single-conversation"):
