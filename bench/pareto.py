@@ -32,6 +32,7 @@ _CONVERSATIONS = re.compile(r"conversations ([^;]+);")
 TARGET_RATIO = 10.0      # issue 13: TTFT(PI)/TTFT(KV) at k=50
 TARGET_CONVERSATIONS = 6  # of 7: conversations whose own interval includes 0, at k=10 and at k=50
 EVERY_K = (5, 10, 20, 50)  # issue 21: the target holds at each of these k, for every conversation
+ALL_CONVERSATIONS = 7      # the development conversations: a verdict on fewer is no verdict
 
 
 def ttft_ratios(paths: str) -> list[float]:
@@ -81,6 +82,7 @@ def points(specs: list[tuple[str, str, str]]) -> list[dict]:
             by_k = {k: pooled[(k, w)] for k in EVERY_K if (k, w) in pooled}
             # issue 21: at every k, pooled and each conversation on its own not below 0 (above counts as met)
             every_k = len(by_k) == len(EVERY_K) and all(r["hi"] >= 0 and not r["below"] for r in by_k.values())
+            every_k = every_k if len(reports) >= ALL_CONVERSATIONS or not every_k else None  # None: too few
             rows.append({"label": label, "w": w, "k10": at[10], "k50": at[50], "by_k": by_k,
                          "every_k_not_below": every_k, "ratio": ratio, "ratios": ratios,
                          "conversations": len(reports), "accuracy_target": holds, "accuracy_not_below": not_below,
@@ -125,7 +127,8 @@ def every_k_markdown(rows: list[dict]) -> str:
         cells = [f"{_cell(r)}; {len(r['below'])}" + (f" ({', '.join(r['below'])})" if r["below"] else "")
                  for r in (p["by_k"][k] for k in EVERY_K)]
         lines.append(f"| {p['label']} | {p['w']} | {p['conversations']} | " + " | ".join(cells)
-                     + f" | {'met' if p['every_k_not_below'] else 'missed'} |")
+                     + " | " + ({True: "met", False: "missed"}.get(p["every_k_not_below"])
+                                 or f"not decided: {p['conversations']} of {ALL_CONVERSATIONS} conversations") + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -736,6 +736,10 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
     assert not allk["every_k_not_below"] and "At every k" in (tmp_path / "o2" / "pareto.md").read_text()
     every = pareto.every_k_markdown([allk])
     assert "| all k | 5 | 2 |" in every and "; 1 (conv-1) |" in every and every.endswith("| missed |\n")
+    report("one", "conv-0", ok + "| 5 | 5 | 100 | +0.001 [-0.020, +0.018] | – |\n| 20 | 5 | 100 | +0.001 [-0.020, +0.018] | – |\n")
+    (one,) = pareto.main(["--point", "one", str(tmp_path / "one"), str(fast)])
+    assert one["every_k_not_below"] is None  # nothing below 0, but on 1 conversation of 7: no verdict
+    assert pareto.every_k_markdown([one]).endswith("| not decided: 1 of 7 conversations |\n")
     with pytest.raises(SystemExit, match="TTFT"):
         pareto.main(["--point", "x", str(tmp_path / "good"), str(tmp_path / "good" / "conv-0" / "locomo_results.md")])
     with pytest.raises(SystemExit, match="no single-conversation"):
