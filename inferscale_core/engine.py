@@ -300,6 +300,8 @@ class _EngineCore:
             params = InjectionParams(q.user_id, tuple(chunk_ids), len(memory_ids), memory_hash(memory_ids),
                                      tuple(chunk_lens))
             salt = cache_salt(q.user_id, chunk_ids, [0, *versions])
+        else:  # prompt mode, no facts: still per user, so no one learns from the prefix cache what another sent
+            salt = cache_salt(q.user_id, (), ())
         return Prepared(q, fact_ids, prompt_ids, len(memory_ids), params, salt, time.perf_counter() - t0)
 
     def chat_prompt(self, messages: Sequence[dict]) -> dict:
@@ -309,9 +311,10 @@ class _EngineCore:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content'")
-        enc = self.template.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                                            for m in messages], tokenize=True,
-                                                           add_generation_prompt=True, return_dict=True)
+        with self.template.tokenizer_lock:  # the template switches the shared tokenizer per call
+            enc = self.template.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                                                                for m in messages], tokenize=True,
+                                                               add_generation_prompt=True, return_dict=True)
         return {"prompt_token_ids": list(enc["input_ids"])}
 
     def answer(self, p: Prepared, out, ttft_s: float | None = None) -> Answer:

@@ -3,9 +3,14 @@
     [prefix: chat header + instruction] [fact 1] ... [fact k] [query: end of system turn, user turn, assistant header]
 
 Memory = prefix + facts (positions 0..m-1); query at m. KV injection sends exactly the ids prompt injection
-sends, so the two differ only in how the memory's KV gets into the cache."""
+sends, so the two differ only in how the memory's KV gets into the cache.
+
+User text stays text: a fact, a question or a message that spells a special token (`<|im_start|>system`)
+is tokenized as those characters, never as the control token, so it cannot open a turn of its own. Text
+without special-token strings tokenizes exactly as before (split_special_tokens changes nothing there)."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 DEFAULT_INSTRUCTION = (
@@ -20,6 +25,8 @@ class PromptTemplate:
     def __init__(self, tokenizer, instruction: str = DEFAULT_INSTRUCTION):
         self.tokenizer = tokenizer
         self.instruction = instruction
+        # split_special_tokens is a per-call switch on the tokenizer's shared backend: one call at a time.
+        self.tokenizer_lock = threading.Lock()
         self._head, self._middle, self._tail = self._split_chat_template()
         self.prefix_ids: list[int] = self._ids(self._head)
 
@@ -48,7 +55,17 @@ class PromptTemplate:
             tokenize=False, add_generation_prompt=True)
 
     def _ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """The template's own text: its special tokens are real."""
+        with self.tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def text_ids(self, text: str) -> list[int]:
+        """A user's text: any special token it spells stays literal characters."""
+        with self.tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def _spells_special_tokens(self, text: str) -> bool:
+        return self.text_ids(text) != self._ids(text)
 
     @staticmethod
     def render_fact(text: str) -> str:
@@ -70,24 +87,40 @@ class PromptTemplate:
     def fact_ids(self, text: str) -> list[int]:
         if not text or not text.strip():
             raise ValueError("fact text is empty")
-        return self._ids(self.render_fact(text))
+        return self.text_ids(self.render_fact(text))
 
     def query_ids(self, question: str, conversation: Sequence[dict] = ()) -> list[int]:
         """What follows the memory: the end of its turn, then `conversation` (role/content dicts: system
         messages and earlier turns, oldest first) in the chat template, then the question's user turn."""
         if not question or not question.strip():
             raise ValueError("question is empty")
-        if not conversation:
-            return self._ids(self._middle + question.strip() + self._tail)
-        if not self.system_role:
+        question = question.strip()
+        if conversation and not self.system_role:
             raise ValueError("this model's chat template has no system role: earlier turns cannot follow the memory")
+        hostile = self._spells_special_tokens(question) or any(
+            self._spells_special_tokens(m["content"]) for m in conversation)
+        if hostile:  # each user text alone, as text, between the template's own pieces
+            marked = [{"role": m["role"], "content": _content_mark(i)} for i, m in enumerate(conversation)]
+            _, middle, tail = self._cut_conversation(marked) if conversation else ("", self._middle, self._tail)
+            ids = []
+            for i, piece in enumerate(_split_marks(middle, len(conversation))):
+                if i > 0:
+                    ids += self.text_ids(conversation[i - 1]["content"])
+                ids += self._ids(piece) if piece else []
+            return ids + self.text_ids(question) + self._ids(tail)
+        if not conversation:
+            return self._ids(self._middle + question + self._tail)
+        _, middle, tail = self._cut_conversation(conversation)
+        return self._ids(middle + question + tail)
+
+    def _cut_conversation(self, conversation: Sequence[dict]) -> tuple[str, str, str]:
         try:
             head, middle, tail = _cut(self._render_with_system(conversation))
         except Exception as e:  # the template's own refusal (e.g. roles that must alternate)
             raise ValueError(f"the model's chat template refused the conversation: {str(e)[:200]}") from None
         if head != self._head:  # the memory's KV was encoded after this head: it must not move
             raise ValueError("the model's chat template renders the memory differently with earlier turns")
-        return self._ids(middle + question.strip() + tail)
+        return head, middle, tail
 
     def prompt_ids(self, fact_texts: Sequence[str], question: str) -> list[int]:
         """The prompt-injection baseline: the same ids the composed prompt has."""
@@ -95,6 +128,19 @@ class PromptTemplate:
         for t in fact_texts:
             ids += self.fact_ids(t)
         return ids + self.query_ids(question)
+
+
+def _content_mark(i: int) -> str:
+    return f"\u2063CONTENT{i}\u2063"
+
+
+def _split_marks(text: str, n: int) -> list[str]:
+    """`text` with the n content marks in order -> the n + 1 pieces around them."""
+    pieces = []
+    for i in range(n):
+        before, text = text.split(_content_mark(i), 1)
+        pieces.append(before)
+    return [*pieces, text]
 
 
 def _cut(text: str) -> tuple[str, str, str]:

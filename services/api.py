@@ -77,6 +77,8 @@ def to_api_error(err: BaseException) -> ApiError:
     if cause is not None:
         if isinstance(cause, ApiError):
             return cause
+        if _registry_unreachable(cause):
+            return REGISTRY_UNAVAILABLE
         if cause is err:  # the replica or actor itself failed (died, unreachable): retryable
             return ApiError(grpc.StatusCode.UNAVAILABLE,
                             f"a backend replica is unavailable ({type(err).__name__}); retry shortly")
@@ -94,9 +96,28 @@ def to_api_error(err: BaseException) -> ApiError:
         return too_big(_clean(str(err)))
     if isinstance(err, (InvalidIdError, ValueError, TypeError)):
         return invalid(_clean(str(err)))
+    if _registry_unreachable(err):
+        return REGISTRY_UNAVAILABLE
     if isinstance(err, TimeoutError):
         return ApiError(grpc.StatusCode.UNAVAILABLE, "a backend replica did not answer in time; retry shortly")
     return ApiError(grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); see the server log")
+
+
+REGISTRY_UNAVAILABLE = ApiError(grpc.StatusCode.UNAVAILABLE, "the registry (Redis) cannot be reached or is full; retry shortly")
+
+
+def _registry_unreachable(err: BaseException) -> bool:
+    """Redis down, refusing, or not answering in time (redis-py's ConnectionError / TimeoutError)."""
+    try:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+    except ImportError:
+        return False
+    from redis.exceptions import ResponseError
+
+    # noeviction at maxmemory: Redis refuses writes ("OOM command not allowed ...") until space is freed
+    return isinstance(err, (RedisConnectionError, RedisTimeoutError)) or (
+        isinstance(err, ResponseError) and str(err).startswith("OOM"))
 
 
 def _ray_cause(err: BaseException) -> BaseException | None:

@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from .api import SERVICER_FUNCTION, Limits
+from .gateway.core import WATCH_STREAMS_MAX
+from .proxy_setup import TRANSPORT_MAX_MESSAGE_BYTES  # a gRPC message or an HTTP body; one request: Limits (1 MiB)
 from .registry import ACTOR_SCHEME
 
 APP_NAME = "inferscale"
@@ -35,7 +37,14 @@ CHART_VALUES = Path(__file__).resolve().parent.parent / "charts" / "inferscale" 
 # in a row kill it (serve.start then raises ActorDiedError on a 2-core machine that another process keeps
 # busy, issue 10). The controller reads these at import, so they belong in the environment of the Ray that
 # Serve starts on: `ray.init(runtime_env={"env_vars": SERVE_START_ENV})` or `export` before `ray start`.
-SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+#
+# The same environment carries the proxies' transport limits (read when a proxy process imports Ray Serve):
+# Serve's gRPC proxy accepts messages up to 2 GiB unless RAY_SERVE_GRPC_MAX_MESSAGE_SIZE says less, and it
+# buffers a whole message before anything of ours runs; services/proxy_setup.py (Serve's proxy callback) limits
+# HTTP bodies in the HTTP proxy and binds the gRPC proxy where INFERSCALE_GRPC_HOST says.
+SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+                   "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(TRANSPORT_MAX_MESSAGE_BYTES),
+                   "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "services.proxy_setup:proxy_setup"}
 
 # How long a replica being stopped (scale-down, upgrade) keeps serving the requests it has: an answer streams for
 # up to max_max_tokens tokens, minutes on a CPU. Serve's default is 20 s. Set in code, so a Serve config that
@@ -195,7 +204,10 @@ def deployment_options(cfg: ServiceConfig) -> dict[str, dict]:
     missing = set(DEPLOYMENTS) - set(cfg.deployments)
     if missing:
         raise ValueError(f"deployment specs missing for {sorted(missing)}")
-    return {name: cfg.deployments[name].options() for name in DEPLOYMENTS}
+    opts = {name: cfg.deployments[name].options() for name in DEPLOYMENTS}
+    # Open health Watch streams take slots of their own, never the users' (the chart adds the same).
+    opts["Gateway"]["max_ongoing_requests"] += WATCH_STREAMS_MAX
+    return opts
 
 
 def build_app(cfg: ServiceConfig):

@@ -4,11 +4,14 @@ A caller sends `authorization: Bearer <jwt>` (gRPC metadata or HTTP header). The
   - an HS256 shared secret (a file, or the INFERSCALE_JWT_SECRET environment variable: a Kubernetes Secret),
   - an RS256/ES256 public key (PEM file), or
   - a JWKS endpoint (keys picked by the token's `kid`),
-and must carry `sub` (the user it acts for) and `exp`. Scopes come from `scope` (space separated, OAuth style)
+and must carry `sub` (the user it acts for) and `exp`, and live at most `max_token_lifetime_s`. With public keys
+(a file or a JWKS) the issuer and audience are required settings and every token must match both: an identity
+provider signs tokens for many apps, and one minted for another app must not open this one. A server with
+public keys holds no HS256 secret (whoever could read it could mint tokens). Scopes come from `scope` (space separated, OAuth style)
 or `scp` (a list). `memory:read` lets a caller Search/Answer/Get/List, `memory:write` lets it add, update and
 delete; both only for `sub`'s own memory. `memory:admin` acts for any user (DeleteUser for support, tools).
 
-Every refusal is UNAUTHENTICATED (no/invalid/expired token) or PERMISSION_DENIED (valid token, other user or
+Every refusal is UNAUTHENTICATED (no/invalid/expired token, and any error the verifier raises) or PERMISSION_DENIED (valid token, other user or
 missing scope), with a fixed message: it never echoes the token and never says whether the other user exists,
 because the check runs before anything is read.
 
@@ -16,9 +19,14 @@ because the check runs before anything is read.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
 import secrets
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -38,6 +46,8 @@ RPC_SCOPES = {
 OPEN_RPCS = frozenset({"Health"})  # load balancers and probes call it without a token
 HMAC_ALGORITHMS = ["HS256"]
 PUBLIC_KEY_ALGORITHMS = ["RS256", "ES256"]
+MAX_TOKEN_BYTES = 8192  # a bearer token longer than this is refused before it is decoded
+log = logging.getLogger("inferscale.auth")
 MIN_SECRET_BYTES = 32
 DEV_SECRET_NAME = "dev-jwt-secret"
 
@@ -81,9 +91,12 @@ class AuthConfig:
     hs256_secret_file: str | None = None
     public_key_file: str | None = None     # PEM: RS256 or ES256
     jwks_url: str | None = None
-    issuer: str | None = None              # checked when set
-    audience: str | None = None            # checked when set
+    issuer: str | None = None              # required with public keys; checked when set
+    audience: str | None = None            # required with public keys; checked when set
     leeway_s: float = 30.0                 # clock skew allowed on exp / nbf / iat
+    max_token_lifetime_s: float = 24 * 3600.0  # exp - iat (or exp - now without iat); `inferscale token`: 24 h
+    jwks_lifetime_s: float = 300.0         # a key removed from the JWKS stops working within this
+    jwks_min_refetch_s: float = 10.0       # an unknown kid refetches the JWKS at most this often
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "AuthConfig":
@@ -129,18 +142,28 @@ class Authenticator:
         self._secret = cfg.hs256_secret()
         key_file = cfg.setting("public_key_file")
         if key_file:
-            try:
-                self._public_key = Path(key_file).expanduser().read_text()
-            except OSError as e:
-                raise AuthConfigError(f"cannot read the JWT public key file {key_file}: {e.strerror}") from None
+            self._public_key = _load_public_key(key_file)
         jwks_url = cfg.setting("jwks_url")
         if jwks_url:
-            self._jwks = jwt.PyJWKClient(jwks_url, cache_keys=True, lifespan=300, timeout=10)
+            self._jwks = JwksCache(jwks_url, lifetime_s=cfg.jwks_lifetime_s, min_refetch_s=cfg.jwks_min_refetch_s)
         if self._secret is None and self._public_key is None and self._jwks is None:
             raise AuthConfigError(
                 "authentication is on but no token key is configured: set auth.hs256_secret_file, "
                 f"${ENV['hs256_secret']}, auth.public_key_file or auth.jwks_url (or insecure_no_auth for a local demo)")
         self.issuer, self.audience = cfg.setting("issuer"), cfg.setting("audience")
+        if self._public_key is not None or self._jwks is not None:
+            if self._secret is not None:
+                raise AuthConfigError(
+                    "both an HS256 secret and public keys are configured: with public keys (public_key_file / "
+                    "jwks_url) the server must hold no signing secret; remove hs256_secret_file and "
+                    f"${ENV['hs256_secret']} / ${ENV['hs256_secret_file']}")
+            if not self.issuer or not self.audience:
+                raise AuthConfigError(
+                    "public keys (public_key_file / jwks_url) need both an issuer and an audience "
+                    f"(auth.issuer / ${ENV['issuer']}, auth.audience / ${ENV['audience']}): otherwise a token the "
+                    "identity provider signed for any other application would be accepted")
+        if not cfg.max_token_lifetime_s > 0:
+            raise AuthConfigError(f"max_token_lifetime_s must be > 0, got {cfg.max_token_lifetime_s}")
 
     @classmethod
     def insecure(cls) -> "Authenticator":
@@ -148,15 +171,24 @@ class Authenticator:
 
     # ------------------------------------------------------------------------------------ authentication
     def authenticate(self, authorization: str | None) -> Principal:
-        """The value of the `authorization` header/metadata -> the caller, or UNAUTHENTICATED."""
+        """The value of the `authorization` header/metadata -> the caller, or UNAUTHENTICATED. May fetch the
+        JWKS in this thread: on an event loop, await `authenticate_async` instead."""
+        return self._authenticate(authorization, may_fetch=True)
+
+    async def authenticate_async(self, authorization: str | None) -> Principal:
+        """`authenticate` for an event loop: a JWKS fetch (an unknown kid, an expired key set) runs in a worker
+        thread, never on the loop."""
+        if self._jwks is not None and self.enabled:
+            kid = _kid_of(_token_of(authorization))
+            if self._jwks.needs_fetch(kid):
+                await asyncio.to_thread(self._jwks.refresh, kid)
+        return self._authenticate(authorization, may_fetch=False)
+
+    def _authenticate(self, authorization: str | None, may_fetch: bool) -> Principal:
         if not self.enabled:
             return ANONYMOUS_ADMIN
-        if not authorization:
-            raise unauthenticated("missing bearer token: send the header 'authorization: Bearer <token>'")
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise unauthenticated("the authorization header must be 'Bearer <token>'")
-        claims = self._verify(token.strip())
+        token = _token_of(authorization)
+        claims = self._verify(token, may_fetch)
         sub = claims.get("sub")
         try:
             check_id("sub", sub)
@@ -164,25 +196,37 @@ class Authenticator:
             raise unauthenticated("the token's subject (sub) is not a valid user id") from None
         return Principal(sub, frozenset(_scopes(claims)))
 
-    def _verify(self, token: str) -> dict:
+    def _key_for(self, header: dict, token: str, may_fetch: bool):
+        """(key, [its one algorithm]) for this token, or UNAUTHENTICATED. A key serves only its own algorithm:
+        an ES256 header against an RSA key is refused here, not raised by the verifier."""
+        alg = header.get("alg")
+        if alg in HMAC_ALGORITHMS and self._secret is not None:
+            return self._secret, HMAC_ALGORITHMS
+        if alg not in PUBLIC_KEY_ALGORITHMS or (self._public_key is None and self._jwks is None):
+            # "none", or an algorithm this server has no key for (no HS256 with a public key)
+            raise unauthenticated(f"token algorithm {str(alg)[:16]!r} is not accepted by this server")
+        if self._jwks is not None and ("kid" in header or self._public_key is None):
+            kid = header.get("kid")
+            if may_fetch and self._jwks.needs_fetch(kid):
+                self._jwks.refresh(kid)
+            key, key_alg = self._jwks.key(kid)
+        else:
+            key, key_alg = self._public_key
+        if alg != key_alg:
+            raise unauthenticated(f"token algorithm {alg!r} does not fit its key ({key_alg})")
+        return key, [key_alg]
+
+    def _verify(self, token: str, may_fetch: bool = True) -> dict:
         import jwt
 
         try:
             header = jwt.get_unverified_header(token)
-            alg = header.get("alg")
-            if alg in HMAC_ALGORITHMS and self._secret is not None:
-                key, algs = self._secret, HMAC_ALGORITHMS
-            elif alg in PUBLIC_KEY_ALGORITHMS and self._public_key is not None and "kid" not in header:
-                key, algs = self._public_key, PUBLIC_KEY_ALGORITHMS
-            elif alg in PUBLIC_KEY_ALGORITHMS and self._jwks is not None:
-                key, algs = self._jwks.get_signing_key_from_jwt(token).key, PUBLIC_KEY_ALGORITHMS
-            elif alg in PUBLIC_KEY_ALGORITHMS and self._public_key is not None:
-                key, algs = self._public_key, PUBLIC_KEY_ALGORITHMS
-            else:  # "none", or an algorithm this server has no key for (no HS256 with a public key)
-                raise unauthenticated(f"token algorithm {str(alg)[:16]!r} is not accepted by this server")
-            return jwt.decode(token, key, algorithms=algs, issuer=self.issuer, audience=self.audience,
-                              leeway=self.cfg.leeway_s,
-                              options={"require": ["exp", "sub"], "verify_aud": self.audience is not None})
+            key, algs = self._key_for(header, token, may_fetch)
+            public = algs != HMAC_ALGORITHMS
+            claims = jwt.decode(token, key, algorithms=algs, issuer=self.issuer, audience=self.audience,
+                                leeway=self.cfg.leeway_s,
+                                options={"require": ["exp", "sub", *(["iss", "aud"] if public else [])],
+                                         "verify_aud": self.audience is not None})
         except ApiError:
             raise
         except jwt.ExpiredSignatureError:
@@ -193,10 +237,22 @@ class Authenticator:
             raise unauthenticated(f"token lacks the {e.claim!r} claim") from None
         except (jwt.InvalidIssuerError, jwt.InvalidAudienceError):
             raise unauthenticated("token was issued for another issuer or audience") from None
-        except jwt.PyJWKClientError:
-            raise unauthenticated("token key is not in the server's key set") from None
         except jwt.InvalidTokenError:
             raise unauthenticated("token is not a valid JWT") from None
+        except Exception as e:  # noqa: BLE001 - whatever the verifier raises is the token's fault, never INTERNAL
+            log.info("token refused by the verifier: %s", type(e).__name__)
+            raise unauthenticated("token could not be verified") from None
+        self._check_lifetime(claims)
+        return claims
+
+    def _check_lifetime(self, claims: dict) -> None:
+        """exp - iat (exp - now without iat) at most max_token_lifetime_s (+ leeway): a stolen 30-year token
+        is not a key for 30 years."""
+        exp, iat = claims.get("exp"), claims.get("iat")
+        start = iat if isinstance(iat, (int, float)) and not isinstance(iat, bool) else time.time()
+        if not isinstance(exp, (int, float)) or exp - start > self.cfg.max_token_lifetime_s + self.cfg.leeway_s:
+            raise unauthenticated(f"token lifetime exceeds this server's maximum of "
+                                  f"{self.cfg.max_token_lifetime_s:g} s")
 
     # ------------------------------------------------------------------------------------ authorization
     def authorize(self, caller: Principal, user_id: str, scope: str) -> None:
@@ -208,6 +264,128 @@ class Authenticator:
             raise permission_denied("this token may only access the memory of its own subject")
         if scope not in caller.scopes:
             raise permission_denied(f"this token lacks the {scope!r} scope")
+
+
+def _token_of(authorization: str | None) -> str:
+    """'Bearer <token>' -> the token, or UNAUTHENTICATED (also for one over MAX_TOKEN_BYTES)."""
+    if not authorization:
+        raise unauthenticated("missing bearer token: send the header 'authorization: Bearer <token>'")
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise unauthenticated("the authorization header must be 'Bearer <token>'")
+    if len(token) > MAX_TOKEN_BYTES:
+        raise unauthenticated(f"the bearer token is longer than {MAX_TOKEN_BYTES} bytes")
+    return token.strip()
+
+
+def _kid_of(token: str):
+    import jwt
+
+    try:
+        kid = jwt.get_unverified_header(token).get("kid")
+    except Exception:  # noqa: BLE001 - refused later by the verifier
+        return None
+    return kid if isinstance(kid, str) else None
+
+
+# Public keys serve one algorithm each: RSA -> RS256, EC P-256 -> ES256.
+def _alg_of_key(key) -> str | None:
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    if isinstance(key, rsa.RSAPublicKey):
+        return "RS256"
+    if isinstance(key, ec.EllipticCurvePublicKey) and isinstance(key.curve, ec.SECP256R1):
+        return "ES256"
+    return None
+
+
+def _load_public_key(path: str):
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        key = load_pem_public_key(Path(path).expanduser().read_bytes())
+    except OSError as e:
+        raise AuthConfigError(f"cannot read the JWT public key file {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise AuthConfigError(f"the JWT public key file {path} is not a PEM public key ({e})") from None
+    alg = _alg_of_key(key)
+    if alg is None:
+        raise AuthConfigError(f"the JWT public key in {path} is neither RSA nor EC P-256 (RS256 / ES256)")
+    return key, alg
+
+
+class JwksCache:
+    """An identity provider's signing keys by `kid`. The whole set is refetched when it is older than
+    `lifetime_s` (a key the provider removed stops working within lifetime_s of its removal) and when a token
+    names a kid the set lacks (key rotation), at most once per `min_refetch_s` and with exponential backoff
+    after failures, so random kids cannot make the service hammer the provider. While the provider cannot be
+    reached the last set stays in use for up to `max_stale_s`. `key()` never does I/O; `refresh()` does (call
+    it in a worker thread)."""
+
+    def __init__(self, url: str, lifetime_s: float = 300.0, min_refetch_s: float = 10.0, timeout_s: float = 5.0,
+                 max_stale_s: float = 3600.0, max_backoff_s: float = 300.0, max_bytes: int = 1 << 20):
+        self.url, self.lifetime_s, self.min_refetch_s, self.timeout_s = url, lifetime_s, min_refetch_s, timeout_s
+        self.max_stale_s, self.max_backoff_s, self.max_bytes = max_stale_s, max_backoff_s, max_bytes
+        self._keys: dict[str, tuple] = {}
+        self._fetched_at = -float("inf")   # monotonic time of the last successful fetch
+        self._next_try = 0.0               # no fetch before this (min_refetch_s, backoff)
+        self._failures = 0
+        self._lock = threading.Lock()
+        self.fetches = 0
+
+    def needs_fetch(self, kid) -> bool:
+        now = time.monotonic()
+        stale = now - self._fetched_at >= self.lifetime_s
+        unknown = isinstance(kid, str) and kid not in self._keys
+        return (stale or unknown) and now >= self._next_try
+
+    def refresh(self, kid=None) -> None:
+        """Fetch the set (one fetch at a time; a caller that waited for another's fetch does not fetch again)."""
+        with self._lock:
+            if not self.needs_fetch(kid):
+                return
+            now = time.monotonic()
+            try:
+                self._keys = self._fetch()
+                self._fetched_at, self._failures = now, 0
+                self._next_try = now + self.min_refetch_s
+            except Exception as e:  # noqa: BLE001 - the provider is down or answers garbage: back off
+                self._failures += 1
+                self._next_try = now + min(self.max_backoff_s, self.min_refetch_s * 2 ** (self._failures - 1))
+                log.warning("JWKS fetch from %s failed (%s: %s); next try in %.0f s", self.url, type(e).__name__,
+                            str(e)[:200], self._next_try - now)
+
+    def _fetch(self) -> dict[str, tuple]:
+        import jwt
+
+        self.fetches += 1
+        with urllib.request.urlopen(self.url, timeout=self.timeout_s) as r:  # noqa: S310 - the operator's URL
+            body = r.read(self.max_bytes + 1)
+        if len(body) > self.max_bytes:
+            raise ValueError(f"the JWKS is larger than {self.max_bytes} bytes")
+        keys = json.loads(body).get("keys")
+        if not isinstance(keys, list):
+            raise ValueError("the JWKS has no 'keys' list")
+        out = {}
+        for jwk in keys:
+            if not isinstance(jwk, dict) or jwk.get("use", "sig") != "sig" or not isinstance(jwk.get("kid"), str):
+                continue
+            try:
+                key = jwt.PyJWK(jwk).key
+            except Exception:  # noqa: BLE001 - a key of a type this server does not use
+                continue
+            alg = _alg_of_key(key)
+            if alg is not None and jwk.get("alg", alg) == alg:
+                out[jwk["kid"]] = (key, alg)
+        return out
+
+    def key(self, kid) -> tuple:
+        """(public key, its algorithm) for `kid`, or UNAUTHENTICATED."""
+        if time.monotonic() - self._fetched_at >= self.lifetime_s + (self.max_stale_s if self._failures else 0):
+            raise unauthenticated("the server's token key set is not available; try again later")
+        if not isinstance(kid, str) or kid not in self._keys:
+            raise unauthenticated("token key is not in the server's key set")
+        return self._keys[kid]
 
 
 def _scopes(claims: dict) -> list[str]:

@@ -38,7 +38,8 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--grpc-port", type=int, default=9000)
     p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC listens on all addresses)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the gRPC and HTTP ports bind (default: loopback only; 0.0.0.0 for every address)")
     p.add_argument("--kv-dir", default=None, help="disk tier of the engine's fact store "
                                                   "(default: <inferscale cache>/kv)")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -47,8 +48,14 @@ def add_commands(sub) -> None:
                    help="HS256 secret that tokens are verified with (default: the local development secret)")
     p.add_argument("--jwt-public-key-file", default=None, help="PEM public key (RS256/ES256) to verify tokens with")
     p.add_argument("--jwks-url", default=None, help="JWKS endpoint to verify tokens with")
+    p.add_argument("--jwt-issuer", default=None, help="required `iss` of tokens (needed with public keys)")
+    p.add_argument("--jwt-audience", default=None, help="required `aud` of tokens (needed with public keys)")
     p.add_argument("--insecure-no-auth", action="store_true",
-                   help="turn authentication off: ANY caller can read and change ANY user's memory (local demos)")
+                   help="turn authentication off: ANY caller can read and change ANY user's memory (local demos; "
+                        "refused with a --host other than loopback)")
+    p.add_argument("--insecure-no-auth-on-network", action="store_true",
+                   help="with --insecure-no-auth, allow a --host that is not loopback (everyone who reaches "
+                        "that address is an admin)")
     p.set_defaults(fn=serve_cmd)
 
     p = sub.add_parser("token", help="print a bearer token for USER signed with the local development secret")
@@ -86,11 +93,32 @@ def auth_settings(args) -> dict:
     if args.insecure_no_auth:
         return {"insecure_no_auth": True}
     if args.jwt_public_key_file or args.jwks_url:
-        out = {"public_key_file": args.jwt_public_key_file, "jwks_url": args.jwks_url}
-        if args.jwt_secret_file:
-            out["hs256_secret_file"] = args.jwt_secret_file
+        # With public keys the server holds no HS256 secret; the issuer and audience are required (auth.py).
+        out = {"public_key_file": args.jwt_public_key_file, "jwks_url": args.jwks_url,
+               "issuer": getattr(args, "jwt_issuer", None), "audience": getattr(args, "jwt_audience", None)}
         return {k: v for k, v in out.items() if v}
     return {"hs256_secret_file": str(args.jwt_secret_file or ensure_dev_secret())}
+
+
+def binding_refusal(args) -> str | None:
+    """Why `serve` must not start with these flags: auth off on an address other than loopback, unless the
+    second, explicit flag says so."""
+    if args.insecure_no_auth and not _is_loopback(args.host) and not args.insecure_no_auth_on_network:
+        return (f"--insecure-no-auth with --host {args.host} would make everyone who reaches that address an "
+                "admin of every user's memory; use --host 127.0.0.1, or add --insecure-no-auth-on-network "
+                "if that is really meant")
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def serve_cmd(args) -> int:
@@ -99,19 +127,35 @@ def serve_cmd(args) -> int:
     from inferscale_core.models import cache_dir
 
     from .app import SERVE_START_ENV, ServiceConfig, single_node_deployments
+    from .proxy_setup import GRPC_HOST_ENV
     from .registry import redacted
 
+    refusal = binding_refusal(args)
+    if refusal:
+        print(f"inferscale serve: {refusal}", file=sys.stderr)
+        return 2
+    if args.redis_url:  # a registry that cannot be reached: say so now, never report the service ready
+        try:
+            from .registry import RedisRegistry
+
+            RedisRegistry(args.redis_url).ping()
+        except Exception as e:  # noqa: BLE001 - any failure to reach it
+            print(f"inferscale serve: the registry at {redacted(args.redis_url)} cannot be reached "
+                  f"({type(e).__name__}: {str(e)[:200]}); start Redis or fix --redis-url", file=sys.stderr)
+            return 1
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=args.dtype,
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), deployments=single_node_deployments(),
                         auth=auth_settings(args))
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
-    os.environ.update({**vllm_cpu_env(), **SERVE_START_ENV})  # the local Ray and Serve's controller inherit it
+    # The local Ray, Serve's controller and its proxies inherit it; the gRPC proxy binds --host (proxy_setup.py).
+    proxy_env = {**SERVE_START_ENV, GRPC_HOST_ENV: args.host}
+    os.environ.update({**vllm_cpu_env(), **proxy_env})
     print(f"starting Ray and the InferScale app ({args.model or 'SmolLM2-135M-Instruct, embedded'}); "
           "the engine takes about a minute on a small CPU ...", flush=True)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {**vllm_cpu_env(), **SERVE_START_ENV}})  # for every Ray worker
+             runtime_env={"env_vars": {**vllm_cpu_env(), **proxy_env}})  # for every Ray worker
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -42,8 +42,14 @@ def resolve_device(device: str) -> str:
 
 @dataclass(frozen=True)
 class EncodeFailure:
-    """An item the encoder could not encode, in place of its EncodedFact; `reason` is safe to show a client."""
+    """An item the encoder could not encode, in place of its EncodedFact; `reason` is safe to show a client.
+    `transient`: the encoder failed (out of memory during a mass re-encode, say), not the fact; trying again
+    later may work, so the fact must not be marked unservable for good."""
     reason: str
+    transient: bool = False
+
+
+TRANSIENT_RETRIES = 2  # a fact whose encode raised is tried this often more, alone, before it is reported
 
 
 class FactEncoder:
@@ -81,7 +87,9 @@ class FactEncoder:
         return [self.problem(t) for t in texts]
 
     def _prepared(self, text: str, window: Sequence[str]):
-        context = ([self.template.prefix_ids] if self.prefix_window else []) + list(window)
+        # Window turns are user text too: tokenized as text (no special token can come from them).
+        context = ([self.template.prefix_ids] if self.prefix_window else []) + [
+            self.template.text_ids(w) if isinstance(w, str) else w for w in window]
         return self.template.fact_ids(text), context
 
     def encode(self, items: Sequence[tuple[str, Sequence[str]]]) -> list[EncodedFact | EncodeFailure]:
@@ -101,11 +109,15 @@ class FactEncoder:
         except Exception:  # noqa: BLE001 - one item broke the batch: encode one by one to find it
             log.exception("batch of %d facts failed to encode; retrying one by one", len(todo))
             for i in todo:
-                try:
-                    out[i] = self.encoder.encode_batch([self._prepared(*items[i])], progress=False)[0].to("cpu")
-                except Exception as e:  # noqa: BLE001 - reported per fact
-                    log.exception("fact failed to encode")
-                    out[i] = EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})")
+                for attempt in range(1 + TRANSIENT_RETRIES):
+                    try:
+                        out[i] = self.encoder.encode_batch([self._prepared(*items[i])], progress=False)[0].to("cpu")
+                        break
+                    except Exception as e:  # noqa: BLE001 - reported per fact, transient: checked before
+                        log.exception("fact failed to encode (attempt %d of %d)", attempt + 1, 1 + TRANSIENT_RETRIES)
+                        # problem() passed, so the fact is within every limit: the failure is the encoder's
+                        out[i] = EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})",
+                                               transient=True)
         return out  # type: ignore[return-value]
 
 

@@ -240,25 +240,30 @@ class EngineReplica:
                 self.counters["facts_from_disk"] += sum(present)
                 # A version known to be bad is not encoded again.
                 todo = [r for r, ok in zip(recs, present) if not ok and not r.unservable_reason]
-                if todo:
-                    await self._encode_and_put(user_id, todo)
+                if todo and await self._encode_and_put(user_id, todo):
+                    version = None  # a transient encoder failure: the user's next request syncs again
             self._synced[user_id] = version
             self._pruned.pop(user_id, None)
             # A user's placement is dropped with its facts (DeleteUser): say again that this replica holds it.
             await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
             return held
 
-    async def _encode_and_put(self, user_id: str, recs: list) -> None:
+    async def _encode_and_put(self, user_id: str, recs: list) -> bool:
+        """Encodes and stores `recs`; True when some failed transiently (to be tried again)."""
         encoded = await self.encoder.encode.remote([(r.text, list(r.window)) for r in recs])
         good = [(r, e) for r, e in zip(recs, encoded) if not isinstance(e, EncodeFailure)]
         for r, e in zip(recs, encoded):
-            if isinstance(e, EncodeFailure):
+            if isinstance(e, EncodeFailure) and not e.transient:  # only a deterministic failure is for good
                 log.warning("fact %s v%d of a user cannot be encoded: %s", r.fact_id, r.version, e.reason)
                 await asyncio.to_thread(self.registry.set_unservable, user_id, r.fact_id, r.version, e.reason)
+            elif isinstance(e, EncodeFailure):  # not served this time; the next sync of the user tries again
+                log.warning("fact %s v%d of a user failed to encode for now: %s", r.fact_id, r.version, e.reason)
         if good:
             await self._put(user_id, [(r.fact_id, r.version, r.text) for r, _ in good], [e for _, e in good])
         self.counters["facts_encoded"] += len(good)
-        self.counters["facts_unservable"] += len(recs) - len(good)
+        transient = sum(isinstance(e, EncodeFailure) and e.transient for e in encoded)
+        self.counters["facts_unservable"] += len(recs) - len(good) - transient
+        return transient > 0
 
     async def _drop_moved(self, user_id: str, held: dict[str, HeldFact], wanted: dict[str, int]) -> int:
         """Drops from the worker store the held facts that are deleted or at another version in `wanted`."""
@@ -334,8 +339,9 @@ class EngineReplica:
             facts = [(f, int(v), str(t)) for f, v, t in facts]
             for i, enc in enumerate(encoded):
                 if isinstance(enc, EncodeFailure):
-                    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored")
+                    raise ApiError(grpc.StatusCode.UNAVAILABLE if enc.transient else grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored"
+                                   + ("; retry shortly" if enc.transient else ""))
             async with self._lock(user_id):
                 await self._put(user_id, facts, encoded)
             self.counters["facts_pushed"] += len(encoded)
@@ -382,8 +388,11 @@ class EngineReplica:
             q = Query(user_id, query, k=max(1, len(facts)), mode=API_MODES[mode],
                       conversation=tuple(conversation or ()))
             try:
-                p = self.engine.prepare_facts(q, [f for f, _ in facts], [h.text for _, h in facts],
-                                              [h.version for _, h in facts], [kv_id(f, h.version) for f, h in facts])
+                # Tokenizing (up to 100 messages of 16,000 characters, sized by the gateway) runs in a worker
+                # thread: this replica's other streams keep going.
+                p = await asyncio.to_thread(self.engine.prepare_facts, q, [f for f, _ in facts],
+                                            [h.text for _, h in facts], [h.version for _, h in facts],
+                                            [kv_id(f, h.version) for f, h in facts])
             except ValueError as e:  # the chat template refused the conversation
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             if len(p.prompt_ids) >= self.max_model_len:
@@ -417,14 +426,14 @@ class EngineReplica:
         with _engine_death_is_unavailable():
             sp = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                 structured_outputs=StructuredOutputsParams(**structured) if structured else None)
-            prompt_len = len(self.engine.core.chat_prompt(messages)["prompt_token_ids"])
+            prompt_len = len((await asyncio.to_thread(self.engine.core.chat_prompt, messages))["prompt_token_ids"])
             with self.admission.admit(min(prompt_len + max_tokens, self.max_model_len)):
                 text, _, _ = await self.engine.chat(messages, sp)
             return text
 
     async def chat_room(self, messages: list[dict]) -> int:
         """Tokens left in the context after these messages (negative when they do not fit)."""
-        return self.max_model_len - len(self.engine.core.chat_prompt(messages)["prompt_token_ids"])
+        return self.max_model_len - len((await asyncio.to_thread(self.engine.core.chat_prompt, messages))["prompt_token_ids"])
 
     async def load_user(self, user_id: str) -> str:
         """Loads the user onto THIS replica (whichever one Serve routed the call to; admin and tests: put a user

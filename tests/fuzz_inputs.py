@@ -146,3 +146,32 @@ def fuzz_grpc(channel, fuzz_user: str, fact_ids: list[str], seed: int, max_input
         counts[code.name] = counts.get(code.name, 0) + 1
         n += 1
     return n, counts
+
+
+def hostile_token(rng: random.Random, secret: bytes, user: str) -> str:
+    """A JWT for `user` whose header is mutated (alg, kid, typ, crit, or not JSON at all), re-signed with HS256
+    and `secret` half of the time (so the signature is right and only the header can refuse it)."""
+    import base64
+    import hashlib
+    import hmac
+    import json
+
+    def b64(b: bytes) -> str:
+        return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+    now = int(time.time())
+    header: dict = {"alg": "HS256", "typ": "JWT"}
+    odd = [None, 0, -1, 1.5, True, [], {}, "", "x" * 300, "\x00", "../../etc/passwd", ["HS256"], {"a": 1}]
+    for field in rng.sample(["alg", "kid", "typ", "crit", "jku", "x5u", "jwk", "b64"], rng.randint(1, 3)):
+        if field == "alg":
+            header["alg"] = rng.choice(["none", "None", "HS512", "RS256", "ES256", "PS256", "EdDSA", "hs256", *odd])
+        elif field == "crit":
+            header["crit"] = rng.choice([["exp"], ["b64"], ["x-unknown"], "exp", *odd])
+        else:
+            header[field] = rng.choice([rand_text(rng, 40), *odd])
+    claims = {"sub": user, "scope": "memory:read memory:write", "iat": now, "exp": now + 600}
+    head = b64(json.dumps(header).encode()) if rng.random() < 0.9 else b64(rng.randbytes(40))
+    signing_input = f"{head}.{b64(json.dumps(claims).encode())}"
+    sig = (hmac.new(secret, signing_input.encode(), hashlib.sha256).digest() if rng.random() < 0.5
+           else rng.randbytes(32))
+    return f"{signing_input}.{b64(sig)}"

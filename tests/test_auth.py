@@ -140,16 +140,43 @@ def test_http_chat_refuses_bad_tokens(world):
 
 
 # ---------------------------------------------------------------------------------------- key types
-def test_rs256_public_key_file_and_no_algorithm_confusion(tmp_path):
-    from cryptography.hazmat.primitives import serialization
+ISS, AUD = "https://idp.example", "inferscale"
+
+
+def _rsa():
     from cryptography.hazmat.primitives.asymmetric import rsa
 
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def _ec():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _claims(sub="alice", ttl=60, **kw):
+    now = int(time.time())
+    return {"sub": sub, "iat": now, "exp": now + ttl, "scope": "memory:read", "iss": ISS, "aud": AUD, **kw}
+
+
+def _code(auth, token):
+    """The status `auth` answers for `token`: OK, or the ApiError's code (anything else raised is a failure)."""
+    try:
+        auth.authenticate(f"Bearer {token}")
+        return grpc.StatusCode.OK
+    except ApiError as e:
+        return e.code
+
+
+def test_rs256_public_key_file_and_no_algorithm_confusion(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+
+    key = _rsa()
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     (tmp_path / "pub.pem").write_bytes(pub)
-    auth = Authenticator(AuthConfig(public_key_file=str(tmp_path / "pub.pem")))
-    now = int(time.time())
-    good = jwt.encode({"sub": "alice", "exp": now + 60, "scope": "memory:read"}, key, algorithm="RS256")
+    auth = Authenticator(AuthConfig(public_key_file=str(tmp_path / "pub.pem"), issuer=ISS, audience=AUD))
+    good = jwt.encode(_claims(), key, algorithm="RS256")
     assert auth.authenticate(f"Bearer {good}") == Principal("alice", frozenset({"memory:read"}))
     # HS256 "signed" with the public key itself (the classic confusion attack), made by hand since PyJWT
     # refuses to: this server holds no HS256 secret, so the token is refused whatever its MAC.
@@ -157,48 +184,208 @@ def test_rs256_public_key_file_and_no_algorithm_confusion(tmp_path):
         return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
 
     header = b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
-    signing_input = f"{header}.{b64(json.dumps({'sub': 'alice', 'exp': now + 60}).encode())}"
+    signing_input = f"{header}.{b64(json.dumps(_claims()).encode())}"
     forged = f"{signing_input}.{b64(hmac.new(pub, signing_input.encode(), hashlib.sha256).digest())}"
     with pytest.raises(ApiError) as e:
         auth.authenticate(f"Bearer {forged}")
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "HS256" in e.value.message
+    # ES256 header against the RSA key (the verifier used to raise: INTERNAL), foreign issuer / audience, no
+    # audience at all, a 30-year token: all UNAUTHENTICATED
+    ec_token = jwt.encode(_claims(), _ec(), algorithm="ES256")
+    for name, token in {"ES256 against RSA": ec_token,
+                        "foreign audience": jwt.encode(_claims(aud="another-app"), key, algorithm="RS256"),
+                        "foreign issuer": jwt.encode(_claims(iss="https://evil.example"), key, algorithm="RS256"),
+                        "no audience": jwt.encode({k: v for k, v in _claims().items() if k != "aud"}, key,
+                                                  algorithm="RS256"),
+                        "30 years": jwt.encode(_claims(ttl=30 * 365 * 86400), key, algorithm="RS256"),
+                        "30 years, no iat": jwt.encode({k: v for k, v in _claims(ttl=30 * 365 * 86400).items()
+                                                        if k != "iat"}, key, algorithm="RS256")}.items():
+        assert _code(auth, token) == grpc.StatusCode.UNAUTHENTICATED, name
+
+
+def test_public_keys_need_issuer_and_audience_and_no_hs256_secret(tmp_path, monkeypatch):
+    from cryptography.hazmat.primitives import serialization
+
+    for var in ("INFERSCALE_JWT_SECRET", "INFERSCALE_JWT_SECRET_FILE", "INFERSCALE_JWT_ISSUER",
+                "INFERSCALE_JWT_AUDIENCE"):
+        monkeypatch.delenv(var, raising=False)
+    pub = _rsa().public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "pub.pem").write_bytes(pub)
+    for kw in ({}, {"issuer": ISS}, {"audience": AUD}):
+        with pytest.raises(AuthConfigError, match="issuer and an audience"):
+            Authenticator(AuthConfig(public_key_file=str(tmp_path / "pub.pem"), **kw))
+        with pytest.raises(AuthConfigError, match="issuer and an audience"):
+            Authenticator(AuthConfig(jwks_url="http://127.0.0.1:1/jwks.json", **kw))
+    monkeypatch.setenv("INFERSCALE_JWT_SECRET", "s" * 40)
+    with pytest.raises(AuthConfigError, match="no signing secret"):
+        Authenticator(AuthConfig(jwks_url="http://127.0.0.1:1/jwks.json", issuer=ISS, audience=AUD))
+    # HS256: a 30-year token is refused there too; the lifetime is configurable
+    secret = b"s" * 40
+    long_token = mint(secret, "dave", ttl_s=30 * 365 * 86400)
+    assert _code(Authenticator(AuthConfig()), long_token) == grpc.StatusCode.UNAUTHENTICATED
+    assert _code(Authenticator(AuthConfig(max_token_lifetime_s=31 * 365 * 86400.0)), long_token) == grpc.StatusCode.OK
+    assert _code(Authenticator(AuthConfig()), mint(secret, "dave", ttl_s=24 * 3600)) == grpc.StatusCode.OK
+
+
+class _JwksServer:
+    """A JWKS endpoint on loopback whose key set the test changes; counts the fetches."""
+
+    def __init__(self, keys: list[dict]):
+        self.keys, self.fetches, self.fail = keys, 0, False
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                outer.fetches += 1
+                if outer.fail:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                body = json.dumps({"keys": outer.keys}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/jwks.json"
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def _jwk(key, kid: str, alg: str) -> dict:
+    algo = jwt.algorithms.ECAlgorithm if alg == "ES256" else jwt.algorithms.RSAAlgorithm
+    return {**json.loads(algo.to_jwk(key.public_key())), "kid": kid, "alg": alg, "use": "sig"}
 
 
 def test_es256_tokens_from_a_jwks_endpoint():
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    jwk = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(key.public_key()))
-    jwks = json.dumps({"keys": [{**jwk, "kid": "k1", "alg": "ES256", "use": "sig"}]}).encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(jwks)
-
-        def log_message(self, *a):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    key = _ec()
+    srv = _JwksServer([_jwk(key, "k1", "ES256")])
     try:
-        auth = Authenticator(AuthConfig(jwks_url=f"http://127.0.0.1:{httpd.server_port}/jwks.json",
-                                        issuer="https://idp.example", audience="inferscale"))
-        now = int(time.time())
-        claims = {"sub": "carol", "exp": now + 60, "scp": ["memory:read", "memory:write"],
-                  "iss": "https://idp.example", "aud": "inferscale"}
+        auth = Authenticator(AuthConfig(jwks_url=srv.url, issuer=ISS, audience=AUD))
+        claims = {**_claims("carol"), "scp": ["memory:read", "memory:write"]}
+        del claims["scope"]
         good = jwt.encode(claims, key, algorithm="ES256", headers={"kid": "k1"})
         assert auth.authenticate(f"Bearer {good}").scopes == {"memory:read", "memory:write"}
         for bad_claims, kid in (({**claims, "aud": "someone-else"}, "k1"), ({**claims, "iss": "https://evil"}, "k1"),
                                 (claims, "unknown-kid")):
             bad = jwt.encode(bad_claims, key, algorithm="ES256", headers={"kid": kid})
-            with pytest.raises(Exception) as e:
-                auth.authenticate(f"Bearer {bad}")
-            assert getattr(e.value, "code", None) == grpc.StatusCode.UNAUTHENTICATED, e.value
+            assert _code(auth, bad) == grpc.StatusCode.UNAUTHENTICATED
     finally:
-        httpd.shutdown()
+        srv.close()
+
+
+def test_jwks_rotation_removal_and_hostile_headers():
+    """A key removed from the JWKS stops working within jwks_lifetime_s; a new kid is fetched (rotation), but
+    unknown kids refetch at most once per jwks_min_refetch_s; every malformed header (alg, kid, typ, crit) and an
+    empty or unreachable key set is UNAUTHENTICATED, never another code."""
+    rsa_key, ec_key, new_key = _rsa(), _ec(), _rsa()
+    srv = _JwksServer([_jwk(rsa_key, "r1", "RS256"), _jwk(ec_key, "e1", "ES256")])
+    try:
+        lifetime = 1.5
+        auth = Authenticator(AuthConfig(jwks_url=srv.url, issuer=ISS, audience=AUD, jwks_lifetime_s=lifetime,
+                                        jwks_min_refetch_s=0.5))
+        r1 = jwt.encode(_claims(), rsa_key, algorithm="RS256", headers={"kid": "r1"})
+        e1 = jwt.encode(_claims(), ec_key, algorithm="ES256", headers={"kid": "e1"})
+        assert _code(auth, r1) == _code(auth, e1) == grpc.StatusCode.OK
+        assert srv.fetches == 1
+        def b64(b: bytes) -> str:
+            return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+        def with_header(token: str, **header) -> str:
+            h, p, sig = token.split(".")
+            return ".".join([b64(json.dumps({**json.loads(base64.urlsafe_b64decode(h + "==")), **header}).encode()),
+                             p, sig])
+
+        hostile = {"ES256 header on the RSA kid": with_header(r1, alg="ES256"),
+                   "RS256 header on the EC kid": with_header(e1, alg="RS256"),
+                   "ES256 token signed with the RSA key's kid": jwt.encode(_claims(), ec_key, algorithm="ES256",
+                                                                            headers={"kid": "r1"}),
+                   "alg none": with_header(r1, alg="none"), "alg list": with_header(r1, alg=["RS256"]),
+                   "kid a number": with_header(r1, kid=7), "kid a list": with_header(r1, kid=["r1"]),
+                   "kid huge": with_header(r1, kid="x" * 3000), "typ odd": with_header(r1, typ={"a": 1}),
+                   "crit unknown": with_header(r1, crit=["exp-extension"]), "crit odd": with_header(r1, crit=5),
+                   "header not JSON": b64(b"{nope") + "." + r1.split(".", 1)[1],
+                   "header a list": b64(b"[1]") + "." + r1.split(".", 1)[1],
+                   "HS256 with a kid": jwt.encode(_claims(), "k" * 40, algorithm="HS256", headers={"kid": "r1"})}
+        import asyncio
+
+        for name, token in hostile.items():
+            assert _code(auth, token) == grpc.StatusCode.UNAUTHENTICATED, name
+            with pytest.raises(ApiError) as e:  # the gateway's path (fetches in a worker thread)
+                asyncio.run(auth.authenticate_async(f"Bearer {token}"))
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED, name
+        # rotation: a token with a new kid makes the server fetch the set again and is served
+        srv.keys = [_jwk(rsa_key, "r1", "RS256"), _jwk(new_key, "r2", "RS256")]
+        time.sleep(0.6)
+        r2 = jwt.encode(_claims(), new_key, algorithm="RS256", headers={"kid": "r2"})
+        assert _code(auth, r2) == grpc.StatusCode.OK
+        # random kids do not hammer the provider: at most one fetch per min_refetch_s
+        before = srv.fetches
+        for i in range(50):
+            assert _code(auth, jwt.encode(_claims(), new_key, algorithm="RS256",
+                                          headers={"kid": f"rnd{i}"})) == grpc.StatusCode.UNAUTHENTICATED
+        assert srv.fetches - before <= 1
+        # removal: r1 leaves the set; within the lifetime (plus the refetch wait) it stops working
+        srv.keys = [_jwk(new_key, "r2", "RS256")]
+        removed_at = time.monotonic()
+        while _code(auth, r1) == grpc.StatusCode.OK:
+            assert time.monotonic() - removed_at < lifetime + 1.0, "a removed key kept working past the lifetime"
+            time.sleep(0.1)
+        assert _code(auth, r2) == grpc.StatusCode.OK
+        # an empty key set: every token refused, UNAUTHENTICATED
+        srv.keys = []
+        time.sleep(lifetime + 0.1)
+        assert _code(auth, r2) == grpc.StatusCode.UNAUTHENTICATED
+        # the provider fails: backoff, the last good set stays (empty here), still UNAUTHENTICATED, no raise
+        srv.fail = True
+        time.sleep(lifetime + 0.1)
+        assert _code(auth, r2) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        srv.close()
+
+
+def test_jwks_fetch_runs_off_the_event_loop():
+    """authenticate_async fetches the key set in a worker thread: a slow provider does not freeze the loop."""
+    import asyncio
+
+    key = _rsa()
+    srv = _JwksServer([_jwk(key, "r1", "RS256")])
+    try:
+        auth = Authenticator(AuthConfig(jwks_url=srv.url, issuer=ISS, audience=AUD))
+        real_fetch = auth._jwks._fetch
+
+        def slow_fetch():
+            time.sleep(1.0)
+            return real_fetch()
+
+        auth._jwks._fetch = slow_fetch
+        token = jwt.encode(_claims(), key, algorithm="RS256", headers={"kid": "r1"})
+
+        async def main():
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.05)
+                    ticks += 1
+
+            t = asyncio.create_task(ticker())
+            p = await auth.authenticate_async(f"Bearer {token}")
+            t.cancel()
+            return p, ticks
+
+        p, ticks = asyncio.run(main())
+        assert p.subject == "alice" and ticks >= 10  # the loop kept running during the 1 s fetch
+    finally:
+        srv.close()
 
 
 def test_server_without_a_key_refuses_to_start(monkeypatch, tmp_path):

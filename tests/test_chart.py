@@ -497,3 +497,39 @@ def test_deploy_doc_kubernetes_commands_work_as_written(helm):
     for name in ("kubectl get rayservice mem", "kubectl get secret mem-jwt -o jsonpath='{.data.secret}'",
                  "kubectl port-forward svc/mem-grpc 9000:9000"):
         assert re.search(re.escape(name), block), name
+
+
+def test_jwks_needs_issuer_and_audience_and_mounts_no_hs256_secret(helm):
+    """Issue 19: with an identity provider's JWKS the chart refuses to render without issuer and audience,
+    and neither makes nor mounts the HS256 secret (whoever could read it could mint tokens)."""
+    for missing in ([], ["auth.issuer=https://id.example"], ["auth.audience=inferscale"]):
+        cmd = [helm, "template", "rel", str(CHART), "--set", "auth.jwksUrl=https://id.example/jwks.json"]
+        for s in missing:
+            cmd += ["--set", s]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "needs auth.issuer and auth.audience" in out.stderr, missing
+    docs = _render(helm, "auth.jwksUrl=https://id.example/jwks.json", "auth.issuer=https://id.example",
+                   "auth.audience=inferscale")
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-jwt")]
+    for group, pod in _pod_specs(docs).items():
+        if group != "redis":
+            assert "INFERSCALE_JWT_SECRET" not in _env(pod["containers"][0]), group
+    args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["auth"] == {"jwks_url": "https://id.example/jwks.json", "issuer": "https://id.example",
+                            "audience": "inferscale"}
+
+
+def test_proxies_get_the_transport_limits_and_redis_refuses_to_grow_past_its_limit(helm):
+    """Every Ray pod's environment carries the proxies' limits (SERVE_START_ENV: gRPC message size, the HTTP
+    proxy callback); the Redis StatefulSet runs with maxmemory below its memory limit and noeviction."""
+    docs = _render(helm)
+    for group, pod in _pod_specs(docs).items():
+        env = _env(pod["containers"][0])
+        if group == "redis":
+            args = " ".join(pod["containers"][0]["args"])
+            assert f"--maxmemory {VALUES['redis']['maxmemory']}" in args and "--maxmemory-policy noeviction" in args
+            continue
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(service_app.TRANSPORT_MAX_MESSAGE_BYTES)
+        assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]["value"] == "services.proxy_setup:proxy_setup"
+    mb = int(VALUES["redis"]["maxmemory"].removesuffix("mb"))
+    assert VALUES["redis"]["memory"] == "2Gi" and mb * 2**20 < 0.8 * 2 * 2**30

@@ -29,9 +29,14 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
 
     from services.gateway import Gateway, http_app
 
+    from services.app import SERVE_START_ENV
+    from services.proxy_setup import GRPC_HOST_ENV
+
     grpc_port, http_port = free_port(), free_port()
+    # The proxies' environment as every deployment mode sets it (transport limits, the proxy callback), and the
+    # gRPC proxy bound to loopback as `inferscale serve` binds it.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **SERVE_START_ENV, GRPC_HOST_ENV: "127.0.0.1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[api.SERVICER_FUNCTION]))
@@ -107,3 +112,133 @@ def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jw
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     r = httpx.post(url, json=body, timeout=60, headers={"authorization": f"Bearer {token_for(secret, 'mallory')}"})
     assert r.status_code == 403 and alice not in r.text
+
+
+def _serve_processes() -> dict[str, "psutil.Process"]:
+    """This test's Ray: its Serve proxy and Gateway replica processes (children of its raylet)."""
+    import psutil
+    import ray
+
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    out = {}
+    for p in psutil.Process(raylet).children(recursive=True):
+        try:
+            title = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("ray::ProxyActor"):
+            out["proxy"] = p
+        elif title.startswith("ray::ServeReplica:inferscale:Gateway"):
+            out["gateway"] = p
+    assert set(out) == {"proxy", "gateway"}, out
+    return out
+
+
+def test_oversized_messages_are_refused_before_they_are_read(serve_ports):
+    """Issue 19: an unauthenticated 64 MiB gRPC message and a 64 MiB HTTP body are refused by the proxies
+    (RESOURCE_EXHAUSTED / 413) within a second each, and neither the proxy's nor the Gateway's memory grows."""
+    import socket
+    import time
+
+    grpc_port, http_port = serve_ports
+    procs = _serve_processes()
+    before = {k: p.memory_info().rss for k, p in procs.items()}
+    big = b"\x0a" + bytes(64 << 20)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.max_send_message_length", -1)]) as ch:
+        grpc.channel_ready_future(ch).result(timeout=60)
+        raw = ch.unary_unary("/inferscale.v1.Memory/AddFacts", request_serializer=None,
+                             response_deserializer=None)
+        for _ in range(3):
+            t = time.monotonic()
+            code, _ = refused(lambda: raw(big, timeout=30))
+            took = time.monotonic() - t
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and took < 1.0, (code, took)
+    for _ in range(3):
+        t = time.monotonic()
+        with socket.create_connection(("127.0.0.1", http_port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: 67108864\r\n\r\n" + b"{" * 65536)
+            status = sock.recv(4096).split(b"\r\n", 1)[0]
+        took = time.monotonic() - t
+        assert status.startswith(b"HTTP/1.1 413") and took < 1.0, (status, took)
+    after = {k: p.memory_info().rss for k, p in procs.items()}
+    for k in procs:  # 64 MiB read whole would show; allow allocator noise
+        assert after[k] - before[k] < 16 << 20, (k, before[k], after[k])
+    # a body without Content-Length (chunked): 411 from the proxy; one within the limit still reaches the Gateway
+    import httpx
+
+    r = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", timeout=30,
+                   content=iter([b'{"messages": []}']))
+    assert r.status_code == 411
+    r = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_grpc_proxy_binds_the_host_it_is_given(serve_ports):
+    """`inferscale serve --host 127.0.0.1` (INFERSCALE_GRPC_HOST): the gRPC port answers on loopback only."""
+    import socket
+
+    grpc_port, _ = serve_ports
+    with socket.create_connection(("127.0.0.1", grpc_port), timeout=5):
+        pass
+    others = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
+    others |= {ip for ip in subprocess_ips() if not ip.startswith("127.")}
+    if not others:
+        pytest.skip("this machine has no address but loopback")
+    for ip in others:
+        with pytest.raises(OSError):
+            socket.create_connection((ip, grpc_port), timeout=2).close()
+
+
+def subprocess_ips() -> set[str]:
+    import subprocess
+
+    try:
+        return set(subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split())
+    except (OSError, subprocess.SubprocessError):
+        return set()
+
+
+def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, admin_token):
+    """Issue 19: Watch needs no token, so its streams are bounded (4 per connection, 32 per gateway replica:
+    RESOURCE_EXHAUSTED beyond) and read the cached health state; an authenticated user's calls keep working."""
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.gateway.core import WATCH_STREAMS_MAX, WATCH_STREAMS_PER_PEER
+
+    grpc_port, _ = serve_ports
+    channels = [grpc.insecure_channel(f"127.0.0.1:{grpc_port}") for _ in range(12)]
+    streams, codes = [], []
+    try:
+        for ch in channels:
+            grpc.channel_ready_future(ch).result(timeout=60)
+            stub = health_pb2_grpc.HealthStub(ch)
+            for _ in range(WATCH_STREAMS_PER_PEER + 1):
+                call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+                try:
+                    assert next(call).status == health_pb2.HealthCheckResponse.SERVING
+                    streams.append(call)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+        opened = codes.count(grpc.StatusCode.OK)
+        assert opened == WATCH_STREAMS_MAX, codes
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == len(codes) - opened
+        # per connection: the 5th stream of each of the first channels was refused
+        assert codes[WATCH_STREAMS_PER_PEER] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        s = pb2_grpc.MemoryStub(token_channel(channels[0], admin_token))
+        uid = _user()
+        t = time.monotonic()
+        (f,) = s.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="still served")]),
+                          timeout=30).facts
+        assert s.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=f.fact_id), timeout=30).text == "still served"
+        assert time.monotonic() - t < 10
+        for i in range(50):  # Health with no token: cached, never a probe per call
+            assert s.Health(pb2.HealthRequest(), timeout=10).status == "SERVING"
+    finally:
+        for call in streams:
+            call.cancel()
+        for ch in channels:
+            ch.close()

@@ -81,7 +81,7 @@ def test_writes_are_all_or_nothing(pool, redis_url):  # noqa: F811
     reg = RedisRegistry(redis_url, prefix=f"safe{uuid.uuid4().hex[:8]}:")
     backends = _FailingPush(pool)
     core = GatewayCore(reg, backends=backends, auth=Authenticator.insecure())
-    caller = core.authenticate("AddFacts", None)
+    caller = asyncio.run(core.authenticate("AddFacts", None))
     req = pb2.AddFactsRequest(user_id="carol", facts=[pb2.FactInput(text="Carol keeps bees."),
                                                       pb2.FactInput(text=LONG_FACT)])
     with pytest.raises(ApiError) as e:  # refused by the encoder's limit before anything is written

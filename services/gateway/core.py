@@ -12,7 +12,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Protocol
 
 import grpc
@@ -26,6 +31,7 @@ from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
 from ..registry import FactRecord, NewFact, Registry, VersionConflictError
 
 log = logging.getLogger("inferscale.gateway")
+MAX_PAGE_BYTES = 2 << 20  # half the proxies' transport limit (services/app.py:TRANSPORT_MAX_MESSAGE_BYTES)
 
 
 class Backends(Protocol):
@@ -63,6 +69,38 @@ class Backends(Protocol):
     async def health(self) -> dict[str, str]: ...
 
 
+MEM0_QUEUE = 8           # infer=true extractions that may wait behind the running one, per gateway replica
+MEM0_TIMEOUT_S = 240.0   # an extraction (its wait included) stopped after this
+HEALTH_TTL_S = 5.0            # Health, Check and Watch answer a probe at most this old
+WATCH_STREAMS_MAX = 32        # open grpc.health.v1 Watch streams per gateway replica (services/app.py reserves
+WATCH_STREAMS_PER_PEER = 4    # them on top of the users' request slots); per client connection
+
+
+class WatchSlots:
+    """Open Watch streams, bounded in total and per client connection (the gRPC peer, ip:port): beyond either
+    bound a Watch gets RESOURCE_EXHAUSTED at once. Watches read the cached health state, so they cost no probe."""
+
+    def __init__(self, total: int = WATCH_STREAMS_MAX, per_peer: int = WATCH_STREAMS_PER_PEER):
+        self.total, self.per_peer, self.open, self.by_peer = total, per_peer, 0, Counter()
+
+    @contextmanager
+    def hold(self, peer: str | None):
+        peer = peer or "unknown"
+        if self.open >= self.total or self.by_peer[peer] >= self.per_peer:
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"too many open health Watch streams (at most {self.total} per server and "
+                           f"{self.per_peer} per connection); use Check, or watch again later")
+        self.open += 1
+        self.by_peer[peer] += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self.by_peer[peer] -= 1
+            if not self.by_peer[peer]:
+                del self.by_peer[peer]
+
+
 def _blocking(fn, *args, **kw):
     """Registry calls are short blocking I/O: keep them off the event loop."""
     return asyncio.to_thread(fn, *args, **kw)
@@ -76,13 +114,21 @@ class GatewayCore:
         self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
         self._extractor = None  # services.mem0_provider.Mem0Extractor, built on the first infer=true request
         self._extractor_lock = asyncio.Lock()
+        self._sink: GatewaySink | None = None
+        # Mem0 runs one extraction at a time (its vector store is bound to the call's user): one thread of its own.
+        self._mem0_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mem0-extract")
+        self._mem0_pending = 0  # running + waiting
+        self._health = None        # (monotonic time, HealthResponse) of the last probe
+        self._health_probe = None  # the probe in flight
+        self.watches = WatchSlots()
 
     # ------------------------------------------------------------------------------------ auth
-    def authenticate(self, rpc: str, authorization: str | None) -> Principal | None:
-        """What the front doors call first, with the `authorization` header or metadata (None: absent)."""
+    async def authenticate(self, rpc: str, authorization: str | None) -> Principal | None:
+        """What the front doors call first, with the `authorization` header or metadata (None: absent). A JWKS
+        fetch it needs runs in a worker thread, never on the event loop."""
         if rpc in OPEN_RPCS:
             return None
-        return self.auth.authenticate(authorization)
+        return await self.auth.authenticate_async(authorization)
 
     def _owner(self, caller: Principal, rpc: str, user_id: str, field_name: str = "user_id") -> str:
         """The request's user id, validated, once the caller may act for it (before anything is read)."""
@@ -206,19 +252,41 @@ class GatewayCore:
         return changed
 
     async def _extract(self, user_id: str, messages: list[dict], metadata: dict) -> list[dict]:
-        """Mem0's add with inference (services/mem0_provider.py), in a worker thread."""
+        """Mem0's add with inference (services/mem0_provider.py) on the gateway's own extraction thread, never
+        the default pool the other RPCs' registry calls use. At most MEM0_QUEUE extractions wait behind the
+        running one; more get RESOURCE_EXHAUSTED at once. One that has not finished after MEM0_TIMEOUT_S
+        (queueing included) is stopped: nothing of it is written after its error is returned."""
         self._need("AddMemory with infer=true")
-        async with self._extractor_lock:
-            if self._extractor is None:
-                try:
-                    from ..mem0_provider import Mem0Extractor
-                except ImportError as e:
-                    raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
-                                   f"AddMemory with infer=true needs mem0ai 2.2 in the service's image ({e}); "
-                                   "send infer=false or use AddFacts") from None
-                sink = GatewaySink(self, asyncio.get_running_loop())
-                self._extractor = await asyncio.to_thread(Mem0Extractor, sink, self.embedder_path)
-        return await asyncio.to_thread(self._extractor.add, user_id, messages, metadata)
+        if self._mem0_pending >= 1 + MEM0_QUEUE:
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"too many AddMemory calls with infer=true in progress on this server (1 running, "
+                           f"{MEM0_QUEUE} waiting); retry later, or send infer=false")
+        self._mem0_pending += 1
+        try:
+            async with self._extractor_lock:  # only while the extractor is built (once)
+                if self._extractor is None:
+                    try:
+                        from ..mem0_provider import Mem0Extractor
+                    except ImportError as e:
+                        raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
+                                       f"AddMemory with infer=true needs mem0ai 2.2 in the service's image ({e}); "
+                                       "send infer=false or use AddFacts") from None
+                    self._sink = GatewaySink(self, asyncio.get_running_loop())
+                    self._extractor = await asyncio.get_running_loop().run_in_executor(
+                        self._mem0_pool, Mem0Extractor, self._sink, self.embedder_path)
+            call = ExtractionCall()
+            done = self._mem0_pool.submit(self._sink.running(call, self._extractor.add), user_id, messages, metadata)
+            try:
+                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
+            except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+                await call.stop(done)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                               f"the memory extraction did not finish within {MEM0_TIMEOUT_S:g} s and was stopped; "
+                               f"{call.written} of its changes had been written, nothing more will be") from None
+        finally:
+            self._mem0_pending -= 1
 
     # ------------------------------------------------------------------------------------ RPCs
     # Each takes the raw request and the authenticated caller (None only for Health).
@@ -300,8 +368,15 @@ class GatewayCore:
                                self.limits.default_page_size)
         offset = api.page_token(req.page_token)
         recs, nxt = await _blocking(self.registry.list, uid, offset, size)
-        return pb2.ListMemoriesResponse(facts=[api.fact_pb(r) for r in recs],
-                                        next_page_token="" if nxt is None else str(nxt))
+        facts, total = [], 0
+        for i, r in enumerate(recs):  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
+            pb = api.fact_pb(r)
+            total += pb.ByteSize() + 8
+            if facts and total > MAX_PAGE_BYTES:
+                nxt = offset + i
+                break
+            facts.append(pb)
+        return pb2.ListMemoriesResponse(facts=facts, next_page_token="" if nxt is None else str(nxt))
 
     async def UpdateMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("UpdateMemory", raw, self.limits)
@@ -336,7 +411,23 @@ class GatewayCore:
         return pb2.DeleteUserResponse(deleted=n)
 
     async def Health(self, raw, caller: Principal | None = None):  # noqa: N802 - open: no token needed
+        """Open, so it costs nothing per call: the state of the last probe (at most HEALTH_TTL_S old); one
+        probe of the registry and the backends runs at a time, started by a call that finds the state stale."""
         api.parse("Health", raw, self.limits)
+        return await self.health_state()
+
+    async def health_state(self):
+        now = time.monotonic()
+        cached = self._health
+        if cached is not None and now - cached[0] < HEALTH_TTL_S:
+            return cached[1]
+        if self._health_probe is None or self._health_probe.done():
+            self._health_probe = asyncio.ensure_future(self._probe_health())
+        if cached is not None:  # stale: the last state now, the probe refreshes it for the next caller
+            return cached[1]
+        return await asyncio.shield(self._health_probe)
+
+    async def _probe_health(self):
         components = {}
         try:
             await _blocking(self.registry.ping)
@@ -353,25 +444,70 @@ class GatewayCore:
                 log.warning("health: backends: %s", e)
                 components["backends"] = f"error: {type(e).__name__}"
         ok = all(v == "ok" or v.startswith("none") for v in components.values())
-        return pb2.HealthResponse(status="SERVING" if ok else "DEGRADED", components=components)
+        resp = pb2.HealthResponse(status="SERVING" if ok else "DEGRADED", components=components)
+        self._health = (time.monotonic(), resp)
+        return resp
+
+
+class ExtractionCall:
+    """One AddMemory(infer=true) in progress: once stopped, the sink refuses its every further call, and the
+    writes it had started are waited for before the error is returned (nothing lands after it)."""
+
+    def __init__(self):
+        self.stopped = False
+        self.written = 0
+        self.writes: set[asyncio.Task] = set()
+
+    async def stop(self, future) -> None:
+        self.stopped = True
+        future.cancel()  # not started yet (still queued): it never runs
+        if self.writes:
+            await asyncio.wait(list(self.writes))
 
 
 class GatewaySink:
-    """The FactSink of services/mem0_provider.py over a GatewayCore, for one authorized AddMemory. Mem0 runs
-    in a worker thread; writes and backend calls are run on the gateway's event loop, so they take the same
-    path as the RPCs (checked, quota, all or nothing)."""
+    """The FactSink of services/mem0_provider.py over a GatewayCore. Mem0 runs in the extraction thread; writes
+    and backend calls are run on the gateway's event loop, so they take the same path as the RPCs (checked,
+    quota, all or nothing), and each checks there, on the loop, that its extraction was not stopped."""
 
     def __init__(self, core: GatewayCore, loop: asyncio.AbstractEventLoop, timeout_s: float = 300.0):
         self.core, self.loop, self.timeout_s = core, loop, timeout_s
+        self._local = threading.local()
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s)
+    def running(self, call: ExtractionCall, fn):
+        """`fn` for the extraction thread, with `call` as the sink's current extraction."""
+        def run(*args):
+            self._local.call = call
+            try:
+                return fn(*args)
+            finally:
+                self._local.call = None
+        return run
+
+    def _run(self, make_coro, write: bool = False):
+        call = getattr(self._local, "call", None)
+
+        async def guarded():
+            if call is not None and call.stopped:
+                raise ApiError(grpc.StatusCode.UNAVAILABLE, "the memory extraction was stopped")
+            if not write or call is None:
+                return await make_coro()
+            task = asyncio.current_task()
+            call.writes.add(task)
+            try:
+                out = await make_coro()
+                call.written += 1
+                return out
+            finally:
+                call.writes.discard(task)
+
+        return asyncio.run_coroutine_threadsafe(guarded(), self.loop).result(self.timeout_s)
 
     def add(self, user_id, facts):
-        return self._run(self.core.store_new(user_id, facts))
+        return self._run(lambda: self.core.store_new(user_id, facts), write=True)
 
     def search(self, user_id, vector, k):
-        return self._run(self.core.backends.search_vector(user_id, vector, k))
+        return self._run(lambda: self.core.backends.search_vector(user_id, vector, k))
 
     def get(self, user_id, fact_id):
         return self.core.registry.get(user_id, fact_id)
@@ -380,16 +516,16 @@ class GatewaySink:
         return self.core.registry.list(user_id)[0]
 
     def update(self, user_id, fact_id, text, vector, metadata):
-        return self._run(self.core.update_fact(user_id, fact_id, text, metadata, embedding=vector))
+        return self._run(lambda: self.core.update_fact(user_id, fact_id, text, metadata, embedding=vector), write=True)
 
     def delete(self, user_id, fact_id):
-        self._run(self.core.delete_fact(user_id, fact_id))
+        self._run(lambda: self.core.delete_fact(user_id, fact_id), write=True)
 
     def chat(self, messages, max_tokens, temperature, structured):
-        return self._run(self.core.backends.chat(messages, max_tokens, temperature, structured))
+        return self._run(lambda: self.core.backends.chat(messages, max_tokens, temperature, structured))
 
     def chat_room(self, messages):
-        return self._run(self.core.backends.chat_room(messages))
+        return self._run(lambda: self.core.backends.chat_room(messages))
 
 
 UNARY = [m for m in api.REQUEST_TYPES if m not in api.STREAMING]

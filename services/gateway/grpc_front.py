@@ -43,22 +43,24 @@ async def health_check(core: GatewayCore, raw: bytes, watching: bool = False):
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
         raise api.ApiError(grpc.StatusCode.NOT_FOUND, f"unknown service {req.service[:100]!r}; this server has "
                                                       f"{api.SERVICE!r} (and '' for the whole server)")
-    serving = (await core.Health(b"")).status == "SERVING"
+    serving = (await core.health_state()).status == "SERVING"
     return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING if serving
                                           else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def health_watch(core: GatewayCore, raw: bytes):
-    """grpc.health.v1 Watch: the status now, then every change, for WATCH_S seconds."""
-    last, deadline = None, time.monotonic() + WATCH_S
-    while True:
-        resp = await health_check(core, raw, watching=True)
-        if resp.status != last:
-            last = resp.status
-            yield resp
-        if time.monotonic() + WATCH_PERIOD_S > deadline:
-            return
-        await asyncio.sleep(WATCH_PERIOD_S)
+async def health_watch(core: GatewayCore, raw: bytes, peer: str | None = None):
+    """grpc.health.v1 Watch: the status now, then every change, for WATCH_S seconds; one of core.watches' slots
+    (RESOURCE_EXHAUSTED when they are taken), reading the cached health state (no probe per stream)."""
+    with core.watches.hold(peer):
+        last, deadline = None, time.monotonic() + WATCH_S
+        while True:
+            resp = await health_check(core, raw, watching=True)
+            if resp.status != last:
+                last = resp.status
+                yield resp
+            if time.monotonic() + WATCH_PERIOD_S > deadline:
+                return
+            await asyncio.sleep(WATCH_PERIOD_S)
 
 
 def status_of(name: str, e: BaseException) -> api.ApiError:
@@ -80,7 +82,7 @@ class GrpcServicer:
     def _unary(self, name: str):
         async def handler(raw, context):
             try:
-                caller = self.core.authenticate(name, metadata_value(context.invocation_metadata(), "authorization"))
+                caller = await self.core.authenticate(name, metadata_value(context.invocation_metadata(), "authorization"))
                 return await getattr(self.core, name)(raw, caller)
             except Exception as e:  # noqa: BLE001 - mapped to a status, never leaked
                 err = status_of(name, e)
@@ -89,7 +91,7 @@ class GrpcServicer:
 
     async def Answer(self, raw, context):  # noqa: N802
         try:
-            caller = self.core.authenticate("Answer", metadata_value(context.invocation_metadata(), "authorization"))
+            caller = await self.core.authenticate("Answer", metadata_value(context.invocation_metadata(), "authorization"))
             async for chunk in self.core.Answer(raw, caller):
                 yield chunk
             return
@@ -106,7 +108,7 @@ class GrpcServicer:
 
     async def Watch(self, raw, context):  # noqa: N802 - grpc.health.v1.Health
         try:
-            async for resp in health_watch(self.core, raw):
+            async for resp in health_watch(self.core, raw, context.peer()):
                 yield resp
             return
         except Exception as e:  # noqa: BLE001

@@ -104,13 +104,14 @@ def build_http_app(core_getter, metrics_getter=None):
         core = core_getter()
         done = _Outcome(metrics(), "chat.completions")
         try:
-            # Authentication first: an unauthenticated caller learns nothing about the request's validity.
-            caller = core.authenticate("Answer", request.headers.get("authorization"))
-            body = await request.body()
-            if len(body) > core.limits.max_request_bytes:
-                raise api.too_big(f"request body is {len(body)} bytes, the limit is "
-                                  f"{core.limits.max_request_bytes} bytes")
-            call = chat_call(body, caller, core.auth.enabled)
+            # A declared size over the limit is refused from the headers alone (it says nothing about a user);
+            # then authentication: an unauthenticated caller learns nothing about the request's validity.
+            _check_declared_size(request, core.limits.max_request_bytes)
+            caller = await core.authenticate("Answer", request.headers.get("authorization"))
+            body = await read_body(request, core.limits.max_request_bytes)
+            # A large JSON body is parsed in a worker thread: the replica's other streams keep running.
+            call = (chat_call(body, caller, core.auth.enabled) if len(body) <= PARSE_INLINE_BYTES
+                    else await asyncio.to_thread(chat_call, body, caller, core.auth.enabled))
             gen = core.Answer(call.answer.SerializeToString(), caller)
             first = await gen.__anext__()  # validation and backend errors surface before any byte is sent
         except StopAsyncIteration:
@@ -143,7 +144,7 @@ def build_http_app(core_getter, metrics_getter=None):
     async def models(request: Request):
         done = _Outcome(metrics(), "models")
         try:
-            core_getter().authenticate("Answer", request.headers.get("authorization"))
+            await core_getter().authenticate("Answer", request.headers.get("authorization"))
         except Exception as e:  # noqa: BLE001
             err = status_of("models", e)
             done(err.code)
@@ -155,7 +156,7 @@ def build_http_app(core_getter, metrics_getter=None):
     async def model(model: str, request: Request):
         done = _Outcome(metrics(), "models")
         try:
-            core_getter().authenticate("Answer", request.headers.get("authorization"))
+            await core_getter().authenticate("Answer", request.headers.get("authorization"))
             if model != MODEL_ID:
                 raise ModelNotFound(model)
         except Exception as e:  # noqa: BLE001
@@ -167,7 +168,7 @@ def build_http_app(core_getter, metrics_getter=None):
 
     @app.get("/healthz")
     async def healthz():  # open, like the gRPC Health
-        h = await core_getter().Health(b"")
+        h = await core_getter().health_state()
         return JSONResponse(status_code=200 if h.status == "SERVING" else 503,
                             content={"status": h.status, "components": dict(h.components)})
 
@@ -191,6 +192,26 @@ def _extra(last) -> dict:
     the per-hop timings of AnswerChunk.timings_ms."""
     return {"fact_ids": list(last.fact_ids), "ttft_ms": last.ttft_ms, "prefilled_tokens": last.prefilled_tokens,
             "timings_ms": dict(last.timings_ms)}
+
+
+PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (well under a millisecond)
+
+
+def _check_declared_size(request: Request, max_bytes: int) -> None:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+        raise api.too_big(f"request body is {int(declared)} bytes, the limit is {max_bytes} bytes")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, read piece by piece and refused (413) as soon as it passes `max_bytes`: a body is
+    never held whole before its size is known."""
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > max_bytes:
+            raise api.too_big(f"request body is over the limit of {max_bytes} bytes")
+    return bytes(body)
 
 
 def chat_call(body: bytes, caller: Principal, auth_enabled: bool) -> ChatCall:

@@ -159,8 +159,8 @@ class Gateway:
         self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})), embedder_path,
                                 auth=authenticator)
 
-    def _caller(self, name: str, grpc_context):
-        return self.core.authenticate(name, metadata_value(grpc_context.invocation_metadata(), "authorization"))
+    async def _caller(self, name: str, grpc_context):
+        return await self.core.authenticate(name, metadata_value(grpc_context.invocation_metadata(), "authorization"))
 
     @staticmethod
     def _refuse(name: str, e: BaseException, grpc_context):
@@ -172,7 +172,7 @@ class Gateway:
     async def _call(self, name: str, request, grpc_context):
         with self.metrics.request(name):
             try:
-                return await getattr(self.core, name)(request, self._caller(name, grpc_context))
+                return await getattr(self.core, name)(request, await self._caller(name, grpc_context))
             except Exception as e:  # noqa: BLE001 - mapped to a status code for the proxy
                 raise self._refuse(name, e, grpc_context) from None
 
@@ -213,7 +213,7 @@ class Gateway:
     async def Watch(self, request, grpc_context):  # noqa: N802 - grpc.health.v1.Health, open, streams
         with self.metrics.request("Watch"):
             try:
-                async for resp in health_watch(self.core, request):
+                async for resp in health_watch(self.core, request, grpc_context.peer()):
                     yield resp
             except Exception as e:  # noqa: BLE001
                 raise self._refuse("Watch", e, grpc_context) from None
@@ -221,7 +221,7 @@ class Gateway:
     async def Answer(self, request, grpc_context):  # noqa: N802 - server streaming
         with self.metrics.request("Answer"):
             try:
-                async for chunk in self.core.Answer(request, self._caller("Answer", grpc_context)):
+                async for chunk in self.core.Answer(request, await self._caller("Answer", grpc_context)):
                     yield chunk
             except Exception as e:  # noqa: BLE001
                 raise self._refuse("Answer", e, grpc_context) from None

@@ -15,6 +15,9 @@ from inferscale_core.errors import UnknownFactError, check_id
 from .base import DuplicateFactError, FactRecord, Registry, VersionConflictError, _as_embedding, check_quota, fact_bytes
 
 PASSWORD_ENV = "INFERSCALE_REDIS_PASSWORD"
+CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
+SOCKET_TIMEOUT_S = 2.0    # a command (or a new connection's handshake) without an answer: half-open, stalled
+RETRIES = 1               # connection/timeout errors retried this often (with backoff) before they are raised
 
 
 def redacted(url: str) -> str:
@@ -47,7 +50,15 @@ class RedisRegistry(Registry):
         kw = {}
         if urlsplit(url).password is None and os.environ.get(PASSWORD_ENV):
             kw["password"] = os.environ[PASSWORD_ENV]
-        self.r = redis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=5, **kw)
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
+        # Bounded waits: a Redis that is down or a half-open connection fails a call within
+        # (1 + RETRIES) * (CONNECT_TIMEOUT_S + 2 * SOCKET_TIMEOUT_S) = 10 s (UNAVAILABLE at the API) instead of
+        # blocking a thread, and with it a user's lock, for minutes. The pool reconnects once Redis is back.
+        self.r = redis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                      socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15,
+                                      retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES), **kw)
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)

@@ -49,7 +49,8 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- end -}}
 {{- range $d := $app.deployments -}}
 {{- $v := required (printf "values.deployments.%s is missing" $d.name) (get $.Values.deployments $d.name) -}}
-{{- $_ := set $d "max_ongoing_requests" (int $v.maxOngoingRequests) -}}
+{{- /* the Gateway's open health Watch streams get slots of their own (services/app.py:deployment_options) */ -}}
+{{- $_ := set $d "max_ongoing_requests" (add (int $v.maxOngoingRequests) (ternary 32 0 (eq $d.name "Gateway"))) -}}
 {{- $_ := set $d "max_queued_requests" (int $v.maxQueuedRequests) -}}
 {{- $as := $d.autoscaling_config -}}
 {{- $_ := set $as "min_replicas" (int $v.minReplicas) -}}
@@ -67,6 +68,9 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- if .Values.auth.insecureNoAuth -}}
 insecure_no_auth: true
 {{- else -}}
+{{- if and .Values.auth.jwksUrl (not (and .Values.auth.issuer .Values.auth.audience)) }}
+{{- fail "auth.jwksUrl needs auth.issuer and auth.audience: without them a token your identity provider signed for any other application would be accepted" }}
+{{- end }}
 {{- with .Values.auth.jwksUrl }}
 jwks_url: {{ . | quote }}
 {{- end }}
@@ -106,8 +110,9 @@ audience: {{ . | quote }}
 {{- end -}}
 
 {{/*
-Environment of every Ray container: the secrets (by reference, never as values), Serve's start-up timeouts
-(services/app.py:SERVE_START_ENV; tests/test_chart.py checks they are equal), the pod's name for the KV folder.
+Environment of every Ray container: the secrets (by reference, never as values; no HS256 secret with a JWKS),
+Serve's start-up timeouts and proxy limits (services/app.py:SERVE_START_ENV; tests/test_chart.py checks they
+are equal), the pod's name for the KV folder.
 */}}
 {{- define "inferscale.rayEnv" -}}
 - name: INFERSCALE_POD_NAME
@@ -115,11 +120,13 @@ Environment of every Ray container: the secrets (by reference, never as values),
 - {name: HF_HUB_OFFLINE, value: "1"}
 - {name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, value: "60"}
 - {name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S, value: "60"}
+- {name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, value: "4194304"}
+- {name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, value: "services.proxy_setup:proxy_setup"}
 {{- if or .Values.redis.enabled .Values.redis.auth.existingSecret }}
 - name: INFERSCALE_REDIS_PASSWORD
   valueFrom: {secretKeyRef: {name: {{ include "inferscale.redisSecret" . }}, key: {{ .Values.redis.auth.key }}}}
 {{- end }}
-{{- if not .Values.auth.insecureNoAuth }}
+{{- if not (or .Values.auth.insecureNoAuth .Values.auth.jwksUrl) }}
 - name: INFERSCALE_JWT_SECRET
   valueFrom: {secretKeyRef: {name: {{ include "inferscale.jwtSecret" . }}, key: {{ .Values.auth.hs256.key }}}}
 {{- end }}

@@ -1,0 +1,90 @@
+"""What runs inside each Ray Serve proxy process when it starts: Serve calls `proxy_setup()` because the proxy's
+environment names it (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, set with the other proxy settings in
+services/app.py:SERVE_START_ENV), before the proxy opens its ports.
+
+- HTTP: bodies are bounded in the proxy, before anything is buffered or sent to a replica: a declared
+  Content-Length over the transport limit is answered 413 at once, a body without Content-Length 411 (every
+  OpenAI client sends one), and a body that runs past its declared length ends the request.
+- gRPC: Ray 2.60's gRPC proxy binds `[::]:PORT` whatever the HTTP host is; with INFERSCALE_GRPC_HOST set
+  (`inferscale serve --host`), it binds that address instead. (Its message size limit is Ray's own
+  RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, in the same environment.)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+TRANSPORT_MAX_MESSAGE_BYTES = 4 << 20  # a gRPC message or an HTTP body, either way (services/app.py:SERVE_START_ENV)
+GRPC_HOST_ENV = "INFERSCALE_GRPC_HOST"
+MAX_BODY_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # one transport limit for both proxies
+BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+def _refusal(status: int, message: str) -> list[dict]:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "request_too_large" if status == 413 else "length_required"}}).encode()
+    return [{"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")]},
+            {"type": "http.response.body", "body": body}]
+
+
+class BodyLimit:
+    """ASGI middleware: HTTP request bodies of at most `max_bytes`, checked from the headers before reading."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") not in BODY_METHODS:
+            return await self.app(scope, receive, send)
+        length = None
+        for k, v in scope.get("headers") or ():
+            if k.lower() == b"content-length":
+                length = v
+        refusal = None
+        if length is None:
+            refusal = _refusal(411, "send the request body with a Content-Length header")
+        else:
+            try:
+                n = int(length)
+            except ValueError:
+                n = -1
+            if n < 0:
+                refusal = _refusal(400, "Content-Length is not a number")
+            elif n > self.max_bytes:
+                refusal = _refusal(413, f"request body is {n} bytes, the transport limit is {self.max_bytes} bytes")
+        if refusal is not None:
+            for msg in refusal:
+                await send(msg)
+            return None
+        return await self.app(scope, receive, send)
+
+
+def _bind_grpc_to(host: str) -> None:
+    from ray.serve._private import default_impl
+
+    plain = default_impl.add_grpc_address
+
+    def add_grpc_address(server, address: str):
+        port = address.rsplit(":", 1)[1]
+        return plain(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+    default_impl.add_grpc_address = add_grpc_address
+
+
+def max_body_bytes() -> int:
+    try:
+        return int(os.environ.get(MAX_BODY_ENV, TRANSPORT_MAX_MESSAGE_BYTES))
+    except ValueError:
+        return TRANSPORT_MAX_MESSAGE_BYTES
+
+
+def proxy_setup() -> list:
+    """Serve's proxy callback: returns the HTTP proxy's middlewares (and binds the gRPC proxy)."""
+    from starlette.middleware import Middleware
+
+    host = os.environ.get(GRPC_HOST_ENV)
+    if host:
+        _bind_grpc_to(host)
+    return [Middleware(BodyLimit, max_bytes=max_body_bytes())]
