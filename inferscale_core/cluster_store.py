@@ -23,12 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -43,6 +44,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
+
+
+def kv_id(fact_id: str, version: int) -> str:
+    """The id of one version of a fact's KV, in every tier: the worker store's id within the user, and (with
+    the fingerprint and user) the cluster object's key (`ClusterStore.key`)."""
+    return f"{fact_id}@v{int(version)}"
 
 
 def _h(text: str) -> str:
@@ -102,7 +109,8 @@ class ClusterConfig:
     """Where the Mooncake Store is and what this process contributes to it."""
     master: str                       # mooncake_master's RPC address, host:port
     metadata: str                     # its metadata server, http://host:port/metadata
-    local_host: str = "127.0.0.1"     # this client's address as other clients reach it (the pod IP)
+    # This client's address as other clients reach it: the pod IP ($POD_IP, set by the chart) or loopback.
+    local_host: str = field(default_factory=lambda: os.environ.get("POD_IP", "127.0.0.1"))
     segment_bytes: int = 0            # memory this process adds to the pool (0: a client only)
     buffer_bytes: int = 64 << 20      # this client's transfer buffer
     protocol: str = "tcp"

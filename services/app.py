@@ -136,6 +136,9 @@ class ServiceConfig:
     # of re-encoding). None: no disk tier. store_options: the worker store's byte budgets.
     kv_dir: str | None = None
     store_options: dict = field(default_factory=dict)
+    # The cluster KV tier (Mooncake Store; inferscale_core.cluster_store.ClusterConfig fields: master, metadata,
+    # ...). Empty: none, each engine replica's own tiers only (a moved user's facts are encoded again).
+    cluster_store: dict = field(default_factory=dict)
     # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
     # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.
     auth: dict = field(default_factory=dict)
@@ -148,7 +151,8 @@ class ServiceConfig:
                 "max_model_len": self.max_model_len, "limits": dict(self.limits),
                 "engine_overrides": dict(self.engine_overrides),
                 "admission_queue_factor": float(self.admission_queue_factor), "kv_dir": self.kv_dir,
-                "store_options": dict(self.store_options), **({"auth": dict(self.auth)} if self.auth else {})}
+                "store_options": dict(self.store_options), "cluster_store": dict(self.cluster_store),
+                **({"auth": dict(self.auth)} if self.auth else {})}
 
     @classmethod
     def from_args(cls, args: dict | None) -> "ServiceConfig":
@@ -180,7 +184,18 @@ class ServiceConfig:
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),
                    admission_queue_factor=float(values["model"].get("admissionQueueFactor", 2.0)),
                    kv_dir=values["kvStore"]["dir"], store_options=dict(values["kvStore"].get("options") or {}),
-                   auth=auth_args_for(values), deployments=deps)
+                   cluster_store=cluster_store_for(values, release), auth=auth_args_for(values), deployments=deps)
+
+
+def cluster_store_for(values: dict, release: str) -> dict:
+    """The chart's Mooncake master (its Service) as the engine replicas' and encoders' cluster KV tier; the pod IP
+    comes from $POD_IP at run time (ClusterConfig.local_host), the segment size from the values."""
+    m = values.get("mooncake") or {}
+    if not m.get("enabled"):
+        return {}
+    host = f"{release}-mooncake"
+    return {"master": f"{host}:{m['rpcPort']}", "metadata": f"http://{host}:{m['metadataPort']}/metadata",
+            "lease_s": float(m["leaseSeconds"])}
 
 
 def auth_args_for(values: dict) -> dict:
@@ -231,14 +246,14 @@ def build_app(cfg: ServiceConfig):
     opts["EngineReplica"] = {"request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
                              **opts["EngineReplica"]}
     encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
-        model_path=cfg.model_path, dtype=cfg.dtype)
+        model_path=cfg.model_path, dtype=cfg.dtype, cluster_store=cfg.cluster_store or None)
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
         registry_url=registry_url, embedder_path=cfg.embedder_path)
     engine = serve.deployment(EngineReplica, name="EngineReplica", **opts["EngineReplica"]).bind(
         encoder, registry_url=registry_url, model_path=cfg.model_path, dtype=cfg.dtype,
         block_size=cfg.block_size, max_model_len=cfg.max_model_len, kv_dir=cfg.kv_dir,
         store_options=cfg.store_options, engine_overrides=cfg.engine_overrides,
-        admission_queue_factor=cfg.admission_queue_factor)
+        admission_queue_factor=cfg.admission_queue_factor, cluster_store=cfg.cluster_store or None)
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
     return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
                         embedder_path=cfg.embedder_path, auth=cfg.auth)
@@ -315,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--registry-url", default=None,
                    help="registry URL instead of the chart's (a Ray cluster: redis://HEAD_IP:6390/0); keep the "
                         "password out of it, replicas read it from $INFERSCALE_REDIS_PASSWORD")
+    p.add_argument("--mooncake-master", default=None, metavar="HOST",
+                   help="the cluster KV tier's mooncake_master host instead of the chart's Service (a Ray cluster: "
+                        "the head's address; RPC port 50051, metadata server 8080)")
     a = p.parse_args(argv)
     if not a.emit_serve_config:
         p.print_help()
@@ -325,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--registry-url must not carry a password: the Serve config is not a secret; set "
                     "INFERSCALE_REDIS_PASSWORD where Ray starts instead")
         cfg["applications"][0]["args"]["registry_url"] = a.registry_url
+    if a.mooncake_master:
+        cfg["applications"][0]["args"]["cluster_store"].update(
+            master=f"{a.mooncake_master}:50051", metadata=f"http://{a.mooncake_master}:8080/metadata")
     text = dump(cfg)
     if a.emit_serve_config == "-":
         sys.stdout.write(text)

@@ -42,6 +42,10 @@ def add_commands(sub) -> None:
                    help="address the gRPC and HTTP ports bind (default: loopback only; 0.0.0.0 for every address)")
     p.add_argument("--kv-dir", default=None, help="disk tier of the engine's fact store "
                                                   "(default: <inferscale cache>/kv)")
+    p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
+                   help="cluster KV tier: a running mooncake_master's RPC address (default: none, local tiers only)")
+    p.add_argument("--mooncake-metadata", default=None, metavar="URL",
+                   help="its metadata server (default: http://HOST:8080/metadata, the master's embedded one)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule on (default: all)")
     p.add_argument("--jwt-secret-file", default=None,
@@ -121,6 +125,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def cluster_store_settings(args) -> dict:
+    """ServiceConfig.cluster_store from --mooncake-master / --mooncake-metadata ({} without a master)."""
+    if not args.mooncake_master:
+        if args.mooncake_metadata:
+            raise SystemExit("--mooncake-metadata needs --mooncake-master")
+        return {}
+    host, _, port = args.mooncake_master.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"--mooncake-master must be HOST:PORT, got {args.mooncake_master!r}")
+    return {"master": args.mooncake_master, "metadata": args.mooncake_metadata or f"http://{host}:8080/metadata"}
+
+
 def serve_cmd(args) -> int:
     import ray
 
@@ -146,7 +162,7 @@ def serve_cmd(args) -> int:
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=args.dtype,
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), deployments=single_node_deployments(),
-                        auth=auth_settings(args))
+                        cluster_store=cluster_store_settings(args), auth=auth_settings(args))
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
     # The local Ray, Serve's controller and its proxies inherit it; the gRPC proxy binds --host (proxy_setup.py).
@@ -166,6 +182,7 @@ def serve_cmd(args) -> int:
               f"  HTTP  POST /v1/chat/completions   http://{args.host}:{cfg.http_port}\n"
               f"  registry  {redacted(cfg.registry_url) if cfg.registry_url else 'in memory (Ray actor; pass --redis-url to keep facts)'}\n"
               f"  KV disk tier  {cfg.kv_dir}\n"
+              f"  KV cluster tier  {cfg.cluster_store.get('master', 'none (pass --mooncake-master)')}\n"
               f"  auth  {_auth_line(cfg.auth)}\n"
               f"try: inferscale add alice \"Alice has a cat named Pixel.\" --target 127.0.0.1:{cfg.grpc_port}",
               flush=True)

@@ -7,6 +7,11 @@ reads it from there. Facts are encoded exactly as `inferscale_core.memory.Memory
 from the prompt template, behind the instruction prefix and the fact's own context window — so KV made here
 composes like KV made in-process.
 
+With a cluster KV tier (`cluster_store`, inferscale_core/cluster_store.py), `encode_for` writes each fact's KV
+into it as one object per fact version and answers only its token count (`StoredKV`): the KV never travels
+through Ray, the gateway or the engine replica; the engine replica that serves the fact reads it from the
+cluster tier. Without one (or when the write fails) `encode_for` answers the EncodedFact itself, as `encode`.
+
 Failures are per fact: `encode` answers an `EncodeFailure` for an item it cannot encode and encodes the
 others, so one bad fact never fails the other facts of a request, or other users' requests merged into the
 same batch. `check` applies the same limits without encoding: the gateway calls it before it writes.
@@ -41,6 +46,12 @@ def resolve_device(device: str) -> str:
 
 
 @dataclass(frozen=True)
+class StoredKV:
+    """In place of an EncodedFact: its KV is in the cluster tier under its kv_id (read it from there)."""
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class EncodeFailure:
     """An item the encoder could not encode, in place of its EncodedFact; `reason` is safe to show a client.
     `transient`: the encoder failed (out of memory during a mass re-encode, say), not the fact; trying again
@@ -57,8 +68,9 @@ class FactEncoder:
 
     def __init__(self, model_path: str | None = None, device: str = "auto", dtype: str = "float32",
                  store_dtype: str | None = None, prefix_window: bool = True, max_fact_tokens: int = 256):
+        from inferscale_core.cluster_store import kv_fingerprint
         from inferscale_core.encoder import PreRopeEncoder
-        from inferscale_core.models import load_model
+        from inferscale_core.models import load_model, resolve_model_path
         from inferscale_core.template import PromptTemplate
 
         device = resolve_device(device)
@@ -69,6 +81,9 @@ class FactEncoder:
         self.template = PromptTemplate(tokenizer)
         self.prefix_window = prefix_window
         self.max_fact_tokens = max_fact_tokens
+        # What the KV depends on besides the fact: model, stored dtype, the prefix facts are encoded behind.
+        self.fingerprint = kv_fingerprint(resolve_model_path(model_path), dtype_of(store_dtype or dtype),
+                                          self.template.prefix_ids if prefix_window else [])
 
     def prefix(self) -> EncodedFact:
         """The shared instruction-prefix chunk (position 0 of every composed memory)."""
@@ -124,11 +139,17 @@ class FactEncoder:
 class EncoderPool:
     """The Serve deployment (options in services/app.py)."""
 
-    def __init__(self, **encoder_kw):
+    def __init__(self, cluster_store: dict | None = None, **encoder_kw):
+        from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+
         from .metrics import EncoderMetrics
 
         self.fe = FactEncoder(**encoder_kw)
         self.metrics = EncoderMetrics()
+        config = ClusterConfig.from_dict(cluster_store)
+        self.cluster = ClusterStore(config, self.fe.fingerprint) if config else None
+        if self.cluster is not None:
+            self.cluster.available  # noqa: B018 - starts connecting in the background
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:
@@ -147,6 +168,34 @@ class EncoderPool:
             if not items:
                 return []
             return await self._encode_requests(list(items))
+
+    async def encode_for(self, user_id: str, facts: list[tuple[str, int, str, list[str]]]
+                         ) -> list[StoredKV | EncodedFact | EncodeFailure]:
+        """`(fact_id, version, text, window)` of one user's facts -> per fact StoredKV (written to the cluster
+        tier), the EncodedFact (no cluster tier, or the write failed) or an EncodeFailure. Writing version v
+        removes the fact's older versions from the cluster tier."""
+        from inferscale_core.cluster_store import kv_id
+
+        encoded = await self.encode([(text, list(window)) for _, _, text, window in facts])
+        if self.cluster is None:
+            return encoded
+        good = [(i, kv_id(f, v), e) for i, ((f, v, _, _), e) in enumerate(zip(facts, encoded))
+                if not isinstance(e, EncodeFailure)]
+        stored = await asyncio.to_thread(self.cluster.put_many, user_id, [(k, e) for _, k, e in good])
+        out = list(encoded)
+        for (i, _, e), ok in zip(good, stored):
+            if ok:
+                out[i] = StoredKV(e.num_tokens)
+        for fact_id, version, _, _ in facts:
+            if int(version) > 1:
+                await asyncio.to_thread(self.cluster.remove_versions, user_id, fact_id, int(version))
+        return out
+
+    async def fingerprint(self) -> str:
+        return self.fe.fingerprint
+
+    async def cluster_stats(self) -> dict | None:
+        return dict(self.cluster.counters) if self.cluster is not None else None
 
     async def check(self, texts: list[str]) -> list[str | None]:
         """Per text: why it cannot be encoded, or None (tokenizer only, no forward)."""

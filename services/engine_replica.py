@@ -6,16 +6,17 @@ it, and a replica holds at most MAX_USERS users (Serve's LRU). Serve's loader (`
 user (it runs under one lock per replica, so it must stay short); the user's facts are synced by the request
 itself, under that user's own lock, so a cold user with many facts never holds up another user.
 
-Syncing a user makes the worker store hold the registry's facts of the user at their current versions:
-  1. the registry (Redis) lists the user's facts and versions (one read of the version counter when nothing
-     moved since the last sync),
-  2. facts the worker store already has at that version are kept: after a restart they are found in its disk
-     tier (`kv_dir`), written through on every put, so nothing is encoded again,
-  3. the rest is encoded by the encoder pool from the registry's text and window; the KV comes back through
-     the Ray object store and goes into the engine in chunks of PUT_CHUNK_TOKENS, so vLLM's step loop keeps
-     running between them.
-Facts are stored in the worker under `kv_id(fact_id, version)`, so a copy on disk is used only for the exact
-version the registry names; an update or a delete removes the older versions.
+Syncing a user reads the registry's list of the user's servable facts, versions and texts (one read of the
+version counter when nothing moved since the last sync); it moves no KV. KV is fetched per request, for the
+facts the request names (the retrieval's top-k), before the request is handed to vLLM (never inside its step):
+  1. facts the worker store holds (memory, or its disk tier `kv_dir` after a restart) are used as they are,
+  2. with a cluster KV tier (`cluster_store`: Mooncake Store, inferscale_core/cluster_store.py) the rest is
+     read from it and put into the worker store; a fact missing there too (evicted, never written, Mooncake
+     down) is computed by vLLM with the query (the connector's failed-load path: slower, never wrong) and ONE
+     re-encode is queued in the background, which writes it to the cluster tier and this worker store,
+  3. without a cluster tier the rest is encoded by the encoder pool now, from the registry's text and window.
+Facts are stored under `kv_id(fact_id, version)` in every tier, so KV is used only for the exact version the
+registry names; an update or a delete removes the older versions (from the cluster tier too).
 
 The hot path: the replica keeps, per held user, each servable fact's version and text from its last sync, so
 an Answer costs one registry read (the user's version counter) however many facts it names.
@@ -28,9 +29,10 @@ Admission (services/admission.py): a request runs when its tokens fit in the KV 
 else it is refused at once with RESOURCE_EXHAUSTED, so load reaches vLLM's batch instead of queues in front.
 
 Writes from the gateway arrive as `put_facts(user, ids_versions, encoded)` where `encoded` is the encoder
-pool's response that the gateway passed on unresolved: Serve resolves it here, from the object store. A write
-is all or nothing: if the encoder failed on any of its facts, none is stored and the gateway undoes the
-registry rows.
+pool's response that the gateway passed on unresolved: Serve resolves it here, from the object store. With a
+cluster tier it holds only token counts (`StoredKV`: the KV is in the cluster tier, read by the first request
+that needs it); without one, the EncodedFacts, put into the worker store now. A write is all or nothing: if
+the encoder failed on any of its facts, none is stored and the gateway undoes the registry rows.
 
 A fact the encoder cannot encode during a sync (stored by an older version, say) is marked unservable in the
 registry for that version and left out; the user is answered from the facts that can be served.
@@ -51,11 +53,12 @@ from ray import serve
 
 import grpc
 
+from inferscale_core.cluster_store import ClusterConfig, ClusterStore, kv_id
 from inferscale_core.errors import check_id
 
 from .admission import DEFAULT_QUEUE_FACTOR, Admission
 from .api import ApiError
-from .encoder_pool import EncodeFailure
+from .encoder_pool import EncodeFailure, StoredKV
 from .registry import open_registry
 
 log = logging.getLogger("inferscale.engine_replica")
@@ -67,9 +70,11 @@ PUT_CHUNK_TOKENS = 512  # KV tokens per call into the engine core: its step loop
 
 @dataclass(frozen=True)
 class HeldFact:
-    """A fact whose KV the worker store holds, at this version, with its text (prompt mode needs it)."""
+    """A servable fact of a held user, as the registry had it at the last sync: its version, its text (prompt
+    mode needs it) and its window (a re-encode needs it)."""
     version: int
     text: str
+    window: tuple[str, ...] = ()
 
 
 def ms(seconds: float) -> float:
@@ -88,11 +93,6 @@ def put_chunks(items: list, token_counts: list[int], max_tokens: int = PUT_CHUNK
     if cur:
         chunks.append(cur)
     return chunks
-
-
-def kv_id(fact_id: str, version: int) -> str:
-    """The worker-store id of one version of a fact."""
-    return f"{fact_id}@v{int(version)}"
 
 
 def older_kv_ids(fact_id: str, version: int) -> list[str]:
@@ -165,7 +165,7 @@ class EngineReplica:
                        dtype: str = "float32", block_size: int = 32, max_model_len: int = 4096,
                        kv_dir: str | None = None, store_options: dict | None = None,
                        engine_overrides: dict | None = None,
-                       admission_queue_factor: float = DEFAULT_QUEUE_FACTOR):
+                       admission_queue_factor: float = DEFAULT_QUEUE_FACTOR, cluster_store: dict | None = None):
         from inferscale_core.defaults import serving_store_options
         from inferscale_core.engine import AsyncInjectingEngine
 
@@ -194,12 +194,20 @@ class EngineReplica:
         self.admission = Admission((int(cache.num_gpu_blocks) - 1) * int(cache.block_size), admission_queue_factor)
         log.info("engine replica %s: KV cache of %d tokens, admitting up to %d tokens in flight", self.replica_id,
                  self.admission.capacity_tokens, self.admission.limit_tokens)
-        self._held: dict[str, dict[str, HeldFact]] = {}  # user -> fact_id -> what the worker store holds
+        # The cluster KV tier, under the encoder pool's fingerprint (the pool defines how facts are encoded).
+        config = ClusterConfig.from_dict(cluster_store)
+        self.cluster = ClusterStore(config, await encoder.fingerprint.remote()) if config else None
+        if self.cluster is not None:
+            self.cluster.available  # noqa: B018 - starts connecting in the background
+        self._held: dict[str, dict[str, HeldFact]] = {}  # user -> fact_id -> servable fact (registry, last sync)
+        self._resident: dict[str, set[str]] = {}  # user -> kv_ids this replica knows its worker store holds
+        self._reencoding: set[tuple[str, str]] = set()  # (user, kv_id) with a re-encode under way
         self._synced: dict[str, int] = {}   # user -> registry user_version last synced
         self._pruned: dict[str, int] = {}   # user -> user_version the watch last dropped moved facts for
         self._user_locks: dict[str, asyncio.Lock] = {}
-        self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_pushed": 0, "users_loaded": 0,
-                         "users_evicted": 0, "facts_unservable": 0, "facts_dropped_by_watch": 0}
+        self.counters = {"facts_from_disk": 0, "facts_from_cluster": 0, "facts_encoded": 0, "facts_recomputed": 0,
+                         "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
+                         "facts_dropped_by_watch": 0}
         loop = asyncio.get_running_loop()
         self._exporter = loop.create_task(self._export_engine_metrics())
         self._watcher = loop.create_task(self._watch())
@@ -217,8 +225,8 @@ class EngineReplica:
         return self._user_locks.setdefault(user_id, asyncio.Lock())
 
     async def _sync(self, user_id: str) -> dict[str, HeldFact]:
-        """Make the worker store hold exactly the registry's servable facts of the user, at their versions;
-        returns what it holds. One registry read (the version counter) when nothing moved."""
+        """The registry's servable facts of the user at their versions (texts and windows), no KV; drops the
+        KV of facts deleted or moved on. One registry read (the version counter) when nothing moved."""
         async with self._lock(user_id):
             version = await asyncio.to_thread(self.registry.user_version, user_id)
             if self._synced.get(user_id) == version:
@@ -231,63 +239,120 @@ class EngineReplica:
             need = [f for f in wanted if f not in held]
             if need:
                 found = await asyncio.to_thread(self.registry.find_many, user_id, need)  # one round trip
-                recs = [found[f] for f in need if f in found]  # deleted since the listing: the next sync
-                # Disk tier first: the worker store lists every fact written before a restart.
-                present = await self.engine.has_encoded(user_id, [kv_id(r.fact_id, r.version) for r in recs])
-                for r, ok in zip(recs, present):
-                    if ok:
-                        held[r.fact_id] = HeldFact(r.version, r.text)
-                self.counters["facts_from_disk"] += sum(present)
-                # A version known to be bad is not encoded again.
-                todo = [r for r, ok in zip(recs, present) if not ok and not r.unservable_reason]
-                if todo and await self._encode_and_put(user_id, todo):
-                    version = None  # a transient encoder failure: the user's next request syncs again
+                for f in need:  # deleted since the listing: the next sync; a version known to be bad: left out
+                    r = found.get(f)
+                    if r is not None and not r.unservable_reason:
+                        held[f] = HeldFact(r.version, r.text, tuple(r.window))
             self._synced[user_id] = version
             self._pruned.pop(user_id, None)
             # A user's placement is dropped with its facts (DeleteUser): say again that this replica holds it.
             await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
             return held
 
-    async def _encode_and_put(self, user_id: str, recs: list) -> bool:
-        """Encodes and stores `recs`; True when some failed transiently (to be tried again)."""
-        encoded = await self.encoder.encode.remote([(r.text, list(r.window)) for r in recs])
-        good = [(r, e) for r, e in zip(recs, encoded) if not isinstance(e, EncodeFailure)]
-        for r, e in zip(recs, encoded):
-            if isinstance(e, EncodeFailure) and not e.transient:  # only a deterministic failure is for good
-                log.warning("fact %s v%d of a user cannot be encoded: %s", r.fact_id, r.version, e.reason)
-                await asyncio.to_thread(self.registry.set_unservable, user_id, r.fact_id, r.version, e.reason)
-            elif isinstance(e, EncodeFailure):  # not served this time; the next sync of the user tries again
-                log.warning("fact %s v%d of a user failed to encode for now: %s", r.fact_id, r.version, e.reason)
+    async def _fetch_kv(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
+        """Makes the worker store hold these facts' KV where it can, before the request goes to vLLM: worker
+        store (memory or disk), then the cluster tier, then (no cluster tier) the encoder now. With a cluster
+        tier a fact found nowhere is left to vLLM to compute, and one re-encode is queued."""
+        async with self._lock(user_id):
+            resident = self._resident.setdefault(user_id, set())
+            todo = [(f, h) for f, h in facts if kv_id(f, h.version) not in resident]
+            if not todo:
+                return
+            # The disk tier: the worker store lists every fact written before a restart.
+            present = await self.engine.has_encoded(user_id, [kv_id(f, h.version) for f, h in todo])
+            resident.update(kv_id(f, h.version) for (f, h), ok in zip(todo, present) if ok)
+            self.counters["facts_from_disk"] += sum(present)
+            todo = [fh for fh, ok in zip(todo, present) if not ok]
+            if not todo:
+                return
+            if self.cluster is None:
+                await self._encode_and_put(user_id, todo)
+                return
+            ids = [kv_id(f, h.version) for f, h in todo]
+            got = await asyncio.to_thread(self.cluster.get_many, user_id, ids)
+            hits = [(f, h, enc) for (f, h), enc in zip(todo, got) if enc is not None]
+            if hits:
+                await self._put(user_id, [(f, h.version) for f, h, _ in hits], [enc for _, _, enc in hits])
+            self.counters["facts_from_cluster"] += len(hits)
+            missed = [(f, h) for (f, h), enc in zip(todo, got) if enc is None]
+            if missed:
+                self.counters["facts_recomputed"] += len(missed)
+                self._queue_reencode(user_id, missed)
+
+    def _queue_reencode(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
+        """One background re-encode per fact version, however many requests miss it meanwhile."""
+        fresh = [(f, h) for f, h in facts if (user_id, kv_id(f, h.version)) not in self._reencoding]
+        if not fresh:
+            return
+        self._reencoding.update((user_id, kv_id(f, h.version)) for f, h in fresh)
+
+        async def run():
+            try:
+                async with self._lock(user_id):
+                    held = self._held.get(user_id, {})
+                    current = [(f, h) for f, h in fresh if held.get(f) == h]  # not moved on meanwhile
+                    if current:
+                        await self._encode_and_put(user_id, current)
+            except Exception:  # noqa: BLE001 - the next request that needs the fact queues it again
+                log.exception("re-encoding %d facts of a user failed", len(fresh))
+            finally:
+                self._reencoding.difference_update((user_id, kv_id(f, h.version)) for f, h in fresh)
+
+        asyncio.get_running_loop().create_task(run())
+
+    async def _encode_and_put(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
+        """Encodes facts from the registry's text and window (the pool writes them to the cluster tier when there
+        is one) and puts them into the worker store. Call under the user's lock."""
+        encoded = await self.encoder.encode_for.remote(
+            user_id, [(f, h.version, h.text, list(h.window)) for f, h in facts])
+        stored = [(f, h) for (f, h), e in zip(facts, encoded) if isinstance(e, StoredKV)]
+        from_cluster = await asyncio.to_thread(self.cluster.get_many, user_id, [kv_id(f, h.version) for f, h in stored]
+                                               ) if stored else []
+        kv = dict(zip([f for f, _ in stored], from_cluster))
+        good = []
+        for (f, h), e in zip(facts, encoded):
+            if isinstance(e, EncodeFailure) and e.transient:  # the encoder failed, not the fact: not served this
+                # time (vLLM computes it); it is not held, so the next request that names it tries again
+                log.warning("fact %s v%d of a user failed to encode for now: %s", f, h.version, e.reason)
+            elif isinstance(e, EncodeFailure):  # only a deterministic failure is for good
+                log.warning("fact %s v%d of a user cannot be encoded: %s", f, h.version, e.reason)
+                await asyncio.to_thread(self.registry.set_unservable, user_id, f, h.version, e.reason)
+                self._held.get(user_id, {}).pop(f, None)
+                self.counters["facts_unservable"] += 1
+            elif isinstance(e, StoredKV):
+                if kv.get(f) is not None:  # else: gone again at once (evicted): the next request retries
+                    good.append((f, h.version, kv[f]))
+            else:
+                good.append((f, h.version, e))
         if good:
-            await self._put(user_id, [(r.fact_id, r.version, r.text) for r, _ in good], [e for _, e in good])
-        self.counters["facts_encoded"] += len(good)
-        transient = sum(isinstance(e, EncodeFailure) and e.transient for e in encoded)
-        self.counters["facts_unservable"] += len(recs) - len(good) - transient
-        return transient > 0
+            await self._put(user_id, [(f, v) for f, v, _ in good], [e for _, _, e in good])
+        self.counters["facts_encoded"] += sum(not isinstance(e, EncodeFailure) for e in encoded)
 
     async def _drop_moved(self, user_id: str, held: dict[str, HeldFact], wanted: dict[str, int]) -> int:
         """Drops from the worker store the held facts that are deleted or at another version in `wanted`."""
         moved = {f: h.version for f, h in held.items() if wanted.get(f) != h.version}
         if moved:
-            await self.engine.delete_encoded(user_id, [kv_id(f, v) for f, v in moved.items()])
+            ids = [kv_id(f, v) for f, v in moved.items()]
+            await self.engine.delete_encoded(user_id, ids)
+            self._resident.get(user_id, set()).difference_update(ids)
             for f in moved:
                 del held[f]
         return len(moved)
 
-    async def _put(self, user_id: str, facts: list[tuple[str, int, str]], encoded: list) -> None:
-        """`facts`: (fact_id, version, text) of each encoded fact. Chunked: each call into the engine core
-        holds up its step loop (every user's decoding) for as long as it runs."""
+    async def _put(self, user_id: str, facts: list[tuple[str, int]], encoded: list) -> None:
+        """`facts`: (fact_id, version) of each EncodedFact. Chunked: each call into the engine core holds up its
+        step loop (every user's decoding) for as long as it runs. Older versions leave the worker store."""
         if len(facts) != len(encoded):
             raise ValueError(f"{len(facts)} fact ids but {len(encoded)} encoded facts")
-        items = [(kv_id(f, v), enc) for (f, v, _), enc in zip(facts, encoded)]
+        items = [(kv_id(f, v), enc) for (f, v), enc in zip(facts, encoded)]
         for chunk in put_chunks(items, [enc.num_tokens for enc in encoded]):
             await self.engine.put_encoded(user_id, chunk)
-        old = [i for f, v, _ in facts for i in older_kv_ids(f, v)]
+        old = [i for f, v in facts for i in older_kv_ids(f, v)]
         if old:
             await self.engine.delete_encoded(user_id, old)
-        held = self._held.setdefault(user_id, {})
-        for f, v, text in facts:
-            held[f] = HeldFact(v, text)
+        resident = self._resident.setdefault(user_id, set())
+        resident.difference_update(old)
+        resident.update(i for i, _ in items)
 
     async def _unload(self, user_id: str) -> None:
         """LRU eviction. With a disk tier the worker store keeps the facts (its byte budgets decide what stays
@@ -295,11 +360,13 @@ class EngineReplica:
         async with self._lock(user_id):
             if not self.disk_dir:
                 await self.engine.delete_encoded(user_id, None)
-            self._held.pop(user_id, None)
-            self._synced.pop(user_id, None)
-            self._pruned.pop(user_id, None)
+            self._forget_books(user_id)
         self.counters["users_evicted"] += 1
         await asyncio.to_thread(self.registry.remove_placement, user_id, self.replica_id)
+
+    def _forget_books(self, user_id: str) -> None:
+        for books in (self._held, self._resident, self._synced, self._pruned):
+            books.pop(user_id, None)
 
     # ------------------------------------------------------------------------------ the watch
     async def _watch(self) -> None:
@@ -333,8 +400,9 @@ class EngineReplica:
     # ------------------------------------------------------------------------------ called by the gateway
     async def put_facts(self, user_id: str, facts: list[tuple[str, int, str]], encoded: list) -> int:
         """`facts`: (fact_id, version, text) of each new fact. `encoded` arrives resolved from the object store
-        (the encoder's response, passed on unresolved). All or nothing: if the encoder failed on any fact,
-        nothing is stored and the error names it."""
+        (the encoder's response, passed on unresolved): StoredKV (in the cluster tier: nothing to move now) or
+        EncodedFact (put into the worker store). All or nothing: if the encoder failed on any fact, nothing is
+        stored and the error names it."""
         with self.metrics.request("put_facts"), _engine_death_is_unavailable():
             facts = [(f, int(v), str(t)) for f, v, t in facts]
             for i, enc in enumerate(encoded):
@@ -342,28 +410,35 @@ class EngineReplica:
                     raise ApiError(grpc.StatusCode.UNAVAILABLE if enc.transient else grpc.StatusCode.INVALID_ARGUMENT,
                                    f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored"
                                    + ("; retry shortly" if enc.transient else ""))
-            async with self._lock(user_id):
-                await self._put(user_id, facts, encoded)
+            local = [((f, v), e) for (f, v, _), e in zip(facts, encoded) if not isinstance(e, StoredKV)]
+            if local:
+                async with self._lock(user_id):
+                    await self._put(user_id, [fv for fv, _ in local], [e for _, e in local])
             self.counters["facts_pushed"] += len(encoded)
             await self._user(user_id)  # registers the user here (Serve routes its requests to this replica)
             return len(encoded)
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> int:
-        """Deleted facts `(fact_id, last version)`: every version of each leaves the worker store (and disk)."""
+        """Deleted facts `(fact_id, last version)`: every version of each leaves the worker store (and disk)
+        and the cluster tier."""
         with self.metrics.request("forget"):
             async with self._lock(user_id):
                 ids = [i for f, v in facts for i in (*older_kv_ids(f, v), kv_id(f, v))]
                 held = self._held.get(user_id, {})
                 for f, _ in facts:
                     held.pop(f, None)
+                self._resident.get(user_id, set()).difference_update(ids)
+                if self.cluster is not None:
+                    for f, _ in facts:
+                        await asyncio.to_thread(self.cluster.remove_versions, user_id, f)
                 return await self.engine.delete_encoded(user_id, ids)
 
     async def forget_user(self, user_id: str) -> int:
         with self.metrics.request("forget_user"):
             async with self._lock(user_id):
-                self._held.pop(user_id, None)
-                self._synced.pop(user_id, None)
-                self._pruned.pop(user_id, None)
+                self._forget_books(user_id)
+                if self.cluster is not None:
+                    await asyncio.to_thread(self.cluster.remove_user, user_id)
                 return await self.engine.delete_encoded(user_id, None)
 
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
@@ -385,6 +460,9 @@ class EngineReplica:
             # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped.
             # Both modes serve the same facts (an A/B of injection).
             facts = [(f, held[f]) for f in fact_ids if f in held]
+            if mode == "inject":
+                await self._fetch_kv(user_id, facts)
+            t_fetched = time.perf_counter()
             q = Query(user_id, query, k=max(1, len(facts)), mode=API_MODES[mode],
                       conversation=tuple(conversation or ()))
             try:
@@ -412,7 +490,8 @@ class EngineReplica:
                            "prompt_tokens": ans.prompt_len,
                            "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
                            "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop",
-                           "timings_ms": {"user_sync": ms(t_synced - t_in), "admission_wait": ms(t_submit - t_in),
+                           "timings_ms": {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
+                                          "admission_wait": ms(t_submit - t_in),
                                           **engine_timings(ans)}}
 
     async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
@@ -453,6 +532,7 @@ class EngineReplica:
         """This replica's counters, the users it holds, and the engine's (vLLM + worker store) metrics."""
         return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir,
                 "users": sorted(self._held), **self.counters, "admission": self.admission.stats(),
+                "cluster": dict(self.cluster.counters) if self.cluster is not None else None,
                 "engine": await self.engine.metrics()}
 
     async def health(self) -> str:

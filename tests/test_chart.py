@@ -533,3 +533,32 @@ def test_proxies_get_the_transport_limits_and_redis_refuses_to_grow_past_its_lim
         assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]["value"] == "services.proxy_setup:proxy_setup"
     mb = int(VALUES["redis"]["maxmemory"].removesuffix("mb"))
     assert VALUES["redis"]["memory"] == "2Gi" and mb * 2**20 < 0.8 * 2 * 2**30
+
+
+def test_mooncake_master_and_engine_segments(helm):
+    """The cluster KV tier: mooncake_master (Deployment + Service) whose address the app's cluster_store names,
+    and a mooncake_client sidecar in every worker pod contributing the values' segment size."""
+    docs = _render(helm, "mooncake.segmentGiB=24", "mooncake.cpuSegmentGiB=3", "ray.gpuWorkers.maxReplicas=2",
+                   release="mc")
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "mc-mooncake"]
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"rpc": 50051, "metadata": 8080}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "mc-mooncake"]
+    (master,) = dep["spec"]["template"]["spec"]["containers"]
+    assert master["command"] == ["mooncake_master"] and "--rpc_port=50051" in master["args"]
+    assert "--enable_http_metadata_server=true" in master["args"] and "--default_kv_lease_ttl=1000" in master["args"]
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["cluster_store"] == {"master": "mc-mooncake:50051", "metadata": "http://mc-mooncake:8080/metadata",
+                                     "lease_s": 1.0}
+    pods = _pod_specs(docs)
+    for group, gib in (("gpu-workers", 24), ("cpu-workers", 3)):
+        seg = {c["name"]: c for c in pods[group]["containers"]}["mooncake-segment"]
+        cmd = seg["args"][0]
+        assert f"--global_segment_size={gib * 1024 ** 3}" in cmd and "--master_server_address=mc-mooncake:50051" in cmd
+        assert seg["resources"]["limits"]["memory"] == f"{gib + 1}Gi"
+        ray_env = _env({c["name"]: c for c in pods[group]["containers"]}["ray-worker"])
+        assert ray_env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    off = _render(helm, "mooncake.enabled=false", release="mc")
+    assert not [d for d in off if "mooncake" in d["metadata"]["name"]]
+    assert "mooncake" not in yaml.safe_dump_all(off)
+    assert yaml.safe_load(_rayservice(off)["spec"]["serveConfigV2"])["applications"][0]["args"]["cluster_store"] == {}

@@ -70,6 +70,25 @@ def test_redis_binds_with_a_password_on_its_own_port():
     assert not re.search(r"redis://:[^@]+@", yaml.safe_dump(RAW))  # no password in any URL
 
 
+def test_head_runs_the_mooncake_master_and_gpu_nodes_add_segments(capsys):
+    from services.app import main
+
+    (master,) = [c for c in RAW["head_start_ray_commands"] if "mooncake_master" in c]
+    assert "--rpc_port=50051" in master and "--http_metadata_server_port=8080" in master
+    assert "--enable_http_metadata_server=true" in master and "--default_kv_lease_ttl=" in master
+    (segment,) = [c for c in RAW["worker_start_ray_commands"] if "mooncake_client" in c]
+    assert "--master_server_address=$RAY_HEAD_IP:50051" in segment and "nvidia-smi" in segment
+    assert "--metadata_server=http://$RAY_HEAD_IP:8080/metadata" in segment and "--global_segment_size=" in segment
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):  # the clients' own address
+        assert "POD_IP=" in _commands(key)
+    # the deploy command's Serve config points the app at the head's master
+    assert main(["--emit-serve-config", "-", "--mooncake-master", "10.1.2.3"]) == 0
+    args = yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"]
+    assert args["cluster_store"]["master"] == "10.1.2.3:50051"
+    assert args["cluster_store"]["metadata"] == "http://10.1.2.3:8080/metadata"
+    assert "--mooncake-master" in (ROOT / "ray_cluster.yaml").read_text()
+
+
 # ------------------------------------------------------------------------------ two Ray nodes, one machine
 def test_ray_ports_require_the_clusters_token():
     """Ray's own ports run code for whoever reaches them: every node starts Ray with token auth and the same

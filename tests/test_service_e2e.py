@@ -234,7 +234,7 @@ def test_an_evicted_user_is_reloaded_from_the_disk_tier(service, redis_url):  # 
     assert registry.placement("alice") == set()
     pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24)
     after = service.engine_stats("alice")
-    assert after["facts_from_disk"] - stats["facts_from_disk"] == 5  # reloaded, not re-encoded
+    assert after["facts_from_disk"] - stats["facts_from_disk"] == 3  # the k=3 it needs, reloaded, not re-encoded
     assert after["facts_encoded"] == stats["facts_encoded"] == 0
     assert "".join(pieces) == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
     assert registry.placement("alice") == {after["replica_id"]}
@@ -360,7 +360,7 @@ def test_a_killed_engine_replica_is_rebuilt_from_redis(service):
     recovered_s = time.monotonic() - t
     new = service.engine_stats("alice")
     assert new["pid"] != old["pid"] and new["facts_from_disk"] == 0
-    assert new["facts_encoded"] == 5  # alice's facts, nothing lost
+    assert new["facts_encoded"] == 3  # the k=3 facts the answer needs (no whole-user sync), nothing lost
     assert "".join(pieces) == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
     _, final = service.ask("bob", "What is Bob allergic to?", k=5, max_tokens=4)
     assert sorted(final.fact_ids) == sorted(service.ids["bob"])
@@ -374,8 +374,8 @@ def test_the_whole_app_restarts_from_redis_and_disk(service):
     assert [f.fact_id for f in service.client.list("alice")] == service.ids["alice"]
     pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24)
     stats = service.engine_stats("alice")
-    assert stats["facts_encoded"] == 0 and stats["facts_from_disk"] == 5  # KV from the disk tier
+    assert stats["facts_encoded"] == 0 and stats["facts_from_disk"] == 3  # the k=3 facts' KV from the disk tier
     assert "".join(pieces) == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
     _, final = service.ask("bob", "What is Bob allergic to?", k=5, max_tokens=4)
     assert sorted(final.fact_ids) == sorted(service.ids["bob"])
-    assert service.engine_stats("bob")["facts_from_disk"] == 5 + 2
+    assert service.engine_stats("bob")["facts_from_disk"] == 3 + 2

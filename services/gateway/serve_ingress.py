@@ -46,8 +46,10 @@ class ServeBackends:
     async def index_facts(self, user_id, records):
         indexed = self._r(user_id).index_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records])
         # The encoder's response is handed to the engine call unresolved: Serve passes it on as an object
-        # reference and the engine replica reads the KV tensors from the object store; they never come here.
-        encoded = self.encoder.encode.remote([(r.text, list(r.window)) for r in records])
+        # reference; it holds token counts when the pool wrote the KV to the cluster tier, else the KV
+        # tensors, which the engine replica reads from the object store. KV never comes here.
+        encoded = self.encoder.encode_for.remote(
+            user_id, [(r.fact_id, r.version, r.text, list(r.window)) for r in records])
         placed = self._e(user_id).put_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records],
                                                    encoded)
         await asyncio.wait_for(asyncio.gather(indexed, placed), self.timeout_s)

@@ -43,6 +43,7 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "admission_queue_factor" (float64 .Values.model.admissionQueueFactor) -}}
 {{- $_ := set $args "kv_dir" .Values.kvStore.dir -}}
 {{- $_ := set $args "store_options" (.Values.kvStore.options | default dict) -}}
+{{- $_ := set $args "cluster_store" (include "inferscale.clusterStore" . | fromYaml) -}}
 {{- $auth := include "inferscale.authArgs" . | fromYaml -}}
 {{- if $auth -}}
 {{- $_ := set $args "auth" $auth -}}
@@ -117,6 +118,8 @@ are equal), the pod's name for the KV folder.
 {{- define "inferscale.rayEnv" -}}
 - name: INFERSCALE_POD_NAME
   valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_IP   # the cluster KV tier's client address (inferscale_core/cluster_store.py)
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
 - {name: HF_HUB_OFFLINE, value: "1"}
 - {name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, value: "60"}
 - {name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S, value: "60"}
@@ -218,4 +221,44 @@ nodeSelector:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* Same rule as services/app.py:cluster_store_for: the release's Mooncake master, or none. */}}
+{{- define "inferscale.clusterStore" -}}
+{{- if .Values.mooncake.enabled -}}
+{{- $host := printf "%s-mooncake" (include "inferscale.fullname" .) -}}
+master: {{ printf "%s:%v" $host .Values.mooncake.rpcPort | quote }}
+metadata: {{ printf "http://%s:%v/metadata" $host .Values.mooncake.metadataPort | quote }}
+lease_s: {{ float64 .Values.mooncake.leaseSeconds }}
+{{- end -}}
+{{- end -}}
+
+{{/* The engine pods' contribution to the cluster KV tier: a mooncake_client holding `gib` GiB of memory. */}}
+{{- define "inferscale.mooncakeSegment" -}}
+{{- $v := .ctx.Values.mooncake -}}
+- name: mooncake-segment
+  image: {{ include "inferscale.image" .ctx }}
+  imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+  command: ["sh", "-c"]
+  args:
+    - >-
+      exec mooncake_client --host="$POD_IP" --port=50052 --protocol=tcp
+      --master_server_address={{ include "inferscale.fullname" .ctx }}-mooncake:{{ $v.rpcPort }}
+      --metadata_server=http://{{ include "inferscale.fullname" .ctx }}-mooncake:{{ $v.metadataPort }}/metadata
+      --global_segment_size={{ mul (int .gib) 1073741824 }}
+  env:
+    - name: POD_IP
+      valueFrom: {fieldRef: {fieldPath: status.podIP}}
+  ports:
+    - {containerPort: 50052, name: mooncake-seg}
+  readinessProbe:
+    tcpSocket: {port: mooncake-seg}
+    periodSeconds: 5
+  livenessProbe:
+    tcpSocket: {port: mooncake-seg}
+    initialDelaySeconds: 30
+    periodSeconds: 10
+  resources:
+    requests: {cpu: "250m", memory: {{ printf "%dGi" (add (int .gib) 1) | quote }}}   # + its own overhead
+    limits: {memory: {{ printf "%dGi" (add (int .gib) 1) | quote }}}
 {{- end -}}
