@@ -29,6 +29,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -82,7 +83,8 @@ def pack(fingerprint: str, user_id: str, kv_id: str, fact: EncodedFact) -> bytes
 
 
 def unpack(data: bytes | memoryview) -> tuple[dict, EncodedFact]:
-    """(header, EncodedFact) from `pack`'s bytes; ValueError for anything else."""
+    """(header, EncodedFact) from `pack`'s bytes; ValueError for anything else. No copy: the tensors are views of
+    `data` (read-only; the worker store copies what it keeps)."""
     data = memoryview(data)
     if bytes(data[:len(MAGIC)]) != MAGIC:
         raise ValueError("not an InferScale KV object")
@@ -97,7 +99,10 @@ def unpack(data: bytes | memoryview) -> tuple[dict, EncodedFact]:
     body = start + n
     if len(data) != body + 8 * tokens + 2 * size:
         raise ValueError(f"KV object of {len(data)} bytes does not match its header {head}")
-    raw = torch.frombuffer(bytearray(data[body:]), dtype=torch.uint8)  # one copy, writable, owned
+    with warnings.catch_warnings():  # a read-only buffer: the tensors are views of it, never written to
+        warnings.simplefilter("ignore", UserWarning)
+        raw = (torch.frombuffer(data, dtype=torch.uint8, offset=body) if len(data) > body
+               else torch.empty(0, dtype=torch.uint8))
     ids = raw[:8 * tokens].view(torch.int64)
     k = raw[8 * tokens:8 * tokens + size].view(dtype).view(layers, tokens, heads, dim)
     v = raw[8 * tokens + size:].view(dtype).view(layers, tokens, heads, dim)

@@ -46,6 +46,7 @@ import os
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,63 @@ def put_chunks(items: list, token_counts: list[int], max_tokens: int = PUT_CHUNK
 def older_kv_ids(fact_id: str, version: int) -> list[str]:
     """Ids of every earlier version (versions count up from 1, so this is exhaustive)."""
     return [kv_id(fact_id, v) for v in range(1, int(version))]
+
+
+def default_kv_budget_bytes() -> int:
+    """KV bytes one engine replica keeps in its worker store: $INFERSCALE_ENGINE_KV_BUDGET_BYTES, else a quarter of
+    the machine's memory (the rest is for vLLM's own KV cache, the model, the other deployments)."""
+    env = os.environ.get("INFERSCALE_ENGINE_KV_BUDGET_BYTES")
+    if env:
+        return int(env)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+class ResidentKV:
+    """The facts this replica put into its worker store, least recently used first, and their KV bytes. Over
+    `budget_bytes` the least recently used leave (the caller deletes them from the worker store); a fact found
+    in the worker store's disk tier, whose size is not known here, counts as the average fact."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"the KV budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._lru: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.bytes = 0
+
+    def has(self, user_id: str, kv: str) -> bool:
+        return (user_id, kv) in self._lru
+
+    def touch(self, user_id: str, kvs: list[str]) -> None:
+        for kv in kvs:
+            if (user_id, kv) in self._lru:
+                self._lru.move_to_end((user_id, kv))
+
+    def add(self, user_id: str, items: list[tuple[str, int | None]]) -> list[tuple[str, str]]:
+        """Records `(kv_id, bytes or None)`; returns the (user, kv_id) to evict, never one of these."""
+        for kv, nbytes in items:
+            if nbytes is None:
+                nbytes = self.bytes // len(self._lru) if self._lru else 0
+            self.bytes += nbytes - self._lru.pop((user_id, kv), 0)
+            self._lru[(user_id, kv)] = nbytes
+        keep = {(user_id, kv) for kv, _ in items}
+        out = []
+        for key in list(self._lru):
+            if self.bytes <= self.budget_bytes:
+                break
+            if key not in keep:
+                self.bytes -= self._lru.pop(key)
+                out.append(key)
+        return out
+
+    def discard(self, user_id: str, kvs) -> None:
+        for kv in kvs:
+            self.bytes -= self._lru.pop((user_id, kv), 0)
+
+    def drop_user(self, user_id: str) -> None:
+        self.discard(user_id, [kv for u, kv in self._lru if u == user_id])
+
+    def count(self) -> int:
+        return len(self._lru)
 
 
 def replica_disk_dir(kv_dir: str | None) -> str | None:
@@ -200,14 +258,14 @@ class EngineReplica:
         if self.cluster is not None:
             self.cluster.available  # noqa: B018 - starts connecting in the background
         self._held: dict[str, dict[str, HeldFact]] = {}  # user -> fact_id -> servable fact (registry, last sync)
-        self._resident: dict[str, set[str]] = {}  # user -> kv_ids this replica knows its worker store holds
+        self.resident = ResidentKV(default_kv_budget_bytes())  # what this replica put into its worker store
         self._reencoding: set[tuple[str, str]] = set()  # (user, kv_id) with a re-encode under way
         self._synced: dict[str, int] = {}   # user -> registry user_version last synced
         self._pruned: dict[str, int] = {}   # user -> user_version the watch last dropped moved facts for
         self._user_locks: dict[str, asyncio.Lock] = {}
         self.counters = {"facts_from_disk": 0, "facts_from_cluster": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
-                         "facts_dropped_by_watch": 0}
+                         "facts_dropped_by_watch": 0, "facts_evicted": 0}
         loop = asyncio.get_running_loop()
         self._exporter = loop.create_task(self._export_engine_metrics())
         self._watcher = loop.create_task(self._watch())
@@ -254,13 +312,14 @@ class EngineReplica:
         store (memory or disk), then the cluster tier, then (no cluster tier) the encoder now. With a cluster
         tier a fact found nowhere is left to vLLM to compute, and one re-encode is queued."""
         async with self._lock(user_id):
-            resident = self._resident.setdefault(user_id, set())
-            todo = [(f, h) for f, h in facts if kv_id(f, h.version) not in resident]
+            self.resident.touch(user_id, [kv_id(f, h.version) for f, h in facts])
+            todo = [(f, h) for f, h in facts if not self.resident.has(user_id, kv_id(f, h.version))]
             if not todo:
                 return
             # The disk tier: the worker store lists every fact written before a restart.
             present = await self.engine.has_encoded(user_id, [kv_id(f, h.version) for f, h in todo])
-            resident.update(kv_id(f, h.version) for (f, h), ok in zip(todo, present) if ok)
+            await self._evict(self.resident.add(
+                user_id, [(kv_id(f, h.version), None) for (f, h), ok in zip(todo, present) if ok]))
             self.counters["facts_from_disk"] += sum(present)
             todo = [fh for fh, ok in zip(todo, present) if not ok]
             if not todo:
@@ -334,7 +393,7 @@ class EngineReplica:
         if moved:
             ids = [kv_id(f, v) for f, v in moved.items()]
             await self.engine.delete_encoded(user_id, ids)
-            self._resident.get(user_id, set()).difference_update(ids)
+            self.resident.discard(user_id, ids)
             for f in moved:
                 del held[f]
         return len(moved)
@@ -350,9 +409,18 @@ class EngineReplica:
         old = [i for f, v in facts for i in older_kv_ids(f, v)]
         if old:
             await self.engine.delete_encoded(user_id, old)
-        resident = self._resident.setdefault(user_id, set())
-        resident.difference_update(old)
-        resident.update(i for i, _ in items)
+        self.resident.discard(user_id, old)
+        await self._evict(self.resident.add(user_id, [(i, enc.nbytes) for i, enc in items]))
+
+    async def _evict(self, keys: list[tuple[str, str]]) -> None:
+        """Deletes from the worker store (memory and disk) the facts the byte budget pushed out; a later request
+        that names one reads it again (cluster tier or encoder)."""
+        by_user: dict[str, list[str]] = {}
+        for u, kv in keys:
+            by_user.setdefault(u, []).append(kv)
+        for u, kvs in by_user.items():
+            await self.engine.delete_encoded(u, kvs)
+        self.counters["facts_evicted"] += len(keys)
 
     async def _unload(self, user_id: str) -> None:
         """LRU eviction. With a disk tier the worker store keeps the facts (its byte budgets decide what stays
@@ -365,8 +433,9 @@ class EngineReplica:
         await asyncio.to_thread(self.registry.remove_placement, user_id, self.replica_id)
 
     def _forget_books(self, user_id: str) -> None:
-        for books in (self._held, self._resident, self._synced, self._pruned):
+        for books in (self._held, self._synced, self._pruned):
             books.pop(user_id, None)
+        self.resident.drop_user(user_id)
 
     # ------------------------------------------------------------------------------ the watch
     async def _watch(self) -> None:
@@ -427,7 +496,7 @@ class EngineReplica:
                 held = self._held.get(user_id, {})
                 for f, _ in facts:
                     held.pop(f, None)
-                self._resident.get(user_id, set()).difference_update(ids)
+                self.resident.discard(user_id, ids)
                 if self.cluster is not None:
                     for f, _ in facts:
                         await asyncio.to_thread(self.cluster.remove_versions, user_id, f)
@@ -533,6 +602,8 @@ class EngineReplica:
         return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir,
                 "users": sorted(self._held), **self.counters, "admission": self.admission.stats(),
                 "cluster": dict(self.cluster.counters) if self.cluster is not None else None,
+                "resident": {"facts": self.resident.count(), "bytes": self.resident.bytes,
+                             "budget_bytes": self.resident.budget_bytes},
                 "engine": await self.engine.metrics()}
 
     async def health(self) -> str:

@@ -1,0 +1,61 @@
+"""Does the encoder pool's process grow with every fact it encodes? FactEncoder (what EncoderPool runs) in this
+process, SmolLM2-135M, facts encoded in rounds as the gateway sends them (batches of up to 8), the process's
+RSS after each round; the encoded KV is dropped after each round, as the pool does once Serve has it.
+
+    python bench/encoder_memory.py --dtype float32 --rounds 4 --per-round 500
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--per-round", type=int, default=500)
+    a = p.parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    from services.encoder_pool import FactEncoder
+
+    fe = FactEncoder(dtype=a.dtype, device="cpu")
+    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    flags = next((ln for ln in flags.splitlines() if ln.startswith("Flags")), "")
+    print(f"lscpu flags: {' '.join(f for f in flags.split() if f.startswith(('avx512', 'amx')))}")
+    print(f"| facts encoded | RSS (MB) | seconds | KV bytes of the round (MB) |\n|---|---|---|---|\n| 0 | {rss_mb():.0f} | | |")
+    n = 0
+    for r in range(a.rounds):
+        t = time.perf_counter()
+        kv = 0
+        for i in range(0, a.per_round, 8):  # the gateway's requests: a few facts, each behind its neighbours
+            texts = [f"User {n + j} said fact number {n + j}: " + "they like " + "tea and biscuits " * (1 + (n + j) % 5)
+                     for j in range(8)]
+            out = fe.encode([(t_, texts[:j][-5:]) for j, t_ in enumerate(texts)])
+            kv += sum(e.nbytes for e in out)
+            n += len(texts)
+            del out
+        gc.collect()
+        print(f"| {n} | {rss_mb():.0f} | {time.perf_counter() - t:.0f} | {kv / 1e6:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
