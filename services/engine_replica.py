@@ -585,9 +585,11 @@ class EngineReplica:
 
     async def load_user(self, user_id: str) -> str:
         """Loads the user onto THIS replica (whichever one Serve routed the call to; admin and tests: put a user
-        on several replicas), facts synced. Returns this replica's id."""
+        on several replicas, warm a replica), every fact's KV fetched into its worker store (requests fetch only
+        their k). Returns this replica's id."""
         await self._user(check_id("user_id", user_id))
-        await self._sync(user_id)
+        held = await self._sync(user_id)
+        await self._fetch_kv(user_id, list(held.items()))
         return self.replica_id
 
     async def holds(self, user_id: str, facts: list[tuple[str, int]], with_replica: bool = False):
