@@ -45,6 +45,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
+REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
 
 
 def kv_id(fact_id: str, version: int) -> str:
@@ -322,14 +323,17 @@ class ClusterStore:
         """Removes every object of the user, under every fingerprint."""
         self._remove(self._user_pattern(user_id))
 
-    def _remove(self, pattern: str) -> None:
-        """Now, and once more after the read lease (an object being read is not removed while its lease runs)."""
-        self._remove_now(pattern)
-        timer = threading.Timer(self.config.lease_s + 0.2, self._remove_now, args=(pattern,))
-        timer.daemon = True
-        timer.start()
+    def _remove(self, pattern: str, attempt: int = 0) -> None:
+        """Now, then again after each read lease until an attempt finds nothing left (REMOVE_ATTEMPTS at most):
+        Mooncake skips objects whose lease runs (a read in progress), answering -706 or the count of the others."""
+        n = self._remove_now(pattern)
+        if (attempt == 0 or n != 0) and attempt + 1 < REMOVE_ATTEMPTS and not self._closed:
+            timer = threading.Timer(self.config.lease_s + 0.2, self._remove, args=(pattern, attempt + 1))
+            timer.daemon = True
+            timer.start()
 
     def _remove_now(self, pattern: str) -> int:
+        """Mooncake's answer: objects removed, or _LEASE_REFUSED."""
         client = self._store()
         if client is None:  # done when the store is back: a delete is never lost
             with self._lock:
@@ -345,7 +349,7 @@ class ClusterStore:
             self._failed("remove", e)
             return 0
         self.counters["removed"] += max(n, 0)
-        return max(n, 0)
+        return n
 
     def close(self) -> None:
         self._closed = True
