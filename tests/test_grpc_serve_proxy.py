@@ -28,6 +28,7 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
     from ray.serve.config import gRPCOptions
 
     from services.gateway import Gateway, http_app
+    from services.gateway.core import WATCH_STREAMS_MAX
 
     from services.app import SERVE_START_ENV
     from services.proxy_setup import GRPC_HOST_ENV
@@ -40,8 +41,10 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[api.SERVICER_FUNCTION]))
+        # The Gateway's request slots as services/app.py gives them (Serve's default is 5): the users' 512 and
+        # the health Watch streams' own 32.
         gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway",
-                                   ray_actor_options={"num_cpus": 0.5})
+                                   ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=512 + WATCH_STREAMS_MAX)
         serve.run(gateway.bind(registry_url=redis_url, auth={"hs256_secret_file": str(jwt_secret[0])}),
                   name="inferscale", route_prefix="/")
         yield grpc_port, http_port
@@ -223,7 +226,7 @@ def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, ad
             grpc.channel_ready_future(ch).result(timeout=60)
             stub = health_pb2_grpc.HealthStub(ch)
             for _ in range(WATCH_STREAMS_PER_PEER + 1):
-                call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+                call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=20)
                 try:
                     assert next(call).status == health_pb2.HealthCheckResponse.SERVING
                     streams.append(call)
