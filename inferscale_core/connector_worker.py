@@ -6,10 +6,12 @@ token ids are the memory the scheduler matched, re-rotate the keys to positions 
 and scatter K/V into the request's blocks through the attention backend's own cache-write op.
 
 The requests of a step are written in groups of up to `inject_group_tokens` tokens; per group: one copy of the
-chunks' K and V into a contiguous buffer, ONE in-place rotation of every layer's keys with vLLM's own fused
-rotary op (the op the model's forward pass uses, with the same table dtype, so the keys are bit for bit what
-vLLM's prefill writes), and one cache write per layer. On the 2-core CPU this is ~10x faster than rotating in
-torch ops (k=50, 1,856 tokens, SmolLM2 bf16: 7 ms instead of 80 ms).
+chunks' K and V into buffers allocated once (a fresh 2 x 22 MB allocation per request at k=50 is page-faulted
+in again every time), ONE in-place rotation of every layer's keys with vLLM's own fused rotary op (the
+op the model's forward pass uses, with the same table dtype, so the keys are bit for bit what vLLM's prefill
+writes), and ONE cache write for all layers through a view over vLLM's whole KV buffer (`AllLayersCache`, on
+the CPU backend with an unquantized cache; one write per layer elsewhere). Facts are already in the model's
+dtype in the store, so nothing is cast per request.
 
 Facts are stored and rotated in the MODEL's dtype, whatever the cache holds: with a quantized cache
 (`kv_cache_dtype="fp8"`) the backend's own cache write quantizes them, exactly as it quantizes the keys of a
@@ -22,6 +24,7 @@ and vLLM recomputes them (plain prefill for those tokens).
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +129,11 @@ class WorkerSide:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.gpu_memory_utilization = vllm_config.cache_config.gpu_memory_utilization
         self.cos_sin_cache: torch.Tensor | None = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # K and V group buffers, see _group_buffers
+        # Every layer's cache as one tensor (AllLayersCache) when the attention backend allows a single write;
+        # decided at the first injection, where the attention layers are visible.
+        self.all_layers: AllLayersCache | None = None
+        self._all_layers_checked = False
         self._failed_blocks: set[int] = set()
         self._step: dict[str, float] = {}  # counters since the last take_stats
         self._totals: dict[str, float] = {k: 0 for k in WORKER_COUNTERS}
@@ -220,6 +228,11 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         store = self._require_store()
+        if not self._all_layers_checked:
+            self.all_layers = AllLayersCache.of(self.kv_caches, self.layer_index, forward_context, self.kv_dtype)
+            self._all_layers_checked = True
+            logger.info("InferScale worker: %s", "one cache write for all layers" if self.all_layers is not None
+                        else "one cache write per layer")
         group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         group_tokens = 0
         for spec in meta.loads:
@@ -272,23 +285,46 @@ class WorkerSide:
                      group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
         from vllm import _custom_ops as ops
 
-        positions, slots = [], []
+        positions, blocks = [], []
         for spec, _ in group:
             pos = torch.arange(spec.start, spec.end, device=self.device)
             block_ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self.device)
             positions.append(pos)
-            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
-        # [L, N, H, D]: our own copy, so the keys can be rotated in place; the store keeps pre-RoPE keys.
-        k = torch.cat([piece_k for _, pieces in group for piece_k, _ in pieces], dim=1)
-        v = torch.cat([piece_v for _, pieces in group for _, piece_v in pieces], dim=1)
+            blocks.append(block_ids[pos // self.block_size])
+        pos, block = torch.cat(positions), torch.cat(blocks)
+        # [L, N, H, D] views of the persistent buffers: our own copy, so the keys can be rotated in place (the
+        # store keeps pre-RoPE keys), in memory that is already mapped (no page faults per request).
+        k, v = self._group_buffers(pos.numel())
+        torch.cat([piece_k for _, pieces in group for piece_k, _ in pieces], dim=1, out=k)
+        torch.cat([piece_v for _, pieces in group for _, piece_v in pieces], dim=1, out=v)
         num_layers, n = k.shape[0], k.shape[1]
         # One fused rotation of all layers: layer l's token t sits at row l * N + t of the flattened view.
-        ops.rotary_embedding(torch.cat(positions).repeat(num_layers), k.view(num_layers * n, -1), None,
+        ops.rotary_embedding(pos.repeat(num_layers), k.view(num_layers * n, -1), None,
                              self.spec.head_dim, self.cos_sin_cache, True)
-        slot_mapping = torch.cat(slots)
+        offset = pos % self.block_size
+        if self.all_layers is not None:  # one cache write for every layer
+            slots = self.all_layers.slots(block, offset, self.block_size)
+            layer = forward_context.no_compile_layers[self.all_layers.layer_name]
+            write_kv(layer, self.all_layers.cache, k.view(num_layers * n, *k.shape[2:]),
+                     v.view(num_layers * n, *v.shape[2:]), slots)
+            return
+        slot_mapping = block * self.block_size + offset
         for name, kv_cache in self.kv_caches.items():
             i = self.layer_index[name]
             write_kv(forward_context.no_compile_layers[name], kv_cache, k[i], v[i], slot_mapping)
+
+    def _group_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[L, n, H, D]` views of the K and V buffers, allocated once (grown for a request larger than
+        `inject_group_tokens`, the only case where a group exceeds it)."""
+        per_token = self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim
+        if self._buffers is None or self._buffers[0].numel() < n * per_token:
+            self._buffers = None  # drop the old pair first: both may not fit at once
+            size = max(n, self.inject_group_tokens) * per_token
+            with torch.inference_mode(False):  # plain tensors: writable inside vLLM's inference mode and outside
+                self._buffers = (torch.empty(size, dtype=self.kv_dtype, device=self.device),
+                                 torch.empty(size, dtype=self.kv_dtype, device=self.device))
+        shape = (self.spec.num_layers, n, self.spec.num_kv_heads, self.spec.head_dim)
+        return tuple(b[:n * per_token].view(shape) for b in self._buffers)
 
     def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
         """Views `[L, t, H, D]` of the pre-RoPE keys and values that cover memory positions [start, end) in
@@ -300,7 +336,7 @@ class WorkerSide:
         token_ids = torch.cat([c.token_ids for c in chunks])
         # The scheduler matched the prompt against memory_hash; the chunks must be exactly those tokens, or
         # the KV written would belong to other text (a fact replaced meanwhile, a wrong id).
-        if token_ids.numel() != spec.memory_len or memory_hash(token_ids.cpu().tolist()) != spec.memory_hash:
+        if token_ids.numel() != spec.memory_len or memory_hash(token_ids.cpu()) != spec.memory_hash:
             raise LoadError(f"the facts {list(spec.fact_ids)} of user {spec.user_id!r} are not the memory the "
                             f"request was composed from ({token_ids.numel()} tokens, expected {spec.memory_len})")
         if spec.end > self.cos_sin_cache.shape[0]:
@@ -368,6 +404,65 @@ def rotary_table(hf_config, spec: ModelSpec, max_model_len: int, device: torch.d
     cos, sin = ChunkedRope(hf_config, device="cpu", dtype=torch.float32).cos_sin(torch.arange(num_positions))
     half = spec.rotary_dim // 2
     return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).to(device=device, dtype=dtype).contiguous()
+
+
+class AllLayersCache:
+    """Every layer's paged cache seen as ONE cache tensor, so one cache-write call covers all layers (one call
+    instead of 30 for SmolLM2, and each call spreads its tokens over all threads).
+
+    vLLM 0.32 allocates the layers' caches in one buffer: block b of layer l starts at `offset_l + b *
+    block_stride` (layers outermost or blocks outermost, per layout). With a block stride `s` dividing
+    `block_stride` and every `offset_l`, block b of layer l is block `(offset_l + b * block_stride) / s` of a
+    view over the whole buffer. Used only where that view is checked against every layer's own cache, for
+    vLLM's CPU attention backend (whose caches are `[blocks, ...]`) and an unquantized cache (a quantized one
+    is written with per-layer scales)."""
+
+    def __init__(self, cache: torch.Tensor, layer_name: str, layer_base: torch.Tensor, ratio: int):
+        self.cache = cache  # the combined view
+        self.layer_name = layer_name  # the layer whose backend does the write
+        self.layer_base = layer_base  # [L] int64: combined block index of block 0 of layer l (by layer index)
+        self.ratio = ratio  # block_stride / s
+
+    def slots(self, block: torch.Tensor, offset: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Combined-view slots `[L * N]`, layer-major, of tokens in blocks `block` `[N]` at `offset` `[N]`."""
+        combined = self.layer_base[:, None] + block[None, :] * self.ratio
+        return (combined * block_size + offset[None, :]).view(-1)
+
+    @classmethod
+    def of(cls, kv_caches: dict[str, torch.Tensor], layer_index: dict[str, int], forward_context,
+           kv_dtype: torch.dtype) -> "AllLayersCache | None":
+        """The combined view, or None where one write per layer is needed."""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        names = sorted(kv_caches, key=layer_index.__getitem__)
+        caches = [kv_caches[n] for n in names]
+        first = caches[0]
+        layers = [forward_context.no_compile_layers.get(n) for n in names]
+        if (first.dtype != kv_dtype or any(not isinstance(getattr(x, "impl", None), CPUAttentionBackendImpl)
+                                            for x in layers)):
+            return None
+        if any(c.dtype != first.dtype or c.shape != first.shape or c.stride() != first.stride()
+               or c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for c in caches):
+            return None
+        base = min(caches, key=lambda c: c.data_ptr())
+        size = first.element_size()
+        offsets = [(c.data_ptr() - base.data_ptr()) // size for c in caches]
+        if any((c.data_ptr() - base.data_ptr()) % size for c in caches):
+            return None
+        block_stride, num_blocks = first.stride(0), first.shape[0]
+        s = math.gcd(block_stride, *offsets)
+        if s <= 0:
+            return None
+        last = max(o + (num_blocks - 1) * block_stride for o in offsets) // s
+        cache = torch.as_strided(base, (last + 1, *first.shape[1:]), (s, *first.stride()[1:]),
+                                 base.storage_offset())
+        layer_base = torch.tensor([o // s for o in offsets], dtype=torch.int64, device=first.device)
+        ratio = block_stride // s
+        for c, b0 in zip(caches, layer_base.tolist()):  # the view's blocks are the layers' own blocks
+            for b in (0, num_blocks - 1):
+                if cache[b0 + b * ratio].data_ptr() != c[b].data_ptr():
+                    return None
+        return cls(cache, names[0], layer_base, ratio)
 
 
 def write_kv(layer, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

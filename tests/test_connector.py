@@ -286,6 +286,47 @@ def test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch(harne
         assert_same(got, ref)
 
 
+def test_one_cache_write_for_all_layers_equals_one_write_per_layer(harness):
+    """On vLLM's CPU backend the worker writes every layer with ONE cache-write call through a view over the
+    whole KV buffer (AllLayersCache); the exactness tests above run that path. Here the same group is
+    written both ways into the same blocks: the bytes are identical, layer by layer."""
+    h = harness
+    w = h.worker
+    chunks, query = layout(1500)  # m = 145: the last block is partial
+    fids = ["w1", "w2", "w3", "w4"]
+    h.register("fused", "prefix-fused", fids, h.encode_apart(chunks))
+    seen = []
+    load = w.load
+    w.load = lambda fc, meta: (seen.append((fc, list(meta.loads))), load(fc, meta))[1]
+    try:
+        h.run(h.injected("fused", "prefix-fused", fids, chunks, query))
+    finally:
+        del w.load
+    fc, (spec,) = next((fc, loads) for fc, loads in seen if loads)
+    assert w.all_layers is not None  # the CPU backend takes the single write
+    blocks = torch.tensor(w._blocks_of(spec))
+    caches = [w.kv_caches[n] for n in sorted(w.kv_caches, key=w.layer_index.__getitem__)]
+    served = [c[blocks].clone() for c in caches]  # what the request used (memory and query tokens)
+
+    def write(all_layers) -> list[torch.Tensor]:
+        for c in caches:
+            c[blocks] = 0
+        w.all_layers = all_layers
+        w._write_group(fc, [(spec, w._gather(w.store, spec)[0])])
+        return [c[blocks].clone() for c in caches]
+
+    fused_view = w.all_layers
+    try:
+        fused, per_layer = write(fused_view), write(None)
+    finally:
+        w.all_layers = fused_view
+        for c, s in zip(caches, served):
+            c[blocks] = s
+    for layer, (a, b) in enumerate(zip(fused, per_layer)):
+        assert a.abs().sum() > 0, f"layer {layer} was not written"
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"layer {layer} differs"
+
+
 @torch.no_grad()
 def block_diagonal_reference(model, chunks: list[list[int]], query: list[int], n_injected: int, steps: int):
     """Greedy tokens and per-step log-probabilities of transformers with the memory mask composition means:
