@@ -480,8 +480,9 @@ class EngineReplica:
                                    f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored"
                                    + ("; retry shortly" if enc.transient else ""))
             local = [((f, v), e) for (f, v, _), e in zip(facts, encoded) if not isinstance(e, StoredKV)]
-            if local:
-                async with self._lock(user_id):
+            async with self._lock(user_id):
+                self._held.setdefault(user_id, {})  # held here from now on; its books fill at the next sync
+                if local:
                     await self._put(user_id, [fv for fv, _ in local], [e for _, e in local])
             self.counters["facts_pushed"] += len(encoded)
             await self._user(user_id)  # registers the user here (Serve routes its requests to this replica)
