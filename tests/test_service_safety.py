@@ -223,3 +223,184 @@ def _token(served, user):
     from auth_fixture import token_for
 
     return token_for(served.secret(), user)
+
+
+ANSWER_BOUND_S = 60.0  # one Answer (max_tokens 8) of the authenticated user while the hostile traffic runs
+
+
+def test_hostile_traffic_leaves_an_authenticated_user_served(served):
+    """Issue 19, through Serve's real gRPC and HTTP proxies: while bounded hostile traffic runs (oversized
+    gRPC messages and HTTP bodies without a token, 200 Watch streams on 50 connections, 300 fuzzed token headers
+    (alg, kid, typ, crit, jku, ...), 40 concurrent AddMemory(infer=true) of one user), carol's Answers keep
+    succeeding, each within ANSWER_BOUND_S, no fact of carol's changes, and nothing answers INTERNAL/UNKNOWN."""
+    import random
+    import socket
+    import threading
+
+    from fuzz_inputs import FORBIDDEN, hostile_token
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.api import pb2, pb2_grpc
+
+    reg = served.registry()
+    before = snapshot(reg, ["carol"])
+    stop = threading.Event()
+    seen: dict[str, dict[str, int]] = {}
+    lock = threading.Lock()
+
+    def count(kind: str, code) -> None:
+        assert code not in FORBIDDEN, (kind, code)
+        with lock:
+            seen.setdefault(kind, {})
+            name = code if isinstance(code, str) else code.name
+            seen[kind][name] = seen[kind].get(name, 0) + 1
+
+    def oversized():
+        with grpc.insecure_channel(served.target, options=[("grpc.max_send_message_length", -1)]) as ch:
+            raw = ch.unary_unary("/inferscale.v1.Memory/AddFacts", request_serializer=None,
+                                 response_deserializer=None)
+            for _ in range(20):
+                if stop.is_set():
+                    return
+                code, _ = refused(lambda: raw(b"\x0a" + bytes(8 << 20), timeout=30))
+                count("grpc 8 MiB, no token", code)
+                with socket.create_connection(("127.0.0.1", served.http_port), timeout=10) as sock:
+                    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n")
+                    count("http 64 MiB body, no token", sock.recv(4096).split(b" ", 2)[1].decode())
+
+    def watches(channels, streams):
+        for i in range(200):
+            if stop.is_set():
+                return
+            call = health_pb2_grpc.HealthStub(channels[i % len(channels)]).Watch(
+                health_pb2.HealthCheckRequest(), timeout=120)
+            try:
+                next(call)
+                streams.append(call)
+                count("Watch", grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                count("Watch", e.code())
+
+    def bad_tokens():
+        rng = random.Random(20261124)
+        with grpc.insecure_channel(served.target) as ch:
+            stub = pb2_grpc.MemoryStub(ch)
+            for _ in range(300):
+                if stop.is_set():
+                    return
+                md = [("authorization", f"Bearer {hostile_token(rng, served.secret(), 'carol')}")]
+                code, _ = refused(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id="carol"), metadata=md,
+                                                            timeout=30))
+                count("fuzzed token headers", code)
+
+    mallory = f"mallory-{uuid.uuid4().hex[:6]}"
+    mallory_md = [("authorization", f"Bearer {_token(served, mallory)}")]
+
+    def extraction(results):
+        with grpc.insecure_channel(served.target) as ch:
+            stub = pb2_grpc.MemoryStub(ch)
+            msgs = [pb2.Message(role="user", content="I moved to Oslo and I now keep three cats.")]
+            code, _ = refused(lambda: stub.AddMemory(pb2.AddMemoryRequest(user_id=mallory, messages=msgs, infer=True),
+                                                     metadata=mallory_md, timeout=20))
+            results.append(code)
+            count("AddMemory infer=true", code)
+
+    channels = [grpc.insecure_channel(served.target, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(50)]  # 50 TCP connections (equal channels would share one)
+    streams: list = []
+    extractions: list = []
+    workers = [threading.Thread(target=oversized), threading.Thread(target=watches, args=(channels, streams)),
+               threading.Thread(target=bad_tokens)]
+    workers += [threading.Thread(target=extraction, args=(extractions,)) for _ in range(40)]
+    c = served.client("carol")
+    times = []
+    try:
+        for w in workers:
+            w.start()
+        t_end = time.monotonic() + 90
+        while any(w.is_alive() for w in workers) and time.monotonic() < t_end:
+            t = time.monotonic()
+            text, final = _answer(c, "carol", "What language does Carol speak?", k=3, max_tokens=8)
+            times.append(time.monotonic() - t)
+            assert final.completion_tokens > 0 and times[-1] < ANSWER_BOUND_S, times
+        stop.set()
+        for w in workers:
+            w.join(timeout=120)
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        stop.set()
+        for call in streams:
+            call.cancel()
+        for ch in channels:
+            ch.close()
+    print(f"\nhostile traffic: {seen}; carol's answers during it: {len(times)}, slowest {max(times):.1f} s")
+    assert len(times) >= 2
+    assert set(seen["grpc 8 MiB, no token"]) == {"RESOURCE_EXHAUSTED"}
+    assert set(seen["http 64 MiB body, no token"]) == {"413"}
+    assert seen["Watch"].get("OK", 0) <= 32 and seen["Watch"].get("RESOURCE_EXHAUSTED", 0) >= 168
+    assert set(seen["fuzzed token headers"]) <= {"UNAUTHENTICATED", "OK"}
+    # at most one extraction runs and 8 wait: the other 31 were refused at once
+    assert extractions.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 31, extractions
+    assert snapshot(reg, ["carol"]) == before
+    served.hostile_counts = seen
+
+
+def test_redis_stopped_mid_load_is_unavailable_then_recovers(served):
+    """Issue 19: the registry's Redis stops (SIGSTOP: it keeps its connections and answers nothing) while a
+    writer adds facts: calls fail UNAVAILABLE within seconds, never INTERNAL; after SIGCONT the service
+    recovers by itself and every fact that was acknowledged is there."""
+    import threading
+
+    from fuzz_inputs import FORBIDDEN
+
+    port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
+    password = served.redis_url.split("//:", 1)[1].split("@", 1)[0]
+    info = subprocess.run(["redis-cli", "-p", str(port), "--no-auth-warning", "-a", password, "info", "server"],
+                          capture_output=True, text=True, timeout=30).stdout
+    pid = int(info.split("process_id:")[1].split()[0])
+    user = f"writer-{uuid.uuid4().hex[:6]}"
+    c = served.client(user)
+    acked, codes, slow = [], [], []
+    stop = threading.Event()
+
+    def writer():
+        for i in range(400):
+            if stop.is_set():
+                return
+            t = time.monotonic()
+            try:
+                (f,) = c.add_facts(user, [f"Writer fact number {i}."])
+                acked.append(f.fact_id)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                assert e.code() not in FORBIDDEN, (e.code(), e.details())
+                codes.append(e.code())
+                if time.monotonic() - t > 20:
+                    slow.append(time.monotonic() - t)
+            time.sleep(0.1)
+
+    w = threading.Thread(target=writer)
+    w.start()
+    try:
+        time.sleep(3)
+        subprocess.run(["kill", "-STOP", str(pid)], check=True)
+        stopped_at = time.monotonic()
+        while grpc.StatusCode.UNAVAILABLE not in codes:
+            assert time.monotonic() - stopped_at < 30, codes[-5:]
+            time.sleep(0.2)
+        first_unavailable_s = time.monotonic() - stopped_at
+        time.sleep(5)
+    finally:
+        subprocess.run(["kill", "-CONT", str(pid)], check=True)
+    resumed_at, n_before = time.monotonic(), len(acked)
+    while len(acked) <= n_before + 2:
+        assert time.monotonic() - resumed_at < 60, "the service did not recover by itself"
+        time.sleep(0.2)
+    recovered_s = time.monotonic() - resumed_at
+    stop.set()
+    w.join(timeout=120)
+    stored = {f.fact_id for f in c.list(user, page_size=1000)}
+    print(f"\nredis stopped: first UNAVAILABLE after {first_unavailable_s:.1f} s, recovered {recovered_s:.1f} s after "
+          f"restart; {len(acked)} acknowledged, codes {sorted({x.name for x in codes})}")
+    assert set(acked) <= stored and not slow
+    assert {x for x in codes} <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
