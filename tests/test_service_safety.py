@@ -341,7 +341,8 @@ def test_hostile_traffic_leaves_an_authenticated_user_served(served):
     assert set(seen["grpc 8 MiB, no token"]) == {"RESOURCE_EXHAUSTED"}
     assert set(seen["http 64 MiB body, no token"]) == {"413"}
     assert seen["Watch"].get("OK", 0) <= 32 and seen["Watch"].get("RESOURCE_EXHAUSTED", 0) >= 168
-    assert set(seen["fuzzed token headers"]) <= {"UNAUTHENTICATED", "OK"}
+    # RESOURCE_EXHAUSTED: a header of 20,000 characters is over gRPC's metadata limit (refused by the transport)
+    assert set(seen["fuzzed token headers"]) <= {"UNAUTHENTICATED", "OK", "RESOURCE_EXHAUSTED"}
     assert sum(seen["fuzzed token headers"].values()) == 300
     # at most one extraction runs and 8 wait: the other 31 were refused at once
     assert extractions.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 31, extractions
