@@ -303,8 +303,12 @@ def test_hostile_traffic_leaves_an_authenticated_user_served(served):
         with grpc.insecure_channel(served.target) as ch:
             stub = pb2_grpc.MemoryStub(ch)
             msgs = [pb2.Message(role="user", content="I moved to Oslo and I now keep three cats.")]
-            code, _ = refused(lambda: stub.AddMemory(pb2.AddMemoryRequest(user_id=mallory, messages=msgs, infer=True),
-                                                     metadata=mallory_md, timeout=20))
+            try:  # the running extraction may finish within the deadline
+                stub.AddMemory(pb2.AddMemoryRequest(user_id=mallory, messages=msgs, infer=True),
+                               metadata=mallory_md, timeout=20)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()
             results.append(code)
             count("AddMemory infer=true", code)
 
@@ -345,7 +349,7 @@ def test_hostile_traffic_leaves_an_authenticated_user_served(served):
     assert set(seen["fuzzed token headers"]) <= {"UNAUTHENTICATED", "OK", "RESOURCE_EXHAUSTED"}
     assert sum(seen["fuzzed token headers"].values()) == 300
     # at most one extraction runs and 8 wait: the other 31 were refused at once
-    assert extractions.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 31, extractions
+    assert len(extractions) == 40 and extractions.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 31, extractions
     assert snapshot(reg, ["carol"]) == before
     served.hostile_counts = seen
 
