@@ -25,6 +25,10 @@ from inferscale_core.types import EncodedFact  # noqa: E402
 
 BLOCK = 32
 PREFIX_LEN = 45
+# fp32 logprobs of an injected and a prefilled prompt: equal up to the order vLLM's CPU attention sums in, which
+# depends on the kernel. Measured max differences: < 1e-4 on AMX Xeons; 1.33e-4 (Mistral, joint) and 1.44e-4
+# (Qwen2, apart) on an AMD EPYC with avx512_bf16 and no AMX. Wrong KV (facts apart vs joint, below) moves them > 1e-3.
+FP32_LOGPROB_TOL = 3e-4
 FACT_LENS = [23, 31, 17, 29]  # m = 145: 4 whole blocks and a partial one (17 tokens), all injected
 ALIGNED_FACT_LENS = [19, 32]  # m = 96: exactly 3 blocks injected
 M = PREFIX_LEN + sum(FACT_LENS)
@@ -223,7 +227,7 @@ def max_logprob_diff(a, b) -> float:
     return diff
 
 
-def assert_same(a, b, tol: float = 1e-4):
+def assert_same(a, b, tol: float = FP32_LOGPROB_TOL):
     assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
     assert max_logprob_diff(a, b) < tol
 
@@ -364,7 +368,7 @@ def test_facts_encoded_apart_equal_block_diagonal_reference(harness, fact_lens):
     tokens, ref_lp = block_diagonal_reference(h.model, chunks, query, n_inj, steps=16)
     assert list(out.outputs[0].token_ids) == tokens
     diff = max(abs(step[t].logprob - float(lp[t])) for step, lp in zip(out.outputs[0].logprobs, ref_lp) for t in step)
-    assert diff < 1e-4
+    assert diff < FP32_LOGPROB_TOL
     # Composition is not joint prefill here, so the equality above is not trivially true.
     (joint,) = h.run(h.plain([t for c in chunks for t in c] + query))
     assert max_logprob_diff(out, joint) > 1e-3
