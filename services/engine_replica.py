@@ -532,6 +532,9 @@ class EngineReplica:
             facts = [(f, held[f]) for f in fact_ids if f in held]
             if mode == "inject":
                 await self._fetch_kv(user_id, facts)
+                # A fact the encoder just found it cannot encode (stored by an older version) is no longer held:
+                # left out, as the sync used to leave it out before the request.
+                facts = [(f, h) for f, h in facts if held.get(f) == h]
             t_fetched = time.perf_counter()
             q = Query(user_id, query, k=max(1, len(facts)), mode=API_MODES[mode],
                       conversation=tuple(conversation or ()))
