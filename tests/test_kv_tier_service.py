@@ -19,6 +19,7 @@ from auth_fixture import jwt_secret  # noqa: F401  (fixture)
 from mooncake_fixture import mooncake  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from test_kv_tier import raw_client
+from test_service_e2e import _engine_actor, _wait_running
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -91,24 +92,6 @@ def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, m
     assert after["facts_from_cluster"] - before["facts_from_cluster"] == 3  # the k it needed, not all 5
     assert after["facts_encoded"] == 0 and after["facts_recomputed"] == 0
     service.answers["alice"] = text
-
-
-def _engine_actor():
-    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
-    assert len(named) == 1, named
-    return ray.get_actor(named[0]["name"], namespace=named[0]["namespace"])
-
-
-def _wait_running(deployment: str, timeout_s: float = 240) -> None:
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(APP)
-        if app is not None and app.status == "RUNNING" and app.deployments[deployment].status == "HEALTHY":
-            return
-        time.sleep(1)
-    raise AssertionError(f"{deployment} did not come back within {timeout_s} s: {serve.status()}")
 
 
 def test_a_restarted_replica_serves_from_the_cluster_tier_without_encoding(service):

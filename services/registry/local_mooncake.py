@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .local_redis import free_port
+from .local_redis import free_port, stop_process
 
 
 class MooncakeMissing(RuntimeError):
@@ -50,17 +50,7 @@ class LocalMooncake:
     workdir: str
 
     def stop_master(self) -> None:
-        _stop(self.master)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(self.master)
 
 
 @contextlib.contextmanager
@@ -92,8 +82,8 @@ def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_ti
         yield LocalMooncake(config, master, segment, workdir)
     finally:
         if segment is not None:
-            _stop(segment)
-        _stop(master)
+            stop_process(segment)
+        stop_process(master)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -51,10 +51,16 @@ def local_redis_server(password: str | None = None, start_timeout_s: float = 10.
                 time.sleep(0.05)
         yield url
     finally:
+        stop_process(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Stops a throwaway server: terminate, then kill after 10 s."""
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
