@@ -94,7 +94,11 @@ def test_pi_mode_is_the_same_token_ids_as_text(engine):
     q = "Where does Tom live?"
     kv, pi = engine.prepare("alice", q, k=4, mode="kv"), engine.prepare("alice", q, k=4, mode="pi")
     assert kv.prompt_ids == pi.prompt_ids and kv.fact_ids == pi.fact_ids
-    assert pi.params is None and pi.salt is None and kv.params is not None
+    assert pi.params is None and kv.params is not None
+    # Prompt mode is salted per user too (issue 19: no prefix-cache oracle across users), never with the salt of
+    # an injected composition, whose blocks hold KV a plain prefill would not produce.
+    bob = engine.prepare("bob", q, k=4, mode="pi")
+    assert pi.salt is not None and pi.salt not in (kv.salt, bob.salt)
     ans = engine.generate("alice", q, k=4, mode="pi", sampling_params=greedy())
     assert ans.token_ids == greedy_prompt(engine.memory.model, pi.prompt_ids, len(ans.token_ids))
     text = engine.memory.tokenizer.decode(pi.prompt_ids)
