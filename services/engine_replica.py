@@ -34,8 +34,9 @@ cluster tier it holds only token counts (`StoredKV`: the KV is in the cluster ti
 that needs it); without one, the EncodedFacts, put into the worker store now. A write is all or nothing: if
 the encoder failed on any of its facts, none is stored and the gateway undoes the registry rows.
 
-A fact the encoder cannot encode during a sync (stored by an older version, say) is marked unservable in the
-registry for that version and left out; the user is answered from the facts that can be served.
+A fact the encoder cannot encode when a request fetches it (stored by an older version, say) is marked
+unservable in the registry for that version and left out of that request and later ones; the user is answered
+from the facts that can be served.
 """
 from __future__ import annotations
 
