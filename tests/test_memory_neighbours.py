@@ -82,5 +82,6 @@ def test_updating_a_neighbour_replaces_its_line_in_every_window(core):
 
 def test_after_delete_user_nothing_is_a_neighbour(core):
     _add(core, "ann", "likes tea", "lives in Oslo")
-    asyncio.run(core.DeleteUser(pb2.DeleteUserRequest(user_id="ann"), core.authenticate("DeleteUser", None)))
+    caller = asyncio.run(core.authenticate("DeleteUser", None))
+    asyncio.run(core.DeleteUser(pb2.DeleteUserRequest(user_id="ann"), caller))
     assert _window(core, "ann", _add(core, "ann", "plays chess")[0]) == ()
