@@ -34,7 +34,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(2)
-    from services.encoder_pool import FactEncoder
+    from inferscale_server.encoder_pool import FactEncoder
 
     fe = FactEncoder(dtype=a.dtype, device="cpu")
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from inferscale_core.cluster_store import ClusterConfig, ClusterStore, pack, unpack  # noqa: E402
 from inferscale_core.types import EncodedFact  # noqa: E402
-from services.registry.local_mooncake import local_mooncake  # noqa: E402
+from inferscale_server.registry.local_mooncake import local_mooncake  # noqa: E402
 
 LAYERS, HEADS, DIM, TOKENS = 30, 3, 64, 25
 

@@ -256,7 +256,7 @@ def make_cells(args, users: list[BenchUser], tokens: dict[str, str]) -> list[Cel
 @contextlib.contextmanager
 def redis_server():
     """A throwaway redis-server on a free loopback port (no persistence); yields its URL."""
-    from services.registry.local_redis import RedisServerMissing, local_redis_server
+    from inferscale_server.registry.local_redis import RedisServerMissing, local_redis_server
 
     try:
         with local_redis_server() as url:
@@ -269,7 +269,7 @@ def deployments(args) -> dict:
     """`inferscale serve`'s deployments (services/app.py) with the replica counts asked for."""
     from dataclasses import replace
 
-    from services.app import single_node_deployments
+    from inferscale_server.app import single_node_deployments
 
     deps = single_node_deployments()
     deps["EngineReplica"] = replace(deps["EngineReplica"], min_replicas=args.engine_replicas,
@@ -285,8 +285,8 @@ def own_service(args, workdir: Path):
     import ray
     from ray import serve
 
-    from services.app import SERVE_START_ENV, ServiceConfig, start_service
-    from services.registry.local_redis import free_port
+    from inferscale_server.app import SERVE_START_ENV, ServiceConfig, start_service
+    from inferscale_server.registry.local_redis import free_port
 
     secret = secrets.token_urlsafe(48).encode()
     secret_file = workdir / "jwt-secret"
@@ -330,7 +330,7 @@ class ReplicaSampler:
     @staticmethod
     def counts() -> dict[str, int]:
         try:
-            from services.observe import replica_counts
+            from inferscale_server.observe import replica_counts
         except ImportError:
             from ray import serve
             from ray.serve._private.common import ReplicaState
@@ -431,9 +431,9 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
 
     from inferscale_core.defaults import serving_store_options
     from inferscale_core.engine import AsyncInjectingEngine, Query
-    from services.app import ServiceConfig
-    from services.encoder_pool import FactEncoder, dtype_of
-    from services.engine_replica import kv_id
+    from inferscale_server.app import ServiceConfig
+    from inferscale_server.encoder_pool import FactEncoder, dtype_of
+    from inferscale_server.engine_replica import kv_id
 
     defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
     # Ray starts its workers, the service's replicas among them, at niceness 15 (its worker_niceness default):
@@ -791,7 +791,7 @@ def main(argv=None) -> int:
                 grpc_port, http_port, cfg = args.grpc_port, args.http_port, None
                 secret = args.jwt_secret_file.read_bytes().strip() if args.jwt_secret_file else None
                 service_desc = f"running service at {args.target}"
-            from services.auth import USER_SCOPES, mint
+            from inferscale_server.auth import USER_SCOPES, mint
 
             tokens = {u.user_id: (mint(secret, u.user_id, USER_SCOPES, ttl_s=6 * 3600) if secret else args.token)
                       for u in users}

@@ -61,7 +61,7 @@ step "converting SmolLM2 into $cache and checking the install"
 INFERSCALE_CACHE="$cache" HF_HUB_OFFLINE=1 "$py" - <<'PY'
 import vllm
 import mooncake.store  # the cluster KV tier's client (fails without libibverbs1)
-import services.api  # the gRPC code generated when the wheel was built
+import inferscale_server.api  # the gRPC code generated when the wheel was built
 from inferscale_core.embedder import default_model_path as embedder_path
 from inferscale_core.models import default_model_path
 

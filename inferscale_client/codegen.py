@@ -5,7 +5,7 @@
                           the source tree)
     load()                (memory_pb2, memory_pb2_grpc); in an installed package it only imports; in a source
                           checkout where the code was never generated (a clone made before the code moved here
-                          from services/_generated) it generates it once, if grpcio-tools is installed
+                          out of services/_generated) it generates it once, if grpcio-tools is installed
 
 The generated package lives in the light client package (inferscale_client._generated), so that the client and
 the server share one copy and the client imports without the server's dependencies.

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=bench)
     try:
-        from services import cli as service_cli  # serve / add / ask need the [serve] extra
+        from inferscale_server import cli as service_cli  # serve / add / ask need the [serve] extra
     except ImportError:
         service_cli = None
     if service_cli is not None:

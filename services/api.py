@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError, UnknownUserError, check_id
 
-from . import codegen
+from inferscale_client import codegen
 from .registry import DuplicateFactError, FactRecord, Quota, QuotaExceededError, VersionConflictError
 
 pb2, pb2_grpc = codegen.load()

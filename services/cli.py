@@ -247,8 +247,8 @@ def token_cmd(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.cli ...` (the same commands as `inferscale ...`)."""
-    parser = argparse.ArgumentParser(prog="python -m services.cli", description=__doc__,
+    """`python -m inferscale_server.cli ...` (the same commands as `inferscale ...`)."""
+    parser = argparse.ArgumentParser(prog="python -m inferscale_server.cli", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -26,7 +26,7 @@ import hashlib
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-ROUTER_PATH = "services.routing:UserAffinityRouter"  # what a deployment's request_router_class names
+ROUTER_PATH = "inferscale_server.routing:UserAffinityRouter"  # what a deployment's request_router_class names
 
 
 def affinity_score(user_id: str, replica_key: str) -> int:

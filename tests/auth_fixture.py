@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.api import pb2
-from services.auth import SCOPE_ADMIN, USER_SCOPES, mint
+from inferscale_server.api import pb2
+from inferscale_server.auth import SCOPE_ADMIN, USER_SCOPES, mint
 
 
 @pytest.fixture(scope="module")

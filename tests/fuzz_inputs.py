@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from services.api import REQUEST_TYPES, STREAMING, pb2
+from inferscale_server.api import REQUEST_TYPES, STREAMING, pb2
 
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 

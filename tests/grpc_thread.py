@@ -1,4 +1,4 @@
-"""A grpc.aio server (services.gateway.start_grpc_server) on its own event loop in a thread, so tests can call it
+"""A grpc.aio server (inferscale_server.gateway.start_grpc_server) on its own event loop in a thread, so tests can call it
 with the blocking client."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import grpc
 
-from services.gateway import GatewayCore, start_grpc_server
+from inferscale_server.gateway import GatewayCore, start_grpc_server
 
 
 class ServerThread:

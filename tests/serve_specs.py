@@ -7,9 +7,9 @@ import dataclasses
 
 
 def spec_with(resources: dict | None = None, autoscaling: dict | None = None, **fields):
-    """services.app.DeploymentSpec(**fields) whose options() also ask for `resources` (custom Ray resources a
+    """inferscale_server.app.DeploymentSpec(**fields) whose options() also ask for `resources` (custom Ray resources a
     node offers) and override `autoscaling` keys of Serve's autoscaling_config."""
-    from services.app import DeploymentSpec
+    from inferscale_server.app import DeploymentSpec
 
     @dataclasses.dataclass
     class Spec(DeploymentSpec):

@@ -23,11 +23,11 @@ import pytest
 from auth_fixture import jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixture)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services.api import ApiError, pb2, pb2_grpc
-from services.auth import (SCOPE_READ, AuthConfig, AuthConfigError, Authenticator, Principal, ensure_dev_secret,
+from inferscale_server.api import ApiError, pb2, pb2_grpc
+from inferscale_server.auth import (SCOPE_READ, AuthConfig, AuthConfigError, Authenticator, Principal, ensure_dev_secret,
                            mint)
-from services.gateway import GatewayCore, build_http_app
-from services.registry import RedisRegistry
+from inferscale_server.gateway import GatewayCore, build_http_app
+from inferscale_server.registry import RedisRegistry
 
 ALICE_FACT = "alice's locker code is 4711"
 
@@ -428,7 +428,7 @@ def test_token_command_prints_a_token_on_its_last_line(tmp_path, monkeypatch, ca
 def test_cli_clients_send_token_flag_env_or_a_local_dev_token(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from services.cli import client_token
+    from inferscale_server.cli import client_token
 
     monkeypatch.setenv("INFERSCALE_CACHE", str(tmp_path))
     monkeypatch.delenv("INFERSCALE_TOKEN", raising=False)
@@ -468,7 +468,7 @@ def _self_signed() -> tuple[bytes, bytes]:
 def test_tokens_over_tls(world):
     """The plain gRPC server terminating TLS, and MemoryClient over it: the token travels encrypted; a client
     that does not speak TLS, or does not trust the certificate, gets no answer."""
-    from services.client import MemoryClient
+    from inferscale_client import MemoryClient
 
     _, core, secret, alice, fact_id, _ = world
     cert, key = _self_signed()
@@ -493,7 +493,7 @@ def test_tokens_over_tls(world):
 def test_serve_flags_map_to_auth_settings(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from services.cli import INSECURE_BANNER, auth_settings
+    from inferscale_server.cli import INSECURE_BANNER, auth_settings
 
     monkeypatch.setenv("INFERSCALE_CACHE", str(tmp_path))
     flags = dict(insecure_no_auth=False, jwt_secret_file=None, jwt_public_key_file=None, jwks_url=None)

@@ -35,10 +35,10 @@ UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of th
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    from services.app import ServiceConfig
+    from inferscale_server.app import ServiceConfig
     from test_service_e2e import service_on_local_ray
 
-    from services.registry.local_redis import free_port
+    from inferscale_server.registry.local_redis import free_port
 
     deployments = {name: spec_with(autoscaling=FAST_METRICS, min_replicas=1, max_replicas=2,
                                    target_ongoing_requests=1, num_cpus=0.25, **DELAYS) for name in SCALED}
@@ -53,7 +53,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
 
 
 def test_replicas_rise_under_load_and_fall_back(service):
-    from services.observe import ReplicaTimeline, replica_counts
+    from inferscale_server.observe import ReplicaTimeline, replica_counts
 
     users = NAMES[:4]
     for name in users:

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services import app as service_app
-from services.app import DEPLOYMENTS, DeploymentSpec, ServiceConfig, chart_serve_config, dump, serve_config
-from services.registry.local_redis import free_port
+from inferscale_server import app as service_app
+from inferscale_server.app import DEPLOYMENTS, DeploymentSpec, ServiceConfig, chart_serve_config, dump, serve_config
+from inferscale_server.registry.local_redis import free_port
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "inferscale"
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -81,14 +81,14 @@ def test_committed_serve_config_is_in_sync_with_app_py():
     committed = (CHART / "files" / "serve-config.yaml").read_text()
     assert committed == dump(chart_serve_config()), (
         "charts/inferscale/files/serve-config.yaml is stale: run "
-        "python -m services.app --emit-serve-config charts/inferscale/files/serve-config.yaml")
+        "python -m inferscale_server.app --emit-serve-config charts/inferscale/files/serve-config.yaml")
 
 
 def test_serve_config_shape():
     cfg = serve_config(ServiceConfig.from_chart_values(VALUES))
-    assert cfg["grpc_options"]["grpc_servicer_functions"] == ["services.api.add_MemoryServicer_to_server"]
+    assert cfg["grpc_options"]["grpc_servicer_functions"] == ["inferscale_server.api.add_MemoryServicer_to_server"]
     (app,) = cfg["applications"]
-    assert app["import_path"] == "services.app:app_builder"
+    assert app["import_path"] == "inferscale_server.app:app_builder"
     assert [d["name"] for d in app["deployments"]] == list(DEPLOYMENTS)
     for d in app["deployments"]:
         assert d["autoscaling_config"]["target_ongoing_requests"] > 0
@@ -530,7 +530,7 @@ def test_proxies_get_the_transport_limits_and_redis_refuses_to_grow_past_its_lim
             assert f"--maxmemory {VALUES['redis']['maxmemory']}" in args and "--maxmemory-policy noeviction" in args
             continue
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(service_app.TRANSPORT_MAX_MESSAGE_BYTES)
-        assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]["value"] == "services.proxy_setup:proxy_setup"
+        assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]["value"] == "inferscale_server.proxy_setup:proxy_setup"
     mb = int(VALUES["redis"]["maxmemory"].removesuffix("mb"))
     assert VALUES["redis"]["memory"] == "2Gi" and mb * 2**20 < 0.8 * 2 * 2**30
 

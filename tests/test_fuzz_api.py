@@ -16,10 +16,10 @@ from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fi
 from fuzz_inputs import fuzz_grpc, snapshot
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services.api import pb2, pb2_grpc
-from services.auth import AuthConfig, Authenticator
-from services.gateway import GatewayCore, build_http_app
-from services.registry import NewFact, RedisRegistry
+from inferscale_server.api import pb2, pb2_grpc
+from inferscale_server.auth import AuthConfig, Authenticator
+from inferscale_server.gateway import GatewayCore, build_http_app
+from inferscale_server.registry import NewFact, RedisRegistry
 
 MAX_INPUTS, MAX_SECONDS, SEED = 2000, 45.0, 20261123
 

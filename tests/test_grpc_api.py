@@ -16,11 +16,12 @@ import pytest
 from auth_fixture import admin_token, jwt_secret, refused, token_channel, token_for  # noqa: F401  (fixtures)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services import api, codegen
-from services.api import Limits, pb2, pb2_grpc
-from services.auth import AuthConfig, Authenticator
-from services.gateway import GatewayCore, build_http_app
-from services.registry import RedisRegistry
+from inferscale_server import api
+from inferscale_client import codegen
+from inferscale_server.api import Limits, pb2, pb2_grpc
+from inferscale_server.auth import AuthConfig, Authenticator
+from inferscale_server.gateway import GatewayCore, build_http_app
+from inferscale_server.registry import RedisRegistry
 
 LIMITS = Limits(max_facts_per_user=5)
 
@@ -256,7 +257,7 @@ def test_health(stub):
 
 
 def test_python_client(channel):
-    from services.client import MemoryClient
+    from inferscale_client import MemoryClient
 
     c = MemoryClient(channel=channel)
     uid = _user()

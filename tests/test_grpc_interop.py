@@ -7,7 +7,7 @@ it runs in its own interpreter that never imports `services`.
 Ray Serve 2.60's proxy serves reflection itself (gRPCOptions.enable_reflection, default on; it advertises the
 services the servicer functions registered). It has no health service of its own for user applications
 (only ray.serve.RayServeAPIService/Healthz), and a method of a service no servicer function registered is
-UNIMPLEMENTED at the proxy. So `services.api.add_MemoryServicer_to_server` registers grpc.health.v1.Health next
+UNIMPLEMENTED at the proxy. So `inferscale_server.api.add_MemoryServicer_to_server` registers grpc.health.v1.Health next
 to inferscale.v1.Memory, and the proxy routes Check/Watch to the Gateway's methods of those names.
 """
 from __future__ import annotations
@@ -147,9 +147,9 @@ def test_health_and_reflection_through_ray_serves_grpc_proxy(serve_ports, client
 
 
 def test_health_and_reflection_on_the_plain_grpc_server(redis_url, client_dir, jwt_secret):  # noqa: F811
-    from services.auth import AuthConfig, Authenticator
-    from services.gateway import GatewayCore
-    from services.registry import RedisRegistry
+    from inferscale_server.auth import AuthConfig, Authenticator
+    from inferscale_server.gateway import GatewayCore
+    from inferscale_server.registry import RedisRegistry
 
     core = GatewayCore(RedisRegistry(redis_url, prefix="interop:"), backends=None,
                        auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))

@@ -11,9 +11,9 @@ import pytest
 
 from auth_fixture import admin_token, jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixtures)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services import api
-from services.api import pb2, pb2_grpc
-from services.registry.local_redis import free_port
+from inferscale_server import api
+from inferscale_server.api import pb2, pb2_grpc
+from inferscale_server.registry.local_redis import free_port
 
 
 def _user() -> str:
@@ -27,11 +27,11 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from services.gateway import Gateway, http_app
-    from services.gateway.core import WATCH_STREAMS_MAX
+    from inferscale_server.gateway import Gateway, http_app
+    from inferscale_server.gateway.core import WATCH_STREAMS_MAX
 
-    from services.app import SERVE_START_ENV
-    from services.proxy_setup import GRPC_HOST_ENV
+    from inferscale_server.app import SERVE_START_ENV
+    from inferscale_server.proxy_setup import GRPC_HOST_ENV
 
     grpc_port, http_port = free_port(), free_port()
     # The proxies' environment as every deployment mode sets it (transport limits, the proxy callback), and the
@@ -84,7 +84,7 @@ def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token):
 def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jwt_secret):  # noqa: F811
     """Auth through Ray Serve's own gRPC proxy (the metadata reaches the deployment in its RayServegRPCContext)
     and HTTP proxy: every RPC but Health."""
-    from services.auth import mint
+    from inferscale_server.auth import mint
 
     grpc_port, http_port = serve_ports
     secret = jwt_secret[1]
@@ -214,7 +214,7 @@ def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, ad
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.gateway.core import WATCH_STREAMS_MAX, WATCH_STREAMS_PER_PEER
+    from inferscale_server.gateway.core import WATCH_STREAMS_MAX, WATCH_STREAMS_PER_PEER
 
     grpc_port, _ = serve_ports
     # one TCP connection each (gRPC Python shares connections between equal channels unless told not to)

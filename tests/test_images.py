@@ -76,7 +76,7 @@ def test_install_script_cpu_variant_in_a_fresh_venv(wheel, tmp_path):  # noqa: F
     assert (cache / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file()  # converted at build time
     # the package the venv imports is the wheel's copy, with the generated gRPC code in it
     probe = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import services, services.api, sys; print(services.__file__); print(sys.prefix)"],
+                            "import inferscale_server, inferscale_server.api, sys; print(inferscale_server.__file__); print(sys.prefix)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-3000:]
     module, prefix = probe.stdout.split()

@@ -13,18 +13,18 @@ import pytest
 
 from fact_texts import LONG_FACT, text_of_tokens
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services.api import ApiError, pb2
-from services.auth import Authenticator
-from services.encoder_pool import EncodeFailure
-from services.gateway import GatewayCore
-from services.registry import RedisRegistry
+from inferscale_server.api import ApiError, pb2
+from inferscale_server.auth import Authenticator
+from inferscale_server.encoder_pool import EncodeFailure
+from inferscale_server.gateway import GatewayCore
+from inferscale_server.registry import RedisRegistry
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def pool():
-    from services.encoder_pool import EncoderPool
+    from inferscale_server.encoder_pool import EncoderPool
 
     return EncoderPool()  # the deployment class, called directly: the real model and its @serve.batch
 

@@ -121,7 +121,7 @@ def test_config_is_validated():
 def test_a_store_that_is_away_is_a_miss_at_once():
     """Nothing listens: every call answers at once (the connect runs in a background thread; Mooncake's own
     setup retries for ~90 s) and a delete is kept until the store is reachable."""
-    from services.registry.local_redis import free_port
+    from inferscale_server.registry.local_redis import free_port
 
     port = free_port()
     s = ClusterStore(ClusterConfig(master=f"127.0.0.1:{port}", metadata=f"http://127.0.0.1:{port}/metadata",
@@ -150,7 +150,7 @@ def test_master_killed_reads_become_misses_fast(tier, mooncake):  # noqa: F811 -
 
 
 def test_the_replicas_resident_kv_is_bounded_lru():
-    from services.engine_replica import ResidentKV
+    from inferscale_server.engine_replica import ResidentKV
 
     r = ResidentKV(budget_bytes=300)
     assert r.add("a", [("f@v1", 100), ("g@v1", 100)]) == []

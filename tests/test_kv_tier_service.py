@@ -35,8 +35,8 @@ CAT_Q = "What is the name of Alice's cat?"
 
 @pytest.fixture(scope="module")
 def service(redis_url, mooncake, tmp_path_factory, jwt_secret):  # noqa: F811
-    from services.app import ServiceConfig, single_node_deployments
-    from services.registry.local_redis import free_port
+    from inferscale_server.app import ServiceConfig, single_node_deployments
+    from inferscale_server.registry.local_redis import free_port
     from test_service_e2e import service_on_local_ray
 
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=None, max_model_len=2048, http_port=free_port(),

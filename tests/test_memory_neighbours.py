@@ -10,10 +10,10 @@ import pytest
 
 from inferscale_core.defaults import NEIGHBOUR_WINDOW
 from inferscale_core.template import PromptTemplate
-from services.api import pb2
-from services.auth import Authenticator
-from services.gateway import GatewayCore
-from services.registry import EmbeddedRegistry, NewFact
+from inferscale_server.api import pb2
+from inferscale_server.auth import Authenticator
+from inferscale_server.gateway import GatewayCore
+from inferscale_server.registry import EmbeddedRegistry, NewFact
 
 LINE = PromptTemplate.render_fact
 

@@ -17,7 +17,7 @@ from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from test_service_e2e import running_service
 
-from services.registry.local_redis import free_port
+from inferscale_server.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -55,7 +55,7 @@ def _value(samples, name: str, **labels) -> float:
 def test_every_deployment_exports_metrics_without_user_ids(service):
     import httpx
 
-    from services.api import pb2, pb2_grpc
+    from inferscale_server.api import pb2, pb2_grpc
 
     for user, facts in USERS.items():  # AddFacts: encoder, retrieval, engine; then an answer per user, two ways
         service.client.add_facts(user, facts)

@@ -59,15 +59,15 @@ def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    from services.app import DeploymentSpec, ServiceConfig, single_node_deployments
+    from inferscale_server.app import DeploymentSpec, ServiceConfig, single_node_deployments
     from test_service_e2e import service_on_local_ray
 
-    from services.registry.local_redis import free_port
+    from inferscale_server.registry.local_redis import free_port
 
     if os.environ.get("INFERSCALE_MEASURE_SERVE_ROUTER"):  # a measurement, not the test: Serve's own router
-        import services.routing
+        import inferscale_server.routing
 
-        services.routing.ROUTER_PATH = SERVE_ROUTER
+        inferscale_server.routing.ROUTER_PATH = SERVE_ROUTER
     deployments = single_node_deployments()
     # Two engine replicas in the machine's 2 CPUs (0.25 + 0.5 + 0.25 + 2 x 0.5), few slots each: the load
     # below keeps both full, which is when Serve's default router gives up on a busy holder.
@@ -104,7 +104,7 @@ def test_users_spread_over_both_replicas(service):
 def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):  # noqa: F811
     """THREADS clients, REQUESTS Answers over all users at once, each replica kept at its max_ongoing_requests:
     every request is served where its user already is (hit rate 100%), nothing is loaded twice."""
-    from services.registry import RedisRegistry
+    from inferscale_server.registry import RedisRegistry
 
     before = stats_by_replica(2)
     names = sorted(service.users)

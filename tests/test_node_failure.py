@@ -23,7 +23,7 @@ import pytest
 
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from services.registry.local_redis import free_port
+from inferscale_server.registry.local_redis import free_port
 from serve_specs import spec_with
 from test_multi_replica import NAMES, facts_of, stats_by_replica
 from test_ray_cluster import _ray, _reload_ray_auth, _stop_ray
@@ -72,8 +72,8 @@ def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
     """Head (2 CPUs, the `head` and one `engine_slot` resource) + worker (2 CPUs, one `engine_slot`), the app
     started on them. Yields a dict: the gRPC client, the worker's raylet pid, `strays` (pids to end afterwards)."""
     from inferscale_core.vllm_env import vllm_cpu_env
-    from services.app import SERVE_START_ENV, ServiceConfig, start_service
-    from services.client import MemoryClient
+    from inferscale_server.app import SERVE_START_ENV, ServiceConfig, start_service
+    from inferscale_client import MemoryClient
 
     token = os.urandom(32).hex()
     ray_env = {**os.environ, **vllm_cpu_env(), **SERVE_START_ENV, "RAY_USAGE_STATS_ENABLED": "0",

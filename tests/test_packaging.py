@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from redis_fixture import redis_url  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 # What an sdist is made from; everything else in the checkout (tests, bench, docs) stays out of the package.
-SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos", "services", "inferscale_core",
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos", "services", "inferscale_server", "inferscale_core",
            "inferscale_client", "client")
 GENERATED = ("inferscale_client/_generated/memory_pb2.py", "inferscale_client/_generated/memory_pb2_grpc.py",
              "inferscale_client/_generated/memory.proto")
@@ -48,7 +49,9 @@ def source_copy(tmp_path_factory) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "_generated", "*.egg-info", "build", "dist")
     for name in SOURCES:
         p = ROOT / name
-        if p.is_dir():
+        if p.is_symlink():  # inferscale_server -> services: the package's name, the repository's folder
+            (src / name).symlink_to(p.readlink())
+        elif p.is_dir():
             shutil.copytree(p, src / name, ignore=ignore, symlinks=True)
         else:
             shutil.copy2(p, src / name)
@@ -87,8 +90,10 @@ def client_wheel(source_copy) -> Path:
 def test_wheel_carries_the_generated_grpc_code(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert set(GENERATED) <= names
-    assert "services/codegen.py" in names and "inferscale_core/cli.py" in names
-    assert not any(n.startswith("services/_generated/") for n in names), "one copy of the generated code"
+    assert "inferscale_server/app.py" in names and "inferscale_core/cli.py" in names
+    # the server package is installed as inferscale_server, never as a generic top-level `services`
+    assert not any(n.startswith("services/") for n in names), sorted(n for n in names if n.startswith("services/"))
+    assert not any("/_generated/" in n and not n.startswith("inferscale_client/") for n in names), "one copy of the generated code"
     assert not any(n.startswith(("tests/", "bench/", "protos/")) for n in names)
     assert not any(n.endswith(".lock") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -96,19 +101,21 @@ def test_wheel_carries_the_generated_grpc_code(wheel):
 
 
 ROUND_TRIP = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, importlib.util, sys
     from pathlib import Path
 
     import grpc
-    import services, services.codegen
-    from services.api import pb2, pb2_grpc
-    from services.auth import AuthConfig, Authenticator, mint
-    from services.gateway import GatewayCore, start_grpc_server
-    from services.registry import RedisRegistry
+    import inferscale_server
+    from inferscale_client import codegen
+    from inferscale_server.api import pb2, pb2_grpc
+    from inferscale_server.auth import AuthConfig, Authenticator, mint
+    from inferscale_server.gateway import GatewayCore, start_grpc_server
+    from inferscale_server.registry import RedisRegistry
 
     # the installed copy, not the checkout
-    assert Path(services.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), services.__file__
-    assert not services.codegen.PROTO_ROOT.exists()
+    assert Path(inferscale_server.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), inferscale_server.__file__
+    assert not codegen.PROTO_ROOT.exists()
+    assert importlib.util.find_spec("services") is None, "a top-level `services` package is installed"
 
     async def main(url):
         reg = RedisRegistry(url, prefix="pkgtest:")
@@ -146,7 +153,7 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     assert (site / "inferscale_client" / "_generated" / "memory_pb2.py").exists()
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run_dir = tmp_path / "elsewhere"  # cwd is not the checkout, so `import services` cannot pick it up
+    run_dir = tmp_path / "elsewhere"  # cwd is not the checkout, so `import inferscale_server` cannot pick it up
     run_dir.mkdir()
     secret = os.urandom(32).hex()
     (tmp_path / "jwt-secret").write_text(secret)
@@ -212,7 +219,7 @@ CLIENT_ROUND_TRIP = textwrap.dedent("""
 
     site = Path(sysconfig.get_path("purelib"))
     assert Path(inferscale_client.__file__).resolve().is_relative_to(site.resolve()), inferscale_client.__file__
-    for name in ("torch", "vllm", "ray", "redis", "services", "inferscale_core"):
+    for name in ("torch", "vllm", "ray", "redis", "services", "inferscale_server", "inferscale_core"):
         assert importlib.util.find_spec(name) is None, f"{name} is importable in the client-only venv"
     assert not (site / "services").exists()
 
@@ -238,9 +245,9 @@ def test_client_only_install_imports_without_torch_and_talks_to_a_real_server(cl
     """inferscale-client in a venv that sees only grpcio and protobuf (and what they need): its clients and
     commands against the gateway's real gRPC server (registry-only, Redis, auth on)."""
     from grpc_thread import ServerThread
-    from services.auth import AuthConfig, Authenticator
-    from services.gateway import GatewayCore
-    from services.registry import RedisRegistry
+    from inferscale_server.auth import AuthConfig, Authenticator
+    from inferscale_server.gateway import GatewayCore
+    from inferscale_server.registry import RedisRegistry
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
@@ -292,3 +299,15 @@ def test_client_only_install_imports_without_torch_and_talks_to_a_real_server(cl
     finally:
         srv.stop()
         reg.close()
+
+
+def test_the_server_package_has_one_name():
+    """services/ is imported only as inferscale_server (the wheel's name): a second name would load a second copy of
+    every module in one process (two registries of Serve classes, two metrics registries)."""
+    pattern = re.compile(r"^\s*(from|import)\s+services\b|[\"'`]services\.[a-z_]+[.:]", re.M)
+    offenders = [str(p.relative_to(ROOT)) for top in ("services", "inferscale_core", "inferscale_client", "tests", "bench",
+                                                       "scripts", "charts", "docker", "docs")
+                 for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".tpl", ".md")
+                 and "_generated" not in p.parts and pattern.search(p.read_text(errors="replace"))]
+    assert not offenders, offenders
+    assert (ROOT / "inferscale_server").resolve() == (ROOT / "services").resolve()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.registry.local_redis import free_port
+from inferscale_server.registry.local_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
@@ -71,7 +71,7 @@ def test_redis_binds_with_a_password_on_its_own_port():
 
 
 def test_head_runs_the_mooncake_master_and_gpu_nodes_add_segments(capsys):
-    from services.app import main
+    from inferscale_server.app import main
 
     (master,) = [c for c in RAW["head_start_ray_commands"] if "mooncake_master" in c]
     assert "--rpc_port=50051" in master and "--http_metadata_server_port=8080" in master
@@ -153,7 +153,7 @@ def two_node_ray(tmp_path, monkeypatch):
     a worker node that joins it with `ray start --address`, both on 127.0.0.1, the secrets handed to Ray by
     environment variable as the cluster file does. Yields (gcs address, redis url, jwt secret)."""
     from inferscale_core.vllm_env import vllm_cpu_env
-    from services.app import SERVE_START_ENV
+    from inferscale_server.app import SERVE_START_ENV
 
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed (Debian package redis-server)")
@@ -209,9 +209,9 @@ def test_two_ray_nodes_run_the_app(two_node_ray, tmp_path):
     import ray
     from ray import serve
 
-    from services.app import ServiceConfig, single_node_deployments, start_service
-    from services.auth import mint
-    from services.client import MemoryClient
+    from inferscale_server.app import ServiceConfig, single_node_deployments, start_service
+    from inferscale_server.auth import mint
+    from inferscale_client import MemoryClient
 
     gcs, redis_url, jwt_secret = two_node_ray
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(tmp_path / "kv"), max_model_len=2048,

@@ -9,7 +9,7 @@ import pytest
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError
 from redis_fixture import redis_password_url, redis_url  # noqa: F401  (fixture)
-from services.registry import (ActorRegistry, DuplicateFactError, EmbeddedRegistry, NewFact, RedisRegistry,
+from inferscale_server.registry import (ActorRegistry, DuplicateFactError, EmbeddedRegistry, NewFact, RedisRegistry,
                                VersionConflictError, open_registry)
 
 
@@ -263,7 +263,7 @@ def test_retrieval_replica_resyncs_from_the_registry(redis_url):  # noqa: F811
     or a push that never arrived) are seen by its next search, embeddings are written back, and deletes and
     text updates drop or replace what it held."""
     from inferscale_core.embedder import default_embedder
-    from services.retrieval import RetrievalCore
+    from inferscale_server.retrieval import RetrievalCore
 
     prefix = f"retr{uuid.uuid4().hex[:8]}:"
     writer, reader = RedisRegistry(redis_url, prefix=prefix), RedisRegistry(redis_url, prefix=prefix)
@@ -286,7 +286,7 @@ def test_retrieval_replica_resyncs_from_the_registry(redis_url):  # noqa: F811
 
 # ------------------------------------------------------------------------------------------ quotas
 def test_quotas_on_facts_and_bytes(reg):
-    from services.registry import Quota, QuotaExceededError, fact_bytes
+    from inferscale_server.registry import Quota, QuotaExceededError, fact_bytes
 
     q = Quota(max_facts=3, max_bytes=200)
     a, b = reg.create("u", [NewFact("one"), NewFact("two", {"k": "v"})], quota=q)
@@ -310,7 +310,7 @@ def test_quota_holds_under_concurrent_writers(redis_url):  # noqa: F811
     rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from services.registry import Quota, QuotaExceededError, fact_bytes
+    from inferscale_server.registry import Quota, QuotaExceededError, fact_bytes
 
     prefix = f"q{uuid.uuid4().hex[:8]}:"
     q = Quota(max_facts=20, max_bytes=1 << 20)
@@ -348,7 +348,7 @@ def test_unservable_is_recorded_per_version(reg):
 def test_redis_with_a_password(redis_password_url, monkeypatch):
     import redis
 
-    from services.registry import PASSWORD_ENV, redacted
+    from inferscale_server.registry import PASSWORD_ENV, redacted
 
     password = redis_password_url.split("//:", 1)[1].split("@", 1)[0]
     no_password = redis_password_url.replace(f":{password}@", "")

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.routing import affinity_score, preferred_replica
+from inferscale_server.routing import affinity_score, preferred_replica
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_the_holder_wins_over_the_hash():
 
 def test_the_score_is_the_same_in_every_process():
     """Every gateway replica routes alike: the score must not depend on Python's per-process hash seed."""
-    code = "from services.routing import affinity_score; print(affinity_score('alice', 'replica-7'))"
+    code = "from inferscale_server.routing import affinity_score; print(affinity_score('alice', 'replica-7'))"
     outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
     assert outs == {str(affinity_score("alice", "replica-7"))}

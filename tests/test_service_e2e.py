@@ -23,7 +23,7 @@ from auth_fixture import jwt_secret, refused, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 
 from inferscale_core.defaults import RECOMPUTE_TOKENS
-from services.registry.local_redis import free_port
+from inferscale_server.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -51,14 +51,14 @@ class Service:
         self.start()
 
     def start(self) -> None:
-        from services.cli import start
+        from inferscale_server.cli import start
 
         t = time.monotonic()
         start(self.cfg)  # what `inferscale serve` runs
         self.start_s = time.monotonic() - t
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.cfg.grpc_port}")
         grpc.channel_ready_future(self.channel).result(timeout=60)
-        from services.client import MemoryClient
+        from inferscale_client import MemoryClient
 
         # An admin token: these tests act for several users (tests/test_service_auth.py checks per-user tokens).
         self.client = MemoryClient(channel=self.channel, timeout_s=300,  # re-encoding on a loaded 2-core machine
@@ -113,7 +113,7 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
 def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None, **ray_init):
     """The application on a fresh local Ray (2 CPUs, one replica of each deployment); also used by
     tests/test_openai_compat.py and tests/test_metrics.py. `ray_init`: more ray.init arguments."""
-    from services.app import ServiceConfig, single_node_deployments
+    from inferscale_server.app import ServiceConfig, single_node_deployments
 
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments(),
@@ -199,7 +199,7 @@ def test_update_and_delete_reach_the_engine(service):
 
 def test_bad_input_gets_the_right_status_codes(service):
     c, stub = service.client, service.client.stub
-    from services.api import pb2
+    from inferscale_server.api import pb2
 
     code, details = refused(lambda: list(c.answer("alice", "q", k=65)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
@@ -225,7 +225,7 @@ def test_bad_input_gets_the_right_status_codes(service):
 
 
 def test_an_evicted_user_is_reloaded_from_the_disk_tier(service, redis_url):  # noqa: F811
-    from services.registry import RedisRegistry
+    from inferscale_server.registry import RedisRegistry
 
     registry = RedisRegistry(redis_url)
     stats = service.engine_stats("alice")

@@ -28,7 +28,7 @@ FACTS = [f"Fact number {i}: the user's item {i} is a {c} {t}." for i, (c, t) in
 
 # ------------------------------------------------------------------------------------ without Ray
 def test_admission_refuses_what_does_not_fit_and_releases_on_exit():
-    from services.admission import Admission, EngineAtCapacity
+    from inferscale_server.admission import Admission, EngineAtCapacity
 
     adm = Admission(capacity_tokens=100, queue_factor=1.5)  # limit 150
     with adm.admit(400):  # alone: always admitted, whatever its size
@@ -53,9 +53,9 @@ def test_admission_refuses_what_does_not_fit_and_releases_on_exit():
 def test_overload_crosses_processes_as_itself_and_maps_to_429():
     import pickle
 
-    from services.admission import EngineAtCapacity
-    from services.api import ApiError
-    from services.gateway.http_front import error_response
+    from inferscale_server.admission import EngineAtCapacity
+    from inferscale_server.api import ApiError
+    from inferscale_server.gateway.http_front import error_response
 
     err = pickle.loads(pickle.dumps(EngineAtCapacity("the engine is at capacity (9 tokens in flight of 8)")))
     assert isinstance(err, EngineAtCapacity) and err.retry_after_s >= 1
@@ -67,7 +67,7 @@ def test_overload_crosses_processes_as_itself_and_maps_to_429():
 
 
 def test_puts_into_the_engine_core_are_cut_into_bounded_chunks():
-    from services.engine_replica import put_chunks
+    from inferscale_server.engine_replica import put_chunks
 
     items = list("abcdef")
     chunks = put_chunks(items, [300, 200, 100, 600, 50, 50], max_tokens=512)
@@ -95,8 +95,8 @@ class _HeldListing:
 
 def test_a_slow_sync_of_one_user_does_not_block_another_users_search(redis_url):  # noqa: F811
     from inferscale_core.embedder import default_embedder
-    from services.registry import NewFact, RedisRegistry
-    from services.retrieval import RetrievalCore
+    from inferscale_server.registry import NewFact, RedisRegistry
+    from inferscale_server.retrieval import RetrievalCore
 
     registry = RedisRegistry(redis_url, prefix=f"lock{uuid.uuid4().hex[:8]}:")
     registry.create("slow", [NewFact("Slow user's fact about tea")])
@@ -123,9 +123,9 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     pytest.importorskip("ray")
     from test_service_e2e import service_on_local_ray
 
-    from services.registry.local_redis import free_port
+    from inferscale_server.registry.local_redis import free_port
 
-    from services.app import ServiceConfig, single_node_deployments
+    from inferscale_server.app import ServiceConfig, single_node_deployments
 
     deps = single_node_deployments()
     deps["EngineReplica"].min_replicas = deps["EngineReplica"].max_replicas = 2
@@ -206,7 +206,7 @@ def test_the_final_chunk_carries_per_hop_timings(service):
 def test_a_full_kv_cache_refuses_fast_with_resource_exhausted_and_429(service):
     import httpx
 
-    from services.api import pb2
+    from inferscale_server.api import pb2
 
     service.client.add_facts("load", FACTS[:8])
     list(service.client.answer("load", "warm up", k=3, max_tokens=2))

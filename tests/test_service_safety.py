@@ -24,7 +24,7 @@ from fact_texts import LONG_FACT, text_of_tokens
 from fuzz_inputs import fuzz_grpc, snapshot
 from auth_fixture import refused
 from redis_fixture import redis_password_url  # noqa: F401  (fixture)
-from services.registry.local_redis import free_port
+from inferscale_server.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray")
@@ -40,30 +40,30 @@ class Served:
         self.ids: dict[str, list[str]] = {}
 
     def secret(self) -> bytes:
-        from services.auth import read_dev_secret
+        from inferscale_server.auth import read_dev_secret
 
         return read_dev_secret()
 
     def client(self, user: str, admin: bool = False):
         from auth_fixture import token_for
-        from services.client import MemoryClient
+        from inferscale_client import MemoryClient
 
         return MemoryClient(self.target, timeout_s=300, token=token_for(self.secret(), user, admin=admin))
 
     def registry(self):
-        from services.registry import RedisRegistry
+        from inferscale_server.registry import RedisRegistry
 
         return RedisRegistry(self.redis_url)
 
 
 @pytest.fixture(scope="module")
 def served(redis_password_url, tmp_path_factory):  # noqa: F811
-    from services.auth import ensure_dev_secret
+    from inferscale_server.auth import ensure_dev_secret
 
     ensure_dev_secret()  # what `serve` does; made here first so the test can read it at once
     grpc_port, http_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--redis-url", redis_password_url,
+    cmd = [sys.executable, "-m", "inferscale_server.cli", "serve", "--redis-url", redis_password_url,
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--max-model-len", "2048",
            "--kv-dir", str(tmp_path_factory.mktemp("kv")), "--num-cpus", "2"]
     env = {**os.environ, "INFERSCALE_ENGINE_MAX_USERS": "8"}
@@ -99,7 +99,7 @@ def test_quick_start_needs_no_token_flag(served, capsys, monkeypatch):
     assert "Finnish" in capsys.readouterr().out
     assert main(["token", "carol"]) == 0  # for other clients: the last line is the token
     token = capsys.readouterr().out.strip().splitlines()[-1]
-    from services.client import MemoryClient
+    from inferscale_client import MemoryClient
 
     with MemoryClient(served.target, token=token) as c:
         assert sorted(f.fact_id for f in c.list("carol")) == sorted(served.ids["carol"])
@@ -107,8 +107,8 @@ def test_quick_start_needs_no_token_flag(served, capsys, monkeypatch):
 
 def test_every_rpc_refuses_bad_tokens_and_leaks_nothing(served):
     from auth_fixture import one_call_per_rpc, token_for
-    from services.api import pb2, pb2_grpc
-    from services.auth import mint
+    from inferscale_server.api import pb2, pb2_grpc
+    from inferscale_server.auth import mint
 
     secret, fid = served.secret(), served.ids["carol"][0]
     before = snapshot(served.registry(), ["carol"])
@@ -175,7 +175,7 @@ def _answer(c, user, query, k=3, max_tokens=8):
 def test_stored_facts_that_cannot_be_served_are_reported_and_skipped(served):
     """As an older version could have written it: a 1,990-character fact straight into the registry. The
     user is answered from the other facts; Get and List say which fact is not servable and why."""
-    from services.registry import NewFact
+    from inferscale_server.registry import NewFact
 
     reg = served.registry()
     user = f"olduser-{uuid.uuid4().hex[:6]}"
@@ -198,7 +198,7 @@ def test_stored_facts_that_cannot_be_served_are_reported_and_skipped(served):
 
 def test_fuzz_pass_on_the_service_leaves_every_user_unchanged(served):
     from auth_fixture import token_channel
-    from services.api import pb2, pb2_grpc
+    from inferscale_server.api import pb2, pb2_grpc
 
     reg = served.registry()
     users = ["carol", *served.ids.get("old", [])]
@@ -240,7 +240,7 @@ def test_hostile_traffic_leaves_an_authenticated_user_served(served):
     from fuzz_inputs import FORBIDDEN, hostile_token
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.api import pb2, pb2_grpc
+    from inferscale_server.api import pb2, pb2_grpc
 
     reg = served.registry()
     before = snapshot(reg, ["carol"])

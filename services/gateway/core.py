@@ -112,7 +112,7 @@ class GatewayCore:
         """`auth` is required: Authenticator.insecure() is the explicit way to run without it."""
         self.registry, self.backends, self.limits, self.auth = registry, backends, limits, auth
         self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
-        self._extractor = None  # services.mem0_provider.Mem0Extractor, built on the first infer=true request
+        self._extractor = None  # inferscale_server.mem0_provider.Mem0Extractor, built on the first infer=true request
         self._extractor_lock = asyncio.Lock()
         self._sink: GatewaySink | None = None
         # Mem0 runs one extraction at a time (its vector store is bound to the call's user): one thread of its own.

@@ -32,7 +32,7 @@ class ServeBackends:
 
     def __init__(self, encoder, retrieval, engine, timeout_s: float = 120.0, metrics=None):
         self.encoder, self.retrieval, self.engine, self.timeout_s = encoder, retrieval, engine, timeout_s
-        self.metrics = metrics  # services.metrics.GatewayMetrics: q2ft
+        self.metrics = metrics  # inferscale_server.metrics.GatewayMetrics: q2ft
 
     def _r(self, user_id: str):
         return self.retrieval.options(multiplexed_model_id=user_id)
