@@ -50,9 +50,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from inferscale_core.vllm_env import set_vllm_cpu_env, vllm_cpu_env  # noqa: E402
+from inferscale_core.vllm_env import serving_kv_cache_gib, set_vllm_cpu_env, vllm_cpu_env  # noqa: E402
 
-set_vllm_cpu_env()  # before vLLM is imported: the engine replicas' settings (services/cli.py), 1 GiB KV cache
+# before vLLM is imported: the engine replicas' settings as `inferscale serve` gives them (services/cli.py), KV cache
+# sized from the machine unless $VLLM_CPU_KVCACHE_SPACE says otherwise
+set_vllm_cpu_env(serving_kv_cache_gib())
 
 MODES = ("inject", "prompt")               # the wire names (AnswerRequest.mode, inferscale_mode)
 ENGINE_MODES = {"inject": "kv", "prompt": "pi"}

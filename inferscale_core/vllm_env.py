@@ -5,6 +5,18 @@ from __future__ import annotations
 import os
 
 
+def machine_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def serving_kv_cache_gib() -> int:
+    """vLLM's CPU KV cache for `inferscale serve`: an eighth of the machine's memory, at least 1 GiB (24 GiB -> 3 GiB,
+    69,900 SmolLM2 tokens at float32). The engine replica's fact tier takes a quarter
+    (inferscale_server/engine_replica.py:default_kv_budget_bytes); the rest is for the model, Ray and the other
+    deployments. The demo, the tests and the single-engine benchmarks keep 1 GiB (one user at a time)."""
+    return max(1, round(machine_memory_bytes() / 8 / 2**30))
+
+
 def vllm_cpu_env(kv_cache_gib: int = 1) -> dict[str, str]:
     """The settings, with any value already in the environment winning."""
     n = os.cpu_count() or 1

@@ -30,7 +30,9 @@ from .registry import ACTOR_SCHEME
 APP_NAME = "inferscale"
 IMPORT_PATH = "inferscale_server.app:app_builder"
 DEPLOYMENTS = ("Gateway", "EncoderPool", "Retrieval", "EngineReplica")
-CHART_VALUES = Path(__file__).resolve().parent.parent / "charts" / "inferscale" / "values.yaml"
+# The chart's values.yaml; a link in the repository, a copy in the wheel (package data), so --emit-serve-config works
+# from an installed wheel with no charts/ beside it.
+CHART_VALUES = Path(__file__).parent / "chart_values.yaml"
 
 
 # Serve's defaults assume an idle machine: a proxy must pass its readiness check within 5 s, and misses three

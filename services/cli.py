@@ -28,7 +28,7 @@ import threading
 import time
 
 from inferscale_client import cli as client_cli
-from inferscale_core.vllm_env import vllm_cpu_env
+from inferscale_core.vllm_env import serving_kv_cache_gib, vllm_cpu_env
 
 
 def add_commands(sub) -> None:
@@ -47,6 +47,9 @@ def add_commands(sub) -> None:
     p.add_argument("--mooncake-metadata", default=None, metavar="URL",
                    help="its metadata server (default: http://HOST:8080/metadata, the master's embedded one)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-gib", type=_positive_int, default=None,
+                   help="vLLM's KV cache on a CPU machine, GiB (default: an eighth of the machine's memory, at least 1; "
+                        "else $VLLM_CPU_KVCACHE_SPACE if set)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule on (default: all)")
     p.add_argument("--jwt-secret-file", default=None,
                    help="HS256 secret that tokens are verified with (default: the local development secret)")
@@ -114,6 +117,13 @@ def binding_refusal(args) -> str | None:
     return None
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -167,11 +177,14 @@ def serve_cmd(args) -> int:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
     # The local Ray, Serve's controller and its proxies inherit it; the gRPC proxy binds --host (proxy_setup.py).
     proxy_env = {**SERVE_START_ENV, GRPC_HOST_ENV: args.host}
-    os.environ.update({**vllm_cpu_env(), **proxy_env})
+    engine_env = vllm_cpu_env(serving_kv_cache_gib())  # a value already in the environment wins, but not over the flag
+    if args.kv_cache_gib is not None:
+        engine_env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    os.environ.update({**engine_env, **proxy_env})
     print(f"starting Ray and the InferScale app ({args.model or 'SmolLM2-135M-Instruct, embedded'}); "
           "the engine takes about a minute on a small CPU ...", flush=True)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {**vllm_cpu_env(), **proxy_env}})  # for every Ray worker
+             runtime_env={"env_vars": {**engine_env, **proxy_env}})  # for every Ray worker
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

