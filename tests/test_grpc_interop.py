@@ -9,6 +9,9 @@ services the servicer functions registered). It has no health service of its own
 (only ray.serve.RayServeAPIService/Healthz), and a method of a service no servicer function registered is
 UNIMPLEMENTED at the proxy. So `inferscale_server.api.add_MemoryServicer_to_server` registers grpc.health.v1.Health next
 to inferscale.v1.Memory, and the proxy routes Check/Watch to the Gateway's methods of those names.
+
+The Serve proxy's case is tests/test_grpc_serve_proxy.py::test_health_and_reflection_through_ray_serves_grpc_proxy
+(it runs this module's client against that module's running Gateway: one Ray start fewer); the plain server's is here.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ import pytest
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
-from test_grpc_serve_proxy import serve_ports  # noqa: F401  (fixture: the registry-only Gateway behind Serve's proxies)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +118,7 @@ def client_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _run_client(client_dir: Path, target: str, token: str, user: str) -> dict:
+def run_client(client_dir: Path, target: str, token: str, user: str) -> dict:
     """The client in an isolated interpreter (-I: no PYTHONPATH, no current directory on the path), from the
     folder it was compiled into."""
     r = subprocess.run([sys.executable, "-I", str(client_dir / "client.py"), target, token, user, str(ROOT)],
@@ -128,7 +130,7 @@ def _run_client(client_dir: Path, target: str, token: str, user: str) -> dict:
     return seen
 
 
-def _check(seen: dict) -> None:
+def check_interop(seen: dict) -> None:
     assert seen["check:"] == "SERVING" and seen["check:inferscale.v1.Memory"] == "SERVING"
     assert seen["check:unknown"] == "NOT_FOUND" and seen["watch:first"] == "SERVING"
     assert seen["get"] == "compiled elsewhere" and seen["get:no token"] == "UNAUTHENTICATED"
@@ -138,12 +140,6 @@ def _check(seen: dict) -> None:
                                              "UpdateMemory", "DeleteMemory", "DeleteUser", "Health"])
     assert "messages" in seen["memory:AnswerRequest"]
     assert seen["health:methods"] == ["Check", "Watch"]
-
-
-def test_health_and_reflection_through_ray_serves_grpc_proxy(serve_ports, client_dir, jwt_secret):  # noqa: F811
-    grpc_port, _ = serve_ports
-    user = "interop-serve"
-    _check(_run_client(client_dir, f"127.0.0.1:{grpc_port}", token_for(jwt_secret[1], user), user))
 
 
 def test_health_and_reflection_on_the_plain_grpc_server(redis_url, client_dir, jwt_secret):  # noqa: F811
@@ -156,6 +152,6 @@ def test_health_and_reflection_on_the_plain_grpc_server(redis_url, client_dir, j
     srv = ServerThread(core)
     try:
         user = "interop-plain"
-        _check(_run_client(client_dir, f"127.0.0.1:{srv.port}", token_for(jwt_secret[1], user), user))
+        check_interop(run_client(client_dir, f"127.0.0.1:{srv.port}", token_for(jwt_secret[1], user), user))
     finally:
         srv.stop()

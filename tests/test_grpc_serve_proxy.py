@@ -11,6 +11,7 @@ import pytest
 
 from auth_fixture import admin_token, jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixtures)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
+from test_grpc_interop import check_interop, client_dir, run_client  # noqa: F401  (client_dir: fixture)
 from inferscale_server import api
 from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.registry.local_redis import free_port
@@ -205,6 +206,14 @@ def subprocess_ips() -> set[str]:
         return set(subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split())
     except (OSError, subprocess.SubprocessError):
         return set()
+
+
+def test_health_and_reflection_through_ray_serves_grpc_proxy(serve_ports, client_dir, jwt_secret):  # noqa: F811
+    """tests/test_grpc_interop.py's independent client (stubs compiled at test time, its own interpreter) through
+    Serve's gRPC proxy: grpc.health.v1 Check/Watch, reflection, a Memory call. Here to reuse this module's app."""
+    grpc_port, _ = serve_ports
+    user = "interop-serve"
+    check_interop(run_client(client_dir, f"127.0.0.1:{grpc_port}", token_for(jwt_secret[1], user), user))
 
 
 def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, admin_token):
