@@ -22,3 +22,28 @@ def smollm2(smollm2_path):
     from inferscale_core.models import load_model
 
     return load_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def source_copy(tmp_path_factory):
+    """A copy of the checkout's package sources (tests/wheel_build.py), made once per session."""
+    from wheel_build import copy_sources
+
+    return copy_sources(tmp_path_factory.mktemp("pkg") / "src")
+
+
+@pytest.fixture(scope="session")
+def wheel(source_copy):
+    """The inferscale wheel, built once per session from an sdist of this checkout: tests/test_packaging.py and
+    tests/test_images.py install the same file."""
+    from wheel_build import sdist_then_wheel
+
+    return sdist_then_wheel(source_copy, "inferscale")
+
+
+@pytest.fixture(scope="session")
+def client_wheel(source_copy):
+    """The inferscale-client wheel (client/), built once per session the same way."""
+    from wheel_build import sdist_then_wheel
+
+    return sdist_then_wheel(source_copy / "client", "inferscale_client")

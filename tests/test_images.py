@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from test_packaging import source_copy, wheel  # noqa: F401  (fixtures: sdist -> wheel of this checkout)
-
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 INSTALL = DOCKER / "install.sh"
@@ -62,7 +60,7 @@ def test_install_script_rejects_bad_arguments(tmp_path):
 
 
 @pytest.mark.slow
-def test_install_script_cpu_variant_in_a_fresh_venv(wheel, tmp_path):  # noqa: F811
+def test_install_script_cpu_variant_in_a_fresh_venv(wheel, tmp_path):  # wheel: tests/conftest.py
     venv = tmp_path / "venv"
     full = os.environ.get("INFERSCALE_FULL_INSTALL_TEST") == "1"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INFERSCALE_CACHE", "VIRTUAL_ENV")}

@@ -13,11 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
-import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -26,66 +24,11 @@ import pytest
 
 from auth_fixture import jwt_secret  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
+from wheel_build import ROOT, run
 
-ROOT = Path(__file__).resolve().parent.parent
-# What an sdist is made from; everything else in the checkout (tests, bench, docs) stays out of the package.
-SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos", "services", "inferscale_server", "inferscale_core",
-           "inferscale_client", "client", "charts/inferscale/values.yaml")
 GENERATED = ("inferscale_client/_generated/memory_pb2.py", "inferscale_client/_generated/memory_pb2_grpc.py",
              "inferscale_client/_generated/memory.proto")
-
-
-def _run(cmd: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> str:
-    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert out.returncode == 0, f"{cmd} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out.stdout
-
-
-@pytest.fixture(scope="module")
-def source_copy(tmp_path_factory) -> Path:
-    """A copy of the checkout's package sources (no generated code; client/'s links kept as links)."""
-    src = tmp_path_factory.mktemp("pkg") / "src"
-    src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "_generated", "*.egg-info", "build", "dist")
-    for name in SOURCES:
-        p = ROOT / name
-        if p.is_symlink():  # inferscale_server -> services: the package's name, the repository's folder
-            (src / name).symlink_to(p.readlink())
-        elif p.is_dir():
-            shutil.copytree(p, src / name, ignore=ignore, symlinks=True)
-        else:
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(p, src / name)
-    return src
-
-
-def _sdist_then_wheel(project: Path, dist_name: str) -> Path:
-    """sdist of `project` (no generated code in it), then a wheel built from that sdist, as pip does."""
-    work = project.parent / f"build-{dist_name}"
-    # --no-build-isolation: the build requirements (setuptools, grpcio-tools) come from the test venv.
-    build = f"from setuptools import build_meta as b; print(b.build_sdist({str(work / 'sdist')!r}))"
-    _run([sys.executable, "-c", build], project)
-    (sdist,) = (work / "sdist").glob(f"{dist_name}-*.tar.gz")
-    with tarfile.open(sdist) as tf:
-        names = tf.getnames()
-        assert any(n.endswith("protos/inferscale/v1/memory.proto") for n in names)
-        assert not any("_generated" in n for n in names), "the sdist must not carry generated code"
-        tf.extractall(work / "unpacked", filter="data")
-    (unpacked,) = (work / "unpacked").iterdir()
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(work / "dist"),
-          str(unpacked)], work)
-    (whl,) = (work / "dist").glob(f"{dist_name}-*.whl")
-    return whl
-
-
-@pytest.fixture(scope="module")
-def wheel(source_copy) -> Path:
-    return _sdist_then_wheel(source_copy, "inferscale")
-
-
-@pytest.fixture(scope="module")
-def client_wheel(source_copy) -> Path:
-    return _sdist_then_wheel(source_copy / "client", "inferscale_client")
+# `wheel` and `client_wheel`: built once per session from a copy of the checkout (tests/conftest.py)
 
 
 def test_wheel_carries_the_generated_grpc_code(wheel):
@@ -145,11 +88,11 @@ ROUND_TRIP = textwrap.dedent("""
 
 def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis_url):  # noqa: F811
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
     py = venv / "bin" / "python"
-    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path).strip())
+    site = Path(run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path).strip())
     (site / "_shared_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--no-index", str(wheel)],
+    run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--no-index", str(wheel)],
          tmp_path)
     assert (site / "inferscale_client" / "_generated" / "memory_pb2.py").exists()
 
@@ -158,18 +101,18 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     run_dir.mkdir()
     secret = os.urandom(32).hex()
     (tmp_path / "jwt-secret").write_text(secret)
-    out = _run([str(py), "-c", ROUND_TRIP, redis_url, secret, str(tmp_path / "jwt-secret")], run_dir, timeout=120,
+    out = run([str(py), "-c", ROUND_TRIP, redis_url, secret, str(tmp_path / "jwt-secret")], run_dir, timeout=120,
                env=env)
     assert "HEALTH SERVING ok" in out, out
     assert "FACTS True ['Installed from a wheel.']" in out, out
 
     # the console script of the wheel, from that venv
-    help_text = _run([str(venv / "bin" / "inferscale"), "--help"], run_dir, env=env)
+    help_text = run([str(venv / "bin" / "inferscale"), "--help"], run_dir, env=env)
     assert "serve" in help_text and "ask" in help_text
 
     # docs/deploy.md's step for a Ray cluster: the Serve config generated from the installed wheel (no charts/
     # beside it) is the chart's committed one
-    _run([str(py), "-m", "inferscale_server.app", "--emit-serve-config", str(run_dir / "serve.yaml")], run_dir, env=env)
+    run([str(py), "-m", "inferscale_server.app", "--emit-serve-config", str(run_dir / "serve.yaml")], run_dir, env=env)
     assert (run_dir / "serve.yaml").read_text() == (ROOT / "charts/inferscale/files/serve-config.yaml").read_text()
 
 
@@ -256,16 +199,16 @@ def test_client_only_install_imports_without_torch_and_talks_to_a_real_server(cl
     from inferscale_server.registry import RedisRegistry
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
     py = venv / "bin" / "python"
-    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path).strip())
+    site = Path(run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path).strip())
     deps = tmp_path / "deps"
     deps.mkdir()
     _link_distributions(["grpcio", "protobuf"], deps)
     assert not (deps / "torch").exists()
     (site / "_client_deps.pth").write_text(f"{deps}\n")
     # with its dependencies resolved (no index: they must be satisfied by what `deps` holds)
-    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index", str(client_wheel)],
+    run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-index", str(client_wheel)],
          tmp_path)
 
     reg = RedisRegistry(redis_url, prefix=f"pkgclient{os.getpid()}:")
@@ -278,22 +221,22 @@ def test_client_only_install_imports_without_torch_and_talks_to_a_real_server(cl
         env.update(INFERSCALE_TARGET=f"127.0.0.1:{srv.port}", INFERSCALE_TOKEN=token_for(jwt_secret[1], "pkg-client"))
         run_dir = tmp_path / "elsewhere"
         run_dir.mkdir()
-        out = _run([str(py), "-c", CLIENT_ROUND_TRIP], run_dir, timeout=120, env=env)
+        out = run([str(py), "-c", CLIENT_ROUND_TRIP], run_dir, timeout=120, env=env)
         assert "ASYNC Installed without torch. 2 ['Installed without torch, twice.'] SERVING" in out, out
         assert "{'src': 'sync'} False" in out, out
 
         cli = str(venv / "bin" / "inferscale")
-        listed = json.loads(_run([cli, "list", "pkg-client", "--json"], run_dir, env=env))
+        listed = json.loads(run([cli, "list", "pkg-client", "--json"], run_dir, env=env))
         assert [f["text"] for f in listed] == ["Installed without torch, twice."] and listed[0]["version"] == "2"
         fid = listed[0]["fact_id"]
-        got = json.loads(_run([cli, "update", "pkg-client", fid, "--meta", "k=v", "--json"], run_dir, env=env))
+        got = json.loads(run([cli, "update", "pkg-client", fid, "--meta", "k=v", "--json"], run_dir, env=env))
         assert got["metadata"] == {"src": "sync", "k": "v"} and got["version"] == "3"
-        assert json.loads(_run([cli, "get", "pkg-client", fid, "--json"], run_dir, env=env))["metadata"]["k"] == "v"
-        status = json.loads(_run([cli, "status", "--json"], run_dir, env=env))
+        assert json.loads(run([cli, "get", "pkg-client", fid, "--json"], run_dir, env=env))["metadata"]["k"] == "v"
+        status = json.loads(run([cli, "status", "--json"], run_dir, env=env))
         assert status["status"] == "SERVING" and status["target"] == env["INFERSCALE_TARGET"]
-        assert json.loads(_run([cli, "delete", "pkg-client", fid, "--json"], run_dir, env=env)) == {
+        assert json.loads(run([cli, "delete", "pkg-client", fid, "--json"], run_dir, env=env)) == {
             "user_id": "pkg-client", "deleted_fact_ids": [fid]}
-        assert json.loads(_run([cli, "list", "pkg-client", "--json"], run_dir, env=env)) == []
+        assert json.loads(run([cli, "list", "pkg-client", "--json"], run_dir, env=env)) == []
         # an error is one line naming the status code, exit 1, no traceback
         bad = subprocess.run([cli, "get", "pkg-client", fid], cwd=run_dir, env=env, capture_output=True, text=True,
                              timeout=60)

@@ -1,7 +1,7 @@
 """The sdist -> wheel build of this checkout, as pip does it, shared by the packaging and image tests.
 
-tests/conftest.py builds each distribution once per test session (fixtures `wheel`, `client_wheel`): building
-them is tens of seconds on a 2-core machine, and the tests only read or install the files."""
+tests/conftest.py builds each distribution once per test session (fixtures `wheel`, `client_wheel`): the
+packaging and image tests only read or install the files, so one build serves both."""
 from __future__ import annotations
 
 import shutil
@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # What an sdist is made from; everything else in the checkout (tests, bench, docs) stays out of the package.
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "protos", "services", "inferscale_server", "inferscale_core",
-           "inferscale_client", "client")
+           "inferscale_client", "client", "charts/inferscale/values.yaml")
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> str:
@@ -34,6 +34,7 @@ def copy_sources(src: Path) -> Path:
         elif p.is_dir():
             shutil.copytree(p, src / name, ignore=ignore, symlinks=True)
         else:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(p, src / name)
     return src
 
