@@ -151,3 +151,12 @@ def test_gpu_script_tiny_cuda(tmp_path):
     res = json.loads(out.read_text())
     assert res["device_label"].startswith("GPU")
     assert all(r["h2d_pinned_GBps"] > 0 for r in res["bandwidth"])
+
+
+def test_cold_user_rejects_bad_arguments(tmp_path):
+    """bench/cold_user.py (a service run, minutes: not run here) checks its arguments before starting anything."""
+    proc = subprocess.run([sys.executable, "bench/cold_user.py", "--quick", "--ks", "5,80", "--facts", "10",
+                           "--out", str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--ks must be in 1..64" in proc.stderr and "--facts 10 is below the largest k" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
