@@ -4,6 +4,7 @@
     grpc_front.py     GrpcServicer + start_grpc_server: a plain grpc.aio server (Ray-less runs, API tests);
                       grpc.health.v1 Check/Watch for both gRPC front doors
     http_front.py     build_http_app: OpenAI-compatible POST /v1/chat/completions, GET /v1/models, /healthz
+    mem0_http.py      Mem0's platform HTTP API (mount_mem0, on the same app): Mem0's MemoryClient unchanged
     serve_ingress.py  Gateway (the Ray Serve deployment behind Serve's gRPC and HTTP proxies), ServeBackends
 
 The registry (the source of truth) is written first, then the change is pushed to the retrieval and engine

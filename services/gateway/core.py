@@ -25,7 +25,7 @@ import grpc
 from inferscale_core.defaults import NEIGHBOUR_WINDOW, default_windows, rewindow
 from inferscale_core.errors import UnknownFactError
 
-from .. import api
+from .. import api, filters
 from ..api import ApiError, Limits, pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
 from ..registry import FactRecord, NewFact, Registry, VersionConflictError
@@ -294,6 +294,9 @@ class GatewayCore:
         req = api.parse("AddFacts", raw, self.limits)
         uid = self._owner(caller, "AddFacts", req.user_id)
         facts = api.facts_in(req.facts, self.limits)
+        scope = filters.scope_metadata(agent_id=req.agent_id, run_id=req.run_id)
+        if scope:
+            facts = [dataclasses.replace(f, metadata={**f.metadata, **scope}) for f in facts]
         recs = await self._store_facts(uid, facts, [f"facts[{i}].text" for i in range(len(facts))])
         return pb2.AddFactsResponse(facts=[api.fact_pb(r) for r in recs])
 
@@ -301,13 +304,17 @@ class GatewayCore:
         req = api.parse("AddMemory", raw, self.limits)
         uid = self._owner(caller, "AddMemory", req.user_id)
         messages = api.messages_in(req.messages, self.limits)
-        meta = api.metadata(req.metadata, "metadata", self.limits)
-        infer = req.infer if req.HasField("infer") else True
+        meta = {**api.metadata(req.metadata, "metadata", self.limits),
+                **filters.scope_metadata(agent_id=req.agent_id, run_id=req.run_id)}
+        events = await self.add_memory(uid, messages, meta, req.infer if req.HasField("infer") else True)
+        return pb2.AddMemoryResponse(results=[
+            pb2.MemoryEvent(fact_id=e["id"], text=e.get("memory", ""), event=e.get("event", "ADD"),
+                            previous_text=e.get("previous_memory") or "") for e in events])
+
+    async def add_memory(self, uid: str, messages: list[dict], meta: dict, infer: bool) -> list[dict]:
+        """Mem0's add for an authorized user: Mem0's events ({"id", "memory", "event", "previous_memory"})."""
         if infer:
-            events = await self._extract(uid, messages, meta)
-            return pb2.AddMemoryResponse(results=[
-                pb2.MemoryEvent(fact_id=e["id"], text=e.get("memory", ""), event=e.get("event", "ADD"),
-                                previous_text=e.get("previous_memory") or "") for e in events])
+            return await self._extract(uid, messages, meta)
         # Mem0's infer=False: every non-system message is stored as it is, tagged with its role.
         kept = [(i, m) for i, m in enumerate(messages) if m["role"] != "system"]
         facts = [api.FactIn(api.text_field(m["content"], f"messages[{i}].content", self.limits.max_fact_chars).strip(),
@@ -315,18 +322,36 @@ class GatewayCore:
         if not facts:
             raise api.invalid("messages hold only system messages; with infer=false nothing would be stored")
         recs = await self._store_facts(uid, facts, [f"messages[{i}].content" for i, _ in kept])
-        return pb2.AddMemoryResponse(results=[pb2.MemoryEvent(fact_id=r.fact_id, text=r.text, event="ADD")
-                                              for r in recs])
+        return [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in recs]
 
     async def Search(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("Search", raw, self.limits)
         uid = self._owner(caller, "Search", req.user_id)
         query = api.text_field(req.query, "query", self.limits.max_query_chars)
         k = api.bounded_int(req.k, "k", 1, self.limits.max_k, self.limits.default_k)
-        hits = await self._need("Search").search(uid, query, k)
-        recs = await self._records(uid, [f for f, _ in hits])
-        return pb2.SearchResponse(hits=[pb2.SearchHit(fact=api.fact_pb(recs[f]), score=s)
-                                        for f, s in hits if f in recs])
+        match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
+        threshold = req.threshold if req.HasField("threshold") else None
+        hits = await self.search_records(uid, query, k, match, threshold)
+        return pb2.SearchResponse(hits=[pb2.SearchHit(fact=api.fact_pb(r), score=s) for r, s in hits])
+
+    async def search_records(self, uid: str, query: str, k: int, match=None,
+                             threshold: float | None = None) -> list[tuple[FactRecord, float]]:
+        """Top-k (record, score) of an authorized user, best first, only those `match` keeps (filters.py) and
+        scoring at least `threshold`. With a filter the ranking is widened (x4 per round) until k facts match
+        or the user's facts run out: a filter never hides a match that ranks below k unfiltered facts."""
+        backends = self._need("Search")
+        if threshold is not None and threshold != threshold:  # NaN
+            raise api.invalid("threshold must be a number")
+        want = k
+        while True:
+            hits = await backends.search(uid, query, want)
+            recs = await self._records(uid, [f for f, _ in hits])
+            out = [(recs[f], s) for f, s in hits
+                   if f in recs and (threshold is None or s >= threshold) and (match is None or match(recs[f]))]
+            if (len(out) >= k or match is None or len(hits) < want or want >= self.limits.max_facts_per_user
+                    or (threshold is not None and hits and hits[-1][1] < threshold)):
+                return out[:k]
+            want = min(want * 4, self.limits.max_facts_per_user)
 
     async def _records(self, user_id: str, fact_ids: list[str]) -> dict[str, FactRecord]:
         """Records of the user by id, in one registry round trip, skipping any deleted since the replica answered."""
@@ -367,9 +392,12 @@ class GatewayCore:
         size = api.bounded_int(req.page_size, "page_size", 1, self.limits.max_page_size,
                                self.limits.default_page_size)
         offset = api.page_token(req.page_token)
+        match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         recs, nxt = await _blocking(self.registry.list, uid, offset, size)
         facts, total = [], 0
         for i, r in enumerate(recs):  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
+            if match is not None and not match(r):
+                continue
             pb = api.fact_pb(r)
             total += pb.ByteSize() + 8
             if facts and total > MAX_PAGE_BYTES:
@@ -403,9 +431,7 @@ class GatewayCore:
     async def DeleteUser(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("DeleteUser", raw, self.limits)
         uid = self._owner(caller, "DeleteUser", req.user_id)
-        n = await _blocking(self.registry.delete_user, uid)
-        if n == 0:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown user {uid!r}: no facts stored for this user")
+        n = await _blocking(self.registry.delete_user, uid)  # a user with no facts: deleted=0, as Mem0's delete_all
         if self.backends is not None:
             await self._push(self.backends.forget_user(uid), "forget_user")
         return pb2.DeleteUserResponse(deleted=n)

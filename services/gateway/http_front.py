@@ -166,6 +166,10 @@ def build_http_app(core_getter, metrics_getter=None):
         done(grpc.StatusCode.OK)
         return _model_card()
 
+    from .mem0_http import mount_mem0  # Mem0's memory API on the same app (its own module)
+
+    mount_mem0(app, core_getter, metrics_getter)
+
     @app.get("/healthz")
     async def healthz():  # open, like the gRPC Health
         h = await core_getter().health_state()

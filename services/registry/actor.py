@@ -84,6 +84,9 @@ class ActorRegistry(Registry):
     def user_bytes(self, user_id):
         return self._call("user_bytes", user_id)
 
+    def history(self, user_id, fact_id):
+        return self._call("history", user_id, fact_id)
+
     def delete(self, user_id, fact_id):
         return self._call("delete", user_id, fact_id)
 

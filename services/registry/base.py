@@ -77,6 +77,42 @@ class FactRecord:
                 "unservable_reason": self.unservable_reason}
 
 
+MAX_HISTORY = 20  # earlier versions kept per fact, oldest dropped first (bounded; counted in the byte quota)
+
+
+@dataclass(frozen=True)
+class FactVersion:
+    """An earlier version of a fact: its text and metadata as they were until `replaced_at` (Mem0's history()).
+    Kept when an update changes the text or metadata (a re-windowing alone is no new version for the user),
+    and erased with the fact."""
+    version: int
+    text: str
+    metadata: dict
+    updated_at: float   # when this version was written
+    replaced_at: float  # when the next one replaced it
+
+    @classmethod
+    def of(cls, rec: "FactRecord", replaced_at: float) -> "FactVersion":
+        return cls(rec.version, rec.text, dict(rec.metadata), rec.updated_at, replaced_at)
+
+    def to_json(self) -> bytes:
+        """As stored; its length is what the version counts against the user's byte quota."""
+        return json.dumps({"version": self.version, "text": self.text, "metadata": self.metadata,
+                           "updated_at": self.updated_at, "replaced_at": self.replaced_at}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "FactVersion":
+        d = json.loads(raw)
+        return cls(d["version"], d["text"], d["metadata"], d["updated_at"], d["replaced_at"])
+
+
+def new_version(cur: "FactRecord", new: "FactRecord") -> "FactVersion | None":
+    """The earlier version an update keeps in the fact's history: only when the text or metadata changed."""
+    if cur.text == new.text and cur.metadata == new.metadata:
+        return None
+    return FactVersion.of(cur, new.updated_at)
+
+
 @dataclass(frozen=True)
 class NewFact:
     text: str
@@ -161,7 +197,7 @@ class Registry(ABC):
                quota: Quota | None = None, window: tuple[str, ...] | None = None) -> FactRecord:
         """New text, metadata and/or window (what the fact is encoded behind); version + 1. A new text without
         a new embedding clears the embedding (the old one describes the old text); a new version is servable
-        until an encoder says otherwise."""
+        until an encoder says otherwise. A changed text or metadata keeps the old version in history()."""
 
     @abstractmethod
     def set_embedding(self, user_id: str, fact_id: str, version: int, embedding) -> bool:
@@ -173,7 +209,12 @@ class Registry(ABC):
 
     @abstractmethod
     def user_bytes(self, user_id: str) -> int:
-        """Bytes the user's facts count against its quota (fact_bytes summed)."""
+        """Bytes the user's facts count against its quota (fact_bytes summed, plus their kept earlier versions)."""
+
+    @abstractmethod
+    def history(self, user_id: str, fact_id: str) -> list[FactVersion]:
+        """The fact's earlier versions (text or metadata changed), oldest first, at most MAX_HISTORY; the
+        current version is the record itself. Erased with the fact."""
 
     @abstractmethod
     def delete(self, user_id: str, fact_id: str) -> FactRecord: ...

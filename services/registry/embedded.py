@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from inferscale_core.errors import UnknownFactError, check_id
 
-from .base import DuplicateFactError, Registry, VersionConflictError, _as_embedding, check_quota, fact_bytes
+from .base import (MAX_HISTORY, DuplicateFactError, Registry, VersionConflictError, _as_embedding, check_quota,
+                   fact_bytes, new_version)
 
 
 class EmbeddedRegistry(Registry):
@@ -16,7 +17,8 @@ class EmbeddedRegistry(Registry):
         self._lock = threading.Lock()
         self._facts = {}                            # fact_id -> FactRecord
         self._order: dict[str, list[str]] = {}      # user -> fact ids in creation order
-        self._bytes: dict[str, int] = {}            # user -> fact_bytes summed (the byte quota)
+        self._bytes: dict[str, int] = {}            # user -> fact_bytes + kept versions' bytes (the byte quota)
+        self._history: dict[str, list] = {}         # fact_id -> earlier FactVersions, oldest first
         self._ver: dict[str, int] = {}
         self._placement: dict[str, set[str]] = {}
 
@@ -106,8 +108,16 @@ class EmbeddedRegistry(Registry):
                 raise VersionConflictError(fact_id, expected_version, cur.version)
             new = self._updated(cur, text, metadata, replace_metadata, emb, window)
             grown = fact_bytes(new) - fact_bytes(cur)
+            kept = self._history.get(fact_id, [])
+            old = new_version(cur, new)
+            if old is not None:
+                kept = [*kept, old]
+                grown += len(old.to_json()) - sum(len(v.to_json()) for v in kept[:-MAX_HISTORY])
+                kept = kept[-MAX_HISTORY:]
             check_quota(quota, user_id, 0, self._bytes.get(user_id, 0), 0, grown)
             self._facts[fact_id] = new
+            if kept:
+                self._history[fact_id] = kept
             self._bytes[user_id] = self._bytes.get(user_id, 0) + grown
             self._bump(user_id)
             return new
@@ -126,6 +136,13 @@ class EmbeddedRegistry(Registry):
     def set_unservable(self, user_id, fact_id, version, reason):
         return self._set(user_id, fact_id, version, unservable_reason=str(reason) or "unservable")
 
+    def history(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        with self._lock:
+            self._owned(user_id, fact_id)
+            return list(self._history.get(fact_id, []))
+
     def delete(self, user_id, fact_id):
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
@@ -133,7 +150,9 @@ class EmbeddedRegistry(Registry):
             rec = self._owned(user_id, fact_id)
             del self._facts[fact_id]
             self._order[user_id].remove(fact_id)
-            self._bytes[user_id] = self._bytes.get(user_id, 0) - fact_bytes(rec)
+            kept = self._history.pop(fact_id, [])
+            self._bytes[user_id] = (self._bytes.get(user_id, 0) - fact_bytes(rec)
+                                    - sum(len(v.to_json()) for v in kept))
             self._bump(user_id)
             return rec
 
@@ -143,6 +162,7 @@ class EmbeddedRegistry(Registry):
             ids = self._order.pop(user_id, [])
             for f in ids:
                 del self._facts[f]
+                self._history.pop(f, None)
             self._bytes.pop(user_id, None)
             self._placement.pop(user_id, None)
             self._bump(user_id)

@@ -12,7 +12,8 @@ import numpy as np
 
 from inferscale_core.errors import UnknownFactError, check_id
 
-from .base import DuplicateFactError, FactRecord, Registry, VersionConflictError, _as_embedding, check_quota, fact_bytes
+from .base import (MAX_HISTORY, DuplicateFactError, FactRecord, FactVersion, Registry, VersionConflictError,
+                   _as_embedding, check_quota, fact_bytes, new_version)
 
 PASSWORD_ENV = "INFERSCALE_REDIS_PASSWORD"
 CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
@@ -32,8 +33,9 @@ class RedisRegistry(Registry):
     """Keys (all under `prefix`):
       fact:{fact_id}        hash  user_id, text, metadata (JSON), version, created_at, updated_at, embedding,
                                   window (JSON), unservable (reason; empty when servable)
+      history:{fact_id}     list  the fact's earlier versions (FactVersion JSON), oldest first, at most MAX_HISTORY
       user:{user_id}:facts  zset  fact_id -> creation sequence (stable listing order)
-      user:{user_id}:bytes  int   fact_bytes of the user's facts (the byte quota)
+      user:{user_id}:bytes  int   fact_bytes of the user's facts plus their history's bytes (the byte quota)
       user:{user_id}:ver    int   the user's change counter
       placement:{user_id}   set   engine replica ids
       placed_users          set   users with a non-empty placement
@@ -198,6 +200,7 @@ class RedisRegistry(Registry):
                expected_version=0, quota=None, window=None):
         emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
         key, bytes_key = self._fact_key(fact_id), self._k("user", user_id, "bytes")
+        hist_key = self._k("history", fact_id)
 
         def body(pipe):
             cur = self._owned(user_id, fact_id, pipe.hgetall(key))
@@ -205,14 +208,33 @@ class RedisRegistry(Registry):
                 raise VersionConflictError(fact_id, expected_version, cur.version)
             new = self._updated(cur, text, metadata, replace_metadata, emb, window)
             grown = fact_bytes(new) - fact_bytes(cur)
+            old = new_version(cur, new)
+            if old is not None:
+                old = old.to_json()
+                over = int(pipe.llen(hist_key)) + 1 - MAX_HISTORY  # the oldest versions dropped
+                grown += len(old) - (sum(len(v) for v in pipe.lrange(hist_key, 0, over - 1)) if over > 0 else 0)
             check_quota(quota, user_id, 0, int(pipe.get(bytes_key) or 0), 0, grown)
             pipe.multi()
             pipe.hset(key, mapping=self._mapping(new))
+            if old is not None:
+                pipe.rpush(hist_key, old)
+                pipe.ltrim(hist_key, -MAX_HISTORY, -1)
             pipe.incrby(bytes_key, grown)
             pipe.incr(self._k("user", user_id, "ver"))
             return new
 
-        return self._transaction([key, bytes_key], body)
+        return self._transaction([key, bytes_key, hist_key], body)
+
+    def history(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        check_id("fact_id", fact_id)
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.hget(self._fact_key(fact_id), "user_id")
+            pipe.lrange(self._k("history", fact_id), 0, -1)
+            owner, rows = pipe.execute()
+        if owner is None or owner.decode() != user_id:
+            raise UnknownFactError(user_id, fact_id)
+        return [FactVersion.from_json(v) for v in rows]
 
     def _set_field(self, user_id, fact_id, version, field_name, value) -> bool:
         key = self._fact_key(fact_id)
@@ -236,18 +258,19 @@ class RedisRegistry(Registry):
     def delete(self, user_id, fact_id):
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
-        key = self._fact_key(fact_id)
+        key, hist_key = self._fact_key(fact_id), self._k("history", fact_id)
 
         def body(pipe):
             rec = self._owned(user_id, fact_id, pipe.hgetall(key))
+            kept = sum(len(v) for v in pipe.lrange(hist_key, 0, -1))
             pipe.multi()
-            pipe.delete(key)
+            pipe.delete(key, hist_key)
             pipe.zrem(self._k("user", user_id, "facts"), fact_id)
-            pipe.decrby(self._k("user", user_id, "bytes"), fact_bytes(rec))
+            pipe.decrby(self._k("user", user_id, "bytes"), fact_bytes(rec) + kept)
             pipe.incr(self._k("user", user_id, "ver"))
             return rec
 
-        return self._transaction([key], body)
+        return self._transaction([key, hist_key], body)
 
     def delete_user(self, user_id):
         check_id("user_id", user_id)
@@ -257,7 +280,7 @@ class RedisRegistry(Registry):
             ids = [x.decode() for x in pipe.zrange(facts_key, 0, -1)]
             pipe.multi()
             for f in ids:
-                pipe.delete(self._fact_key(f))
+                pipe.delete(self._fact_key(f), self._k("history", f))
             pipe.delete(facts_key, self._k("user", user_id, "bytes"), self._k("placement", user_id))
             pipe.srem(self._k("placed_users"), user_id)
             pipe.incr(self._k("user", user_id, "ver"))  # kept: replicas must still see the change

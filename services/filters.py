@@ -1,0 +1,208 @@
+"""Mem0's filter language over a user's facts: what Search, ListMemories and the Mem0 HTTP API
+(services/gateway/mem0_http.py) accept as `filters`, compiled once into a predicate on a FactRecord.
+
+    {"agent_id": "travel-bot"}                                  a field equals a value
+    {"AND": [{"run_id": "s1"}, {"metadata": {"topic": "food"}}]}  AND / OR / NOT take a list of filters
+    {"created_at": {"gte": "2026-01-01"}, "lang": {"in": ["de", "fr"]}}
+
+A filter object's keys are ANDed. Keys: `user_id` (only the caller's own, and only at the top or in a top-level
+AND: it never widens a request to another user), the scope fields `agent_id`, `run_id`, `app_id` (stored in the
+fact's metadata under those names, as Mem0 names them), `created_at` / `updated_at` (unix seconds or an ISO-8601
+date), `metadata` (an object of metadata key -> condition); any other key is a metadata key (as in Mem0's open
+source Memory). A condition is a value (equality) or {operator: value}: eq, ne, in, nin, gt, gte, lt, lte,
+contains, icontains, or "*" for "present". Anything else is INVALID_ARGUMENT naming where it is.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+from . import api
+from .auth import permission_denied
+from .registry import FactRecord
+
+SCOPE_FIELDS = ("agent_id", "run_id", "app_id")  # Mem0's scopes below a user, kept in the fact's metadata
+TIME_FIELDS = ("created_at", "updated_at")
+LOGICAL = ("AND", "OR", "NOT")
+OPERATORS = ("eq", "ne", "in", "nin", "gt", "gte", "lt", "lte", "contains", "icontains")
+MAX_DEPTH = 8      # nesting of AND/OR/NOT
+MAX_NODES = 256    # conditions in one filter
+MAX_FILTER_BYTES = 16 << 10
+
+Predicate = Callable[[FactRecord], bool]
+
+
+def parse_json(text: str, name: str = "filters") -> dict | None:
+    """A filter sent as JSON text (the gRPC field); "" means none."""
+    if not text:
+        return None
+    if len(text) > MAX_FILTER_BYTES:
+        raise api.too_big(f"{name} is {len(text)} characters, the limit is {MAX_FILTER_BYTES}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise api.invalid(f"{name} is not JSON ({e})") from None
+
+
+def scope_metadata(**scopes: str | None) -> dict[str, str]:
+    """Mem0 scope fields (agent_id, run_id, app_id) of a write, validated like ids, as the fact metadata that
+    holds them; empty or None ones are left out."""
+    out = {}
+    for name, value in scopes.items():
+        if name not in SCOPE_FIELDS:
+            raise ValueError(name)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise api.invalid(f"{name} must be a string")
+        out[name] = api.user_id(value, name)  # the same rules as ids: bounded, printable
+    return out
+
+
+def request_filter(filters, owner: str, agent_id: str = "", run_id: str = "") -> Predicate | None:
+    """A request's filter and its scope fields (agent_id / run_id, "" = any) as one predicate, or None."""
+    scope = scope_metadata(agent_id=agent_id, run_id=run_id)
+    if scope:
+        filters = {"AND": [scope, filters]} if filters else scope
+    return compile_filter(filters, owner)
+
+
+def compile_filter(filters, owner: str, name: str = "filters") -> Predicate | None:
+    """The predicate of `filters` (None: no filter). `owner` is the user the request acts for: a `user_id`
+    in the filter must name that user."""
+    if filters is None or filters == {}:
+        return None
+    nodes = [0]
+    return _compile(filters, owner, name, 0, nodes, top=True)
+
+
+def user_of(filters) -> str | None:
+    """The `user_id` a filter names at its top or in a top-level AND (Mem0 clients put it there), else None."""
+    if not isinstance(filters, dict):
+        return None
+    found = [filters["user_id"]] if "user_id" in filters else []
+    for sub in filters.get("AND") or []:
+        if isinstance(sub, dict) and "user_id" in sub:
+            found.append(sub["user_id"])
+    if len({json.dumps(f, sort_keys=True) for f in found}) > 1:
+        raise api.invalid("filters name more than one user_id")
+    if found and not isinstance(found[0], str):
+        raise api.invalid("filters.user_id must be a string: the one user the request acts for")
+    return found[0] if found else None
+
+
+def _compile(f, owner: str, where: str, depth: int, nodes: list[int], top: bool = False) -> Predicate:
+    if depth > MAX_DEPTH:
+        raise api.invalid(f"{where} nests AND/OR/NOT deeper than {MAX_DEPTH} levels")
+    if not isinstance(f, dict) or not f:
+        raise api.invalid(f"{where} must be a non-empty object of conditions")
+    preds = []
+    for key, cond in f.items():
+        at = f"{where}.{key}"
+        nodes[0] += 1
+        if nodes[0] > MAX_NODES:
+            raise api.invalid(f"{where} has more than {MAX_NODES} conditions")
+        if key in LOGICAL:
+            if not isinstance(cond, list) or not cond:
+                raise api.invalid(f"{at} must be a non-empty list of filter objects")
+            subs = [_compile(c, owner, f"{at}[{i}]", depth + 1, nodes, top=top and key == "AND")
+                    for i, c in enumerate(cond)]
+            preds.append(_logical(key, subs))
+        elif key == "user_id":
+            if not top:
+                raise api.invalid(f"{at}: user_id may only be named at the top of the filter or in a top-level AND "
+                                  "(a request acts for one user)")
+            if cond != owner:
+                raise permission_denied(f"{at} names another user than the one this request acts for")
+        elif key == "metadata":
+            if not isinstance(cond, dict) or not cond:
+                raise api.invalid(f"{at} must be a non-empty object of metadata key -> condition")
+            for mkey, mcond in cond.items():
+                preds.append(_field(lambda r, k=mkey: r.metadata.get(k), mcond, f"{at}.{mkey}", False))
+        elif key in TIME_FIELDS:
+            preds.append(_field(lambda r, k=key: getattr(r, k), cond, at, True))
+        elif key in ("categories", "keywords", "memory", "text", "id", "hash"):
+            raise api.invalid(f"{at}: filtering on {key!r} is not supported (scope fields, created_at, updated_at "
+                              "and metadata are)")
+        else:  # a scope field or any other metadata key
+            preds.append(_field(lambda r, k=key: r.metadata.get(k), cond, at, False))
+    return lambda r: all(p(r) for p in preds)
+
+
+def _logical(op: str, subs: list[Predicate]) -> Predicate:
+    if op == "AND":
+        return lambda r: all(p(r) for p in subs)
+    if op == "OR":
+        return lambda r: any(p(r) for p in subs)
+    return lambda r: not any(p(r) for p in subs)  # NOT [a, b]: neither a nor b
+
+
+def _field(get, cond, where: str, is_time: bool) -> Predicate:
+    """One field's condition: a value (equality), "*" (present), or {operator: value, ...} (ANDed)."""
+    if cond == "*":
+        return lambda r: get(r) is not None
+    if not isinstance(cond, dict):
+        want = _time(cond, where) if is_time else _scalar(cond, where)
+        return lambda r: get(r) == want
+    if not cond:
+        raise api.invalid(f"{where} has an empty condition object")
+    checks = []
+    for op, value in cond.items():
+        if op not in OPERATORS:
+            raise api.invalid(f"{where}: unknown operator {str(op)[:40]!r}; use one of {', '.join(OPERATORS)} or \"*\"")
+        checks.append(_op(op, value, f"{where}.{op}", is_time))
+    return lambda r: all(c(get(r)) for c in checks)
+
+
+def _op(op: str, value, where: str, is_time: bool):
+    conv = (lambda v, w: _time(v, w)) if is_time else _scalar
+    if op in ("in", "nin"):
+        if not isinstance(value, list):
+            raise api.invalid(f"{where} must be a list")
+        values = [conv(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return (lambda x: x in values) if op == "in" else (lambda x: x not in values)
+    if op in ("contains", "icontains"):
+        if is_time or not isinstance(value, str):
+            raise api.invalid(f"{where} must be a string (and applies to text metadata)")
+        low = value.lower()
+        if op == "contains":
+            return lambda x: (value in x) if isinstance(x, (str, list)) else False
+        return lambda x: (low in x.lower() if isinstance(x, str)
+                          else isinstance(x, list) and any(isinstance(e, str) and e.lower() == low for e in x))
+    v = conv(value, where)
+    if op == "eq":
+        return lambda x: x == v
+    if op == "ne":
+        return lambda x: x != v
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise api.invalid(f"{where} must be a number or a string")
+    cmp = {"gt": lambda a, b: a > b, "gte": lambda a, b: a >= b, "lt": lambda a, b: a < b,
+           "lte": lambda a, b: a <= b}[op]
+    number = isinstance(v, (int, float))
+
+    def check(x):  # a number compares with numbers, a string with strings; anything else does not match
+        if number:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and cmp(x, v)
+        return isinstance(x, str) and cmp(x, v)
+    return check
+
+
+def _scalar(v, where: str):
+    if isinstance(v, (dict, list)):
+        raise api.invalid(f"{where} must be a string, number, boolean or null, or an {{operator: value}} object")
+    return v
+
+
+def _time(v, where: str) -> float:
+    """Unix seconds, or an ISO-8601 date / date-time (UTC when it names no zone)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            t = datetime.fromisoformat(v.replace("Z", "+00:00"))
+        except ValueError:
+            pass
+        else:
+            return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+    raise api.invalid(f"{where} must be unix seconds or an ISO-8601 date, got {str(v)[:40]!r}")
