@@ -71,11 +71,11 @@ def served(redis_password_url, tmp_path_factory):  # noqa: F811
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready in" not in log.read_text():
+        # the banner is one write: "ready in" down to its last line, "try: inferscale add ..."
+        while "try: inferscale add" not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"`inferscale serve` did not start (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
-            time.sleep(2)
-        time.sleep(1)  # the rest of the banner
+            time.sleep(0.5)
         yield Served(proc, grpc_port, http_port, redis_password_url, log.read_text())
     finally:
         proc.terminate()  # SIGTERM: serve_cmd shuts Serve and Ray down
@@ -391,7 +391,10 @@ def test_redis_stopped_mid_load_is_unavailable_then_recovers(served):
     w = threading.Thread(target=writer)
     w.start()
     try:
-        time.sleep(3)
+        started = time.monotonic()
+        while len(acked) < 3:  # the writer is under way, its facts acknowledged
+            assert time.monotonic() - started < 60 and w.is_alive(), codes[-5:]
+            time.sleep(0.1)
         subprocess.run(["kill", "-STOP", str(pid)], check=True)
         stopped_at = time.monotonic()
         while grpc.StatusCode.UNAVAILABLE not in codes:
