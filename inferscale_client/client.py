@@ -19,8 +19,12 @@ server's status code and a message naming the field at fault.
 
 Retries: unless `retry=False`, the channel carries a gRPC service config (retry_service_config) that retries a
 call answered UNAVAILABLE (a replica restarting, the server not up yet) or RESOURCE_EXHAUSTED (the server shedding
-load) with exponential backoff, within the call's deadline; a server can stop a retry with the trailer
-`grpc-retry-pushback-ms: -1`. Every call has a deadline (`timeout_s`).
+load) with exponential backoff, within the call's deadline. The server decides with gRPC's retry pushback
+trailer: an error with google.rpc RetryInfo (overload) is retried after its delay, and every other UNAVAILABLE or
+RESOURCE_EXHAUSTED (a per-user quota, a size limit: QuotaFailure / BadRequest) carries
+`grpc-retry-pushback-ms: -1` and is never retried. The details themselves (ErrorInfo, BadRequest, QuotaFailure,
+RetryInfo) decode with grpcio-status: `grpc_status.rpc_status.from_call(err)`. Every call has a deadline
+(`timeout_s`), which the server honours end to end (it stops its backend calls when the deadline passes).
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ class EngineAtCapacity(ApiError):
     """Overload, not a request that is too big: RESOURCE_EXHAUSTED on gRPC, 429 with Retry-After on HTTP."""
 
     def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S):
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        self.retry_after_s = retry_after_s
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=retry_after_s,
+                         reason="ENGINE_AT_CAPACITY")
 
     def __reduce__(self):  # crosses Ray processes as itself, so the HTTP front door can tell it from 413
         return (EngineAtCapacity, (self.message, self.retry_after_s))

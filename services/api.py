@@ -7,6 +7,13 @@ gateway and in the plain grpc server alike.
 """
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
+import contextvars
+import hashlib
+import hmac
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,25 +55,104 @@ class Limits:
 
 
 class ApiError(Exception):
-    """An answer with a gRPC status code and a message that names the field at fault."""
+    """An answer with a gRPC status code and a message that names the field at fault. What a client needs to act
+    on it travels as google.rpc details (services/gateway/grpc_front.py:error_status): `field`, the request field
+    at fault (BadRequest); `retry_after_s`, set only where the same call may succeed after that long (RetryInfo:
+    overload, a replica restarting); `quota`, the QuotaExceededError of a per-user quota (QuotaFailure: do not
+    retry); `reason`, a stable UPPER_SNAKE_CASE name (ErrorInfo; the status code's name when unset)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, *, field: str | None = None,
+                 retry_after_s: float | None = None, quota: QuotaExceededError | None = None,
+                 reason: str | None = None):
         super().__init__(message)
         self.code, self.message = code, message
+        self.field, self.retry_after_s, self.quota, self.reason = field, retry_after_s, quota, reason
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
 
-    def __reduce__(self):  # Ray ships it between processes (replica -> proxy)
-        return (ApiError, (self.code, self.message))
+    def __reduce__(self):  # Ray ships it between processes (replica -> proxy), details included
+        return (ApiError, (self.code, self.message), {"field": self.field, "retry_after_s": self.retry_after_s,
+                                                      "quota": self.quota, "reason": self.reason})
 
 
-def invalid(msg: str) -> ApiError:
-    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, msg)
+# ------------------------------------------------------------------------------------------ deadlines
+# The caller's deadline (time.time() by which it gives up), set by the front door for the call's task; backend
+# calls take what is left of it, capped by the server's own limit (services/gateway/serve_ingress.py). Wall
+# clock, not monotonic: Serve's proxy reads the deadline in another process (services/proxy_setup.py).
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("inferscale_deadline", default=None)
 
 
-def too_big(msg: str) -> ApiError:
-    return ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
+@contextlib.contextmanager
+def caller_deadline(seconds_left: float | None):
+    """Within this block (this task and the tasks and threads it starts), the caller gives up `seconds_left`
+    from now (None: the caller set no deadline)."""
+    token = _DEADLINE.set(None if seconds_left is None else time.time() + max(0.0, seconds_left))
+    try:
+        yield
+    finally:
+        try:
+            _DEADLINE.reset(token)
+        except ValueError:  # a stream finalized in another context (abandoned): nothing to restore there
+            pass
+
+
+DEADLINE_MARGIN = 0.1       # the server gives up this fraction of the caller's time earlier (at most
+DEADLINE_MARGIN_MAX_S = 0.25  # this long), so its own DEADLINE_EXCEEDED reaches the caller before its timer fires
+
+
+def time_left(cap_s: float | None) -> tuple[float | None, bool]:
+    """(seconds a backend call may take, whether the caller's deadline is what bounds it): the server's cap (None:
+    none), or the caller's remaining time, less a margin, when that is shorter. DEADLINE_EXCEEDED once the
+    caller's deadline has passed."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return cap_s, False
+    left = deadline - time.time()
+    left -= min(left * DEADLINE_MARGIN, DEADLINE_MARGIN_MAX_S)
+    if left <= 0:
+        raise deadline_exceeded()
+    return (left, True) if cap_s is None or left < cap_s else (cap_s, False)
+
+
+async def within_deadline(aw, cap_s: float | None = None):
+    """Awaits `aw` for at most the server's cap or what is left of the caller's deadline: past the caller's,
+    DEADLINE_EXCEEDED (the backend call is cancelled); past the cap, TimeoutError (UNAVAILABLE, retryable)."""
+    try:
+        limit, callers = time_left(cap_s)
+    except ApiError:
+        stop = getattr(aw, "cancel", None) or getattr(aw, "close", None)  # a future / Serve response; a coroutine
+        if stop is not None:
+            stop()
+        raise
+    try:
+        return await asyncio.wait_for(aw, limit)
+    except asyncio.TimeoutError:
+        if callers:
+            raise deadline_exceeded() from None
+        raise
+
+
+def deadline_exceeded() -> "ApiError":
+    return ApiError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before the backends answered; "
+                    "nothing more is done for it")
+
+
+RETRY_AFTER_S = 1.0  # RetryInfo of a backend that is restarting or unreachable: worth one more try after this
+
+
+def invalid(msg: str, field: str | None = None) -> ApiError:
+    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, msg, field=field)
+
+
+def too_big(msg: str, field: str | None = None) -> ApiError:
+    """A request, or a field of it, over a size limit: RESOURCE_EXHAUSTED with BadRequest (never retried)."""
+    return ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, msg, field=field,
+                    reason="FIELD_TOO_LARGE" if field else "REQUEST_TOO_LARGE")
+
+
+def unavailable(msg: str, retry_after_s: float | None = RETRY_AFTER_S) -> ApiError:
+    return ApiError(grpc.StatusCode.UNAVAILABLE, msg, retry_after_s=retry_after_s)
 
 
 def to_api_error(err: BaseException) -> ApiError:
@@ -80,8 +166,7 @@ def to_api_error(err: BaseException) -> ApiError:
         if _registry_unreachable(cause):
             return REGISTRY_UNAVAILABLE
         if cause is err:  # the replica or actor itself failed (died, unreachable): retryable
-            return ApiError(grpc.StatusCode.UNAVAILABLE,
-                            f"a backend replica is unavailable ({type(err).__name__}); retry shortly")
+            return unavailable(f"a backend replica is unavailable ({type(err).__name__}); retry shortly")
         return ApiError(grpc.StatusCode.INTERNAL,
                         f"internal error ({type(cause).__name__} in a backend replica); see the server log")
     if isinstance(err, ApiError):
@@ -93,17 +178,17 @@ def to_api_error(err: BaseException) -> ApiError:
     if isinstance(err, DuplicateFactError):
         return ApiError(grpc.StatusCode.ALREADY_EXISTS, _clean(str(err)))
     if isinstance(err, QuotaExceededError):
-        return too_big(_clean(str(err)))
+        return ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, _clean(str(err)), quota=err, reason="QUOTA_EXCEEDED")
     if isinstance(err, (InvalidIdError, ValueError, TypeError)):
         return invalid(_clean(str(err)))
     if _registry_unreachable(err):
         return REGISTRY_UNAVAILABLE
     if isinstance(err, TimeoutError):
-        return ApiError(grpc.StatusCode.UNAVAILABLE, "a backend replica did not answer in time; retry shortly")
+        return unavailable("a backend replica did not answer in time; retry shortly")
     return ApiError(grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); see the server log")
 
 
-REGISTRY_UNAVAILABLE = ApiError(grpc.StatusCode.UNAVAILABLE, "the registry (Redis) cannot be reached or is full; retry shortly")
+REGISTRY_UNAVAILABLE = unavailable("the registry (Redis) cannot be reached or is full; retry shortly")
 
 
 def _registry_unreachable(err: BaseException) -> bool:
@@ -159,7 +244,7 @@ def parse(method: str, raw, limits: Limits):
         size = len(raw)
         msg = None
     else:
-        raise invalid(f"{method} request must be a serialized {cls.DESCRIPTOR.full_name}")
+        raise invalid(f"{method} request must be a serialized {cls.DESCRIPTOR.full_name}")  # no field: the whole request
     if size > limits.max_request_bytes:
         raise too_big(f"{method} request is {size} bytes, the limit is {limits.max_request_bytes} bytes")
     if msg is None:
@@ -175,7 +260,7 @@ def user_id(value: str, field_name: str = "user_id") -> str:
     try:
         return check_id(field_name, value)
     except InvalidIdError as e:
-        raise invalid(str(e)) from None
+        raise invalid(str(e), field_name) from None
 
 
 def fact_id(value: str, field_name: str = "fact_id") -> str:
@@ -184,23 +269,24 @@ def fact_id(value: str, field_name: str = "fact_id") -> str:
 
 def text_field(value: str, name: str, max_chars: int, required: bool = True) -> str:
     if required and not value.strip():
-        raise invalid(f"{name} must not be empty")
+        raise invalid(f"{name} must not be empty", name)
     if len(value) > max_chars:
-        raise too_big(f"{name} is {len(value)} characters long, the limit is {max_chars}")
+        raise too_big(f"{name} is {len(value)} characters long, the limit is {max_chars}", name)
     return value
 
 
 def metadata(value, name: str, limits: Limits) -> dict[str, str]:
     if len(value) > limits.max_metadata_entries:
-        raise too_big(f"{name} has {len(value)} entries, the limit is {limits.max_metadata_entries}")
+        raise too_big(f"{name} has {len(value)} entries, the limit is {limits.max_metadata_entries}", name)
     for k, v in value.items():
         if not k:
-            raise invalid(f"{name} has an empty key")
+            raise invalid(f"{name} has an empty key", name)
         if len(k) > limits.max_metadata_key_chars:
             raise too_big(f"{name} key {k[:40]!r}... is {len(k)} characters, the limit is "
-                          f"{limits.max_metadata_key_chars}")
+                          f"{limits.max_metadata_key_chars}", name)
         if len(v) > limits.max_metadata_value_chars:
-            raise too_big(f"{name}[{k!r}] is {len(v)} characters, the limit is {limits.max_metadata_value_chars}")
+            raise too_big(f"{name}[{k!r}] is {len(v)} characters, the limit is {limits.max_metadata_value_chars}",
+                          name)
     return dict(value)
 
 
@@ -209,7 +295,7 @@ def bounded_int(value: int, name: str, lo: int, hi: int, default: int) -> int:
     if value == 0:
         return default
     if not lo <= value <= hi:
-        raise invalid(f"{name} must be in [{lo}, {hi}] (or 0 for the default {default}), got {value}")
+        raise invalid(f"{name} must be in [{lo}, {hi}] (or 0 for the default {default}), got {value}", name)
     return value
 
 
@@ -222,14 +308,16 @@ class FactIn:
 
 def facts_in(facts, limits: Limits) -> list[FactIn]:
     if not facts:
-        raise invalid("facts must not be empty")
+        raise invalid("facts must not be empty", "facts")
     if len(facts) > limits.max_facts_per_request:
-        raise too_big(f"facts has {len(facts)} entries, the limit is {limits.max_facts_per_request} per request")
+        raise too_big(f"facts has {len(facts)} entries, the limit is {limits.max_facts_per_request} per request",
+                      "facts")
     out = []
     for i, f in enumerate(facts):
         text = text_field(f.text, f"facts[{i}].text", limits.max_fact_chars)
         if len(f.window) > limits.max_window_turns:
-            raise too_big(f"facts[{i}].window has {len(f.window)} turns, the limit is {limits.max_window_turns}")
+            raise too_big(f"facts[{i}].window has {len(f.window)} turns, the limit is {limits.max_window_turns}",
+                          f"facts[{i}].window")
         for j, turn in enumerate(f.window):
             text_field(turn, f"facts[{i}].window[{j}]", limits.max_message_chars, required=False)
         out.append(FactIn(text.strip(), metadata(f.metadata, f"facts[{i}].metadata", limits), tuple(f.window)))
@@ -241,24 +329,50 @@ ROLES = ("system", "user", "assistant")
 
 def messages_in(messages, limits: Limits) -> list[dict[str, str]]:
     if not messages:
-        raise invalid("messages must not be empty")
+        raise invalid("messages must not be empty", "messages")
     if len(messages) > limits.max_messages:
-        raise too_big(f"messages has {len(messages)} entries, the limit is {limits.max_messages}")
+        raise too_big(f"messages has {len(messages)} entries, the limit is {limits.max_messages}", "messages")
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
-            raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
+            raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}", f"messages[{i}].role")
         text_field(m.content, f"messages[{i}].content", limits.max_message_chars)
         out.append({"role": m.role, "content": m.content})
     return out
 
 
-def page_token(token: str) -> int:
+PAGE_TOKEN_VERSION = 1
+
+
+def _page_digest(cursor: int, scope: str) -> bytes:
+    return hashlib.blake2b(cursor.to_bytes(8, "big") + scope.encode(), digest_size=8, person=b"inferscale-page").digest()
+
+
+def next_page_token(cursor: int | None, scope: str) -> str:
+    """An opaque page token: the registry's cursor (a creation sequence number, never an offset, so deletes
+    while paging shift nothing) bound to `scope` (the user, and any filter the listing applies), so a token is
+    only accepted for the listing that issued it. "" at the end."""
+    if cursor is None:
+        return ""
+    raw = bytes([PAGE_TOKEN_VERSION]) + cursor.to_bytes(8, "big") + _page_digest(cursor, scope)
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def page_token(token: str, scope: str, field_name: str = "page_token") -> int:
+    """The cursor of a token from next_page_token(..., scope); 0 for ""; INVALID_ARGUMENT for anything else."""
     if not token:
         return 0
-    if not token.isdigit() or len(token) > 12:
-        raise invalid(f"page_token {token[:40]!r} is not a token this server issued")
-    return int(token)
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)) if len(token) <= 64 else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != 17 or raw[0] != PAGE_TOKEN_VERSION:
+        raise invalid(f"{field_name} {token[:40]!r} is not a token this server issued", field_name)
+    cursor = int.from_bytes(raw[1:9], "big")
+    if not hmac.compare_digest(raw[9:], _page_digest(cursor, scope)):
+        raise invalid(f"{field_name} was issued for another listing (another user or other filters); "
+                      "start again without a page_token", field_name)
+    return cursor
 
 
 MODES = ("inject", "prompt")
@@ -268,7 +382,7 @@ def answer_mode(mode: str) -> str:
     if mode == "":
         return "inject"
     if mode not in MODES:
-        raise invalid(f"mode must be one of {', '.join(MODES)} (or empty for inject), got {mode!r}")
+        raise invalid(f"mode must be one of {', '.join(MODES)} (or empty for inject), got {mode!r}", "mode")
     return mode
 
 

@@ -59,7 +59,7 @@ from inferscale_core.cluster_store import ClusterConfig, ClusterStore, kv_id
 from inferscale_core.errors import check_id
 
 from .admission import DEFAULT_QUEUE_FACTOR, Admission
-from .api import ApiError
+from .api import RETRY_AFTER_S, ApiError
 from .encoder_pool import EncodeFailure, StoredKV
 from .registry import open_registry
 
@@ -184,7 +184,7 @@ def _engine_death_is_unavailable():
         yield
     except EngineDeadError:
         raise ApiError(grpc.StatusCode.UNAVAILABLE, "this engine replica's vLLM engine died; it is being replaced, "
-                                                    "retry shortly") from None
+                                                    "retry shortly", retry_after_s=RETRY_AFTER_S) from None
 
 
 def engine_timings(ans) -> dict[str, float]:
@@ -479,7 +479,8 @@ class EngineReplica:
                 if isinstance(enc, EncodeFailure):
                     raise ApiError(grpc.StatusCode.UNAVAILABLE if enc.transient else grpc.StatusCode.INVALID_ARGUMENT,
                                    f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored"
-                                   + ("; retry shortly" if enc.transient else ""))
+                                   + ("; retry shortly" if enc.transient else ""), field=f"facts[{i}].text",
+                                   retry_after_s=RETRY_AFTER_S if enc.transient else None)
             local = [((f, v), e) for (f, v, _), e in zip(facts, encoded) if not isinstance(e, StoredKV)]
             async with self._lock(user_id):
                 self._held.setdefault(user_id, {})  # held here from now on; its books fill at the next sync

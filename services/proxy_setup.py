@@ -8,6 +8,9 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
 - gRPC: Ray 2.60's gRPC proxy binds `[::]:PORT` whatever the HTTP host is; with INFERSCALE_GRPC_HOST set
   (`inferscale serve --host`), it binds that address instead. (Its message size limit is Ray's own
   RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, in the same environment.)
+- gRPC deadlines: the context Serve sends to the Gateway replica carries no deadline; the caller's (the
+  `grpc-timeout` it sent) is noted on it as DEADLINE_ATTR (unix time), so the replica's backend calls stop
+  when the caller gives up (services/api.py:time_left).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ TRANSPORT_MAX_MESSAGE_BYTES = 4 << 20  # a gRPC message or an HTTP body, either 
 GRPC_HOST_ENV = "INFERSCALE_GRPC_HOST"
 MAX_BODY_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # one transport limit for both proxies
 BODY_METHODS = {"POST", "PUT", "PATCH"}
+DEADLINE_ATTR = "inferscale_deadline"  # on RayServegRPCContext: the caller's deadline, unix time
 
 
 def _refusal(status: int, message: str) -> list[dict]:
@@ -73,6 +77,26 @@ def _bind_grpc_to(host: str) -> None:
     default_impl.add_grpc_address = add_grpc_address
 
 
+def _carry_grpc_deadline() -> None:
+    """Every RayServegRPCContext made in this proxy notes the caller's deadline (time_remaining of the call it
+    is made from) as DEADLINE_ATTR; it travels to the replica with the context. Idempotent."""
+    import time
+
+    from ray.serve.grpc_util import RayServegRPCContext
+
+    plain = RayServegRPCContext.__init__
+    if getattr(plain, "_inferscale_deadline", False):
+        return
+
+    def __init__(self, grpc_context):
+        plain(self, grpc_context)
+        left = grpc_context.time_remaining()
+        setattr(self, DEADLINE_ATTR, None if left is None else time.time() + left)
+
+    __init__._inferscale_deadline = True
+    RayServegRPCContext.__init__ = __init__
+
+
 def max_body_bytes() -> int:
     try:
         return int(os.environ.get(MAX_BODY_ENV, TRANSPORT_MAX_MESSAGE_BYTES))
@@ -87,4 +111,5 @@ def proxy_setup() -> list:
     host = os.environ.get(GRPC_HOST_ENV)
     if host:
         _bind_grpc_to(host)
+    _carry_grpc_deadline()
     return [Middleware(BodyLimit, max_bytes=max_body_bytes())]

@@ -41,6 +41,28 @@ def refused(call) -> tuple[grpc.StatusCode, str]:
     return e.value.code(), e.value.details()
 
 
+def rich_refusal(call) -> tuple[grpc.StatusCode, dict, dict]:
+    """A refused call's code, google.rpc details by type name (decoded by grpcio-status, not by our code) and
+    trailing metadata."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    status = rpc_status.from_call(e.value)
+    assert status is not None, f"no google.rpc.Status on {e.value.code()}: {e.value.details()}"
+    assert status.code == e.value.code().value[0] and status.message == e.value.details()
+    details = {}
+    for any_ in status.details:
+        for cls in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.QuotaFailure,
+                    error_details_pb2.RetryInfo):
+            if any_.Is(cls.DESCRIPTOR):
+                msg = cls()
+                any_.Unpack(msg)
+                details[cls.__name__] = msg
+    return e.value.code(), details, dict(e.value.trailing_metadata() or ())
+
+
 class _Token(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, token: str):
         self.token = token

@@ -13,7 +13,7 @@ import uuid
 import grpc
 import pytest
 
-from auth_fixture import admin_token, jwt_secret, refused, token_channel, token_for  # noqa: F401  (fixtures)
+from auth_fixture import admin_token, jwt_secret, refused, rich_refusal, token_channel, token_for  # noqa: F401  (fixtures)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from inferscale_server import api
@@ -292,3 +292,227 @@ def test_http_chat_completions_validation(core, admin_token):
     r = client.post("/v1/chat/completions", json={"user": "u", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
     assert client.get("/healthz").json()["components"]["registry"] == "ok"
+
+
+# ------------------------------------------------------------------ page tokens (issue 20 item 4)
+def _stored(registry, uid: str, n: int) -> list[str]:
+    """n facts written straight into the registry (past this module's 5-fact quota), in creation order."""
+    from inferscale_server.registry import NewFact
+
+    return [r.fact_id for r in registry.create(uid, [NewFact(f"fact number {i}") for i in range(n)])]
+
+
+def test_paging_while_deleting_returns_every_surviving_fact_exactly_once(stub, registry):
+    """Deletes between pages (of facts already listed, the page's last one included) and concurrently (of facts
+    not listed yet, from another thread) never make the listing skip or repeat a surviving fact: page tokens are
+    cursors, not offsets."""
+    import random
+    import threading
+
+    uid = _user()
+    ids = _stored(registry, uid, 60)
+    rng = random.Random(20)
+    doomed = set(rng.sample(ids[20:], 15))  # deleted by the other thread while the listing runs
+    deleted, listed, token = set(), [], ""
+    started = threading.Event()
+
+    def delete_concurrently():
+        started.wait(10)
+        for fid in sorted(doomed, key=ids.index):
+            stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=uid, fact_id=fid))
+            deleted.add(fid)
+
+    t = threading.Thread(target=delete_concurrently)
+    t.start()
+    try:
+        for _ in range(100):  # bounded: 60 facts in pages of 4
+            page = stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, page_size=4, page_token=token))
+            listed += [f.fact_id for f in page.facts]
+            started.set()
+            for f in page.facts[-2:]:  # facts already listed go; an offset token would now skip two facts
+                if f.fact_id not in doomed:
+                    stub.DeleteMemory(pb2.DeleteMemoryRequest(user_id=uid, fact_id=f.fact_id))
+                    deleted.add(f.fact_id)
+            token = page.next_page_token
+            if not token:
+                break
+    finally:
+        t.join(30)
+    survivors = [f for f in ids if f not in deleted]
+    assert len(listed) == len(set(listed)), "a fact was listed twice"
+    assert [f for f in listed if f in set(survivors)] == survivors  # every survivor, once, in creation order
+    assert set(listed) - set(ids) == set() and deleted >= doomed
+    assert not token
+    stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid))
+
+
+def test_page_tokens_are_opaque_and_bound_to_the_listing(stub, registry):
+    alice, bob = _user(), _user()
+    _stored(registry, alice, 3)
+    _stored(registry, bob, 3)
+    token = stub.ListMemories(pb2.ListMemoriesRequest(user_id=alice, page_size=1)).next_page_token
+    assert token and not token.isdigit()  # not an offset a caller could compute or edit
+    code, details = refused(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id=bob, page_token=token)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "another listing" in details
+    forged = token[:-2] + ("AA" if token[-2:] != "AA" else "BB")
+    code, details = refused(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id=alice, page_token=forged)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in details
+    for bad in ("1", "x" * 500, "%%%"):
+        code, details = refused(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id=alice, page_token=bad)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a token this server issued" in details
+    rest = stub.ListMemories(pb2.ListMemoriesRequest(user_id=alice, page_size=5, page_token=token))
+    assert len(rest.facts) == 2 and rest.next_page_token == ""
+    for u in (alice, bob):
+        stub.DeleteUser(pb2.DeleteUserRequest(user_id=u))
+
+
+# ------------------------------------------------------------------ google.rpc error details (issue 20 item 4)
+def test_every_error_carries_google_rpc_details(stub):
+    uid = _user()
+    cases = [  # (call, code, reason, BadRequest field or None)
+        (lambda: stub.Search(pb2.SearchRequest(user_id=uid, query="q", k=65)), "INVALID_ARGUMENT", "INVALID_ARGUMENT", "k"),
+        (lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="a/b", fact_id="f")), "INVALID_ARGUMENT",
+         "INVALID_ARGUMENT", "user_id"),
+        (lambda: list(stub.Answer(pb2.AnswerRequest(user_id=uid, query="q", temperature=3.0))), "INVALID_ARGUMENT",
+         "INVALID_ARGUMENT", "temperature"),
+        (lambda: stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[
+            pb2.FactInput(text="ok"), pb2.FactInput(text="x" * (LIMITS.max_fact_chars + 1))])),
+         "RESOURCE_EXHAUSTED", "FIELD_TOO_LARGE", "facts[1].text"),
+        (lambda: stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="y" * 1500)] * 800)),
+         "RESOURCE_EXHAUSTED", "REQUEST_TOO_LARGE", None),
+        (lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id="nope")), "NOT_FOUND", "NOT_FOUND", None),
+        (lambda: stub.Search(pb2.SearchRequest(user_id=uid, query="q")), "UNAVAILABLE", "BACKENDS_NOT_DEPLOYED", None),
+    ]
+    for call, code, reason, field in cases:
+        got, details, trailers = rich_refusal(call)
+        assert got.name == code, (reason, got)
+        assert details["ErrorInfo"].reason == reason and details["ErrorInfo"].domain == "inferscale.v1.Memory"
+        if field is None:
+            assert "BadRequest" not in details
+        else:
+            (violation,) = details["BadRequest"].field_violations
+            assert violation.field == field and field.split("[")[0] in violation.description
+        assert "RetryInfo" not in details and "QuotaFailure" not in details  # none of these is worth a retry
+        if got in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+            assert trailers["grpc-retry-pushback-ms"] == "-1"  # gRPC retry policies stop here
+
+
+def test_quota_is_quota_failure_and_overload_is_retry_info(core, stub, admin_token):
+    uid = _user()
+    stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text=f"f{i}") for i in range(5)]))
+    code, details, trailers = rich_refusal(lambda: stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[
+        pb2.FactInput(text="one too many")])))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details["ErrorInfo"].reason == "QUOTA_EXCEEDED"
+    (v,) = details["QuotaFailure"].violations
+    assert (v.subject, v.quota_id, v.quota_value) == (f"user:{uid}", "facts_per_user", LIMITS.max_facts_per_user)
+    assert "RetryInfo" not in details and trailers["grpc-retry-pushback-ms"] == "-1"
+    # Overload: this server's health Watch slots per connection are taken -> RetryInfo with the delay.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from inferscale_server.gateway.core import WATCH_RETRY_S
+
+    srv = ServerThread(core)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=[("grpc.enable_retries", 0)])
+    held = []
+    try:
+        health = health_pb2_grpc.HealthStub(ch)
+        for _ in range(core.watches.per_peer):
+            stream = health.Watch(health_pb2.HealthCheckRequest())
+            next(stream)  # open: its first status arrived
+            held.append(stream)
+        code, details, trailers = rich_refusal(lambda: next(health.Watch(health_pb2.HealthCheckRequest())))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details["ErrorInfo"].reason == "TOO_MANY_WATCHES"
+        assert details["RetryInfo"].retry_delay.ToMilliseconds() == WATCH_RETRY_S * 1000
+        assert trailers["grpc-retry-pushback-ms"] == str(int(WATCH_RETRY_S * 1000)) and "QuotaFailure" not in details
+    finally:
+        for s in held:
+            s.cancel()
+        ch.close()
+        srv.stop()
+    stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid))
+
+
+def _server_attempts() -> int:
+    """RPC attempts all gRPC servers of this process have started (channelz; this module's server is the only
+    one receiving calls while a test runs)."""
+    import json
+
+    from grpc._cython import cygrpc  # channelz, as grpcio-channelz reads it
+
+    return sum(int(s["data"].get("callsStarted", 0)) for s in json.loads(cygrpc.channelz_get_servers(0))["server"])
+
+
+def test_the_light_client_never_retries_a_quota_failure_or_a_permanent_unavailable(core, admin_token):
+    """inferscale_client's retry policy (gRPC's own, from the service config) retries RESOURCE_EXHAUSTED and
+    UNAVAILABLE, but the server's retry pushback (-1 where no RetryInfo is given) stops it: each is sent once."""
+    from inferscale_client import MemoryClient
+
+    srv = ServerThread(core)
+    uid = _user()
+    with MemoryClient(f"127.0.0.1:{srv.port}", token=admin_token, retry=True, timeout_s=30) as c:
+        c.add_facts(uid, [f"f{i}" for i in range(5)])
+        before = _server_attempts()
+        with pytest.raises(grpc.RpcError) as e:
+            c.add_facts(uid, ["one too many"])
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _server_attempts() - before == 1, "a quota failure was retried"
+        before = _server_attempts()
+        with pytest.raises(grpc.RpcError) as e:
+            c.search(uid, "q")  # registry-only: UNAVAILABLE that no retry can fix
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and _server_attempts() - before == 1
+        c.delete_user(uid)
+    srv.stop()
+
+
+# ------------------------------------------------------------------ the caller's deadline (issue 20 item 4)
+def test_the_callers_deadline_bounds_the_servers_work(stub, registry, redis_url):  # noqa: F811
+    """The server waits for its backends (here the registry, paused with CLIENT PAUSE: a real stall) only as
+    long as the gRPC caller's deadline, and answers DEADLINE_EXCEEDED itself, just before the caller's own
+    timer would fire (its message, not gRPC's "Deadline Exceeded"); without a deadline the call waits the
+    stall out and succeeds."""
+    import threading
+    import time
+
+    import redis
+
+    uid = _user()
+    ids = _stored(registry, uid, 2)
+    pauser = redis.Redis.from_url(redis_url)
+    pauser.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid), timeout=0.6)
+    took = time.monotonic() - t0
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline passed before the backends answered" in e.value.details(), e.value.details()
+    assert took < 1.2  # the caller is answered at its deadline, not when the registry is back
+    time.sleep(max(0.0, 1.6 - took))
+    pauser.execute_command("CLIENT", "PAUSE", 800, "ALL")
+    t0 = time.monotonic()
+    assert [f.fact_id for f in stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid)).facts] == ids
+    assert time.monotonic() - t0 >= 0.5  # no deadline: the server waited for the registry
+    pauser.close()
+    stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid))
+
+
+def test_backend_calls_take_the_callers_time_capped_by_the_servers():
+    """ServeBackends' bound on a backend call (api.within_deadline): the caller's remaining time when shorter
+    than the server's cap (DEADLINE_EXCEEDED), else the cap (TimeoutError: UNAVAILABLE, retryable)."""
+    import time
+
+    from inferscale_server.api import caller_deadline, to_api_error, within_deadline
+
+    async def run(deadline_s, cap_s):
+        with caller_deadline(deadline_s):
+            return await within_deadline(asyncio.sleep(5), cap_s)
+
+    t0 = time.monotonic()
+    with pytest.raises(api.ApiError) as e:
+        asyncio.run(run(0.3, 120.0))
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1
+    with pytest.raises(TimeoutError) as t:
+        asyncio.run(run(30.0, 0.2))
+    assert to_api_error(t.value).code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(api.ApiError) as e:  # already past: refused before the backend is called
+        asyncio.run(run(0.0, 120.0))
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED

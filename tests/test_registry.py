@@ -63,6 +63,24 @@ def test_list_pages_in_creation_order(reg):
         reg.list("u", -1, 2)
 
 
+def test_list_after_is_a_cursor_that_deletes_do_not_shift(reg):
+    """list_after pages by creation sequence: deleting facts already listed (or the cursor's own fact) skips no
+    surviving fact, where an offset would; the other user's facts never show; the cursor is None at the end."""
+    ids = [r.fact_id for r in reg.create("u", [NewFact(f"fact {i}") for i in range(7)])]
+    reg.create("v", [NewFact("another user's fact")])
+    page1, cur = reg.list_after("u", 0, 3)
+    assert [r.fact_id for _, r in page1] == ids[:3] and cur == page1[-1][0]
+    for _, r in page1:  # the whole first page, cursor's fact included, goes before the next page is read
+        reg.delete("u", r.fact_id)
+    reg.delete("u", ids[4])  # and one not listed yet
+    page2, cur2 = reg.list_after("u", cur, 3)
+    assert [r.fact_id for _, r in page2] == [ids[3], ids[5], ids[6]] and cur2 is None
+    assert [s for s, _ in page2] == sorted(s for s, _ in page2) and page2[0][0] > cur
+    assert reg.list_after("u", 0, 10) == (page2, None) and reg.list_after("nobody", 0, 5) == ([], None)
+    with pytest.raises(ValueError):
+        reg.list_after("u", -1, 2)
+
+
 def test_latest_is_the_users_most_recent_facts_oldest_first(reg):
     """What a new fact is encoded behind (inferscale_core/defaults.py): the user's last n facts, whatever call
     they came in, never another user's, and without the deleted ones."""

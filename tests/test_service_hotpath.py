@@ -58,7 +58,9 @@ def test_overload_crosses_processes_as_itself_and_maps_to_429():
     from inferscale_server.gateway.http_front import error_response
 
     err = pickle.loads(pickle.dumps(EngineAtCapacity("the engine is at capacity (9 tokens in flight of 8)")))
-    assert isinstance(err, EngineAtCapacity) and err.retry_after_s >= 1
+    assert isinstance(err, EngineAtCapacity) and err.retry_after_s >= 1 and err.reason == "ENGINE_AT_CAPACITY"
+    field_err = pickle.loads(pickle.dumps(ApiError(grpc.StatusCode.INVALID_ARGUMENT, "k is 0", field="k")))
+    assert (field_err.code, field_err.field, field_err.retry_after_s) == (grpc.StatusCode.INVALID_ARGUMENT, "k", None)
     resp = error_response(err)
     assert resp.status_code == 429 and resp.headers["retry-after"] == str(err.retry_after_s)
     assert b'"rate_limit_error"' in resp.body and b"engine_at_capacity" in resp.body

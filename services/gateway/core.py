@@ -74,6 +74,8 @@ MEM0_TIMEOUT_S = 240.0   # an extraction (its wait included) stopped after this
 HEALTH_TTL_S = 5.0            # Health, Check and Watch answer a probe at most this old
 WATCH_STREAMS_MAX = 32        # open grpc.health.v1 Watch streams per gateway replica (services/app.py reserves
 WATCH_STREAMS_PER_PEER = 4    # them on top of the users' request slots); per client connection
+WATCH_RETRY_S = 5.0           # RetryInfo of a refused Watch (a slot frees when a stream ends)
+MEM0_RETRY_S = 10.0           # RetryInfo when MEM0_QUEUE is full (an extraction takes seconds to minutes)
 
 
 class WatchSlots:
@@ -89,7 +91,8 @@ class WatchSlots:
         if self.open >= self.total or self.by_peer[peer] >= self.per_peer:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"too many open health Watch streams (at most {self.total} per server and "
-                           f"{self.per_peer} per connection); use Check, or watch again later")
+                           f"{self.per_peer} per connection); use Check, or watch again later",
+                           retry_after_s=WATCH_RETRY_S, reason="TOO_MANY_WATCHES")
         self.open += 1
         self.by_peer[peer] += 1
         try:
@@ -104,6 +107,12 @@ class WatchSlots:
 def _blocking(fn, *args, **kw):
     """Registry calls are short blocking I/O: keep them off the event loop."""
     return asyncio.to_thread(fn, *args, **kw)
+
+
+def _read(fn, *args):
+    """A registry read, waited for until the caller's deadline at most (the thread finishes its command). Writes
+    use _blocking: one is never abandoned halfway."""
+    return api.within_deadline(asyncio.to_thread(fn, *args))
 
 
 class GatewayCore:
@@ -138,9 +147,9 @@ class GatewayCore:
 
     def _need(self, what: str) -> Backends:
         if self.backends is None:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE,
+            raise ApiError(grpc.StatusCode.UNAVAILABLE,  # no RetryInfo: a retry cannot help
                            f"{what} needs the retrieval/engine deployments, and this gateway runs without them "
-                           "(registry-only mode)")
+                           "(registry-only mode)", reason="BACKENDS_NOT_DEPLOYED")
         return self.backends
 
     async def _push(self, coro, what: str) -> None:
@@ -158,7 +167,7 @@ class GatewayCore:
             return
         for name, why in zip(names, await self.backends.check_facts(texts)):
             if why is not None:
-                raise api.too_big(f"{name} {why}; nothing was stored")
+                raise api.too_big(f"{name} {why}; nothing was stored", name)
 
     async def _store_facts(self, user_id: str, facts: list[api.FactIn], names: list[str]) -> list[FactRecord]:
         return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window) for f in facts], names)
@@ -186,7 +195,8 @@ class GatewayCore:
                 if err.code == grpc.StatusCode.INTERNAL:
                     log.exception("storing %d facts failed; undone", len(recs))
                 raise ApiError(err.code, err.message if "nothing was stored" in err.message
-                               else f"{err.message}; nothing was stored") from None
+                               else f"{err.message}; nothing was stored", field=err.field,
+                               retry_after_s=err.retry_after_s, quota=err.quota, reason=err.reason) from None
         return recs
 
     async def _undo_create(self, user_id: str, recs: list[FactRecord]) -> None:
@@ -228,10 +238,10 @@ class GatewayCore:
         behind it gets that line removed (or replaced) in its stored window and is re-encoded, so the old text
         survives in no other fact's window or KV. Costs one pass over the user's facts plus up to
         NEIGHBOUR_WINDOW re-encodes (docs/architecture.md, "Neighbour windows")."""
-        changed, offset = [], 0
-        while offset is not None:
-            page, offset = await _blocking(self.registry.list, user_id, offset, 1000)
-            for rec in page:
+        changed, after = [], 0
+        while after is not None:  # a cursor: facts deleted meanwhile (a concurrent delete) neither fail nor shift it
+            page, after = await _blocking(self.registry.list_after, user_id, after, 1000)
+            for _, rec in page:
                 for _ in range(3):  # a concurrent write to the same fact: read it again
                     win = rewindow(rec.window, old_text, new_text)
                     if win is None:
@@ -260,7 +270,8 @@ class GatewayCore:
         if self._mem0_pending >= 1 + MEM0_QUEUE:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"too many AddMemory calls with infer=true in progress on this server (1 running, "
-                           f"{MEM0_QUEUE} waiting); retry later, or send infer=false")
+                           f"{MEM0_QUEUE} waiting); retry later, or send infer=false",
+                           retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
         self._mem0_pending += 1
         try:
             async with self._extractor_lock:  # only while the extractor is built (once)
@@ -277,14 +288,18 @@ class GatewayCore:
             call = ExtractionCall()
             done = self._mem0_pool.submit(self._sink.running(call, self._extractor.add), user_id, messages, metadata)
             try:
-                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
-            except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+                return await api.within_deadline(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
+            except (asyncio.TimeoutError, asyncio.CancelledError, ApiError) as e:  # ApiError: the caller's deadline
                 await call.stop(done)
                 if isinstance(e, asyncio.CancelledError):
                     raise
-                raise ApiError(grpc.StatusCode.UNAVAILABLE,
+                if isinstance(e, ApiError):
+                    raise ApiError(e.code, f"{e.message}; the memory extraction was stopped, {call.written} of its "
+                                           "changes had been written, nothing more will be") from None
+                raise ApiError(grpc.StatusCode.UNAVAILABLE,  # no RetryInfo: a retry repeats the written part
                                f"the memory extraction did not finish within {MEM0_TIMEOUT_S:g} s and was stopped; "
-                               f"{call.written} of its changes had been written, nothing more will be") from None
+                               f"{call.written} of its changes had been written, nothing more will be",
+                               reason="EXTRACTION_STOPPED") from None
         finally:
             self._mem0_pending -= 1
 
@@ -320,7 +335,8 @@ class GatewayCore:
         facts = [api.FactIn(api.text_field(m["content"], f"messages[{i}].content", self.limits.max_fact_chars).strip(),
                             {**meta, "role": m["role"]}) for i, m in kept]
         if not facts:
-            raise api.invalid("messages hold only system messages; with infer=false nothing would be stored")
+            raise api.invalid("messages hold only system messages; with infer=false nothing would be stored",
+                              "messages")
         recs = await self._store_facts(uid, facts, [f"messages[{i}].content" for i, _ in kept])
         return [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in recs]
 
@@ -355,7 +371,7 @@ class GatewayCore:
 
     async def _records(self, user_id: str, fact_ids: list[str]) -> dict[str, FactRecord]:
         """Records of the user by id, in one registry round trip, skipping any deleted since the replica answered."""
-        return await _blocking(self.registry.find_many, user_id, fact_ids) if fact_ids else {}
+        return await _read(self.registry.find_many, user_id, fact_ids) if fact_ids else {}
 
     async def Answer(self, raw, caller: Principal):  # noqa: N802 - async generator of AnswerChunk
         req = api.parse("Answer", raw, self.limits)
@@ -365,7 +381,7 @@ class GatewayCore:
         max_tokens = api.bounded_int(req.max_tokens, "max_tokens", 1, self.limits.max_max_tokens,
                                      self.limits.default_max_tokens)
         if not 0.0 <= req.temperature <= 2.0:  # also refuses NaN
-            raise api.invalid(f"temperature must be in [0, 2], got {req.temperature}")
+            raise api.invalid(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
         mode = api.answer_mode(req.mode)
         conversation = api.messages_in(req.messages, self.limits) if req.messages else None
         backends = self._need("Answer")
@@ -383,7 +399,7 @@ class GatewayCore:
     async def GetMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("GetMemory", raw, self.limits)
         uid = self._owner(caller, "GetMemory", req.user_id)
-        rec = await _blocking(self.registry.get, uid, api.fact_id(req.fact_id))
+        rec = await _read(self.registry.get, uid, api.fact_id(req.fact_id))
         return api.fact_pb(rec)
 
     async def ListMemories(self, raw, caller: Principal):  # noqa: N802
@@ -391,20 +407,24 @@ class GatewayCore:
         uid = self._owner(caller, "ListMemories", req.user_id)
         size = api.bounded_int(req.page_size, "page_size", 1, self.limits.max_page_size,
                                self.limits.default_page_size)
-        offset = api.page_token(req.page_token)
+        # A token answers only the listing that issued it: this user, these filters.
+        scope = "\n".join((uid, req.filters, req.agent_id, req.run_id))
+        after = api.page_token(req.page_token, scope)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
-        recs, nxt = await _blocking(self.registry.list, uid, offset, size)
+        page, nxt = await _read(self.registry.list_after, uid, after, size)
         facts, total = [], 0
-        for i, r in enumerate(recs):  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
+        for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
             if match is not None and not match(r):
+                after = seq
                 continue
             pb = api.fact_pb(r)
             total += pb.ByteSize() + 8
             if facts and total > MAX_PAGE_BYTES:
-                nxt = offset + i
+                nxt = after
                 break
             facts.append(pb)
-        return pb2.ListMemoriesResponse(facts=facts, next_page_token="" if nxt is None else str(nxt))
+            after = seq
+        return pb2.ListMemoriesResponse(facts=facts, next_page_token=api.next_page_token(nxt, scope))
 
     async def UpdateMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("UpdateMemory", raw, self.limits)
@@ -414,9 +434,9 @@ class GatewayCore:
                 if req.HasField("text") else None)
         meta = api.metadata(req.metadata, "metadata", self.limits)
         if text is None and not meta and not req.replace_metadata:
-            raise api.invalid("nothing to update: set text and/or metadata")
+            raise api.invalid("nothing to update: set text and/or metadata", "text")
         if req.expected_version < 0:
-            raise api.invalid(f"expected_version must be >= 0, got {req.expected_version}")
+            raise api.invalid(f"expected_version must be >= 0, got {req.expected_version}", "expected_version")
         rec = await self.update_fact(uid, fid, text, meta if (meta or req.replace_metadata) else None,
                                      req.replace_metadata, req.expected_version)
         return api.fact_pb(rec)

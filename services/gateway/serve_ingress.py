@@ -9,15 +9,17 @@ import time
 
 import grpc
 
-from ..api import Limits, to_api_error
+from ..api import Limits, caller_deadline, time_left, to_api_error, within_deadline
 from ..auth import AuthConfig, Authenticator
+from ..proxy_setup import DEADLINE_ATTR
 from .core import GatewayCore
-from .grpc_front import health_check, health_watch, metadata_value, status_of
+from .grpc_front import error_trailers, health_check, health_watch, metadata_value, status_of
 from .http_front import build_http_app
 
 log = logging.getLogger("inferscale.gateway")
 ANSWER_RETRIES = 2  # an Answer whose engine replica was lost before its first piece is tried this often again
 RETRY_WAIT_S = 0.5
+BACKEND_TIMEOUT_S = 120.0  # the server's cap on one backend call; a caller's shorter deadline wins (api.time_left)
 
 
 def _replica_lost(e: BaseException) -> bool:
@@ -30,7 +32,7 @@ class ServeBackends:
     """Backends over Serve deployment handles. Every per-user call carries multiplexed_model_id = user id,
     so Serve routes it to a replica that already holds the user's index / KV store."""
 
-    def __init__(self, encoder, retrieval, engine, timeout_s: float = 120.0, metrics=None):
+    def __init__(self, encoder, retrieval, engine, timeout_s: float = BACKEND_TIMEOUT_S, metrics=None):
         self.encoder, self.retrieval, self.engine, self.timeout_s = encoder, retrieval, engine, timeout_s
         self.metrics = metrics  # inferscale_server.metrics.GatewayMetrics: q2ft
 
@@ -41,7 +43,7 @@ class ServeBackends:
         return self.engine.options(multiplexed_model_id=user_id, stream=stream)
 
     async def check_facts(self, texts):
-        return await asyncio.wait_for(self.encoder.check.remote(list(texts)), self.timeout_s)
+        return await within_deadline(self.encoder.check.remote(list(texts)), self.timeout_s)
 
     async def index_facts(self, user_id, records):
         indexed = self._r(user_id).index_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records])
@@ -52,10 +54,10 @@ class ServeBackends:
             user_id, [(r.fact_id, r.version, r.text, list(r.window)) for r in records])
         placed = self._e(user_id).put_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records],
                                                    encoded)
-        await asyncio.wait_for(asyncio.gather(indexed, placed), self.timeout_s)
+        await within_deadline(asyncio.gather(indexed, placed), self.timeout_s)
 
     async def search(self, user_id, query, k):
-        return await asyncio.wait_for(self._r(user_id).search.remote(user_id, query, k), self.timeout_s)
+        return await within_deadline(self._r(user_id).search.remote(user_id, query, k), self.timeout_s)
 
     async def answer(self, user_id, query, k, max_tokens, temperature, mode, conversation=None):
         """Streams the engine's pieces. An engine replica lost before the first piece (died, unreachable, its
@@ -84,6 +86,7 @@ class ServeBackends:
             except Exception as e:  # noqa: BLE001 - retried, or raised as it is
                 if not first or attempt == ANSWER_RETRIES or not _replica_lost(e):
                     raise
+                time_left(None)  # DEADLINE_EXCEEDED rather than a retry the caller no longer waits for
                 log.warning("answer: engine replica lost before the first piece (%s); retry %d of %d",
                             type(e).__name__, attempt + 1, ANSWER_RETRIES)
                 await asyncio.sleep(RETRY_WAIT_S * (attempt + 1))  # lets Serve's router learn of the death
@@ -97,15 +100,15 @@ class ServeBackends:
                              self._e(user_id).forget_user.remote(user_id))
 
     async def search_vector(self, user_id, vector, k):
-        return await asyncio.wait_for(self._r(user_id).search_vector.remote(user_id, vector, k), self.timeout_s)
+        return await within_deadline(self._r(user_id).search_vector.remote(user_id, vector, k), self.timeout_s)
 
     async def chat(self, messages, max_tokens, temperature, structured):
         # Plain chat holds no user's KV: any engine replica will do.
-        return await asyncio.wait_for(self.engine.chat.remote(messages, max_tokens, temperature, structured),
-                                      self.timeout_s)
+        return await within_deadline(self.engine.chat.remote(messages, max_tokens, temperature, structured),
+                                     self.timeout_s)
 
     async def chat_room(self, messages):
-        return await asyncio.wait_for(self.engine.chat_room.remote(messages), self.timeout_s)
+        return await within_deadline(self.engine.chat_room.remote(messages), self.timeout_s)
 
     async def health(self):
         out = {}
@@ -117,6 +120,13 @@ class ServeBackends:
                 log.warning("health: %s: %s", name, e)
                 out[name] = f"error: {type(e).__name__}"
         return out
+
+
+def seconds_left(grpc_context) -> float | None:
+    """What is left of the gRPC caller's deadline: Serve's proxy notes it on the context it sends here
+    (services/proxy_setup.py, DEADLINE_ATTR); None when the caller set none."""
+    deadline = getattr(grpc_context, DEADLINE_ATTR, None)
+    return None if deadline is None else deadline - time.time()
 
 
 def _replica() -> "Gateway":
@@ -169,10 +179,11 @@ class Gateway:
         err = status_of(name, e)
         grpc_context.set_code(err.code)
         grpc_context.set_details(err.message)
+        grpc_context.set_trailing_metadata(list(error_trailers(err)))  # the proxy sends them (google.rpc details)
         return err
 
     async def _call(self, name: str, request, grpc_context):
-        with self.metrics.request(name):
+        with self.metrics.request(name), caller_deadline(seconds_left(grpc_context)):
             try:
                 return await getattr(self.core, name)(request, await self._caller(name, grpc_context))
             except Exception as e:  # noqa: BLE001 - mapped to a status code for the proxy
@@ -221,7 +232,7 @@ class Gateway:
                 raise self._refuse("Watch", e, grpc_context) from None
 
     async def Answer(self, request, grpc_context):  # noqa: N802 - server streaming
-        with self.metrics.request("Answer"):
+        with self.metrics.request("Answer"), caller_deadline(seconds_left(grpc_context)):
             try:
                 async for chunk in self.core.Answer(request, await self._caller("Answer", grpc_context)):
                     yield chunk

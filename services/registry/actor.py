@@ -60,6 +60,9 @@ class ActorRegistry(Registry):
     def list(self, user_id, offset=0, limit=None):
         return self._call("list", user_id, offset, limit)
 
+    def list_after(self, user_id, after, limit):
+        return self._call("list_after", user_id, after, limit)
+
     def count(self, user_id):
         return self._call("count", user_id)
 

@@ -29,7 +29,15 @@ class DuplicateFactError(InferScaleError):
 
 
 class QuotaExceededError(InferScaleError):
-    """A write would take the user past its quota of facts or bytes; nothing was written."""
+    """A write would take the user past its quota of facts or bytes; nothing was written. `quota_id` names the
+    quota ("facts_per_user", "bytes_per_user") and `limit` its value (the API's google.rpc.QuotaFailure)."""
+
+    def __init__(self, message: str, user_id: str = "", quota_id: str = "", limit: int = 0):
+        super().__init__(message, user_id, quota_id, limit)
+        self.user_id, self.quota_id, self.limit = user_id, quota_id, limit
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -51,10 +59,10 @@ def check_quota(quota: "Quota | None", user_id: str, facts: int, nbytes: int, ad
         return
     if add_facts > 0 and facts + add_facts > quota.max_facts:
         raise QuotaExceededError(f"user {user_id!r} has {facts} facts; adding {add_facts} would pass the limit of "
-                                 f"{quota.max_facts} facts per user")
+                                 f"{quota.max_facts} facts per user", user_id, "facts_per_user", quota.max_facts)
     if add_bytes > 0 and nbytes + add_bytes > quota.max_bytes:
         raise QuotaExceededError(f"user {user_id!r} stores {nbytes} bytes; {add_bytes} more would pass the limit "
-                                 f"of {quota.max_bytes} bytes per user")
+                                 f"of {quota.max_bytes} bytes per user", user_id, "bytes_per_user", quota.max_bytes)
 
 
 @dataclass(frozen=True)
@@ -176,6 +184,13 @@ class Registry(ABC):
     @abstractmethod
     def list(self, user_id: str, offset: int = 0, limit: int | None = None) -> tuple[list[FactRecord], int | None]:
         """Facts in creation order from `offset`; returns (records, next offset or None at the end)."""
+
+    @abstractmethod
+    def list_after(self, user_id: str, after: int, limit: int) -> tuple[list[tuple[int, FactRecord]], int | None]:
+        """Up to `limit` facts created after creation sequence number `after` (0: from the first), in creation
+        order, each with its sequence number; and the cursor to go on from (None at the end). A cursor, not an
+        offset: facts deleted meanwhile do not shift it, so a listing that deletes as it pages skips no
+        surviving fact and returns none twice."""
 
     @abstractmethod
     def count(self, user_id: str) -> int: ...

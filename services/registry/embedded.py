@@ -2,6 +2,7 @@
 Redis; its data lives as long as the process)."""
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from dataclasses import replace
@@ -17,6 +18,8 @@ class EmbeddedRegistry(Registry):
         self._lock = threading.Lock()
         self._facts = {}                            # fact_id -> FactRecord
         self._order: dict[str, list[str]] = {}      # user -> fact ids in creation order
+        self._seq: dict[str, int] = {}              # fact_id -> creation sequence number (list_after's cursor)
+        self._last_seq = 0
         self._bytes: dict[str, int] = {}            # user -> fact_bytes + kept versions' bytes (the byte quota)
         self._history: dict[str, list] = {}         # fact_id -> earlier FactVersions, oldest first
         self._ver: dict[str, int] = {}
@@ -43,6 +46,8 @@ class EmbeddedRegistry(Registry):
             for r in recs:
                 self._facts[r.fact_id] = r
                 self._order.setdefault(user_id, []).append(r.fact_id)
+                self._last_seq += 1
+                self._seq[r.fact_id] = self._last_seq
             if recs:
                 self._bytes[user_id] = self._bytes.get(user_id, 0) + added
                 self._bump(user_id)
@@ -78,6 +83,17 @@ class EmbeddedRegistry(Registry):
             page = ids[offset:] if limit is None else ids[offset:offset + limit]
             more = limit is not None and offset + limit < len(ids)
             return [self._facts[f] for f in page], (offset + len(page) if more else None)
+
+    def list_after(self, user_id, after, limit):
+        check_id("user_id", user_id)
+        if after < 0 or limit < 1:
+            raise ValueError(f"bad page: after={after}, limit={limit}")
+        with self._lock:
+            ids = self._order.get(user_id, [])
+            start = bisect.bisect_right(ids, after, key=self._seq.__getitem__)
+            page = ids[start:start + limit]
+            more = start + limit < len(ids)
+            return [(self._seq[f], self._facts[f]) for f in page], (self._seq[page[-1]] if more else None)
 
     def count(self, user_id):
         check_id("user_id", user_id)
@@ -149,6 +165,7 @@ class EmbeddedRegistry(Registry):
         with self._lock:
             rec = self._owned(user_id, fact_id)
             del self._facts[fact_id]
+            del self._seq[fact_id]
             self._order[user_id].remove(fact_id)
             kept = self._history.pop(fact_id, [])
             self._bytes[user_id] = (self._bytes.get(user_id, 0) - fact_bytes(rec)
@@ -163,6 +180,7 @@ class EmbeddedRegistry(Registry):
             for f in ids:
                 del self._facts[f]
                 self._history.pop(f, None)
+                del self._seq[f]
             self._bytes.pop(user_id, None)
             self._placement.pop(user_id, None)
             self._bump(user_id)

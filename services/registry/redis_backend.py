@@ -171,6 +171,18 @@ class RedisRegistry(Registry):
         recs = self.get_many(user_id, ids) if ids else []
         return recs, (offset + len(ids) if more else None)
 
+    def list_after(self, user_id, after, limit):
+        check_id("user_id", user_id)
+        if after < 0 or limit < 1:
+            raise ValueError(f"bad page: after={after}, limit={limit}")
+        # One extra to know whether more follow; the score is the creation sequence (exclusive lower bound).
+        rows = self.r.zrangebyscore(self._k("user", user_id, "facts"), f"({after}", "+inf", start=0, num=limit + 1,
+                                    withscores=True)
+        more, rows = len(rows) > limit, rows[:limit]
+        found = self.find_many(user_id, [f.decode() for f, _ in rows])  # one deleted in between is left out
+        page = [(int(s), found[f.decode()]) for f, s in rows if f.decode() in found]
+        return page, (int(rows[-1][1]) if more else None)
+
     def count(self, user_id):
         check_id("user_id", user_id)
         return int(self.r.zcard(self._k("user", user_id, "facts")))
