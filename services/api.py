@@ -43,6 +43,7 @@ class Limits:
     max_metadata_value_chars: int = 1024
     max_facts_per_user: int = 100_000
     max_bytes_per_user: int = 64 << 20     # text + metadata + window of all the user's facts (UTF-8)
+    max_kv_bytes_per_user: int = 16 << 30  # KV of all the user's facts (tokens x the model's KV bytes per token)
     default_k: int = 5
     max_k: int = 64
     default_max_tokens: int = 256
@@ -51,7 +52,7 @@ class Limits:
     max_page_size: int = 1000
 
     def quota(self) -> Quota:
-        return Quota(self.max_facts_per_user, self.max_bytes_per_user)
+        return Quota(self.max_facts_per_user, self.max_bytes_per_user, self.max_kv_bytes_per_user)
 
 
 class ApiError(Exception):

@@ -236,17 +236,19 @@ def build_app(cfg: ServiceConfig):
     from .engine_replica import EngineReplica
     from .gateway import Gateway, http_app
     from .retrieval import Retrieval
-    from .routing import ROUTER_PATH
+    from .routing import ROUTER_PATH, move_threshold
 
     opts = deployment_options(cfg)
     # Without Redis every replica must still see one registry: a named Ray actor holds it.
     registry_url = cfg.registry_url or f"{ACTOR_SCHEME}{APP_NAME}-registry"
     for name, seconds in GRACEFUL_SHUTDOWN_S.items():
         opts[name] = {"graceful_shutdown_timeout_s": seconds, **opts[name]}
-    # A user stays on the engine replica that holds its KV while that replica lives (services/routing.py);
-    # Serve's default router would load it on a second replica whenever the holder is busy.
-    opts["EngineReplica"] = {"request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
-                             **opts["EngineReplica"]}
+    # A user goes to its home engine replica (a hash of its stable slot), and to the next one while the home is
+    # at twice its autoscaling target (services/routing.py); Serve's default router would pick any holder.
+    engine_spec = cfg.deployments["EngineReplica"]
+    opts["EngineReplica"] = {"request_router_config": RequestRouterConfig(
+        request_router_class=ROUTER_PATH, request_router_kwargs={"move_at": move_threshold(
+            engine_spec.target_ongoing_requests, engine_spec.max_ongoing_requests)}), **opts["EngineReplica"]}
     encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
         model_path=cfg.model_path, dtype=cfg.dtype, cluster_store=cfg.cluster_store or None)
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(

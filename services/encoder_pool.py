@@ -98,8 +98,15 @@ class FactEncoder:
             return f"is {n} tokens long (serving model's tokenizer), the limit is {self.max_fact_tokens} tokens"
         return None
 
-    def check(self, texts: Sequence[str]) -> list[str | None]:
-        return [self.problem(t) for t in texts]
+    def check(self, texts: Sequence[str]) -> list[str | int]:
+        """Per text: why it cannot be encoded, else the bytes its KV will take (tokens x KV bytes per token in
+        the stored dtype): what the gateway counts against the user's KV quota before it writes."""
+        out: list[str | int] = []
+        for t in texts:
+            why = self.problem(t)
+            out.append(why if why is not None else self.encoder.spec.kv_bytes(
+                len(self.template.fact_ids(t)), self.encoder.store_dtype))
+        return out
 
     def _prepared(self, text: str, window: Sequence[str]):
         # Window turns are user text too: tokenized as text (no special token can come from them).
@@ -197,8 +204,8 @@ class EncoderPool:
     async def cluster_stats(self) -> dict | None:
         return dict(self.cluster.counters) if self.cluster is not None else None
 
-    async def check(self, texts: list[str]) -> list[str | None]:
-        """Per text: why it cannot be encoded, or None (tokenizer only, no forward)."""
+    async def check(self, texts: list[str]) -> list[str | int]:
+        """Per text: why it cannot be encoded, or its KV bytes (tokenizer only, no forward)."""
         with self.metrics.request("check"):
             return await asyncio.to_thread(self.fe.check, list(texts))
 

@@ -62,12 +62,14 @@ from .admission import DEFAULT_QUEUE_FACTOR, Admission
 from .api import RETRY_AFTER_S, ApiError
 from .encoder_pool import EncodeFailure, StoredKV
 from .registry import open_registry
+from .routing import SLOT
 
 log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
 API_MODES = {"inject": "kv", "prompt": "pi"}  # wire names -> engine modes
 WATCH_PERIOD_S = float(os.environ.get("INFERSCALE_ENGINE_WATCH_S", "0.5"))
 PUT_CHUNK_TOKENS = 512  # KV tokens per call into the engine core: its step loop waits while a call runs
+TOMBSTONE_CURSOR = "tombstones.cursor"  # in the replica's disk folder: how far it applied the registry's tombstones
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,23 @@ class ResidentKV:
 
     def count(self) -> int:
         return len(self._lru)
+
+
+def replica_slot() -> int:
+    """Serve's rank of this replica in its deployment: a replacement for a dead replica gets its rank, so the
+    slot survives restarts (services/routing.py routes users by it); 0 outside Serve."""
+    try:
+        return int(serve.get_replica_context().rank.rank)
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test)
+        return 0
+
+
+def serve_replica_id() -> str | None:
+    """Serve's id of this replica (its actor's name ends with it); None outside Serve."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test)
+        return None
 
 
 def replica_disk_dir(kv_dir: str | None) -> str | None:
@@ -266,12 +285,28 @@ class EngineReplica:
         self._user_locks: dict[str, asyncio.Lock] = {}
         self.counters = {"facts_from_disk": 0, "facts_from_cluster": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
-                         "facts_dropped_by_watch": 0, "facts_evicted": 0}
+                         "facts_dropped_by_watch": 0, "facts_evicted": 0, "facts_stale_pushes": 0}
+        self.counters["tombstones_applied"] = 0
+        # Tombstones (registry deletes and updates) are applied from where this slot's last replica stopped (its
+        # cursor is on the disk tier, next to the files it covers), before any request; without a saved cursor
+        # (no disk tier, a new slot) from the log's end: this replica holds nothing older.
+        self._tomb_cursor = self._saved_tomb_cursor() or (
+            await asyncio.to_thread(self.registry.tombstones_after, None))[1]
+        await asyncio.to_thread(self._save_tomb_cursor)
+        await self._apply_tombstones()
         loop = asyncio.get_running_loop()
         self._exporter = loop.create_task(self._export_engine_metrics())
         self._watcher = loop.create_task(self._watch())
 
     # ------------------------------------------------------------------------------ user placement
+    def record_replica_metadata(self) -> dict:
+        """Serve's hook (once, at start): this replica's stable slot for services/routing.py."""
+        return {SLOT: replica_slot()}
+
+    def record_routing_stats(self) -> dict:
+        """Serve's hook (every request_routing_stats_period_s): the slot again, in case Serve re-ranked."""
+        return {SLOT: replica_slot()}
+
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _HeldUser:
         """Serve's loader, run under ONE lock for the whole replica: it only registers the user. Its facts are
@@ -365,6 +400,8 @@ class EngineReplica:
         is one) and puts them into the worker store. Call under the user's lock."""
         encoded = await self.encoder.encode_for.remote(
             user_id, [(f, h.version, h.text, list(h.window)) for f, h in facts])
+        fresh = await self._current(user_id, [(f, h.version) for f, h in facts])
+        facts, encoded = [fh for fh, ok in zip(facts, fresh) if ok], [e for e, ok in zip(encoded, fresh) if ok]
         stored = [(f, h) for (f, h), e in zip(facts, encoded) if isinstance(e, StoredKV)]
         from_cluster = await asyncio.to_thread(self.cluster.get_many, user_id, [kv_id(f, h.version) for f, h in stored]
                                                ) if stored else []
@@ -387,6 +424,18 @@ class EngineReplica:
         if good:
             await self._put(user_id, [(f, v) for f, v, _ in good], [e for _, _, e in good])
         self.counters["facts_encoded"] += sum(not isinstance(e, EncodeFailure) for e in encoded)
+
+    async def _current(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
+        """Whether each (fact, version) is still the registry's; for one that is not, the cluster object its
+        encode just wrote (after the newer version's write removed the older ones: two updates racing, or a
+        re-encode racing an update) is removed, and the caller never stores it: a put never replaces, or
+        outlives, a newer version. One registry read."""
+        current = await asyncio.to_thread(self.registry.find_many, user_id, [f for f, _ in facts])
+        fresh = [f in current and current[f].version == v for f, v in facts]
+        for (f, v), ok in zip(facts, fresh):
+            if not ok and self.cluster is not None:
+                await asyncio.to_thread(self.cluster.remove_versions, user_id, f, v + 1)
+        return fresh
 
     async def _drop_moved(self, user_id: str, held: dict[str, HeldFact], wanted: dict[str, int]) -> int:
         """Drops from the worker store the held facts that are deleted or at another version in `wanted`."""
@@ -450,6 +499,7 @@ class EngineReplica:
                 log.warning("watch of held users failed: %s", e)
 
     async def _watch_once(self) -> None:
+        await self._apply_tombstones()
         users = list(self._synced)
         if not users:
             return
@@ -467,6 +517,53 @@ class EngineReplica:
             self.counters["facts_dropped_by_watch"] += await self._drop_moved(user_id, held, wanted)
             self._pruned[user_id] = version
 
+    # ------------------------------------------------------------------------------ tombstones
+    def _saved_tomb_cursor(self) -> str | None:
+        path = Path(self.disk_dir) / TOMBSTONE_CURSOR if self.disk_dir else None
+        return path.read_text().strip() or None if path is not None and path.is_file() else None
+
+    def _save_tomb_cursor(self) -> None:
+        if self.disk_dir:
+            path = Path(self.disk_dir) / TOMBSTONE_CURSOR
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(self._tomb_cursor)
+            os.replace(tmp, path)
+
+    async def _apply_tombstones(self) -> int:
+        """Removes what the registry's tombstones written since this replica's cursor name, from this replica's
+        tiers (memory, disk: held users, users it evicted, users it held before a restart) and, for deletes,
+        from the cluster tier (every replica does: one that was down at the time may be the only one left)."""
+        applied = 0
+        while True:
+            tombs, cursor = await asyncio.to_thread(self.registry.tombstones_after, self._tomb_cursor)
+            for t in tombs:
+                await self._bury(t)
+            self._tomb_cursor = cursor
+            if not tombs:
+                break
+            applied += len(tombs)
+            await asyncio.to_thread(self._save_tomb_cursor)
+        self.counters["tombstones_applied"] += applied
+        return applied
+
+    async def _bury(self, t) -> None:
+        async with self._lock(t.user_id):
+            if not t.fact_id:  # DeleteUser
+                self._forget_books(t.user_id)
+                await self.engine.delete_encoded(t.user_id, None)
+                if self.cluster is not None:
+                    await asyncio.to_thread(self.cluster.remove_user, t.user_id)
+                return
+            ids = [kv_id(t.fact_id, v) for v in range(1, t.upto + 1)]
+            held = self._held.get(t.user_id, {})
+            if t.fact_id in held and held[t.fact_id].version <= t.upto:  # the next request re-syncs the user
+                del held[t.fact_id]
+                self._synced.pop(t.user_id, None)
+            self.resident.discard(t.user_id, ids)
+            await self.engine.delete_encoded(t.user_id, ids)
+            if t.gone and self.cluster is not None:  # an update's older versions: the encoder pool removes them
+                await asyncio.to_thread(self.cluster.remove_versions, t.user_id, t.fact_id)
+
     # ------------------------------------------------------------------------------ called by the gateway
     async def put_facts(self, user_id: str, facts: list[tuple[str, int, str]], encoded: list) -> int:
         """`facts`: (fact_id, version, text) of each new fact. `encoded` arrives resolved from the object store
@@ -481,11 +578,14 @@ class EngineReplica:
                                    f"facts[{i}] could not be encoded: {enc.reason}; nothing was stored"
                                    + ("; retry shortly" if enc.transient else ""), field=f"facts[{i}].text",
                                    retry_after_s=RETRY_AFTER_S if enc.transient else None)
-            local = [((f, v), e) for (f, v, _), e in zip(facts, encoded) if not isinstance(e, StoredKV)]
             async with self._lock(user_id):
                 self._held.setdefault(user_id, {})  # held here from now on; its books fill at the next sync
+                fresh = await self._current(user_id, [(f, v) for f, v, _ in facts])
+                local = [((f, v), e) for (f, v, _), e, ok in zip(facts, encoded, fresh)
+                         if ok and not isinstance(e, StoredKV)]
                 if local:
                     await self._put(user_id, [fv for fv, _ in local], [e for _, e in local])
+                self.counters["facts_stale_pushes"] += fresh.count(False)
             self.counters["facts_pushed"] += len(encoded)
             await self._user(user_id)  # registers the user here (Serve routes its requests to this replica)
             return len(encoded)
@@ -607,7 +707,8 @@ class EngineReplica:
     # ------------------------------------------------------------------------------ observability
     async def stats(self) -> dict:
         """This replica's counters, the users it holds, and the engine's (vLLM + worker store) metrics."""
-        return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir,
+        return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir, "slot": replica_slot(),
+                "serve_replica_id": serve_replica_id(),
                 "users": sorted(self._held), **self.counters, "admission": self.admission.stats(),
                 "cluster": dict(self.cluster.counters) if self.cluster is not None else None,
                 "resident": {"facts": self.resident.count(), "bytes": self.resident.bytes,

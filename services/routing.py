@@ -1,32 +1,39 @@
-"""User affinity for the engine replicas: Serve's request router for EngineReplica (wired in services/app.py).
+"""Soft user affinity for the engine replicas: Serve's request router for EngineReplica (wired in services/app.py).
 
-Serve's default router (power of two choices + multiplexing) prefers a replica that holds the user, but when
-that replica has been at max_ongoing_requests for RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S (1 s) it
-falls back to the replicas with the fewest users, then to any replica: under load a user is loaded again on
-another replica (its facts re-encoded or read from disk there) and then lives on two.
+A user's KV lives in the cluster tier (Mooncake, readable by every replica) and, once used, in the fast tiers
+(memory, disk) of the replica that served it. So any replica CAN serve any user; the router only makes it
+likely that the replica it picks already holds the user:
 
-`UserAffinityRouter` never falls back while the holder is alive:
-  1. a request for a user goes to the live replica that holds it (loaded or loading, as the replicas report
-     to Serve); the request waits there if that replica is full (the replica's own admission decides what to
-     shed);
-  2. a user no live replica holds goes to the replica that wins a rendezvous hash of (user, replica id): every
-     router (each gateway replica's handles, a driver's handle) picks the same replica without talking to the
-     others, users spread evenly in expectation, and adding or losing a replica moves only the users it wins
-     or held;
-  3. when the holder dies Serve drops it from the live set, so the user's next request goes to (2) and the
-     user moves; a user held by two replicas (left from before, or two routers racing on its first request)
-     is sent to the one the hash prefers among them, so every router agrees.
+  1. Home: every user has a home replica, the winner of a rendezvous hash of (user, replica slot). The slot is
+     Serve's rank of the replica within the deployment (0, 1, ...): a replica that dies is replaced under the
+     same rank, so a restart keeps every user's home (and, with a disk tier, the slot's folder,
+     engine_replica.replica_disk_dir), unlike Serve's replica ids, which are new on every start. Every router
+     (each gateway replica's handles, a driver's handle) computes the same home without talking to the
+     others; adding a replica moves only the users it wins, losing one moves only its users.
+  2. Soft: a home that this router sees at `move_at` or more ongoing requests (Serve's queue-length cache:
+     requests it sent and not yet finished, corrected by Serve's probes) is skipped for the next replica in
+     the user's hash order that is below it; that replica reads the user's KV from the cluster tier. When
+     every replica is that busy the least busy goes first. Serve itself skips a replica at its
+     max_ongoing_requests and tries the next in the order, so a full or dead home never holds a user up.
+  3. When the load falls the user goes home again (the home still holds it, or reads it from the cluster).
 Requests without a user (plain chat, health) keep Serve's power-of-two choice.
+
+`preference_order` is the whole policy, a pure function (tests/test_routing.py tests it without Ray).
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 # Serve's own router, subclassed for requests without a user; a private module in ray 2.60 (pinned in pyproject).
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 ROUTER_PATH = "inferscale_server.routing:UserAffinityRouter"  # what a deployment's request_router_class names
+SLOT = "slot"  # the key of a replica's stable slot in its replica_metadata / routing_stats (EngineReplica)
+
+R = TypeVar("R")
 
 
 def affinity_score(user_id: str, replica_key: str) -> int:
@@ -35,22 +42,52 @@ def affinity_score(user_id: str, replica_key: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def preferred_replica(user_id: str, replicas: list[RunningReplica]) -> RunningReplica:
-    """The replica the user belongs on among `replicas` (non-empty): a holder if there is one, else the
-    rendezvous winner; ties between holders are broken by the same hash."""
-    holders = [r for r in replicas if user_id in r.multiplexed_model_ids]
-    return max(holders or replicas, key=lambda r: affinity_score(user_id, r.replica_id.unique_id))
+def move_threshold(target_ongoing_requests: float, max_ongoing_requests: int) -> int:
+    """Ongoing requests at which a user's home counts as overloaded: twice the autoscaling target (the
+    autoscaler is adding replicas by then), at most Serve's own limit."""
+    return max(1, min(int(max_ongoing_requests), round(2 * target_ongoing_requests)))
+
+
+def preference_order(user_id: str, replicas: Sequence[R], key: Callable[[R], str],
+                     ongoing: Callable[[R], int | None], move_at: int) -> list[R]:
+    """`replicas` in the order to try for the user: the user's hash order over the stable keys (its home
+    first), the replicas below `move_at` ongoing requests (unknown counts as below) before the others, the
+    others least busy first. Ties of the same key (never two live replicas, briefly during a replacement)
+    keep the hash order by the key then the input order."""
+    ranked = sorted(replicas, key=lambda r: affinity_score(user_id, key(r)), reverse=True)
+    free = [r for r in ranked if (ongoing(r) or 0) < move_at]
+    busy = sorted((r for r in ranked if (ongoing(r) or 0) >= move_at), key=lambda r: ongoing(r) or 0)
+    return free + busy
+
+
+def replica_key(replica: RunningReplica) -> str:
+    """A replica's stable slot ("slot-N", its Serve rank, reported by the replica), else its id (a replica
+    that does not report one: it still gets users, but not the same ones after a restart)."""
+    slot = replica.routing_stats.get(SLOT, replica.replica_metadata.get(SLOT))
+    return f"slot-{slot}" if slot is not None else replica.replica_id.unique_id
 
 
 class UserAffinityRouter(PowerOfTwoChoicesRequestRouter):
-    """Serve request router: one replica per user while it lives (see the module docstring)."""
+    """Serve request router: a user's home replica unless it is overloaded (see the module docstring)."""
+
+    move_at: int | None = None  # None: a replica's own max_ongoing_requests
+
+    def initialize_state(self, move_at: int | None = None, **kwargs) -> None:
+        super().initialize_state(**kwargs)
+        if move_at is not None and (not isinstance(move_at, int) or move_at < 1):
+            raise ValueError(f"request_router_kwargs.move_at must be a positive int, got {move_at!r}")
+        self.move_at = move_at
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         user_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if not user_id or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
-        # Only this replica: when it is full Serve backs off (0.025 s doubling to 0.5 s) and asks again, so the
-        # request waits for it. Without should_backoff Serve would ask again at once, in a busy loop.
+        cache = self.replica_queue_len_cache
+        move_at = self.move_at or min(r.max_ongoing_requests for r in candidate_replicas)
+        order = preference_order(user_id, candidate_replicas, replica_key,
+                                 lambda r: cache.get(r.replica_id), move_at)
+        # One replica per rank: Serve tries them in this order, each only if it accepts (below its
+        # max_ongoing_requests); when none does it backs off (0.025 s doubling to 0.5 s) and asks again.
         pending_request.routing_context.should_backoff = True
-        return [[preferred_replica(user_id, candidate_replicas)]]
+        return [[r] for r in order]

@@ -96,3 +96,28 @@ def test_writes_are_all_or_nothing(pool, redis_url):  # noqa: F811
     assert "engine replica went away" not in e.value.message  # internals stay in the log
     assert reg.count("carol") == 0 and reg.user_bytes("carol") == 0 and len(backends.forgotten) == 1
     reg.close()
+
+
+def test_the_kv_quota_counts_the_encoders_measure_before_the_write(pool, redis_url):  # noqa: F811
+    """The gateway counts each fact's KV bytes (the serving tokenizer's tokens x the model's KV bytes per token,
+    as the encoder pool measures them) against the user's KV quota in the registry's write: over it, the request
+    is refused whole (RESOURCE_EXHAUSTED naming the limit) and nothing is written or pushed."""
+    from inferscale_server.api import Limits, to_api_error
+    from inferscale_server.registry import QuotaExceededError
+
+    texts = ["Dora keeps bees on the roof.", "Dora's hives are painted yellow."]
+    sizes = asyncio.run(pool.check(texts))
+    tokens = [len(pool.fe.template.fact_ids(t)) for t in texts]
+    assert sizes == [2 * 30 * 3 * 64 * 4 * n for n in tokens]  # SmolLM2 fp32: 46,080 bytes per token
+    reg = RedisRegistry(redis_url, prefix=f"kvq{uuid.uuid4().hex[:8]}:")
+    backends = _FailingPush(pool)
+    core = GatewayCore(reg, backends=backends, limits=Limits(max_kv_bytes_per_user=sum(sizes) - 1),
+                       auth=Authenticator.insecure())
+    caller = asyncio.run(core.authenticate("AddFacts", None))
+    req = pb2.AddFactsRequest(user_id="dora", facts=[pb2.FactInput(text=t) for t in texts])
+    with pytest.raises(QuotaExceededError) as e:  # the front doors map it (api.to_api_error)
+        asyncio.run(core.AddFacts(req.SerializeToString(), caller))
+    err = to_api_error(e.value)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"limit of {sum(sizes) - 1} KV bytes" in err.message
+    assert reg.count("dora") == 0 and reg.user_kv_bytes("dora") == 0 and backends.forgotten == []
+    reg.close()

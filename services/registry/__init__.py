@@ -17,14 +17,14 @@ user) are checked in the same atomic step as the write.
 from __future__ import annotations
 
 from .actor import ACTOR_NAMESPACE, ACTOR_SCHEME, ActorRegistry
-from .base import (DuplicateFactError, FactRecord, NewFact, Quota, QuotaExceededError, Registry,
+from .base import (DuplicateFactError, FactRecord, NewFact, Quota, QuotaExceededError, Registry, Tombstone,
                    VersionConflictError, fact_bytes)
 from .embedded import EmbeddedRegistry
 from .redis_backend import PASSWORD_ENV, RedisRegistry, redacted
 
 __all__ = ["ACTOR_NAMESPACE", "ACTOR_SCHEME", "ActorRegistry", "DuplicateFactError", "EmbeddedRegistry",
            "FactRecord", "NewFact", "PASSWORD_ENV", "Quota", "QuotaExceededError", "RedisRegistry", "Registry",
-           "VersionConflictError", "fact_bytes", "open_registry", "redacted"]
+           "Tombstone", "VersionConflictError", "fact_bytes", "open_registry", "redacted"]
 
 
 def open_registry(url: str | None, prefix: str = "inferscale:") -> Registry:

@@ -73,10 +73,10 @@ class ActorRegistry(Registry):
         return self._call("fact_versions", user_id)
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None, window=None):
+               expected_version=0, quota=None, window=None, kv_bytes=None):
         return self._call("update", user_id, fact_id, text=text, metadata=metadata,
                           replace_metadata=replace_metadata, embedding=embedding, expected_version=expected_version,
-                          quota=quota, window=window)
+                          quota=quota, window=window, kv_bytes=kv_bytes)
 
     def set_embedding(self, user_id, fact_id, version, embedding):
         return self._call("set_embedding", user_id, fact_id, version, embedding)
@@ -89,6 +89,11 @@ class ActorRegistry(Registry):
 
     def history(self, user_id, fact_id):
         return self._call("history", user_id, fact_id)
+    def user_kv_bytes(self, user_id):
+        return self._call("user_kv_bytes", user_id)
+
+    def tombstones_after(self, cursor, limit=1000):
+        return self._call("tombstones_after", cursor, limit)
 
     def delete(self, user_id, fact_id):
         return self._call("delete", user_id, fact_id)

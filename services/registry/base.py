@@ -29,8 +29,9 @@ class DuplicateFactError(InferScaleError):
 
 
 class QuotaExceededError(InferScaleError):
-    """A write would take the user past its quota of facts or bytes; nothing was written. `quota_id` names the
-    quota ("facts_per_user", "bytes_per_user") and `limit` its value (the API's google.rpc.QuotaFailure)."""
+    """A write would take the user past its quota of facts, bytes or KV bytes; nothing was written. `quota_id`
+    names the quota ("facts_per_user", "bytes_per_user", "kv_bytes_per_user") and `limit` its value (the API's
+    google.rpc.QuotaFailure)."""
 
     def __init__(self, message: str, user_id: str = "", quota_id: str = "", limit: int = 0):
         super().__init__(message, user_id, quota_id, limit)
@@ -41,10 +42,28 @@ class QuotaExceededError(InferScaleError):
 
 
 @dataclass(frozen=True)
+class Tombstone:
+    """KV that must leave every tier of every replica: versions 1..`upto` of a fact (an update: those before the
+    new version; a delete, `gone`: all of them), or, with `fact_id` empty, every fact of the user (DeleteUser).
+    Written in the same atomic step as the change, to a log every engine replica reads (`tombstones_after`), so
+    a replica that held the user once (evicted it, or was down at the time) removes the bytes too."""
+    user_id: str
+    fact_id: str = ""
+    upto: int = 0
+    gone: bool = False  # the fact (or user) was deleted, not updated
+
+
+TOMBSTONES_KEPT = 1_000_000  # the log's length: a replica down for more deletes than this misses the oldest
+
+
+@dataclass(frozen=True)
 class Quota:
-    """Per-user bounds checked atomically with the write (concurrent writers cannot overshoot them)."""
+    """Per-user bounds checked atomically with the write (concurrent writers cannot overshoot them): facts, stored
+    bytes (fact_bytes) and KV bytes (each fact version's tokens x the serving model's KV bytes per token, as the
+    encoder measured them before the write; None: no KV bound)."""
     max_facts: int
     max_bytes: int
+    max_kv_bytes: int | None = None
 
 
 def fact_bytes(rec: "FactRecord") -> int:
@@ -53,8 +72,10 @@ def fact_bytes(rec: "FactRecord") -> int:
             + len(json.dumps(list(rec.window)).encode()))
 
 
-def check_quota(quota: "Quota | None", user_id: str, facts: int, nbytes: int, add_facts: int, add_bytes: int) -> None:
-    """Raises QuotaExceededError if the user, now at `facts`/`nbytes`, cannot take `add_facts`/`add_bytes` more."""
+def check_quota(quota: "Quota | None", user_id: str, facts: int, nbytes: int, add_facts: int, add_bytes: int,
+                kv_bytes: int = 0, add_kv_bytes: int = 0) -> None:
+    """Raises QuotaExceededError if the user, now at `facts`/`nbytes`/`kv_bytes`, cannot take `add_facts`/
+    `add_bytes`/`add_kv_bytes` more."""
     if quota is None:
         return
     if add_facts > 0 and facts + add_facts > quota.max_facts:
@@ -63,6 +84,10 @@ def check_quota(quota: "Quota | None", user_id: str, facts: int, nbytes: int, ad
     if add_bytes > 0 and nbytes + add_bytes > quota.max_bytes:
         raise QuotaExceededError(f"user {user_id!r} stores {nbytes} bytes; {add_bytes} more would pass the limit "
                                  f"of {quota.max_bytes} bytes per user", user_id, "bytes_per_user", quota.max_bytes)
+    if add_kv_bytes > 0 and quota.max_kv_bytes is not None and kv_bytes + add_kv_bytes > quota.max_kv_bytes:
+        raise QuotaExceededError(f"user {user_id!r} holds {kv_bytes} bytes of KV; {add_kv_bytes} more would pass the "
+                                 f"limit of {quota.max_kv_bytes} KV bytes per user", user_id, "kv_bytes_per_user",
+                                 quota.max_kv_bytes)
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,7 @@ class FactRecord:
     embedding: np.ndarray | None = None  # float32 [dim], None until indexed
     window: tuple[str, ...] = ()  # what the fact was encoded behind: turns or neighbour lines (re-encoding needs it)
     unservable_reason: str = ""  # non-empty: this version failed to encode; Answer leaves it out
+    kv_bytes: int = 0  # this version's KV (tokens x KV bytes per token, the encoder's measure); 0: not measured
 
     def public(self) -> dict:
         """The fields a client may see (no embedding)."""
@@ -128,6 +154,7 @@ class NewFact:
     embedding: np.ndarray | None = None
     fact_id: str | None = None  # None: the registry picks a uuid4
     window: tuple[str, ...] = ()
+    kv_bytes: int = 0  # what its KV will take (the encoder's measure), counted against Quota.max_kv_bytes
 
 
 def _check_text(text) -> str:
@@ -149,6 +176,12 @@ def _check_window(window) -> tuple[str, ...]:
     if not isinstance(window, (list, tuple)) or not all(isinstance(t, str) for t in window):
         raise ValueError("a fact's window must be a list of str (conversation turns)")
     return tuple(window)
+
+
+def _check_kv_bytes(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"kv_bytes must be an int >= 0, got {n!r}")
+    return n
 
 
 def _as_embedding(e) -> np.ndarray | None:
@@ -209,10 +242,12 @@ class Registry(ABC):
     @abstractmethod
     def update(self, user_id: str, fact_id: str, text: str | None = None, metadata: dict | None = None,
                replace_metadata: bool = False, embedding=None, expected_version: int = 0,
-               quota: Quota | None = None, window: tuple[str, ...] | None = None) -> FactRecord:
+               quota: Quota | None = None, window: tuple[str, ...] | None = None,
+               kv_bytes: int | None = None) -> FactRecord:
         """New text, metadata and/or window (what the fact is encoded behind); version + 1. A new text without
         a new embedding clears the embedding (the old one describes the old text); a new version is servable
-        until an encoder says otherwise. A changed text or metadata keeps the old version in history()."""
+        until an encoder says otherwise. A changed text or metadata keeps the old version in history().
+        `kv_bytes`: the new version's KV size (None: as before). Writes the tombstone of the older versions."""
 
     @abstractmethod
     def set_embedding(self, user_id: str, fact_id: str, version: int, embedding) -> bool:
@@ -232,6 +267,10 @@ class Registry(ABC):
         current version is the record itself. Erased with the fact."""
 
     @abstractmethod
+    def user_kv_bytes(self, user_id: str) -> int:
+        """KV bytes the user's facts count against Quota.max_kv_bytes (kv_bytes summed)."""
+
+    @abstractmethod
     def delete(self, user_id: str, fact_id: str) -> FactRecord: ...
 
     @abstractmethod
@@ -245,6 +284,11 @@ class Registry(ABC):
     @abstractmethod
     def user_versions(self, user_ids: list[str]) -> list[int]:
         """user_version of each user, in order, in one round trip (an engine replica's watch of its users)."""
+
+    @abstractmethod
+    def tombstones_after(self, cursor: str | None, limit: int = 1000) -> tuple[list[Tombstone], str]:
+        """Tombstones written after `cursor`, oldest first (at most `limit`), and the cursor after them. `cursor`
+        None: the log's end now (no tombstones, the cursor to start from); "0": its beginning."""
 
     # --- placement map: user -> engine replicas that hold the user's KV store ---
     @abstractmethod
@@ -281,7 +325,7 @@ class Registry(ABC):
         return _as_embedding(embedding)
 
     @staticmethod
-    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb, window=None) -> FactRecord:
+    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb, window=None, kv_bytes=None) -> FactRecord:
         if metadata is None:
             meta = cur.metadata
         elif replace_metadata:
@@ -293,7 +337,8 @@ class Registry(ABC):
             emb = cur.embedding if new_text == cur.text else None
         return replace(cur, text=new_text, metadata=meta, version=cur.version + 1, updated_at=time.time(),
                        embedding=emb, unservable_reason="",
-                       window=cur.window if window is None else tuple(window))
+                       window=cur.window if window is None else tuple(window),
+                       kv_bytes=cur.kv_bytes if kv_bytes is None else _check_kv_bytes(kv_bytes))
 
     @staticmethod
     def _new_records(user_id: str, facts: list[NewFact], now: float) -> list[FactRecord]:
@@ -307,5 +352,6 @@ class Registry(ABC):
                 raise DuplicateFactError(f"fact id {fid!r} appears twice in one request")
             seen.add(fid)
             out.append(FactRecord(fid, user_id, _check_text(f.text), _check_metadata(f.metadata), 1, now, now,
-                                  _as_embedding(f.embedding), _check_window(f.window)))
+                                  _as_embedding(f.embedding), _check_window(f.window),
+                                  kv_bytes=_check_kv_bytes(f.kv_bytes)))
         return out

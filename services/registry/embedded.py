@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from inferscale_core.errors import UnknownFactError, check_id
 
-from .base import (MAX_HISTORY, DuplicateFactError, Registry, VersionConflictError, _as_embedding, check_quota,
-                   fact_bytes, new_version)
+from .base import (MAX_HISTORY, TOMBSTONES_KEPT, DuplicateFactError, Registry, Tombstone, VersionConflictError,
+                   _as_embedding, check_quota, fact_bytes, new_version)
 
 
 class EmbeddedRegistry(Registry):
@@ -22,6 +22,9 @@ class EmbeddedRegistry(Registry):
         self._last_seq = 0
         self._bytes: dict[str, int] = {}            # user -> fact_bytes + kept versions' bytes (the byte quota)
         self._history: dict[str, list] = {}         # fact_id -> earlier FactVersions, oldest first
+        self._kv_bytes: dict[str, int] = {}         # user -> kv_bytes summed (the KV quota)
+        self._tombs: list[Tombstone] = []           # the tombstone log; _tombs[0] has number _tombs_base
+        self._tombs_base = 0
         self._ver: dict[str, int] = {}
         self._placement: dict[str, set[str]] = {}
 
@@ -34,6 +37,12 @@ class EmbeddedRegistry(Registry):
     def _bump(self, user_id):
         self._ver[user_id] = self._ver.get(user_id, 0) + 1
 
+    def _tomb(self, t: Tombstone):
+        self._tombs.append(t)
+        if len(self._tombs) > TOMBSTONES_KEPT:
+            self._tombs.pop(0)
+            self._tombs_base += 1
+
     def create(self, user_id, facts, quota=None):
         recs = self._new_records(user_id, facts, time.time())
         added = sum(fact_bytes(r) for r in recs)
@@ -41,8 +50,9 @@ class EmbeddedRegistry(Registry):
             taken = [r.fact_id for r in recs if r.fact_id in self._facts]
             if taken:
                 raise DuplicateFactError(f"fact id {taken[0]!r} already exists")
+            added_kv = sum(r.kv_bytes for r in recs)
             check_quota(quota, user_id, len(self._order.get(user_id, [])), self._bytes.get(user_id, 0), len(recs),
-                        added)
+                        added, self._kv_bytes.get(user_id, 0), added_kv)
             for r in recs:
                 self._facts[r.fact_id] = r
                 self._order.setdefault(user_id, []).append(r.fact_id)
@@ -50,6 +60,7 @@ class EmbeddedRegistry(Registry):
                 self._seq[r.fact_id] = self._last_seq
             if recs:
                 self._bytes[user_id] = self._bytes.get(user_id, 0) + added
+                self._kv_bytes[user_id] = self._kv_bytes.get(user_id, 0) + added_kv
                 self._bump(user_id)
         return recs
 
@@ -116,25 +127,28 @@ class EmbeddedRegistry(Registry):
             return {f: self._facts[f].version for f in self._order.get(user_id, [])}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None, window=None):
+               expected_version=0, quota=None, window=None, kv_bytes=None):
         emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
         with self._lock:
             cur = self._owned(user_id, fact_id)
             if expected_version and cur.version != expected_version:
                 raise VersionConflictError(fact_id, expected_version, cur.version)
-            new = self._updated(cur, text, metadata, replace_metadata, emb, window)
-            grown = fact_bytes(new) - fact_bytes(cur)
+            new = self._updated(cur, text, metadata, replace_metadata, emb, window, kv_bytes)
+            grown, grown_kv = fact_bytes(new) - fact_bytes(cur), new.kv_bytes - cur.kv_bytes
             kept = self._history.get(fact_id, [])
             old = new_version(cur, new)
             if old is not None:
                 kept = [*kept, old]
                 grown += len(old.to_json()) - sum(len(v.to_json()) for v in kept[:-MAX_HISTORY])
                 kept = kept[-MAX_HISTORY:]
-            check_quota(quota, user_id, 0, self._bytes.get(user_id, 0), 0, grown)
+            check_quota(quota, user_id, 0, self._bytes.get(user_id, 0), 0, grown, self._kv_bytes.get(user_id, 0),
+                        grown_kv)
             self._facts[fact_id] = new
             if kept:
                 self._history[fact_id] = kept
             self._bytes[user_id] = self._bytes.get(user_id, 0) + grown
+            self._kv_bytes[user_id] = self._kv_bytes.get(user_id, 0) + grown_kv
+            self._tomb(Tombstone(user_id, fact_id, cur.version))
             self._bump(user_id)
             return new
 
@@ -170,6 +184,8 @@ class EmbeddedRegistry(Registry):
             kept = self._history.pop(fact_id, [])
             self._bytes[user_id] = (self._bytes.get(user_id, 0) - fact_bytes(rec)
                                     - sum(len(v.to_json()) for v in kept))
+            self._kv_bytes[user_id] = self._kv_bytes.get(user_id, 0) - rec.kv_bytes
+            self._tomb(Tombstone(user_id, fact_id, rec.version, gone=True))
             self._bump(user_id)
             return rec
 
@@ -182,9 +198,25 @@ class EmbeddedRegistry(Registry):
                 self._history.pop(f, None)
                 del self._seq[f]
             self._bytes.pop(user_id, None)
+            self._kv_bytes.pop(user_id, None)
             self._placement.pop(user_id, None)
+            self._tomb(Tombstone(user_id, gone=True))
             self._bump(user_id)
             return len(ids)
+
+    def user_kv_bytes(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return self._kv_bytes.get(user_id, 0)
+
+    def tombstones_after(self, cursor, limit=1000):
+        with self._lock:
+            end = self._tombs_base + len(self._tombs)
+            if cursor is None:
+                return [], str(end)
+            start = max(int(cursor), self._tombs_base)
+            out = self._tombs[start - self._tombs_base:start - self._tombs_base + limit]
+            return out, str(start + len(out))
 
     def user_version(self, user_id):
         check_id("user_id", user_id)

@@ -12,8 +12,8 @@ import numpy as np
 
 from inferscale_core.errors import UnknownFactError, check_id
 
-from .base import (MAX_HISTORY, DuplicateFactError, FactRecord, FactVersion, Registry, VersionConflictError,
-                   _as_embedding, check_quota, fact_bytes, new_version)
+from .base import (MAX_HISTORY, TOMBSTONES_KEPT, DuplicateFactError, FactRecord, FactVersion, Registry,
+                   Tombstone, VersionConflictError, _as_embedding, check_quota, fact_bytes, new_version)
 
 PASSWORD_ENV = "INFERSCALE_REDIS_PASSWORD"
 CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
@@ -32,10 +32,13 @@ def redacted(url: str) -> str:
 class RedisRegistry(Registry):
     """Keys (all under `prefix`):
       fact:{fact_id}        hash  user_id, text, metadata (JSON), version, created_at, updated_at, embedding,
-                                  window (JSON), unservable (reason; empty when servable)
+                                  window (JSON), unservable (reason; empty when servable), kv_bytes
       history:{fact_id}     list  the fact's earlier versions (FactVersion JSON), oldest first, at most MAX_HISTORY
       user:{user_id}:facts  zset  fact_id -> creation sequence (stable listing order)
       user:{user_id}:bytes  int   fact_bytes of the user's facts plus their history's bytes (the byte quota)
+      user:{user_id}:kvbytes int  kv_bytes of the user's facts (the KV quota)
+      tombstones            stream  user, fact, upto, gone: KV to remove from every tier (base.Tombstone), capped at
+                                  TOMBSTONES_KEPT entries
       user:{user_id}:ver    int   the user's change counter
       placement:{user_id}   set   engine replica ids
       placed_users          set   users with a non-empty placement
@@ -76,19 +79,24 @@ class RedisRegistry(Registry):
             created_at=float(h[b"created_at"]), updated_at=float(h[b"updated_at"]),
             embedding=np.frombuffer(emb, dtype=np.float32).copy() if emb else None,
             window=tuple(json.loads(h.get(b"window", b"[]"))),
-            unservable_reason=h.get(b"unservable", b"").decode())
+            unservable_reason=h.get(b"unservable", b"").decode(), kv_bytes=int(h.get(b"kv_bytes", 0)))
 
     @staticmethod
     def _mapping(rec: FactRecord) -> dict:
         return {"user_id": rec.user_id, "text": rec.text, "metadata": json.dumps(rec.metadata),
                 "version": rec.version, "created_at": repr(rec.created_at), "updated_at": repr(rec.updated_at),
                 "embedding": rec.embedding.astype(np.float32).tobytes() if rec.embedding is not None else b"",
-                "window": json.dumps(list(rec.window)), "unservable": rec.unservable_reason}
+                "window": json.dumps(list(rec.window)), "unservable": rec.unservable_reason, "kv_bytes": rec.kv_bytes}
 
     def _owned(self, user_id: str, fact_id: str, h: dict) -> FactRecord:
         if not h or h[b"user_id"].decode() != user_id:
             raise UnknownFactError(user_id, fact_id)
         return self._record(fact_id, h)
+
+    def _tomb(self, pipe, t: Tombstone) -> None:
+        """Queues the tombstone in the transaction `pipe` (after pipe.multi())."""
+        pipe.xadd(self._k("tombstones"), {"user": t.user_id, "fact": t.fact_id, "upto": t.upto, "gone": int(t.gone)},
+                  maxlen=TOMBSTONES_KEPT, approximate=True)
 
     def _transaction(self, keys: list[str], body):
         """Runs body(pipe) under WATCH keys until no watched key moved in between; returns its result.
@@ -114,7 +122,8 @@ class RedisRegistry(Registry):
             return []
         keys = [self._fact_key(r.fact_id) for r in recs]
         facts_key, bytes_key = self._k("user", user_id, "facts"), self._k("user", user_id, "bytes")
-        added = sum(fact_bytes(r) for r in recs)
+        kv_key = self._k("user", user_id, "kvbytes")
+        added, added_kv = sum(fact_bytes(r) for r in recs), sum(r.kv_bytes for r in recs)
         # Creation sequence numbers first (gaps are harmless), then facts + listing + counters in one MULTI.
         first = int(self.r.incrby(self._k("seq"), len(recs))) - len(recs) + 1
 
@@ -122,15 +131,17 @@ class RedisRegistry(Registry):
             taken = [r.fact_id for r, k in zip(recs, keys) if pipe.exists(k)]  # never overwrite a fact
             if taken:
                 raise DuplicateFactError(f"fact id {taken[0]!r} already exists")
-            check_quota(quota, user_id, int(pipe.zcard(facts_key)), int(pipe.get(bytes_key) or 0), len(recs), added)
+            check_quota(quota, user_id, int(pipe.zcard(facts_key)), int(pipe.get(bytes_key) or 0), len(recs), added,
+                        int(pipe.get(kv_key) or 0), added_kv)
             pipe.multi()
             for r, k in zip(recs, keys):
                 pipe.hset(k, mapping=self._mapping(r))
             pipe.zadd(facts_key, {r.fact_id: first + i for i, r in enumerate(recs)})
             pipe.incrby(bytes_key, added)
+            pipe.incrby(kv_key, added_kv)
             pipe.incr(self._k("user", user_id, "ver"))
 
-        self._transaction([*keys, facts_key, bytes_key], body)
+        self._transaction([*keys, facts_key, bytes_key, kv_key], body)
         return recs
 
     def get(self, user_id, fact_id):
@@ -199,6 +210,21 @@ class RedisRegistry(Registry):
         check_id("user_id", user_id)
         return int(self.r.get(self._k("user", user_id, "bytes")) or 0)
 
+    def user_kv_bytes(self, user_id):
+        check_id("user_id", user_id)
+        return int(self.r.get(self._k("user", user_id, "kvbytes")) or 0)
+
+    def tombstones_after(self, cursor, limit=1000):
+        key = self._k("tombstones")
+        if cursor is None:
+            last = self.r.xrevrange(key, count=1)
+            return [], last[0][0].decode() if last else "0-0"
+        read = self.r.xread({key: cursor}, count=limit)
+        entries = read[0][1] if read else []
+        out = [Tombstone(f[b"user"].decode(), f[b"fact"].decode(), int(f[b"upto"]), f[b"gone"] == b"1")
+               for _, f in entries]
+        return out, entries[-1][0].decode() if entries else cursor
+
     def fact_versions(self, user_id):
         check_id("user_id", user_id)
         ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), 0, -1)]
@@ -209,33 +235,37 @@ class RedisRegistry(Registry):
         return {f: int(v) for f, v in zip(ids, vers) if v is not None}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None, window=None):
+               expected_version=0, quota=None, window=None, kv_bytes=None):
         emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
         key, bytes_key = self._fact_key(fact_id), self._k("user", user_id, "bytes")
         hist_key = self._k("history", fact_id)
+        kv_key = self._k("user", user_id, "kvbytes")
 
         def body(pipe):
             cur = self._owned(user_id, fact_id, pipe.hgetall(key))
             if expected_version and cur.version != expected_version:
                 raise VersionConflictError(fact_id, expected_version, cur.version)
-            new = self._updated(cur, text, metadata, replace_metadata, emb, window)
-            grown = fact_bytes(new) - fact_bytes(cur)
+            new = self._updated(cur, text, metadata, replace_metadata, emb, window, kv_bytes)
+            grown, grown_kv = fact_bytes(new) - fact_bytes(cur), new.kv_bytes - cur.kv_bytes
             old = new_version(cur, new)
             if old is not None:
                 old = old.to_json()
                 over = int(pipe.llen(hist_key)) + 1 - MAX_HISTORY  # the oldest versions dropped
                 grown += len(old) - (sum(len(v) for v in pipe.lrange(hist_key, 0, over - 1)) if over > 0 else 0)
-            check_quota(quota, user_id, 0, int(pipe.get(bytes_key) or 0), 0, grown)
+            check_quota(quota, user_id, 0, int(pipe.get(bytes_key) or 0), 0, grown, int(pipe.get(kv_key) or 0),
+                        grown_kv)
             pipe.multi()
             pipe.hset(key, mapping=self._mapping(new))
             if old is not None:
                 pipe.rpush(hist_key, old)
                 pipe.ltrim(hist_key, -MAX_HISTORY, -1)
             pipe.incrby(bytes_key, grown)
+            pipe.incrby(kv_key, grown_kv)
+            self._tomb(pipe, Tombstone(user_id, fact_id, cur.version))
             pipe.incr(self._k("user", user_id, "ver"))
             return new
 
-        return self._transaction([key, bytes_key, hist_key], body)
+        return self._transaction([key, bytes_key, hist_key, kv_key], body)
 
     def history(self, user_id, fact_id):
         check_id("user_id", user_id)
@@ -279,6 +309,8 @@ class RedisRegistry(Registry):
             pipe.delete(key, hist_key)
             pipe.zrem(self._k("user", user_id, "facts"), fact_id)
             pipe.decrby(self._k("user", user_id, "bytes"), fact_bytes(rec) + kept)
+            pipe.decrby(self._k("user", user_id, "kvbytes"), rec.kv_bytes)
+            self._tomb(pipe, Tombstone(user_id, fact_id, rec.version, gone=True))
             pipe.incr(self._k("user", user_id, "ver"))
             return rec
 
@@ -293,8 +325,10 @@ class RedisRegistry(Registry):
             pipe.multi()
             for f in ids:
                 pipe.delete(self._fact_key(f), self._k("history", f))
-            pipe.delete(facts_key, self._k("user", user_id, "bytes"), self._k("placement", user_id))
+            pipe.delete(facts_key, self._k("user", user_id, "bytes"), self._k("user", user_id, "kvbytes"),
+                        self._k("placement", user_id))
             pipe.srem(self._k("placed_users"), user_id)
+            self._tomb(pipe, Tombstone(user_id, gone=True))
             pipe.incr(self._k("user", user_id, "ver"))  # kept: replicas must still see the change
             return len(ids)
 
