@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .. import api, filters
 from ..api import ApiError
 from ..registry import FactRecord
-from .http_front import HTTP_STATUS, _check_declared_size, _Outcome, read_body
+from ..admission import EngineAtCapacity
+from .http_front import HTTP_STATUS, PARSE_INLINE_BYTES, _check_declared_size, _Outcome, read_body
 
 DEFAULT_TOP_K = 10   # Mem0's default for search
 DEPLOYMENT_ID = "inferscale"  # ping's org_id and project_id: MemoryClient needs both; one deployment is one project
@@ -205,9 +206,13 @@ def _parse(model: type[_Body], body: bytes):
 
 
 def _error(err: ApiError) -> JSONResponse:
+    """{"detail", "code"} with the status Mem0's client maps to its exceptions; overload is 429 with Retry-After
+    (its RateLimitError), 401 carries the challenge."""
+    content = {"detail": err.message, "code": err.code.name.lower()}
+    if isinstance(err, EngineAtCapacity):
+        return JSONResponse(status_code=429, headers={"Retry-After": str(err.retry_after_s)}, content=content)
     headers = {"WWW-Authenticate": "Token"} if err.code == grpc.StatusCode.UNAUTHENTICATED else None
-    return JSONResponse(status_code=HTTP_STATUS.get(err.code, 500), headers=headers,
-                        content={"detail": err.message, "code": err.code.name.lower()})
+    return JSONResponse(status_code=HTTP_STATUS.get(err.code, 500), headers=headers, content=content)
 
 
 def _schema(model: type[BaseModel]) -> dict:
@@ -255,8 +260,8 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                     body = None
                     if body_model is not None:
                         raw = await read_body(request, core.limits.max_request_bytes)
-                        body = _parse(body_model, raw) if len(raw) < (64 << 10) else \
-                            await asyncio.to_thread(_parse, body_model, raw)
+                        body = (_parse(body_model, raw) if len(raw) <= PARSE_INLINE_BYTES
+                                else await asyncio.to_thread(_parse, body_model, raw))
                     out = await handler(core, caller, request, body)
                 except Exception as e:  # noqa: BLE001
                     err = status_of(PREFIX + name, e)
