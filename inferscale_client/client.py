@@ -97,6 +97,14 @@ def add_memory_request(user_id: str, messages: Sequence[Mapping[str, str]], infe
                                 messages=messages_pb(messages))
 
 
+def search_request(user_id: str, query: str, k: int, filters: Mapping | None, threshold: float | None):
+    """`filters`: Mem0's filter language (docs/mem0.md) as a dict; `threshold`: only hits scoring at least it."""
+    req = pb2.SearchRequest(user_id=user_id, query=query, k=k, filters=json.dumps(filters) if filters else "")
+    if threshold is not None:
+        req.threshold = threshold
+    return req
+
+
 def update_request(user_id: str, fact_id: str, text: str | None, metadata: Mapping[str, str] | None,
                    expected_version: int, replace_metadata: bool):
     req = pb2.UpdateMemoryRequest(user_id=user_id, fact_id=fact_id, metadata=dict(metadata or {}),
@@ -164,19 +172,20 @@ class MemoryClient:
     def get(self, user_id: str, fact_id: str):
         return self.stub.GetMemory(pb2.GetMemoryRequest(user_id=user_id, fact_id=fact_id), **self._kw())
 
-    def list(self, user_id: str, page_size: int = 0) -> Iterator:
-        """Every fact of the user, page by page."""
-        token = ""
+    def list(self, user_id: str, page_size: int = 0, filters: Mapping | None = None) -> Iterator:
+        """Every fact of the user (that `filters` keeps: docs/mem0.md), page by page."""
+        token, flt = "", json.dumps(filters) if filters else ""
         while True:
             page = self.stub.ListMemories(pb2.ListMemoriesRequest(user_id=user_id, page_size=page_size,
-                                                                  page_token=token), **self._kw())
+                                                                  page_token=token, filters=flt), **self._kw())
             yield from page.facts
             if not page.next_page_token:
                 return
             token = page.next_page_token
 
-    def search(self, user_id: str, query: str, k: int = 0) -> list:
-        return list(self.stub.Search(pb2.SearchRequest(user_id=user_id, query=query, k=k), **self._kw()).hits)
+    def search(self, user_id: str, query: str, k: int = 0, filters: Mapping | None = None,
+               threshold: float | None = None) -> list:
+        return list(self.stub.Search(search_request(user_id, query, k, filters, threshold), **self._kw()).hits)
 
     def answer(self, user_id: str, query: str, k: int = 0, max_tokens: int = 0, temperature: float = 0.0,
                mode: str = "", messages: Sequence[Mapping[str, str]] | None = None) -> Iterator:
@@ -241,19 +250,20 @@ class AsyncMemoryClient:
     async def get(self, user_id: str, fact_id: str):
         return await self.stub.GetMemory(pb2.GetMemoryRequest(user_id=user_id, fact_id=fact_id), **self._kw())
 
-    async def list(self, user_id: str, page_size: int = 0) -> AsyncIterator:
-        token = ""
+    async def list(self, user_id: str, page_size: int = 0, filters: Mapping | None = None) -> AsyncIterator:
+        token, flt = "", json.dumps(filters) if filters else ""
         while True:
             page = await self.stub.ListMemories(pb2.ListMemoriesRequest(user_id=user_id, page_size=page_size,
-                                                                        page_token=token), **self._kw())
+                                                                        page_token=token, filters=flt), **self._kw())
             for fact in page.facts:
                 yield fact
             if not page.next_page_token:
                 return
             token = page.next_page_token
 
-    async def search(self, user_id: str, query: str, k: int = 0) -> list:
-        return list((await self.stub.Search(pb2.SearchRequest(user_id=user_id, query=query, k=k),
+    async def search(self, user_id: str, query: str, k: int = 0, filters: Mapping | None = None,
+                     threshold: float | None = None) -> list:
+        return list((await self.stub.Search(search_request(user_id, query, k, filters, threshold),
                                             **self._kw())).hits)
 
     async def answer(self, user_id: str, query: str, k: int = 0, max_tokens: int = 0, temperature: float = 0.0,

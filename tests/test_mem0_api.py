@@ -5,7 +5,8 @@ FastAPI app in uvicorn on 127.0.0.1, a GatewayCore with JWT auth on and its regi
 No Ray here (registry-only mode, seconds): every call that needs no engine. Search with filters and threshold
 and add with inference run on the whole service in tests/test_service_e2e.py
 (test_mem0_client_search_filters_and_threshold_on_the_running_service and the infer=true test). Also here: the
-registry's history of a fact (both backends), and filters / scopes / DeleteUser on gRPC's core.
+registry's history of a fact (both backends), and filters / scopes / DeleteUser on gRPC (the core, and the light
+client over a real grpc server).
 """
 from __future__ import annotations
 
@@ -293,6 +294,17 @@ def test_grpc_filters_scopes_and_delete_user(core, jwt_secret):  # noqa: F811
         with pytest.raises(Exception) as e:  # Search needs the deployments; the filter is checked first
             await core.Search(pb2.SearchRequest(user_id=user, query="q", filters="[1]"), me)
         assert e.value.code.name == "INVALID_ARGUMENT"
-        assert (await core.DeleteUser(pb2.DeleteUserRequest(user_id=user), me)).deleted == 3
-        assert (await core.DeleteUser(pb2.DeleteUserRequest(user_id=user), me)).deleted == 0  # no error
     asyncio.run(run())
+    # The light client over a real gRPC server: the filter travels as JSON text; DeleteUser of no facts is no error.
+    from grpc_thread import ServerThread
+    from inferscale_client import MemoryClient as GrpcClient
+
+    srv = ServerThread(core)
+    try:
+        c = GrpcClient(channel=srv.channel(), token=token_for(jwt_secret[1], user), retry=False)
+        assert [f.text for f in c.list(user, page_size=1, filters={"agent_id": "chef"})] == ["likes leeks", "likes kale"]
+        assert [f.text for f in c.list(user, filters={"OR": [{"lang": "fr"}, {"run_id": "r9"}]})] == \
+            ["likes leeks", "sleeps at 11"]
+        assert c.delete_user(user) == 3 and c.delete_user(user) == 0
+    finally:
+        srv.stop()
