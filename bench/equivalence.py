@@ -66,6 +66,7 @@ def compare(a, b) -> dict:
 
 
 def main(argv=None) -> dict:
+    args = parse_args(argv)  # a bad --data is named before torch and vLLM are imported (seconds)
     import torch
     from vllm import SamplingParams
 
@@ -73,7 +74,6 @@ def main(argv=None) -> dict:
     from inferscale_core.eval.locomo import load_locomo
     from inferscale_core.memory import Memory
 
-    args = parse_args(argv)
     convs = {c.sample_id: c for c in load_locomo(args.data)}
     missing = [u for u in args.users if u not in convs]
     if missing:

@@ -81,13 +81,13 @@ def make_chunks(template, texts: list[str], n: int, tokens: int) -> list[str]:
 
 
 def main(argv=None) -> dict:
+    args = parse_args(argv)  # a bad --data is named before torch and vLLM are imported (seconds)
     import torch
 
     from inferscale_core.engine import InjectingEngine, default_sampling
     from inferscale_core.eval.locomo import load_locomo
     from inferscale_core.memory import Memory
 
-    args = parse_args(argv)
     convs = load_locomo(args.data)
     turns = [t.render() for c in convs for t in c.turns]
     questions = [q.question for c in convs for q in c.questions if q.answerable]

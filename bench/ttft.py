@@ -60,6 +60,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    args = parse_args(argv)  # a bad --data is named before torch and vLLM are imported (seconds)
     import torch
 
     from inferscale_core.engine import InjectingEngine, default_sampling
@@ -69,7 +70,6 @@ def main(argv=None) -> dict:
 
     from bench.service import cpu_description, cpu_line  # lscpu's model and flags
 
-    args = parse_args(argv)
     ks = (5, 20) if args.quick else tuple(int(k) for k in args.ks.split(","))
     n_questions = 3 if args.quick else args.questions
     max_facts = args.max_facts or (100 if args.quick else None)
