@@ -106,6 +106,9 @@ class Query:
     mode: Mode = "kv"
     # System messages and earlier turns ({"role", "content"}), put after the memory (template.query_ids).
     conversation: tuple[dict, ...] = ()
+    # OpenAI chat: tool definitions for the chat template, and the turns after the question (tool calls, results).
+    tools: tuple[dict, ...] = ()
+    after: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -293,7 +296,7 @@ class _EngineCore:
             ids = self.template.fact_ids(t)
             memory_ids += ids
             chunk_lens.append(len(ids))
-        prompt_ids = memory_ids + self.template.query_ids(q.query, q.conversation)
+        prompt_ids = memory_ids + self.template.query_ids(q.query, q.conversation, q.tools, q.after)
         params = salt = None
         if q.mode == "kv" and fact_ids:
             chunk_ids = [self.prefix_id] + worker_ids

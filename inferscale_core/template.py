@@ -10,6 +10,7 @@ is tokenized as those characters, never as the control token, so it cannot open 
 without special-token strings tokenizes exactly as before (split_special_tokens changes nothing there)."""
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 
@@ -46,13 +47,17 @@ class PromptTemplate:
             text = f"{self.instruction}{_MEMORY_MARK}\nQuestion: {_QUESTION_MARK}\nAnswer:"
         return _cut(text)
 
-    def _render_with_system(self, conversation: Sequence[dict] = ()) -> str:
-        """[memory's system turn, *conversation, question's user turn] through the model's chat template."""
+    def _render_with_system(self, conversation: Sequence[dict] = (), tools: Sequence[dict] | None = None,
+                            after: Sequence[dict] = ()) -> str:
+        """[memory's system turn, *conversation, question's user turn, *after] through the model's chat template;
+        `tools` (OpenAI function definitions) go to the template, which renders them where it renders them."""
+        kw = {"tools": list(tools)} if tools else {}
         return self.tokenizer.apply_chat_template(
             [{"role": "system", "content": self.instruction + _MEMORY_MARK},
-             *({"role": m["role"], "content": m["content"]} for m in conversation),
-             {"role": "user", "content": _QUESTION_MARK}],
-            tokenize=False, add_generation_prompt=True)
+             *(_template_message(m) for m in conversation),
+             {"role": "user", "content": _QUESTION_MARK},
+             *(_template_message(m) for m in after)],
+            tokenize=False, add_generation_prompt=True, **kw)
 
     def _ids(self, text: str) -> list[int]:
         """The template's own text: its special tokens are real."""
@@ -89,37 +94,57 @@ class PromptTemplate:
             raise ValueError("fact text is empty")
         return self.text_ids(self.render_fact(text))
 
-    def query_ids(self, question: str, conversation: Sequence[dict] = ()) -> list[int]:
+    def query_ids(self, question: str, conversation: Sequence[dict] = (), tools: Sequence[dict] | None = None,
+                  after: Sequence[dict] = ()) -> list[int]:
         """What follows the memory: the end of its turn, then `conversation` (role/content dicts: system
-        messages and earlier turns, oldest first) in the chat template, then the question's user turn."""
+        messages and earlier turns, oldest first) in the chat template, then the question's user turn, then
+        `after` (turns after the question: an assistant's tool calls and the tools' results). `tools`: the
+        OpenAI tool definitions, rendered by the chat template (after the memory: a template that would put
+        them before it is refused)."""
         if not question or not question.strip():
             raise ValueError("question is empty")
         question = question.strip()
-        if conversation and not self.system_role:
+        if (conversation or after or tools) and not self.system_role:
             raise ValueError("this model's chat template has no system role: earlier turns cannot follow the memory")
-        hostile = self._spells_special_tokens(question) or any(
-            self._spells_special_tokens(m["content"]) for m in conversation)
+        texts = [m.get("content") or "" for m in (*conversation, *after)]
+        # Tool definitions and tool calls are rendered by the template itself, so their text cannot be kept
+        # apart from its control tokens: one that spells them is refused.
+        calls = [json.dumps(c, ensure_ascii=False) for m in (*conversation, *after) for c in m.get("tool_calls") or ()]
+        if any(self._spells_special_tokens(t) for t in (*calls, json.dumps(list(tools or ()), ensure_ascii=False))):
+            raise ValueError("a tool definition or tool call spells a special token of the chat template")
+        hostile = self._spells_special_tokens(question) or any(self._spells_special_tokens(t) for t in texts)
         if hostile:  # each user text alone, as text, between the template's own pieces
-            marked = [{"role": m["role"], "content": _content_mark(i)} for i, m in enumerate(conversation)]
-            _, middle, tail = self._cut_conversation(marked) if conversation else ("", self._middle, self._tail)
+            n = len(conversation)
+            marked = [{**m, "content": _content_mark(i)} for i, m in enumerate((*conversation, *after))]
+            if conversation or after:
+                _, middle, tail = self._cut_conversation(marked[:n], None, marked[n:])
+            else:
+                middle, tail = self._middle, self._tail
             ids = []
-            for i, piece in enumerate(_split_marks(middle, len(conversation))):
+            for i, piece in enumerate(_split_marks(middle, n)):
                 if i > 0:
-                    ids += self.text_ids(conversation[i - 1]["content"])
+                    ids += self.text_ids(texts[i - 1])
                 ids += self._ids(piece) if piece else []
-            return ids + self.text_ids(question) + self._ids(tail)
-        if not conversation:
+            ids += self.text_ids(question)
+            for i, piece in enumerate(_split_marks(tail, len(after), first=n)):
+                if i > 0:
+                    ids += self.text_ids(texts[n + i - 1])
+                ids += self._ids(piece) if piece else []
+            return ids
+        if not conversation and not after and not tools:
             return self._ids(self._middle + question + self._tail)
-        _, middle, tail = self._cut_conversation(conversation)
+        _, middle, tail = self._cut_conversation(conversation, tools, after)
         return self._ids(middle + question + tail)
 
-    def _cut_conversation(self, conversation: Sequence[dict]) -> tuple[str, str, str]:
+    def _cut_conversation(self, conversation: Sequence[dict], tools: Sequence[dict] | None = None,
+                          after: Sequence[dict] = ()) -> tuple[str, str, str]:
         try:
-            head, middle, tail = _cut(self._render_with_system(conversation))
+            head, middle, tail = _cut(self._render_with_system(conversation, tools, after))
         except Exception as e:  # the template's own refusal (e.g. roles that must alternate)
             raise ValueError(f"the model's chat template refused the conversation: {str(e)[:200]}") from None
         if head != self._head:  # the memory's KV was encoded after this head: it must not move
-            raise ValueError("the model's chat template renders the memory differently with earlier turns")
+            raise ValueError("the model's chat template renders the memory differently with earlier turns"
+                             + (" or tools" if tools else ""))
         return head, middle, tail
 
     def prompt_ids(self, fact_texts: Sequence[str], question: str) -> list[int]:
@@ -134,13 +159,23 @@ def _content_mark(i: int) -> str:
     return f"\u2063CONTENT{i}\u2063"
 
 
-def _split_marks(text: str, n: int) -> list[str]:
-    """`text` with the n content marks in order -> the n + 1 pieces around them."""
+def _split_marks(text: str, n: int, first: int = 0) -> list[str]:
+    """`text` with the n content marks `first`.. in order -> the n + 1 pieces around them."""
     pieces = []
-    for i in range(n):
+    for i in range(first, first + n):
         before, text = text.split(_content_mark(i), 1)
         pieces.append(before)
     return [*pieces, text]
+
+
+def _template_message(m: dict) -> dict:
+    """A message as chat templates take it: role and content (a string, "" for an assistant turn that only
+    calls tools), and the tool-calling keys when present."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if m.get(key):
+            out[key] = m[key]
+    return out
 
 
 def _cut(text: str) -> tuple[str, str, str]:

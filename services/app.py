@@ -144,6 +144,9 @@ class ServiceConfig:
     # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
     # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.
     auth: dict = field(default_factory=dict)
+    # The HTTP front door (services/gateway/http_front.py HttpConfig): served_model_names (the OpenAI `model`
+    # names accepted; default ["inferscale"]), cors_allow_origins (browser origins allowed; default none).
+    http: dict = field(default_factory=dict)
     deployments: dict[str, DeploymentSpec] = field(default_factory=_default_deployments)
 
     def app_args(self) -> dict:
@@ -154,7 +157,8 @@ class ServiceConfig:
                 "engine_overrides": dict(self.engine_overrides),
                 "admission_queue_factor": float(self.admission_queue_factor), "kv_dir": self.kv_dir,
                 "store_options": dict(self.store_options), "cluster_store": dict(self.cluster_store),
-                **({"auth": dict(self.auth)} if self.auth else {})}
+                **({"auth": dict(self.auth)} if self.auth else {}),
+                **({"http": dict(self.http)} if self.http else {})}
 
     @classmethod
     def from_args(cls, args: dict | None) -> "ServiceConfig":
@@ -164,6 +168,9 @@ class ServiceConfig:
         if unknown:
             raise ValueError(f"unknown application args: {sorted(unknown)}; known: {sorted(known)}")
         Limits(**args.get("limits", {}) or {})  # fail early on a misspelled limit
+        from .gateway.http_front import HttpConfig
+
+        HttpConfig.from_dict(args.get("http"))  # and on a misspelled HTTP setting
         return cls(**args)
 
     @classmethod
@@ -260,7 +267,7 @@ def build_app(cfg: ServiceConfig):
         admission_queue_factor=cfg.admission_queue_factor, cluster_store=cfg.cluster_store or None)
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
     return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
-                        embedder_path=cfg.embedder_path, auth=cfg.auth)
+                        embedder_path=cfg.embedder_path, auth=cfg.auth, http=cfg.http)
 
 
 def app_builder(args: dict):

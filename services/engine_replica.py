@@ -50,6 +50,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from ray import serve
 
@@ -614,10 +615,13 @@ class EngineReplica:
                 return await self.engine.delete_encoded(user_id, None)
 
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
-                     mode: str, conversation: list[dict] | None = None):
+                     mode: str, conversation: list[dict] | None = None, openai: dict | None = None):
         """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT, the injected fact ids and
         `timings_ms` (this replica's hops). `conversation`: system messages and earlier turns, after the memory
-        in the chat template. Refused with RESOURCE_EXHAUSTED (EngineAtCapacity) when the KV cache is full."""
+        in the chat template. Refused with RESOURCE_EXHAUSTED (EngineAtCapacity) when the KV cache is full.
+        `openai`: an OpenAI chat request's parts (services/openai_params.py): "sampling" (its sampling fields,
+        which replace max_tokens and temperature), "messages" (its turns, the question at "question_index") and
+        "tools"; pieces then carry the choice "index" and OpenAI "logprobs", and the final one "choices"."""
         from vllm import SamplingParams
 
         from inferscale_core.engine import Query
@@ -638,8 +642,13 @@ class EngineReplica:
                 # left out, as the sync used to leave it out before the request.
                 facts = [(f, h) for f, h in facts if held.get(f) == h]
             t_fetched = time.perf_counter()
+            if openai is not None:
+                turns, at = openai.get("messages") or [], openai.get("question_index", 0)
+                conversation, after, tools = turns[:at], turns[at + 1:], openai.get("tools") or ()
+            else:
+                after, tools = (), ()
             q = Query(user_id, query, k=max(1, len(facts)), mode=API_MODES[mode],
-                      conversation=tuple(conversation or ()))
+                      conversation=tuple(conversation or ()), tools=tuple(tools), after=tuple(after))
             try:
                 # Tokenizing (up to 100 messages of 16,000 characters, sized by the gateway) runs in a worker
                 # thread: this replica's other streams keep going.
@@ -652,6 +661,10 @@ class EngineReplica:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"the prompt is {len(p.prompt_ids)} tokens (memory, conversation and query); the "
                                f"model's context is {self.max_model_len} tokens: send fewer or shorter messages")
+            if openai is not None:
+                async for piece in self._answer_openai(p, openai, mode, t_in, t_synced, t_fetched):
+                    yield piece
+                return
             sp = SamplingParams(temperature=temperature, max_tokens=max_tokens)
             with self.admission.admit(min(len(p.prompt_ids) + max_tokens, self.max_model_len)):
                 t_submit = time.perf_counter()
@@ -668,6 +681,54 @@ class EngineReplica:
                            "timings_ms": {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
                                           "admission_wait": ms(t_submit - t_in),
                                           **engine_timings(ans)}}
+
+    async def _answer_openai(self, p, openai: dict, mode: str, t_in: float, t_synced: float, t_fetched: float):
+        """An OpenAI chat request's answer: vLLM's SamplingParams from the request (n choices, logprobs, stop,
+        structured outputs, forced tool calls), streamed by choice."""
+        from .openai_params import logprobs_content, request, tool_calls
+
+        defaults = self.engine.engine.model_config.get_diff_sampling_param()  # the model's generation_config
+        req = request(openai.get("sampling") or {}, len(p.prompt_ids), self.max_model_len, defaults)
+        sp, n = req.sampling, req.sampling.n
+        tokenizer = self.engine.core.template.tokenizer
+        texts, counts, finish = [""] * n, [0] * n, [None] * n
+        with self.admission.admit(min(len(p.prompt_ids) + n * sp.max_tokens, n * self.max_model_len)):
+            t_submit = time.perf_counter()
+            ttft, final = None, None
+            try:
+                async for out in self.engine.engine.generate(p.prompt(), p.sampling(sp), request_id=uuid.uuid4().hex):
+                    final = out
+                    for c in out.outputs:
+                        if ttft is None and c.token_ids:
+                            ttft = time.perf_counter() - t_submit
+                        piece = {"index": c.index, "text": c.text}
+                        if req.top_logprobs is not None and c.logprobs:
+                            piece["logprobs"] = logprobs_content(c.token_ids, c.logprobs, req.top_logprobs, tokenizer)
+                        texts[c.index] += c.text
+                        counts[c.index] += len(c.token_ids)
+                        finish[c.index] = c.finish_reason or finish[c.index]
+                        if c.text or "logprobs" in piece:
+                            yield piece
+            except ValueError as e:  # vLLM's input checks (e.g. more logprobs than the engine's max_logprobs)
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0][:500]) from None
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft, tags={"mode": mode})
+        choices = []
+        for i in range(n):
+            choice = {"index": i, "finish_reason": finish[i] or "stop", "completion_tokens": counts[i]}
+            if req.tool_choice is not None:
+                calls = tool_calls(texts[i], req.tool_choice)
+                if calls is not None:
+                    choice["tool_calls"] = calls
+                    choice["finish_reason"] = "tool_calls" if req.tool_choice == "required" else choice["finish_reason"]
+            choices.append(choice)
+        stats = SimpleNamespace(ttft_s=ttft, engine_stats=getattr(final, "metrics", None))  # engine_timings' view
+        yield {"final": True, "fact_ids": p.fact_ids, "ttft_ms": (ttft or 0.0) * 1000,
+               "prompt_tokens": len(p.prompt_ids),
+               "prefilled_tokens": len(p.prompt_ids) - ((final.num_cached_tokens or 0) if final else 0),
+               "completion_tokens": sum(counts), "finish_reason": choices[0]["finish_reason"], "choices": choices,
+               "timings_ms": {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
+                              "admission_wait": ms(t_submit - t_in), **engine_timings(stats)}}
 
     async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
                    structured: dict | None = None) -> str:

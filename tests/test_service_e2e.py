@@ -110,14 +110,16 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
 
 
 @contextlib.contextmanager
-def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None, **ray_init):
+def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None,
+                    http: dict | None = None, **ray_init):
     """The application on a fresh local Ray (2 CPUs, one replica of each deployment); also used by
-    tests/test_openai_compat.py and tests/test_metrics.py. `ray_init`: more ray.init arguments."""
+    tests/test_openai_compat.py and tests/test_metrics.py. `http`: the HTTP front door's settings
+    (ServiceConfig.http); `ray_init`: more ray.init arguments."""
     from inferscale_server.app import ServiceConfig, single_node_deployments
 
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments(),
-                        auth={"hs256_secret_file": str(jwt_secret[0])})
+                        auth={"hs256_secret_file": str(jwt_secret[0])}, http=dict(http or {}))
     with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env_vars, **ray_init) as svc:
         yield svc
 

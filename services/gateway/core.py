@@ -48,9 +48,10 @@ class Backends(Protocol):
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]: ...
 
     def answer(self, user_id: str, query: str, k: int, max_tokens: int, temperature: float,
-               mode: str, conversation: list[dict] | None = None) -> AsyncIterator[dict]:
+               mode: str, conversation: list[dict] | None = None, openai: dict | None = None) -> AsyncIterator[dict]:
         """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", "timings_ms", ...}.
-        `conversation`: system messages and earlier turns, put after the memory in the chat template."""
+        `conversation`: system messages and earlier turns, put after the memory in the chat template.
+        `openai`: an OpenAI chat request's parts (EngineReplica.answer in services/engine_replica.py)."""
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> None:
         """Deleted facts `(fact_id, last version)`: out of the indices and every KV store."""
@@ -379,18 +380,7 @@ class GatewayCore:
         return await _read(self.registry.find_many, user_id, fact_ids) if fact_ids else {}
 
     async def Answer(self, raw, caller: Principal):  # noqa: N802 - async generator of AnswerChunk
-        req = api.parse("Answer", raw, self.limits)
-        uid = self._owner(caller, "Answer", req.user_id)
-        query = api.text_field(req.query, "query", self.limits.max_query_chars)
-        k = api.bounded_int(req.k, "k", 1, self.limits.max_k, self.limits.default_k)
-        max_tokens = api.bounded_int(req.max_tokens, "max_tokens", 1, self.limits.max_max_tokens,
-                                     self.limits.default_max_tokens)
-        if not 0.0 <= req.temperature <= 2.0:  # also refuses NaN
-            raise api.invalid(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
-        mode = api.answer_mode(req.mode)
-        conversation = api.messages_in(req.messages, self.limits) if req.messages else None
-        backends = self._need("Answer")
-        async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation):
+        async for piece in self.answer_pieces(raw, caller):
             if piece.get("final"):
                 yield pb2.AnswerChunk(
                     text=piece.get("text", ""), final=True, ttft_ms=piece.get("ttft_ms", 0.0),
@@ -400,6 +390,27 @@ class GatewayCore:
                     finish_reason=piece.get("finish_reason", ""), timings_ms=piece.get("timings_ms", {}))
             else:
                 yield pb2.AnswerChunk(text=piece.get("text", ""))
+
+    async def answer_pieces(self, raw, caller: Principal, openai: dict | None = None):
+        """Answer's validation and stream, as the engine replica's pieces (dicts). `openai`: the parts of an
+        OpenAI chat request the HTTP front door checked (services/engine_replica.py EngineReplica.answer); its
+        question may be as long as any message, and its sampling replaces max_tokens and temperature."""
+        req = api.parse("Answer", raw, self.limits)
+        uid = self._owner(caller, "Answer", req.user_id)
+        query = api.text_field(req.query, "query", self.limits.max_message_chars if openai is not None
+                               else self.limits.max_query_chars)
+        k = api.bounded_int(req.k, "k", 1, self.limits.max_k, self.limits.default_k)
+        max_tokens = api.bounded_int(req.max_tokens, "max_tokens", 1, self.limits.max_max_tokens,
+                                     self.limits.default_max_tokens)
+        if not 0.0 <= req.temperature <= 2.0:  # also refuses NaN
+            raise api.invalid(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
+        mode = api.answer_mode(req.mode)
+        conversation = api.messages_in(req.messages, self.limits) if req.messages else None
+        backends = self._need("Answer")
+        extra = {"openai": openai} if openai is not None else {}
+        async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation,
+                                           **extra):
+            yield piece
 
     async def GetMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("GetMemory", raw, self.limits)

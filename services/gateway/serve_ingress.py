@@ -14,7 +14,7 @@ from ..auth import AuthConfig, Authenticator
 from ..proxy_setup import DEADLINE_ATTR
 from .core import GatewayCore
 from .grpc_front import error_trailers, health_check, health_watch, metadata_value, status_of
-from .http_front import build_http_app
+from .http_front import HttpConfig, build_http_app
 
 log = logging.getLogger("inferscale.gateway")
 ANSWER_RETRIES = 2  # an Answer whose engine replica was lost before its first piece is tried this often again
@@ -59,7 +59,7 @@ class ServeBackends:
     async def search(self, user_id, query, k):
         return await within_deadline(self._r(user_id).search.remote(user_id, query, k), self.timeout_s)
 
-    async def answer(self, user_id, query, k, max_tokens, temperature, mode, conversation=None):
+    async def answer(self, user_id, query, k, max_tokens, temperature, mode, conversation=None, openai=None):
         """Streams the engine's pieces. An engine replica lost before the first piece (died, unreachable, its
         vLLM engine dead: UNAVAILABLE) is retried up to ANSWER_RETRIES times, on the replica Serve's router
         picks once it knows (services/routing.py moves the user); after a piece was sent the error is final."""
@@ -72,7 +72,8 @@ class ServeBackends:
         for attempt in range(ANSWER_RETRIES + 1):
             try:
                 async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
-                                                                               temperature, mode, conversation):
+                                                                               temperature, mode, conversation,
+                                                                               openai):
                     if first:  # q2ft: query in -> first token out, retrieval included
                         first_ms = (time.perf_counter() - t0) * 1000
                         if self.metrics is not None:
@@ -145,7 +146,11 @@ def _replica_metrics():
     return _replica().metrics
 
 
-http_app = build_http_app(_replica_core, _replica_metrics)
+def _replica_http_config() -> HttpConfig:
+    return _replica().http
+
+
+http_app = build_http_app(_replica_core, _replica_metrics, _replica_http_config)
 
 
 class Gateway:
@@ -155,7 +160,8 @@ class Gateway:
     status code and details on that context."""
 
     def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
-                 limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None):
+                 limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None,
+                 http: dict | None = None):
         from ..metrics import GatewayMetrics
         from ..registry import open_registry
 
@@ -164,6 +170,7 @@ class Gateway:
         if any(h is None for h in handles) and not all(h is None for h in handles):
             raise ValueError("Gateway needs all three handles (encoder, retrieval, engine) or none")
         self.metrics = GatewayMetrics()
+        self.http = HttpConfig.from_dict(http)  # the HTTP front door's served model names and CORS origins
         backends = ServeBackends(*handles, metrics=self.metrics) if encoder is not None else None
         authenticator = Authenticator(AuthConfig.from_dict(auth))  # fails the replica when no key is configured
         if not authenticator.enabled:
