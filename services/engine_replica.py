@@ -727,6 +727,7 @@ class EngineReplica:
                "prompt_tokens": len(p.prompt_ids),
                "prefilled_tokens": len(p.prompt_ids) - ((final.num_cached_tokens or 0) if final else 0),
                "completion_tokens": sum(counts), "finish_reason": choices[0]["finish_reason"], "choices": choices,
+               "max_tokens": sp.max_tokens,
                "timings_ms": {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
                               "admission_wait": ms(t_submit - t_in), **engine_timings(stats)}}
 

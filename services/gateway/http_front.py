@@ -140,23 +140,25 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     async def request_id_and_cors(request: Request, call_next):
         """Every answer carries X-Request-Id (the caller's, when it sent a sane one; else a new one). CORS as
         configured: a preflight is answered here, an allowed origin is named on the answer."""
-        rid = request.headers.get(REQUEST_ID_HEADER)
+        serve_rid = _serve_request_id()  # behind Serve's proxy, which echoes X-Request-Id itself
+        rid = serve_rid or request.headers.get(REQUEST_ID_HEADER)
         rid = rid if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable() else uuid.uuid4().hex
         request.state.request_id = rid
         origin = request.headers.get("origin")
         allowed = _cors_origin(config().cors_allow_origins, origin)
         if request.method == "OPTIONS" and origin and request.headers.get("access-control-request-method"):
             if allowed is None:
-                return JSONResponse(status_code=403, headers={REQUEST_ID_HEADER: rid}, content=error_body(
+                return JSONResponse(status_code=403, content=error_body(
                     ApiError(grpc.StatusCode.PERMISSION_DENIED, f"origin {origin[:100]!r} is not allowed (CORS)")))
             asked = request.headers.get("access-control-request-headers", "")
             return Response(status_code=204, headers={
-                REQUEST_ID_HEADER: rid, "Access-Control-Allow-Origin": allowed, "Vary": "Origin",
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                **({} if serve_rid else {REQUEST_ID_HEADER: rid}), "Access-Control-Allow-Origin": allowed,
+                "Vary": "Origin", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                 "Access-Control-Allow-Headers": asked[:1000] or "authorization, content-type",
                 "Access-Control-Max-Age": "600"})
         response = await call_next(request)
-        response.headers[REQUEST_ID_HEADER] = rid
+        if not serve_rid:
+            response.headers[REQUEST_ID_HEADER] = rid
         if allowed is not None:
             response.headers["Access-Control-Allow-Origin"] = allowed
             response.headers["Access-Control-Expose-Headers"] = REQUEST_ID_HEADER
@@ -267,6 +269,17 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     return app
 
 
+def _serve_request_id() -> str | None:
+    """The id Ray Serve's HTTP proxy gave this request (the caller's X-Request-Id, or its own), which the proxy
+    also puts on the answer; None outside Serve (a plain ASGI server, tests)."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id or None
+    except Exception:  # noqa: BLE001 - Ray not installed or no Serve request here
+        return None
+
+
 def _cors_origin(allowed: tuple[str, ...], origin: str | None) -> str | None:
     """The Access-Control-Allow-Origin value for `origin`, or None when it is not allowed."""
     if not origin or not allowed:
@@ -325,10 +338,13 @@ def _usage(last: dict) -> dict:
 
 
 def _extra(last: dict) -> dict:
-    """InferScale's own fields next to OpenAI's: which facts were injected, TTFT, tokens actually prefilled, and
-    the per-hop timings (AnswerChunk.timings_ms in the proto)."""
-    return {"fact_ids": list(last.get("fact_ids", [])), "ttft_ms": last.get("ttft_ms", 0.0),
-            "prefilled_tokens": last.get("prefilled_tokens", 0), "timings_ms": dict(last.get("timings_ms", {}))}
+    """InferScale's own fields next to OpenAI's: which facts were injected, TTFT, tokens actually prefilled, the
+    per-hop timings (AnswerChunk.timings_ms in the proto) and the max_tokens vLLM ran with."""
+    out = {"fact_ids": list(last.get("fact_ids", [])), "ttft_ms": last.get("ttft_ms", 0.0),
+           "prefilled_tokens": last.get("prefilled_tokens", 0), "timings_ms": dict(last.get("timings_ms", {}))}
+    if "max_tokens" in last:  # the cap each choice ran with: the request's, or the rest of the context
+        out["max_tokens"] = last["max_tokens"]
+    return out
 
 
 def _final_choices(last: dict) -> list[dict]:
