@@ -36,8 +36,8 @@ SAMPLING_FIELDS = (
 MAX_N = 128  # choices per request, OpenAI's bound (vLLM has none; each choice holds its own KV)
 
 
-def invalid(message: str) -> ApiError:
-    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str, field: str | None = None) -> ApiError:
+    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, field=field)
 
 
 @dataclass
@@ -48,17 +48,20 @@ class OpenAIRequest:
     tool_choice: str | None   # a forced function's name, "required", or None (plain content)
 
 
-def _validation_message(e: Exception) -> str:
+def _refusal(e: Exception) -> ApiError:
+    """pydantic's or vLLM's refusal as INVALID_ARGUMENT naming the field (its first error's location, or vLLM's
+    `parameter`)."""
     errors = getattr(e, "errors", None)
     if callable(errors):  # pydantic: the first error, with the field it is about
         try:
             first = errors()[0]
             loc = ".".join(str(p) for p in first.get("loc", ()) if p not in ("function-after", "function-before"))
             msg = str(first.get("msg", e)).removeprefix("Value error, ")
-            return f"`{loc}`: {msg}" if loc else msg
+            return invalid(f"`{loc}`: {msg}" if loc else msg, loc or None)
         except Exception:  # noqa: BLE001 - fall back to the text
             pass
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return invalid(text[:500], getattr(e, "parameter", None))
 
 
 def request(fields: dict, prompt_len: int, max_model_len: int, defaults: dict | None = None) -> OpenAIRequest:
@@ -70,20 +73,20 @@ def request(fields: dict, prompt_len: int, max_model_len: int, defaults: dict | 
 
     unknown = sorted(set(fields) - set(SAMPLING_FIELDS))
     if unknown:
-        raise invalid(f"`{unknown[0]}` is not a sampling parameter this server passes to vLLM")
+        raise invalid(f"`{unknown[0]}` is not a sampling parameter this server passes to vLLM", unknown[0])
     try:
         req = ChatCompletionRequest.model_validate({"messages": [], **fields})
         if req.n is not None and req.n > MAX_N:
-            raise invalid(f"`n` must be at most {MAX_N}, got {req.n}")
+            raise invalid(f"`n` must be at most {MAX_N}, got {req.n}", "n")
         if req.tools and req.tool_choice == "auto":
             # vllm serve answers the same without a tool-call parser for the model (--tool-call-parser).
             raise invalid("`tool_choice` \"auto\" needs a tool-call parser for this model, which this server does "
-                          "not have; send \"required\", a named function, or \"none\"")
+                          "not have; send \"required\", a named function, or \"none\"", "tool_choice")
         forced = None
         if req.tools and req.tool_choice not in (None, "none"):
             if req.response_format is not None or req.structured_outputs is not None:
                 raise invalid("`tool_choice` forces a tool call: it cannot be combined with `response_format` or "
-                              "`structured_outputs`")
+                              "`structured_outputs`", "tool_choice")
             schema = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
             req.structured_outputs = StructuredOutputsParams(json=schema)
             forced = req.tool_choice if req.tool_choice == "required" else req.tool_choice.function.name
@@ -93,7 +96,7 @@ def request(fields: dict, prompt_len: int, max_model_len: int, defaults: dict | 
     except ApiError:
         raise
     except Exception as e:  # noqa: BLE001 - pydantic's or vLLM's own refusal: the caller's error, named
-        raise invalid(_validation_message(e)) from None
+        raise _refusal(e) from None
     sp.output_kind = RequestOutputKind.DELTA  # streamed or not, the replica forwards pieces as they come
     return OpenAIRequest(sp, req.top_logprobs if req.logprobs else None, forced)
 

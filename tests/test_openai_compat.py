@@ -343,6 +343,7 @@ def test_errors_are_openai_error_objects(service):
         "top_p": (q, {"top_p": 1.5}, "top_p must be in (0, 1]"),
         "type": (q, {"temperature": "hot"}, "`temperature`"),
     }
+    PARAMS = {"not vLLM's": "kv_transfer_params", "cache salt": "cache_salt", "type": "temperature"}  # noqa: N806
     for name, (messages, kw, want) in bad.items():
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as e:
@@ -351,6 +352,7 @@ def test_errors_are_openai_error_objects(service):
                 list(r) if stream else None
             assert want in e.value.message, (name, e.value.message)
             assert set(e.value.body) == {"message", "type", "param", "code"} and e.value.code == "invalid_argument"
+            assert e.value.param == PARAMS.get(name, e.value.param), (name, e.value.param)
 
 
 def test_vllm_bench_serve_openai_chat(service, tmp_path):

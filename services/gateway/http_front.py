@@ -77,7 +77,7 @@ def error_body(err: ApiError) -> dict:
             else "authentication_error" if err.code == grpc.StatusCode.UNAUTHENTICATED
             else "permission_error" if err.code == grpc.StatusCode.PERMISSION_DENIED else "api_error")
     code = "model_not_found" if isinstance(err, ModelNotFound) else err.code.name.lower()
-    return {"error": {"message": err.message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": err.message, "type": kind, "param": getattr(err, "field", None), "code": code}}
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -134,7 +134,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     def config() -> HttpConfig:
         return (config_getter() if config_getter is not None else None) or HttpConfig()
 
-    app = FastAPI(title="InferScale", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="InferScale", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
     async def request_id_and_cors(request: Request, call_next):
@@ -414,7 +414,7 @@ def chat_call(body: bytes, caller: Principal, auth_enabled: bool, limits: Limits
         if name in NEUTRAL_VALUES and value in NEUTRAL_VALUES[name]:
             continue
         raise api.invalid(f"`{name[:100]}` is not supported by this server"
-                          + (f" with the value {value!r}"[:200] if name in NEUTRAL_VALUES else ""))
+                          + (f" with the value {value!r}"[:200] if name in NEUTRAL_VALUES else ""), name[:100])
     model = data.get("model")
     if model is not None and model not in served:
         raise ModelNotFound(str(model), served)
