@@ -75,6 +75,7 @@ def test_models_and_a_plain_answer_from_memory(service):
     extra = r.model_extra["inferscale"]
     assert service.ids[USER][0] in extra["fact_ids"]  # the cat fact was injected...
     assert extra["prefilled_tokens"] < r.usage.prompt_tokens  # ...as KV, not prefilled
+    assert {"retrieval", "user_sync", "vllm_queue", "prefill", "engine_ttft"} <= set(extra["timings_ms"])
 
 
 def test_content_parts_system_message_and_earlier_turns_are_kept(service):
