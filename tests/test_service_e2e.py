@@ -324,12 +324,59 @@ def test_add_memory_with_inference_runs_mem0_on_the_serving_model(service):
     assert service.engine_holds("dana", [(i, 1) for i in ids]) == [True] * len(ids)  # KV, same id
     _, final = service.ask("dana", "Where do I live?", k=5, max_tokens=8)
     assert sorted(final.fact_ids) == sorted(ids) and final.prefilled_tokens < final.prompt_tokens
-    # The same conversation again: mem0 sees dana's facts (through our search) and drops exact repeats.
-    again = c.add_memory("dana", DANA, infer=True)
-    assert not {e.text for e in again} & {e.text for e in events}
-    assert sorted(f.fact_id for f in c.list("dana")) == sorted(ids + [e.fact_id for e in again])
+    # The same conversation again, through Mem0's own client on the HTTP front door (docs/mem0.md): mem0 sees
+    # dana's facts (through our search) and drops exact repeats.
+    again = _mem0_client(service, "dana").add(DANA)["results"]  # infer defaults to true, as in Mem0
+    assert not {e["memory"] for e in again} & {e.text for e in events}
+    assert sorted(f.fact_id for f in c.list("dana")) == sorted(ids + [e["id"] for e in again])
     code, _ = refused(lambda: c.get("alice", ids[0]))
     assert code == grpc.StatusCode.NOT_FOUND
+
+
+def _mem0_client(service, user: str):
+    """Mem0's own MemoryClient (mem0ai, unchanged) on the service's HTTP port with `user`'s token."""
+    import os
+
+    os.environ.setdefault("MEM0_TELEMETRY", "false")
+    from mem0 import MemoryClient as Mem0Client
+
+    return Mem0Client(api_key=token_for(service.secret, user), host=f"http://127.0.0.1:{service.cfg.http_port}")
+
+
+TRAVEL = ["Dana flies to Reykjavik next Tuesday.", "Dana always books a window seat on planes."]
+COOKING = ["Dana cooks a spicy lentil curry on Sundays.", "Dana's favourite dessert is lemon tart."]
+
+
+def test_mem0_client_search_filters_and_threshold_on_the_running_service(service):
+    """Search through Mem0's client with a scope filter, a metadata condition and a score threshold, on the real
+    retrieval index; gRPC Search with the same filter; a scoped delete_all leaves dana's other facts alone."""
+    m = _mem0_client(service, "dana")
+    before = sorted(f.fact_id for f in service.client.list("dana"))
+    m.add([{"role": "user", "content": t} for t in TRAVEL], infer=False, agent_id="travel")
+    m.add([{"role": "user", "content": t} for t in COOKING], infer=False, agent_id="chef", metadata={"course": "main"})
+    q = "Which city is Dana flying to?"
+    hits = m.search(q, filters={"agent_id": "travel"}, top_k=2)["results"]
+    assert [h["memory"] for h in hits][0] == TRAVEL[0] and all(h["agent_id"] == "travel" for h in hits)
+    scoped = {"OR": [{"agent_id": "travel"}, {"agent_id": "chef"}]}
+    assert m.search(q, filters=scoped, top_k=1)["results"][0]["agent_id"] == "travel"
+    # A travel fact ranks first for this query: the best "chef" fact (top_k=1) is found by widening the ranking.
+    (chef,) = m.search(q, filters={"agent_id": "chef"}, top_k=1)["results"]
+    assert chef["agent_id"] == "chef" and chef["memory"] in COOKING and chef["score"] < hits[0]["score"]
+    cooking = m.search(q, filters={"AND": [{"agent_id": "chef"}, {"course": "main"}]}, top_k=5)["results"]
+    assert sorted(h["memory"] for h in cooking) == sorted(COOKING)
+    ranked = m.search(q, filters=scoped, top_k=4)["results"]
+    assert len(ranked) == 4 and [h["score"] for h in ranked] == sorted((h["score"] for h in ranked), reverse=True)
+    cut = (ranked[0]["score"] + ranked[1]["score"]) / 2
+    assert [h["id"] for h in m.search(q, filters=scoped, top_k=4, threshold=cut)["results"]] == [ranked[0]["id"]]
+    assert m.search(q, filters=scoped, threshold=1.01)["results"] == []
+    # The same on gRPC (inferscale_client sends the filter as JSON text): scope, metadata, threshold.
+    grpc_hits = service.client.search("dana", q, k=4, filters={"course": "main"}, threshold=-1.0)
+    assert sorted(h.fact.text for h in grpc_hits) == sorted(COOKING)
+    assert [h.fact.fact_id for h in service.client.search("dana", q, k=4, filters=scoped, threshold=cut)] \
+        == [ranked[0]["id"]]
+    assert [f.text for f in service.client.list("dana", filters={"agent_id": "chef"})] == COOKING
+    assert m.delete_all(agent_id="travel")["deleted"] == 2 and m.delete_all(agent_id="chef")["deleted"] == 2
+    assert sorted(f.fact_id for f in service.client.list("dana")) == before
 
 
 def _engine_actor():
