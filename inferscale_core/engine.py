@@ -440,9 +440,12 @@ class AsyncInjectingEngine:
     def __init__(self, memory: Memory | None = None, model_path=None, *, prefix: EncodedFact | None = None,
                  instruction: str = DEFAULT_INSTRUCTION, dtype: torch.dtype | None = None,
                  block_size: int = 32, max_model_len: int = 4096, enable_prefix_caching: bool = True,
-                 store_options: dict | None = None, **engine_overrides):
+                 store_options: dict | None = None, stat_loggers: list | None = None, **engine_overrides):
+        """`stat_loggers`: vLLM stat logger factories (AsyncLLM's); e.g. services/metrics.py:vllm_stat_loggers()
+        exports vLLM's own metrics through Ray's metrics agent."""
         check_vllm_version()
         dtype = default_dtype() if dtype is None else dtype
+        self.stat_loggers = stat_loggers
         if prefix is not None:
             if memory is not None:
                 raise ValueError("give either a Memory or a prefix chunk, not both (Memory has its own prefix)")
@@ -464,7 +467,7 @@ class AsyncInjectingEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=self.stat_loggers)
         await self._rpc("inferscale_put", SHARED_NAMESPACE, self.core.prefix_payload())
         for user, payloads in self.core.existing_payloads().items():
             await self._rpc("inferscale_put", user, payloads)

@@ -57,7 +57,7 @@ class Limits:
 
 class ApiError(Exception):
     """An answer with a gRPC status code and a message that names the field at fault. What a client needs to act
-    on it travels as google.rpc details (services/gateway/grpc_front.py:error_status): `field`, the request field
+    on it travels as google.rpc details (error_status below): `field`, the request field
     at fault (BadRequest); `retry_after_s`, set only where the same call may succeed after that long (RetryInfo:
     overload, a replica restarting); `quota`, the QuotaExceededError of a per-user quota (QuotaFailure: do not
     retry); `reason`, a stable UPPER_SNAKE_CASE name (ErrorInfo; the status code's name when unset)."""
@@ -75,6 +75,49 @@ class ApiError(Exception):
     def __reduce__(self):  # Ray ships it between processes (replica -> proxy), details included
         return (ApiError, (self.code, self.message), {"field": self.field, "retry_after_s": self.retry_after_s,
                                                       "quota": self.quota, "reason": self.reason})
+
+
+# ------------------------------------------------------------------------------------- error details
+ERROR_DOMAIN = SERVICE  # google.rpc.ErrorInfo.domain: whose `reason` names these are
+DETAILS_KEY = "grpc-status-details-bin"  # the trailer a google.rpc.Status travels in (grpcio-status reads it)
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry policy: wait this long, or (negative) do not retry
+RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)  # what clients' policies retry
+
+
+def error_status(err: ApiError):
+    """The google.rpc.Status of an error: its code and message, and as details an ErrorInfo (always: a stable
+    reason), BadRequest naming the field at fault, QuotaFailure for a per-user quota, RetryInfo with the delay
+    where a retry can succeed (overload, a replica restarting). RESOURCE_EXHAUSTED is told apart this way:
+    RetryInfo means "overloaded, retry after the delay", QuotaFailure or BadRequest means "do not retry"."""
+    from google.protobuf import duration_pb2
+    from google.rpc import error_details_pb2, status_pb2
+
+    details = [error_details_pb2.ErrorInfo(reason=err.reason or err.code.name, domain=ERROR_DOMAIN)]
+    if err.field:
+        details.append(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)]))
+    if err.quota is not None:
+        details.append(error_details_pb2.QuotaFailure(violations=[error_details_pb2.QuotaFailure.Violation(
+            subject=f"user:{err.quota.user_id}", description=err.message, quota_id=err.quota.quota_id,
+            quota_value=int(err.quota.limit))]))
+    if err.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(err.retry_after_s * 1e9))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    status = status_pb2.Status(code=err.code.value[0], message=err.message)
+    for d in details:
+        status.details.add().Pack(d)
+    return status
+
+
+def error_trailers(err: ApiError) -> tuple[tuple[str, str | bytes], ...]:
+    """Trailing metadata of a refused call: the google.rpc.Status (error_status), and for the codes clients
+    retry, gRPC's retry pushback: the RetryInfo delay, or -1 (do not retry: a quota, a size limit, a
+    permanent UNAVAILABLE), so a client's standard retry policy needs no knowledge of the details."""
+    out: list[tuple[str, str | bytes]] = [(DETAILS_KEY, error_status(err).SerializeToString())]
+    if err.code in RETRIED_CODES:
+        out.append((PUSHBACK_KEY, str(-1 if err.retry_after_s is None else int(err.retry_after_s * 1000))))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------ deadlines

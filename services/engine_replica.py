@@ -249,7 +249,7 @@ class EngineReplica:
         from inferscale_core.engine import AsyncInjectingEngine
 
         from .encoder_pool import dtype_of
-        from .metrics import EngineMetrics, hide_multiplexed_ids
+        from .metrics import EngineMetrics, hide_multiplexed_ids, vllm_stat_loggers
 
         hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
         self.metrics = EngineMetrics()
@@ -265,7 +265,8 @@ class EngineReplica:
         prefix = await encoder.prefix.remote()
         self.engine = AsyncInjectingEngine(model_path=model_path, prefix=prefix, dtype=dtype_of(dtype),
                                            block_size=block_size, max_model_len=max_model_len,
-                                           store_options=options, **(engine_overrides or {}))
+                                           store_options=options, stat_loggers=vllm_stat_loggers(),
+                                           **(engine_overrides or {}))
         await self.engine.start()
         self.max_model_len = max_model_len
         cache = self.engine.engine.vllm_config.cache_config  # filled in by the engine core at start-up

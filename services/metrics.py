@@ -14,6 +14,12 @@ chart's PodMonitor) with Ray's `ray_` prefix: `inferscale_requests_total` is scr
     inferscale_resident_bytes{tier}        engine: KV bytes resident per tier
     inferscale_encoder_batch_size          encoder pool: facts per encoder forward (after @serve.batch)
 
+vLLM's own metrics (queue, KV-cache use, TTFT and the other latency histograms, prompt tokens by source: the
+injected ones are `source="external_kv_transfer"`, the connector's `vllm:inferscale_*`) are exported from every
+engine replica by vLLM's Ray stat logger (vllm_stat_loggers): `vllm:num_requests_waiting` is scraped as
+`ray_vllm_num_requests_waiting`, labelled with the model, the engine index and the Serve ReplicaId. The
+dashboard over all of these is charts/inferscale/files/grafana-dashboard.json (docs/deploy.md, "Metrics").
+
 No label ever holds a user id (unbounded cardinality, and personal data in the monitoring system). Serve's own
 multiplexing gauge labels each loaded model id, which here is a user id (`serve_registered_multiplexed_model_id
 {model_id=...}`): `hide_multiplexed_ids()` replaces that one gauge with a no-op in the replica's process.
@@ -28,6 +34,18 @@ import grpc
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 TIERS = ("device", "host", "disk")
+
+
+def vllm_stat_loggers() -> list:
+    """AsyncLLM stat loggers for an engine replica: vLLM's Prometheus logger (this process's registry, which
+    `AsyncInjectingEngine.metrics()` reads) and its Ray logger (the same metrics through Ray's metrics agent,
+    the port Prometheus scrapes). vLLM adds neither when given a Prometheus-kind logger, so both are named; the
+    Ray one first: every PrometheusStatLogger (the Ray one too) clears vLLM's metrics from the process registry
+    when it is made, so the plain one must come last."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger, PrometheusStatLogger]
 
 
 class _Discard:

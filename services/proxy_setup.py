@@ -11,6 +11,13 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
 - gRPC deadlines: the context Serve sends to the Gateway replica carries no deadline; the caller's (the
   `grpc-timeout` it sent) is noted on it as DEADLINE_ATTR (unix time), so the replica's backend calls stop
   when the caller gives up (services/api.py:time_left).
+- gRPC error details: Serve's proxy answers an error the Gateway raised with its code and message only; for
+  the Gateway's errors (api.ApiError) it also sends their google.rpc details and retry pushback
+  (services/api.py:error_trailers), unary and streaming RPCs alike.
+
+The last two patch Ray Serve 2.60 internals (`RayServegRPCContext.__init__`; `get_grpc_response_status` and
+`set_grpc_code_and_details` as ray.serve._private.proxy uses them): check them when Ray is upgraded;
+tests/test_grpc_serve_proxy.py fails if either stops working.
 """
 from __future__ import annotations
 
@@ -97,6 +104,36 @@ def _carry_grpc_deadline() -> None:
     RayServegRPCContext.__init__ = __init__
 
 
+def _send_error_details() -> None:
+    """The proxy's status of a failed gRPC call carries the Gateway's google.rpc trailers when the error is an
+    api.ApiError (Serve wraps it in gRPCStatusError: the Gateway set the code on its context). Idempotent."""
+    import dataclasses
+
+    from ray.serve._private import proxy
+    from ray.serve.exceptions import gRPCStatusError
+
+    plain_status, plain_set = proxy.get_grpc_response_status, proxy.set_grpc_code_and_details
+    if getattr(plain_status, "_inferscale_details", False):
+        return
+
+    def get_grpc_response_status(exc, request_timeout_s, request_id):
+        from .api import ApiError, error_trailers
+
+        status = plain_status(exc, request_timeout_s, request_id)
+        original = exc.original_exception if isinstance(exc, gRPCStatusError) else None
+        if isinstance(original, ApiError) and status.code == original.code:
+            return dataclasses.replace(status, headers=list(error_trailers(original)))
+        return status
+
+    def set_grpc_code_and_details(context, status):
+        plain_set(context, status)
+        if status.is_error and status.headers:  # only ever set by get_grpc_response_status above on this path
+            context.set_trailing_metadata(tuple(status.headers))
+
+    get_grpc_response_status._inferscale_details = True
+    proxy.get_grpc_response_status, proxy.set_grpc_code_and_details = get_grpc_response_status, set_grpc_code_and_details
+
+
 def max_body_bytes() -> int:
     try:
         return int(os.environ.get(MAX_BODY_ENV, TRANSPORT_MAX_MESSAGE_BYTES))
@@ -112,4 +149,5 @@ def proxy_setup() -> list:
     if host:
         _bind_grpc_to(host)
     _carry_grpc_deadline()
+    _send_error_details()
     return [Middleware(BodyLimit, max_bytes=max_body_bytes())]

@@ -415,9 +415,38 @@ def test_autoscaled_gpu_pool_with_tls_ingress_and_pod_monitor(helm):
     for pod in _pod_specs(docs).values():
         if "ray-head" in [c["name"] for c in pod["containers"]] or pod["containers"][0]["name"] == "ray-worker":
             assert {"containerPort": values["metrics"]["port"], "name": "metrics"} in pod["containers"][0]["ports"]
+    (dash,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "big-grafana-dashboard"]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["inferscale.json"]) == json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
     out = subprocess.run([helm, "template", "x", str(CHART), "--set", "ingress.enabled=true",
                           "--set", "ingress.tls.secretName=null"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "tls" in out.stderr
+
+
+def test_grafana_dashboard_is_optional_and_every_panel_is_a_query_of_exported_metrics(helm):
+    """Off by default; on, a ConfigMap for Grafana's sidecar holding files/grafana-dashboard.json, whose panels
+    (TTFT, queues, KV-cache use, injected tokens, shed requests, per-hop timings) are PromQL over the ray_*
+    metrics Ray's agent exports (tests/test_metrics.py checks each one is in a real scrape)."""
+    import sys
+
+    sys.path.insert(0, str(CHART.parents[1] / "bench"))
+    from dashboard_snapshot import dashboard_metrics, parse_expr
+
+    assert not [d for d in _render(helm) if d["kind"] == "ConfigMap" and "grafana" in d["metadata"]["name"]]
+    docs = _render(helm, "metrics.grafanaDashboard.enabled=true", "metrics.grafanaDashboard.namespace=monitoring")
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rel-grafana-dashboard"]
+    _validate([cm])
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "monitoring"
+    dash = json.loads(cm["data"]["inferscale.json"])
+    titles = [p["title"] for p in dash["panels"]]
+    assert titles == ["Time to first token", "Queues", "KV-cache use", "Prompt tokens: injected vs prefilled",
+                      "Shed and failed requests", "Per-hop timings (p50)"]
+    for p in dash["panels"]:
+        assert p["targets"] and all(parse_expr(t["expr"]) for t in p["targets"])  # raises on another form
+    metrics = dashboard_metrics(dash)
+    assert {"ray_vllm_time_to_first_token_seconds_bucket", "ray_vllm_num_requests_waiting",
+            "ray_vllm_kv_cache_usage_perc", "ray_vllm_prompt_tokens_by_source_total"} <= metrics
+    assert all(m.startswith("ray_") for m in metrics)  # what Ray's agent exports (the PodMonitor's port)
 
 
 def test_rendered_serve_config_follows_values(helm):

@@ -9,7 +9,7 @@ import uuid
 import grpc
 import pytest
 
-from auth_fixture import admin_token, jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixtures)
+from auth_fixture import admin_token, jwt_secret, one_call_per_rpc, refused, rich_refusal, token_channel, token_for  # noqa: F401  (fixtures)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from test_grpc_interop import check_interop, client_dir, run_client  # noqa: F401  (client_dir: fixture)
 from inferscale_server import api
@@ -54,7 +54,7 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
         ray.shutdown()
 
 
-def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token):
+def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token, redis_url):  # noqa: F811
     grpc_port, http_port = serve_ports
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as plain:
         grpc.channel_ready_future(plain).result(timeout=60)
@@ -67,6 +67,26 @@ def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token):
         assert code == grpc.StatusCode.NOT_FOUND and "unknown fact" in details
         code, details = refused(lambda: s.Search(pb2.SearchRequest(user_id=uid, query="q", k=999)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in" in details
+        # google.rpc details and the retry pushback cross Serve's proxy (services/proxy_setup.py), unary and
+        # streaming calls alike
+        code, rich, trailers = rich_refusal(lambda: s.Search(pb2.SearchRequest(user_id=uid, query="q", k=999)))
+        assert rich["BadRequest"].field_violations[0].field == "k" and rich["ErrorInfo"].reason == "INVALID_ARGUMENT"
+        code, rich, trailers = rich_refusal(lambda: list(s.Answer(pb2.AnswerRequest(user_id=uid, query="q", k=-1))))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and rich["BadRequest"].field_violations[0].field == "k"
+        code, rich, trailers = rich_refusal(lambda: s.Search(pb2.SearchRequest(user_id=uid, query="q")))
+        assert code == grpc.StatusCode.UNAVAILABLE and rich["ErrorInfo"].reason == "BACKENDS_NOT_DEPLOYED"
+        assert trailers["grpc-retry-pushback-ms"] == "-1"
+        # The caller's deadline reaches the replica through Serve's proxy (services/proxy_setup.py): with the
+        # registry stalled (CLIENT PAUSE), the Gateway gives up at the deadline and says so itself.
+        import redis
+
+        pauser = redis.Redis.from_url(redis_url)
+        pauser.execute_command("CLIENT", "PAUSE", 2500, "ALL")
+        code, details = refused(lambda: s.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=f.fact_id),
+                                                    timeout=1.5))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline passed before the backends" in details
+        pauser.execute_command("CLIENT", "UNPAUSE")
+        pauser.close()
         raw = ch.unary_unary("/inferscale.v1.Memory/GetMemory", request_serializer=None,
                              response_deserializer=pb2.Fact.FromString)
         code, details = refused(lambda: raw(b"\x0a\xff\xff\xff\xff\x0f"))

@@ -1,14 +1,18 @@
 """Observability of the running service: the Prometheus endpoint of Ray's metrics agent (the node's metrics export
 port, 127.0.0.1) is scraped after real traffic (gRPC and HTTP, several users) and must carry every deployment's
-metrics and no user id anywhere; an engine replica whose vLLM engine core dies fails Serve's health check and
+metrics, vLLM's own metrics from the engine replica and every metric the chart's Grafana dashboard reads, and no
+user id anywhere; an engine replica whose vLLM engine core dies fails Serve's health check and
 is replaced. One application for the module (started as tests/test_service_e2e.py starts it).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +20,9 @@ import pytest
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from test_service_e2e import running_service
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from dashboard_snapshot import DASHBOARD, dashboard_metrics  # noqa: E402
 
 from inferscale_server.registry.local_redis import free_port
 
@@ -84,6 +91,12 @@ def test_every_deployment_exports_metrics_without_user_ids(service):
         *(("ray_inferscale_queue_depth", {"deployment": d}) for d in ("Gateway", "Retrieval", "EncoderPool",
                                                                       "EngineReplica")),
         ("ray_serve_num_multiplexed_models", {"deployment": "EngineReplica"}),  # Serve's own metrics stay
+        # vLLM's own metrics, from the engine replica through vLLM's Ray stat logger (issue 20 item 5)
+        ("ray_vllm_num_requests_waiting", {}), ("ray_vllm_num_requests_running", {}),
+        ("ray_vllm_kv_cache_usage_perc", {}), ("ray_vllm_time_to_first_token_seconds_count", {}),
+        ("ray_vllm_prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
+        # every metric the chart's Grafana dashboard reads
+        *((m, {}) for m in sorted(dashboard_metrics(json.loads(DASHBOARD.read_text())))),
     ]
     deadline = time.monotonic() + SCRAPE_TIMEOUT_S
     while True:
@@ -94,6 +107,12 @@ def test_every_deployment_exports_metrics_without_user_ids(service):
         assert time.monotonic() < deadline, f"not exported within {SCRAPE_TIMEOUT_S} s: {missing}"
         time.sleep(5)
     assert _value(samples, "ray_inferscale_ttft_seconds_count", deployment="EngineReplica") >= 4
+    assert _value(samples, "ray_vllm_time_to_first_token_seconds_count") >= 4  # every answer, both doors
+    assert _value(samples, "ray_vllm_prompt_tokens_by_source_total", source="external_kv_transfer") > 0  # injected
+    vllm = [s for s in samples if s.name.startswith("ray_vllm_")]
+    assert {s.labels.get("ReplicaId") for s in vllm} - {""}, "vLLM's metrics do not name their engine replica"
+    for s in samples:  # no label value holds a test user's id (the raw text is checked below too)
+        assert not any(user in value for user in USERS for value in s.labels.values()), (s.name, s.labels)
     assert _value(samples, "ray_inferscale_store_hits_total") > 0
     assert _value(samples, "ray_inferscale_resident_bytes", tier="disk") > 0  # written through to the disk tier
     for user in USERS:

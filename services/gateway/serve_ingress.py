@@ -13,7 +13,7 @@ from ..api import Limits, caller_deadline, time_left, to_api_error, within_deadl
 from ..auth import AuthConfig, Authenticator
 from ..proxy_setup import DEADLINE_ATTR
 from .core import GatewayCore
-from .grpc_front import error_trailers, health_check, health_watch, metadata_value, status_of
+from .grpc_front import health_check, health_watch, metadata_value, status_of
 from .http_front import HttpConfig, build_http_app
 
 log = logging.getLogger("inferscale.gateway")
@@ -186,7 +186,6 @@ class Gateway:
         err = status_of(name, e)
         grpc_context.set_code(err.code)
         grpc_context.set_details(err.message)
-        grpc_context.set_trailing_metadata(list(error_trailers(err)))  # the proxy sends them (google.rpc details)
         return err
 
     async def _call(self, name: str, request, grpc_context):
