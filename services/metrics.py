@@ -15,7 +15,7 @@ chart's PodMonitor) with Ray's `ray_` prefix: `inferscale_requests_total` is scr
     inferscale_encoder_batch_size          encoder pool: facts per encoder forward (after @serve.batch)
 
 vLLM's own metrics (queue, KV-cache use, TTFT and the other latency histograms, prompt tokens by source: the
-injected ones are `source="external_kv_transfer"`, the connector's `vllm:inferscale_*`) are exported from every
+injected ones are `source="external_kv_transfer"`) are exported from every
 engine replica by vLLM's Ray stat logger (vllm_stat_loggers): `vllm:num_requests_waiting` is scraped as
 `ray_vllm_num_requests_waiting`, labelled with the model, the engine index and the Serve ReplicaId. The
 dashboard over all of these is charts/inferscale/files/grafana-dashboard.json (docs/deploy.md, "Metrics").
