@@ -160,7 +160,9 @@ def _serve_processes() -> dict[str, "psutil.Process"]:
 
 def test_oversized_messages_are_refused_before_they_are_read(serve_ports):
     """Issue 19: an unauthenticated 64 MiB gRPC message and a 64 MiB HTTP body are refused by the proxies
-    (RESOURCE_EXHAUSTED / 413) within a second each, and neither the proxy's nor the Gateway's memory grows."""
+    (RESOURCE_EXHAUSTED / 413) and neither the proxy's nor the Gateway's memory grows. The memory is the evidence
+    that nothing was read (reading it whole took 0.8 s, so no time bound could tell); the 5 s bound only catches a
+    refusal that hangs. The times are printed (docs/security.md has measured ones)."""
     import socket
     import time
 
@@ -178,7 +180,7 @@ def test_oversized_messages_are_refused_before_they_are_read(serve_ports):
             code, _ = refused(lambda: raw(big, timeout=30))
             took = time.monotonic() - t
             grpc_took.append(round(took, 3))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and took < 1.0, (code, took)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and took < 5.0, (code, took)
     for _ in range(3):
         t = time.monotonic()
         with socket.create_connection(("127.0.0.1", http_port), timeout=5) as sock:
@@ -187,7 +189,7 @@ def test_oversized_messages_are_refused_before_they_are_read(serve_ports):
             status = sock.recv(4096).split(b"\r\n", 1)[0]
         took = time.monotonic() - t
         http_took.append(round(took, 3))
-        assert status.startswith(b"HTTP/1.1 413") and took < 1.0, (status, took)
+        assert status.startswith(b"HTTP/1.1 413") and took < 5.0, (status, took)
     after = {k: p.memory_info().rss for k, p in procs.items()}
     print(f"\n64 MiB refusals: gRPC {grpc_took}, HTTP {http_took} s; RSS change (MiB) "
           f"{ {k: round((after[k] - before[k]) / 2**20, 1) for k in procs} }")
