@@ -112,18 +112,22 @@ def test_streaming_with_usage(service):
     once = c.chat.completions.create(model="inferscale", max_completion_tokens=12, temperature=0,
                                      messages=[{"role": "user", "content": CAT_Q}])
     chunks = list(c.chat.completions.create(model="inferscale", max_completion_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
+                                            stream_options={"include_usage": True}, logprobs=True, top_logprobs=1,
                                             messages=[{"role": "user", "content": CAT_Q}]))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == once.choices[0].message.content
+    tokens = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert len(tokens) == once.usage.completion_tokens and "".join(t.token for t in tokens).startswith(text)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
     *body, last = chunks
     assert last.choices == [] and last.usage.prompt_tokens == once.usage.prompt_tokens
     assert last.usage.completion_tokens == once.usage.completion_tokens
     assert all(ch.usage is None for ch in body)
-    plain = list(c.chat.completions.create(model="inferscale", max_completion_tokens=4, stream=True,
+    plain = list(c.chat.completions.create(model="inferscale", max_completion_tokens=4, stream=True, n=2,
                                            messages=[{"role": "user", "content": CAT_Q}]))
     assert all(ch.choices for ch in plain) and all(ch.usage is None for ch in plain)  # no usage chunk unasked
+    finished = {ch.choices[0].index: ch.choices[0].finish_reason for ch in plain if ch.choices[0].finish_reason}
+    assert set(finished) == {0, 1} and set(finished.values()) <= {"stop", "length"}  # n=2, streamed
 
 
 def test_user_and_safety_identifier_follow_the_token(service):
@@ -208,7 +212,7 @@ def test_tool_call_round_trip(service):
     turns = [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
              {"role": "tool", "tool_call_id": call.id, "content": f"Sunny and 24 degrees in {city}."}]
     r2 = c.chat.completions.create(model="inferscale", messages=question + turns, tools=WEATHER, tool_choice="none",
-                                   temperature=0, max_completion_tokens=16)
+                                   temperature=0, max_completion_tokens=6)
     assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
     tpl = _template()
     after = [{"role": "assistant", "content": "", "tool_calls": [call.model_dump()]}, turns[1]]
