@@ -243,7 +243,7 @@ def build_app(cfg: ServiceConfig):
     from .engine_replica import EngineReplica
     from .gateway import Gateway, http_app
     from .retrieval import Retrieval
-    from .routing import ROUTER_PATH, move_threshold
+    from .routing import ROUTER_PATH, ROUTING_STATS_PERIOD_S, move_threshold
 
     opts = deployment_options(cfg)
     # Without Redis every replica must still see one registry: a named Ray actor holds it.
@@ -254,8 +254,9 @@ def build_app(cfg: ServiceConfig):
     # at twice its autoscaling target (services/routing.py); Serve's default router would pick any holder.
     engine_spec = cfg.deployments["EngineReplica"]
     opts["EngineReplica"] = {"request_router_config": RequestRouterConfig(
-        request_router_class=ROUTER_PATH, request_router_kwargs={"move_at": move_threshold(
-            engine_spec.target_ongoing_requests, engine_spec.max_ongoing_requests)}), **opts["EngineReplica"]}
+        request_router_class=ROUTER_PATH, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_router_kwargs={"move_at": move_threshold(engine_spec.target_ongoing_requests,
+                                                         engine_spec.max_ongoing_requests)}), **opts["EngineReplica"]}
     encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
         model_path=cfg.model_path, dtype=cfg.dtype, cluster_store=cfg.cluster_store or None)
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(

@@ -63,7 +63,7 @@ from .admission import DEFAULT_QUEUE_FACTOR, Admission
 from .api import RETRY_AFTER_S, ApiError
 from .encoder_pool import EncodeFailure, StoredKV
 from .registry import open_registry
-from .routing import SLOT
+from .routing import IN_FLIGHT, SLOT
 
 log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
@@ -306,8 +306,9 @@ class EngineReplica:
         return {SLOT: replica_slot()}
 
     def record_routing_stats(self) -> dict:
-        """Serve's hook (every request_routing_stats_period_s): the slot again, in case Serve re-ranked."""
-        return {SLOT: replica_slot()}
+        """Serve's hook (every request_routing_stats_period_s): the slot again (in case Serve re-ranked) and the
+        requests in flight here, from every router (services/routing.py moves users off a busy home)."""
+        return {SLOT: replica_slot(), IN_FLIGHT: self.admission.in_flight}
 
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _HeldUser:

@@ -10,9 +10,10 @@ likely that the replica it picks already holds the user:
      engine_replica.replica_disk_dir), unlike Serve's replica ids, which are new on every start. Every router
      (each gateway replica's handles, a driver's handle) computes the same home without talking to the
      others; adding a replica moves only the users it wins, losing one moves only its users.
-  2. Soft: a home that this router sees at `move_at` or more ongoing requests (Serve's queue-length cache:
-     requests it sent and not yet finished, corrected by Serve's probes) is skipped for the next replica in
-     the user's hash order that is below it; that replica reads the user's KV from the cluster tier. When
+  2. Soft: a home that reports `move_at` or more requests in flight (the replica's own count, all routers'
+     requests, sent every ROUTING_STATS_PERIOD_S as Serve's routing stats; Serve's per-router queue-length
+     cache is not used: a probe taken under load stays in it while the router keeps sending) is skipped for
+     the next replica in the user's hash order that is below it; that replica reads the user's KV from the cluster tier. When
      every replica is that busy the least busy goes first. Serve itself skips a replica at its
      max_ongoing_requests and tries the next in the order, so a full or dead home never holds a user up.
   3. When the load falls the user goes home again (the home still holds it, or reads it from the cluster).
@@ -32,6 +33,8 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 
 ROUTER_PATH = "inferscale_server.routing:UserAffinityRouter"  # what a deployment's request_router_class names
 SLOT = "slot"  # the key of a replica's stable slot in its replica_metadata / routing_stats (EngineReplica)
+IN_FLIGHT = "in_flight"  # the key of a replica's requests in flight in its routing_stats (EngineReplica)
+ROUTING_STATS_PERIOD_S = 1.0  # how often Serve asks each replica for its routing stats
 
 R = TypeVar("R")
 
@@ -83,10 +86,9 @@ class UserAffinityRouter(PowerOfTwoChoicesRequestRouter):
         user_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         if not user_id or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
-        cache = self.replica_queue_len_cache
         move_at = self.move_at or min(r.max_ongoing_requests for r in candidate_replicas)
         order = preference_order(user_id, candidate_replicas, replica_key,
-                                 lambda r: cache.get(r.replica_id), move_at)
+                                 lambda r: r.routing_stats.get(IN_FLIGHT), move_at)
         # One replica per rank: Serve tries them in this order, each only if it accepts (below its
         # max_ongoing_requests); when none does it backs off (0.025 s doubling to 0.5 s) and asks again.
         pending_request.routing_context.should_backoff = True
