@@ -80,7 +80,8 @@ def engine_stats(user_id: str) -> dict:
 
 def injections(user_id: str) -> tuple[int, int]:
     """(requests injected, injections that failed and were recomputed) so far on the user's engine replica: a
-    missed fact is recomputed by vLLM inside the request (its tokens still count as cached in the answer)."""
+    missed fact is recomputed by vLLM inside the request (its tokens still count as cached in the answer). The
+    same composition asked again may be served by vLLM's prefix cache (salted per composition): no injection."""
     worker = engine_stats(user_id)["engine"]["worker"]
     return int(worker["injected_requests"]), int(worker["load_failures"])
 
@@ -260,7 +261,7 @@ def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake
         assert client.remove(right) == 0 and client.is_exist(right) == 0  # this fingerprint's object is gone
         before, (_, failed_before) = engine_stats("hal"), injections("hal")
         text, computed = ask(service, "hal", "What is Hal's boat called?", k=1, max_tokens=12)
-        after, (injected_after, failed_after) = engine_stats("hal"), injections("hal")
+        after, (_, failed_after) = engine_stats("hal"), injections("hal")
         assert computed.fact_ids == [fact.fact_id] and failed_after == failed_before + 1  # recomputed by vLLM
         assert after["facts_recomputed"] - before["facts_recomputed"] == 1
         assert after["facts_from_cluster"] == before["facts_from_cluster"]
@@ -269,7 +270,7 @@ def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake
             time.sleep(1)
         again, injected = ask(service, "hal", "What is Hal's boat called?", k=1, max_tokens=12)
         assert injected.prompt_tokens == computed.prompt_tokens and again == text
-        assert injections("hal") == (injected_after + 1, failed_after)  # injected this time, nothing recomputed
+        assert injections("hal")[1] == failed_after  # nothing recomputed this time
         assert client.is_exist(other) == 1 and client.is_exist(right) == 1  # the other one was never touched
     finally:
         client.close()
@@ -381,12 +382,12 @@ def test_mooncake_master_killed_answers_continue(service, mooncake):  # noqa: F8
     # Bea's facts went to the cluster tier before it stopped and no replica has read them: cold everywhere.
     before, (_, failed_before) = engine_stats("bea"), injections("bea")
     text, final = ask(service, "bea", dog_q, k=2, max_tokens=12)  # computed by vLLM, never an error
-    after, (injected_after, failed_after) = engine_stats("bea"), injections("bea")
+    after, (_, failed_after) = engine_stats("bea"), injections("bea")
     assert final.completion_tokens > 0 and after["facts_recomputed"] - before["facts_recomputed"] == 2
     assert failed_after == failed_before + 1
     deadline = time.monotonic() + 120  # the one re-encode (queued, in the background) puts the KV back
     while engine_stats("bea")["facts_encoded"] - before["facts_encoded"] < 2 and time.monotonic() < deadline:
         time.sleep(1)
     again, final = ask(service, "bea", dog_q, k=2, max_tokens=12)
-    assert again == text and injections("bea") == (injected_after + 1, failed_after)  # computed, then injected
+    assert again == text and injections("bea")[1] == failed_after  # nothing recomputed this time
     assert engine_stats("bea")["facts_recomputed"] == after["facts_recomputed"]  # queued once, not per request
