@@ -24,6 +24,16 @@ def jwt_secret(tmp_path_factory) -> tuple[Path, bytes]:
     return path, secret
 
 
+def token_gateway(registry, jwt_secret, limits):
+    """A Ray-less GatewayCore over `registry` (no backends: memory calls only) verifying HS256 tokens signed with
+    the module's `jwt_secret`."""
+    from inferscale_server.auth import AuthConfig, Authenticator
+    from inferscale_server.gateway import GatewayCore
+
+    auth = Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0])))
+    return GatewayCore(registry, backends=None, limits=limits, auth=auth)
+
+
 def token_for(secret: bytes, user: str, admin: bool = False, **kw) -> str:
     return mint(secret, user, (*USER_SCOPES, SCOPE_ADMIN) if admin else USER_SCOPES, **kw)
 

@@ -13,13 +13,13 @@ import uuid
 import grpc
 import pytest
 
-from auth_fixture import admin_token, jwt_secret, refused, rich_refusal, token_channel, token_for  # noqa: F401  (fixtures)
+from auth_fixture import admin_token, jwt_secret, refused, rich_refusal, token_channel, token_for, token_gateway  # noqa: F401  (fixtures)
 from grpc_thread import ServerThread
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from inferscale_server import api
 from inferscale_client import codegen
 from inferscale_server.api import Limits, pb2, pb2_grpc
-from inferscale_server.auth import AuthConfig, Authenticator
+from inferscale_server.auth import Authenticator
 from inferscale_server.gateway import GatewayCore, build_http_app
 from inferscale_server.registry import RedisRegistry
 
@@ -35,8 +35,7 @@ def registry(redis_url):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def core(registry, jwt_secret):  # noqa: F811
-    auth = Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0])))
-    return GatewayCore(registry, backends=None, limits=LIMITS, auth=auth)
+    return token_gateway(registry, jwt_secret, LIMITS)
 
 
 @pytest.fixture(scope="module")

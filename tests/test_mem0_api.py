@@ -20,11 +20,10 @@ import uuid
 import httpx
 import pytest
 
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
+from auth_fixture import jwt_secret, token_for, token_gateway  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from inferscale_server.api import Limits, pb2
-from inferscale_server.auth import AuthConfig, Authenticator
-from inferscale_server.gateway import GatewayCore, build_http_app
+from inferscale_server.gateway import build_http_app
 from inferscale_server.registry import EmbeddedRegistry, NewFact, RedisRegistry
 
 os.environ.setdefault("MEM0_TELEMETRY", "false")  # mem0ai's client would post telemetry events
@@ -67,8 +66,7 @@ def registry(redis_url):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def core(registry, jwt_secret):  # noqa: F811
-    auth = Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0])))
-    return GatewayCore(registry, backends=None, limits=LIMITS, auth=auth)
+    return token_gateway(registry, jwt_secret, LIMITS)
 
 
 @pytest.fixture(scope="module")
