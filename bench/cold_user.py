@@ -61,7 +61,7 @@ def parse_args(argv=None):
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.miss_rounds = args.miss_rounds if args.miss_rounds is not None else (1 if args.quick else 3)
     if args.data is None:
-        from inferscale_core.eval.locomo import default_data_path
+        from bench.eval.locomo import default_data_path
 
         args.data = FIXTURE if args.quick else default_data_path()
     problems = []

@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 
 import torch
 
-from inferscale_core.eval.locomo import default_data_path, load_locomo, require_data_path, window_turns
+from bench.eval.locomo import default_data_path, load_locomo, require_data_path, window_turns
 from inferscale_core.model_spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,14 +28,14 @@ from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
 
 set_vllm_cpu_env(2)  # before vLLM is imported
 
-from inferscale_core.eval import serving  # noqa: E402
+from bench.eval import serving  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUERY_TYPES = {4: "single-hop", 2: "temporal"}
 
 
 def parse_args(argv=None):
-    from inferscale_core.eval.locomo import default_data_path, require_data_path
+    from bench.eval.locomo import default_data_path, require_data_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data_path(), help="LoCoMo-format JSON file")
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     from vllm import SamplingParams
 
     from inferscale_core.engine import InjectingEngine, Query
-    from inferscale_core.eval.locomo import load_locomo
+    from bench.eval.locomo import load_locomo
     from inferscale_core.memory import Memory
 
     convs = {c.sample_id: c for c in load_locomo(args.data)}

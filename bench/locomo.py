@@ -15,7 +15,7 @@ recomputed) at k = 5, 10, 20, 50. Phases:
              engine TTFT, question->first token, question->full answer
   throughput N concurrent users (each --requests-per-user questions, all arriving at once), prefix cache
              emptied before each measurement; requests/s per mode
-Results go to --out as JSON, Markdown and PNG plots (inferscale_core.eval.report).
+Results go to --out as JSON, Markdown and PNG plots (bench.eval.report).
 
     python bench/locomo.py --quick                    # minutes on 2 CPU cores
     python bench/locomo.py --k 5,10,20,50 --w 0,5,20,50 --judge-model default   # the full run
@@ -44,11 +44,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from tqdm import tqdm
 
 from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_TOKENS, add_recompute_arguments, default_windows
-from inferscale_core.eval import report
-from inferscale_core.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
+from bench.eval import report
+from bench.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
                                          load_locomo, require_data_path, session_facts, window_turns)
-from inferscale_core.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
-from inferscale_core.eval.stats import by_category, group_by, paired_bootstrap, summarize
+from bench.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
+from bench.eval.stats import by_category, group_by, paired_bootstrap, summarize
 from inferscale_core.template import PromptTemplate
 
 MODES = ("kv", "pi")
@@ -110,12 +110,12 @@ class EngineBackend:
     """AnswerBackend over inferscale_core.engine.InjectingEngine: one vLLM engine, prefix caching on, serving
     both modes. Facts are encoded in `encode_dtype` (fp32: the encoder is fastest and most exact there) and
     cast to the cache dtype `dtype` when the worker stores them. Timings come from
-    inferscale_core.eval.serving (vLLM's per-request stats)."""
+    bench.eval.serving (vLLM's per-request stats)."""
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", encode_dtype: str = "float32",
                  block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4,
                  recompute_tokens: int = RECOMPUTE_TOKENS, recompute_facts: int = 0):
-        from inferscale_core.eval import serving
+        from bench.eval import serving
         from inferscale_core.vllm_env import set_vllm_cpu_env
 
         set_vllm_cpu_env(kv_cache_gib)  # before vLLM is imported
@@ -449,7 +449,7 @@ def run_benchmark(cfg: RunConfig, backend: AnswerBackend, judge: Judge | None = 
 
 
 def _machine() -> dict:
-    from inferscale_core.eval.serving import machine
+    from bench.eval.serving import machine
 
     return machine()
 

@@ -36,7 +36,7 @@ def imprint(sample_id: str, n_facts: int, data: str) -> dict:
     import torch
 
     from inferscale_core.defaults import NEIGHBOUR_WINDOW, default_windows
-    from inferscale_core.eval.locomo import load_locomo, session_facts
+    from bench.eval.locomo import load_locomo, session_facts
     from inferscale_core.memory import Memory
 
     conv = next(c for c in load_locomo(data) if c.sample_id == sample_id)
@@ -96,8 +96,8 @@ def registry_pass(users_facts: list[int]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from inferscale_core.eval.locomo import default_data_path
-    from inferscale_core.eval.serving import machine
+    from bench.eval.locomo import default_data_path
+    from bench.eval.serving import machine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=str(default_data_path() or ""))

@@ -139,7 +139,7 @@ def parse_args(argv=None):
         if args.jwt_secret_file and not args.jwt_secret_file.is_file():
             problems.append(f"--jwt-secret-file {args.jwt_secret_file} does not exist")
     if args.data is None:
-        from inferscale_core.eval.locomo import default_data_path
+        from bench.eval.locomo import default_data_path
 
         args.data = FIXTURE if args.quick else default_data_path()
     if args.data is None or not Path(args.data).is_file():
@@ -198,7 +198,7 @@ def make_users(data: Path, n_users: int, facts_per_user: int, prefix: str) -> li
     """User i's memory: `facts_per_user` consecutive facts (by conversation, then session) starting at
     i/n of the way through all facts, so users hold different sessions' facts (windows overlap only when the
     data has fewer than n x facts_per_user facts); its questions: those of the conversations it covers."""
-    from inferscale_core.eval.locomo import answerable, load_locomo
+    from bench.eval.locomo import answerable, load_locomo
 
     convs = load_locomo(data)
     pool = [(c, f) for c in convs for f in c.facts]

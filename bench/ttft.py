@@ -40,7 +40,7 @@ KS = (5, 10, 20, 50)
 
 
 def parse_args(argv=None):
-    from inferscale_core.eval.locomo import default_data_path, require_data_path
+    from bench.eval.locomo import default_data_path, require_data_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data_path(), help="LoCoMo-format JSON file")
@@ -64,8 +64,8 @@ def main(argv=None) -> dict:
     import torch
 
     from inferscale_core.engine import InjectingEngine, default_sampling
-    from inferscale_core.eval.serving import prepare_fixed
-    from inferscale_core.eval.locomo import answerable, load_locomo
+    from bench.eval.serving import prepare_fixed
+    from bench.eval.locomo import answerable, load_locomo
     from inferscale_core.memory import Memory
 
     from bench.service import cpu_description, cpu_line  # lscpu's model and flags

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from inferscale_core.eval.locomo import (Fact, LocomoFormatError, answerable, load_locomo, parse_dia_ids,
+from bench.eval.locomo import (Fact, LocomoFormatError, answerable, load_locomo, parse_dia_ids,
                                          session_facts, window_turns)
-from inferscale_core.eval.report import write_report
-from inferscale_core.eval.scoring import (JUDGE_PROMPT, judge_prompt, locomo_f1, normalize_answer,
+from bench.eval.report import write_report
+from bench.eval.scoring import (JUDGE_PROMPT, judge_prompt, locomo_f1, normalize_answer,
                                           parse_judge_reply, token_f1)
-from inferscale_core.eval.stats import by_category, paired_bootstrap, summarize
-from inferscale_core.eval.stem import porter_stem
+from bench.eval.stats import by_category, paired_bootstrap, summarize
+from bench.eval.stem import porter_stem
 from inferscale_core.template import PromptTemplate
 
 REPO = Path(__file__).resolve().parents[1]

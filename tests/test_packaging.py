@@ -39,6 +39,8 @@ def test_wheel_carries_the_generated_grpc_code(wheel):
     assert not any(n.startswith("services/") for n in names), sorted(n for n in names if n.startswith("services/"))
     assert not any("/_generated/" in n and not n.startswith("inferscale_client/") for n in names), "one copy of the generated code"
     assert not any(n.startswith(("tests/", "bench/", "protos/")) for n in names)
+    # benchmark-only code (LoCoMo loading, scoring, statistics, reports) lives in bench/eval, never in the product
+    assert not any("/eval/" in n or n.startswith("eval/") for n in names), sorted(n for n in names if "eval/" in n)
     assert not any(n.endswith(".lock") for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "inferscale = inferscale_core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
