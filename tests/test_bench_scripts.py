@@ -160,3 +160,33 @@ def test_cold_user_rejects_bad_arguments(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "--ks must be in 1..64" in proc.stderr and "--facts 10 is below the largest k" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_resident_memory_rejects_bad_arguments(tmp_path):
+    """bench/resident_memory.py (a service run of an hour: not run here) checks its arguments before starting."""
+    proc = subprocess.run([sys.executable, "bench/resident_memory.py", "--quick", "--users", "3", "--round-facts", "20",
+                           "--out", str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--round-facts 20 must be a multiple of --users 3" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_resident_memory_finds_the_service_processes_by_role():
+    """The bench's RSS rows come from /proc: every descendant of the driver, named by its process title or binary.
+    A real redis-server (one of the service's processes) started here must appear under its role, with its RSS."""
+    sys.path.insert(0, str(REPO / "bench"))
+    env_before = dict(os.environ)
+    from resident_memory import process_rss, rss_bytes
+
+    assert dict(os.environ) == env_before  # importing the bench sets no vLLM environment in the test process
+
+    from inferscale_server.registry.local_redis import RedisServerMissing, local_redis_server
+
+    try:
+        with local_redis_server():
+            rows = process_rss()
+    except RedisServerMissing as e:
+        pytest.skip(str(e))
+    assert rows["redis-server"] > 1 << 20  # a live process's resident set, in bytes
+    assert rows["driver (this bench)"] > 1 << 20 and rss_bytes(os.getpid()) > 1 << 20
+    assert "redis-server" not in process_rss()  # stopped: gone from the next sample
