@@ -76,7 +76,7 @@ def parse_args(argv=None):
     args.deadline_min = args.deadline_min or (10.0 if args.quick else 60.0)
     args.out = args.out or REPO / "bench" / "results" / f"resident_memory_{args.dtype}.json"
     if args.data is None:
-        from inferscale_core.eval.locomo import default_data_path
+        from bench.eval.locomo import default_data_path
 
         args.data = FIXTURE if args.quick else default_data_path()
     problems = []
