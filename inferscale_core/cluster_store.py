@@ -16,7 +16,8 @@ caller then computes or re-encodes. Removes of objects whose read lease still ru
 
 Mooncake objects live in the memory segments that clients contribute (`segment_bytes`): an engine pod's
 segment, or a standalone `mooncake_client` (what the chart and the tests run). The master evicts objects when
-the segments are full (its eviction watermark): an evicted fact is a miss, re-encoded once.
+the segments are full (its eviction watermark): an evicted fact is a miss, re-encoded once. Each object is
+written `replicas` times, to different segments, so losing one node's segment loses no fact.
 """
 from __future__ import annotations
 
@@ -123,6 +124,10 @@ class ClusterConfig:
     device: str = ""                  # RDMA device names; none for TCP
     lease_s: float = 1.0              # the master's --default_kv_lease_ttl: how long to wait to repeat a remove
     retry_s: float = 2.0              # while the store is down, how often the background probe tries it
+    # Copies of each object, each in another segment (Mooncake's replica_num; fewer when fewer segments exist).
+    # One copy is lost with its node (a node's segment dies with it: those facts are re-encoded); two keep
+    # every fact readable when one node dies, at twice the pool memory (docs/architecture.md, "What survives").
+    replicas: int = 2
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "ClusterConfig | None":
@@ -137,6 +142,9 @@ class ClusterConfig:
             if not isinstance(d.get(name), str) or not d[name]:
                 raise ValueError(f"cluster_store.{name} must be set (e.g. master 127.0.0.1:50051, "
                                  "metadata http://127.0.0.1:8080/metadata)")
+        replicas = d.get("replicas", 2)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"cluster_store.replicas must be an integer >= 1 (copies of each object), got {replicas!r}")
         return cls(**d)
 
 
@@ -267,7 +275,7 @@ class ClusterStore:
             ok = [True] * len(items)
             if todo:
                 values = [pack(self.fingerprint, user_id, items[i][0], items[i][1]) for i in todo]
-                rc = client.put_batch([keys[i] for i in todo], values)
+                rc = client.put_batch([keys[i] for i in todo], values, self._replicate())
                 if rc != 0:
                     raise RuntimeError(f"put_batch returned {rc}")
             self.counters["puts"] += len(todo)
@@ -276,6 +284,13 @@ class ClusterStore:
             self.counters["put_failures"] += len(items)
             self._failed(f"put of {len(items)} facts", e)
             return [False] * len(items)
+
+    def _replicate(self):
+        from mooncake.store import ReplicateConfig
+
+        rc = ReplicateConfig()
+        rc.replica_num = int(self.config.replicas)
+        return rc
 
     def get_many(self, user_id: str, kv_ids: list[str]) -> list[EncodedFact | None]:
         """The facts, None for each miss (absent, evicted, another fingerprint's, or the store is away)."""

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 # kv_connector_extra_config keys the worker reads (all optional).
-WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "max_fact_tokens", "inject_group_tokens")
+WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "disk_budget_bytes", "max_fact_tokens",
+                  "inject_group_tokens")
 # Read by the scheduler side (connector_scheduler.py); accepted here so one extra_config serves both sides.
 SCHEDULER_OPTIONS = ("recompute_tokens", "recompute_facts")
 
@@ -161,7 +162,8 @@ class WorkerSide:
         self.store = FactStore.for_spec(
             self.spec, device=self.device, dtype=self.kv_dtype, disk_dir=opts.get("disk_dir"),
             max_fact_tokens=int(opts.get("max_fact_tokens", 1024)),
-            device_budget_bytes=self.device_budget_bytes, host_budget_bytes=opts.get("host_budget_bytes"))
+            device_budget_bytes=self.device_budget_bytes, host_budget_bytes=opts.get("host_budget_bytes"),
+            disk_budget_bytes=opts.get("disk_budget_bytes"))
         logger.info("InferScale worker: %d layers on %s (facts in %s, cache %s), block size %d, device budget %s",
                     len(kv_caches), self.device, self.kv_dtype, self.cache_dtype, self.block_size,
                     "none" if self.device_budget_bytes is None else f"{self.device_budget_bytes} B")

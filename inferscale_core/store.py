@@ -4,8 +4,13 @@ Tiers, fastest first:
   device  tensors on the store's device (GPU memory, or plain memory when the device is "cpu"),
   host    CPU memory, pinned when the device is CUDA so promotion is an async copy (by default only when the
           device is not the CPU: a CPU store would otherwise hold the same bytes twice),
-  disk    one safetensors file per fact under `disk_dir`, written on every put (write-through), so every
-          fact survives a restart and a fact demoted out of memory costs nothing more to drop.
+  disk    one safetensors file per fact under `disk_dir`, written on every put (write-through), so a fact
+          survives a restart and a fact demoted out of memory costs nothing more to drop. Optionally under a
+          byte budget (`disk_budget_bytes`, bytes of the files): a write that would exceed it first deletes the
+          files of the least recently used facts (put and get count as uses). A fact whose file is deleted stays
+          while a memory tier holds it (until it is demoted out of memory); one in no memory tier is forgotten,
+          so a later get is a clean miss (UnknownFactError), as for a fact never stored: the disk is a cache,
+          the facts' source of truth is elsewhere (the cluster tier, or the registry's text to re-encode).
 
 Each memory tier has an optional byte budget (KV bytes, 2·L·c·h·d·b). A fact goes to the fastest tier whose
 budget can hold it; room is made BEFORE anything is allocated there by moving the least recently used facts
@@ -48,6 +53,22 @@ def is_out_of_memory(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
 
 
+DISK_BUDGET_FRACTION = 0.25  # of the disk's free space (plus what the store's files already take), by default
+
+
+def default_disk_budget_bytes(disk_dir: str | Path, fraction: float = DISK_BUDGET_FRACTION) -> int:
+    """A disk tier's byte budget derived from the machine: `fraction` of the space its file system has free
+    plus what files already in `disk_dir` take (a restarted store keeps the budget it started with). A quarter,
+    as a replica's memory budget is a quarter of memory: the disk is shared with the model, logs, other
+    replicas on the node (each takes its quarter of what is free when it starts)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    folder = Path(disk_dir).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    held = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return int((shutil.disk_usage(folder).free + held) * fraction)
+
+
 def _hash_name(text: str) -> str:
     """File-system-safe, fixed-length name for an id (ids may hold any printable character)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
@@ -61,6 +82,7 @@ class _Entry:
     tier: str  # "device" | "host" | "disk"
     fact: EncodedFact | None  # the in-memory copy (on the device or on the host); None when disk-only
     on_disk: bool
+    file_bytes: int = 0  # the size of its file (0 without one)
 
 
 class FactStore:
@@ -75,15 +97,18 @@ class FactStore:
                  num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
                  dtype: torch.dtype | None = None, max_fact_tokens: int = 1024,
                  device_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 host_tier: bool | None = None):
+                 host_tier: bool | None = None, disk_budget_bytes: int | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"FactStore device {self.device} requested but CUDA is not available")
         if max_fact_tokens < 1:
             raise ValueError(f"max_fact_tokens must be >= 1, got {max_fact_tokens}")
-        for name, budget in (("device_budget_bytes", device_budget_bytes), ("host_budget_bytes", host_budget_bytes)):
+        for name, budget in (("device_budget_bytes", device_budget_bytes), ("host_budget_bytes", host_budget_bytes),
+                             ("disk_budget_bytes", disk_budget_bytes)):
             if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
                 raise ValueError(f"{name} must be an integer >= 0 or None, got {budget!r}")
+        if disk_budget_bytes is not None and disk_dir is None:
+            raise ValueError("disk_budget_bytes needs disk_dir: it bounds the files of the disk tier")
         # host_tier=None: a host tier only when the device is not the CPU. True on a CPU device runs the same
         # device -> host spill logic an accelerator uses (how it is tested on machines without one).
         self.use_host_tier = self.device.type != "cpu" if host_tier is None else bool(host_tier)
@@ -104,6 +129,10 @@ class FactStore:
         self._lru: dict[str, OrderedDict[tuple[str, str], _Entry]] = {t: OrderedDict() for t in self._memory_tiers}
         self._resident = {"device": 0, "host": 0}
         self._disk_bytes = 0
+        self.disk_budget_bytes = disk_budget_bytes
+        self._file_bytes = 0  # bytes of every fact file (what the disk budget bounds)
+        self._disk_lru: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # facts with a file, LRU first
+        self._collected = 0  # files deleted to stay within the disk budget
         self._hits = {"device": 0, "host": 0, "disk": 0}
         self._promotions = 0
         self._demotions = 0
@@ -111,6 +140,7 @@ class FactStore:
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._scan_disk()
+            self._collect(0)  # a smaller budget than the files already there: the oldest leave now
 
     # ----------------------------------------------------------------- construction helpers
 
@@ -135,26 +165,31 @@ class FactStore:
         check_id("fact_id", fact_id)
         with self._lock:
             self._check_fact(fact, source=f"fact {fact_id!r}")
+            data = self._file_data(user_id, fact_id, fact) if self.disk_dir is not None else None
+            if data is not None and not self._disk_fits(len(data)) and not any(
+                    self._fits(t, fact.nbytes) for t in self._memory_tiers):
+                raise ValueError(f"fact {fact_id!r}: its file of {len(data)} bytes is over the disk budget "
+                                 f"({self.disk_budget_bytes} bytes) and its {fact.nbytes} KV bytes fit no memory tier")
             entry = self._users.get(user_id, {}).get(fact_id)
             if entry is not None:  # its memory copy is outdated either way; frees its bytes before admitting
                 self._unplace(entry)
             tier, stored = self._admit(fact)
-            if self.disk_dir is not None:  # disk before the books: if writing fails, no entry changes
-                self._write_file(user_id, fact_id, stored)
-            if entry is not None:  # replace in place: the fact keeps its position in fact_ids()
-                if entry.on_disk:
-                    self._disk_bytes -= entry.nbytes
-                entry.nbytes = stored.nbytes
-            else:
-                entry = _Entry(user_id, fact_id, stored.nbytes, "disk", None, self.disk_dir is not None)
-                self._users.setdefault(user_id, {})[fact_id] = entry
-            if entry.on_disk:
-                self._disk_bytes += entry.nbytes
+            if entry is None:
+                entry = _Entry(user_id, fact_id, stored.nbytes, "disk", None, False)
+                self._users.setdefault(user_id, {})[fact_id] = entry  # replaced in place: keeps its position
+            elif entry.on_disk:  # the old file is outdated: its bytes are free for the new one
+                self._drop_file(entry, forget=False, collected=False)
+            entry.nbytes = stored.nbytes
             if tier is not None:
                 self._place(entry, tier, stored)
+            if data is not None and self._disk_fits(len(data)):
+                self._collect(len(data))  # room first: least recently used files leave
+                self._write_file(user_id, fact_id, data)
+                self._add_file(entry, len(data))
 
     def get(self, user_id: str, fact_id: str) -> EncodedFact:
-        """The fact on the store's device; promotes it to the device tier and counts a hit for its tier."""
+        """The fact on the store's device; promotes it to the device tier and counts a hit for its tier. A fact
+        the disk budget collected is a miss like one never stored (UnknownFactError)."""
         with self._lock:
             return self._fetch(self._entry(user_id, fact_id))
 
@@ -243,7 +278,10 @@ class FactStore:
                 "facts_per_tier": counts,
                 "num_facts": sum(counts.values()),
                 "num_users": len(self._users),
-                "budgets": {"device": self._budgets["device"], "host": self._budgets["host"]},
+                "budgets": {"device": self._budgets["device"], "host": self._budgets["host"],
+                            "disk": self.disk_budget_bytes},
+                "disk_file_bytes": self._file_bytes,
+                "disk_collected": self._collected,
             }
 
     # ----------------------------------------------------------------- tier moves
@@ -296,8 +334,10 @@ class FactStore:
             self._unplace(entry)
             self._make_room(lower, entry.nbytes)
             self._place(entry, lower, self._to_host(fact))
-        else:
+        elif entry.on_disk:
             self._unplace(entry)
+        else:  # its file was collected (the disk budget): out of memory it is gone, a clean miss
+            self._forget(entry)
 
     def _admit(self, fact: EncodedFact) -> tuple[str | None, EncodedFact]:
         """A private copy of a new fact in the fastest memory tier that can hold it, room made first; tier
@@ -326,7 +366,11 @@ class FactStore:
         return self._to_host(out) if tier == "host" else out
 
     def _fetch(self, entry: _Entry) -> EncodedFact:
+        if self._users.get(entry.user_id, {}).get(entry.fact_id) is not entry:  # forgotten since it was looked up
+            raise UnknownFactError(entry.user_id, entry.fact_id)  # (get_many: demoted out of memory, no file)
         self._hits[entry.tier] += 1
+        if entry.on_disk:
+            self._disk_lru.move_to_end((entry.user_id, entry.fact_id))
         if entry.tier == "device":
             self._lru["device"].move_to_end((entry.user_id, entry.fact_id))
             return entry.fact
@@ -361,8 +405,7 @@ class FactStore:
         """Delete a fact everywhere: memory tiers, file, and the user when it was their last fact."""
         self._unplace(entry)
         if entry.on_disk:
-            self._disk_bytes -= entry.nbytes
-            self._path(entry.user_id, entry.fact_id).unlink(missing_ok=True)
+            self._drop_file(entry, forget=False, collected=False)
         facts = self._users[entry.user_id]
         del facts[entry.fact_id]
         if not facts:
@@ -403,13 +446,45 @@ class FactStore:
     def _path(self, user_id: str, fact_id: str) -> Path:
         return self.disk_dir / _hash_name(user_id) / (_hash_name(fact_id) + FACT_SUFFIX)
 
-    def _write_file(self, user_id: str, fact_id: str, fact: EncodedFact) -> None:
+    @staticmethod
+    def _file_data(user_id: str, fact_id: str, fact: EncodedFact) -> bytes:
+        """A fact file's bytes (its size is what the disk budget counts)."""
+        return safetensors_save(
+            {"token_ids": fact.token_ids.detach().cpu().to(torch.int64).contiguous(),
+             "k_pre": fact.k_pre.detach().cpu().contiguous(), "v": fact.v.detach().cpu().contiguous()},
+            metadata={"format": FILE_FORMAT, "user_id": user_id, "fact_id": fact_id})
+
+    def _disk_fits(self, nbytes: int) -> bool:
+        return self.disk_budget_bytes is None or nbytes <= self.disk_budget_bytes
+
+    def _collect(self, nbytes: int) -> None:
+        """Deletes the files of the least recently used facts until `nbytes` more fit in the disk budget."""
+        if self.disk_budget_bytes is None:
+            return
+        while self._file_bytes + nbytes > self.disk_budget_bytes and self._disk_lru:
+            self._drop_file(next(iter(self._disk_lru.values())), forget=True, collected=True)
+
+    def _add_file(self, entry: _Entry, file_bytes: int) -> None:
+        entry.on_disk, entry.file_bytes = True, file_bytes
+        self._disk_bytes += entry.nbytes
+        self._file_bytes += file_bytes
+        self._disk_lru[(entry.user_id, entry.fact_id)] = entry
+
+    def _drop_file(self, entry: _Entry, forget: bool, collected: bool) -> None:
+        """Deletes a fact's file; with `forget`, a fact no memory tier holds leaves the store too."""
+        self._path(entry.user_id, entry.fact_id).unlink(missing_ok=True)
+        del self._disk_lru[(entry.user_id, entry.fact_id)]
+        self._disk_bytes -= entry.nbytes
+        self._file_bytes -= entry.file_bytes
+        entry.on_disk, entry.file_bytes = False, 0
+        self._collected += collected
+        if forget and entry.tier == "disk":
+            self._forget(entry)
+
+    def _write_file(self, user_id: str, fact_id: str, data: bytes) -> None:
         """Atomic, durable write: temp file, fsync, rename over the old file."""
         path = self._path(user_id, fact_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = safetensors_save(
-            {"token_ids": fact.token_ids.cpu(), "k_pre": fact.k_pre.cpu(), "v": fact.v.cpu()},
-            metadata={"format": FILE_FORMAT, "user_id": user_id, "fact_id": fact_id})
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(data)
@@ -430,14 +505,18 @@ class FactStore:
 
     def _scan_disk(self) -> None:
         """List every fact file (headers only; tensors load on first get)."""
+        files = []
         for user_dir in sorted(p for p in self.disk_dir.iterdir() if p.is_dir()):
             for path in sorted(user_dir.glob("*" + FACT_SUFFIX)):
                 user_id, fact_id, nbytes = self._read_header(path)
                 if user_dir.name != _hash_name(user_id) or path.name != _hash_name(fact_id) + FACT_SUFFIX:
                     raise ValueError(f"{path}: file name does not match the ids inside "
                                      f"(user {user_id!r}, fact {fact_id!r})")
-                self._users.setdefault(user_id, {})[fact_id] = _Entry(user_id, fact_id, nbytes, "disk", None, True)
-                self._disk_bytes += nbytes
+                entry = _Entry(user_id, fact_id, nbytes, "disk", None, False)
+                self._users.setdefault(user_id, {})[fact_id] = entry
+                files.append((path.stat().st_mtime_ns, entry, path.stat().st_size))
+        for _, entry, size in sorted(files, key=lambda f: f[0]):  # oldest write first: the LRU order after a restart
+            self._add_file(entry, size)
 
     def _read_header(self, path: Path) -> tuple[str, str, int]:
         """Ids and KV bytes from a fact file's header, checked against the store's shape and dtype."""

@@ -192,8 +192,17 @@ class ServiceConfig:
                    limits=dict(values.get("limits") or {}),
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),
                    admission_queue_factor=float(values["model"].get("admissionQueueFactor", 2.0)),
-                   kv_dir=values["kvStore"]["dir"], store_options=dict(values["kvStore"].get("options") or {}),
+                   kv_dir=values["kvStore"]["dir"], store_options=store_options_for(values),
                    cluster_store=cluster_store_for(values, release), auth=auth_args_for(values), deployments=deps)
+
+
+def store_options_for(values: dict) -> dict:
+    """The chart's kvStore.options, with diskBudgetGiB as the disk tier's budget in bytes (when there is a disk)."""
+    kv = values["kvStore"]
+    options = dict(kv.get("options") or {})
+    if kv.get("dir") and kv.get("diskBudgetGiB"):
+        options["disk_budget_bytes"] = int(float(kv["diskBudgetGiB"]) * (1 << 30))
+    return options
 
 
 def cluster_store_for(values: dict, release: str) -> dict:
@@ -204,7 +213,7 @@ def cluster_store_for(values: dict, release: str) -> dict:
         return {}
     host = f"{release}-mooncake"
     return {"master": f"{host}:{m['rpcPort']}", "metadata": f"http://{host}:{m['metadataPort']}/metadata",
-            "lease_s": float(m["leaseSeconds"])}
+            "lease_s": float(m["leaseSeconds"]), "replicas": int(m["replicas"])}
 
 
 def auth_args_for(values: dict) -> dict:

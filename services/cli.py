@@ -42,6 +42,9 @@ def add_commands(sub) -> None:
                    help="address the gRPC and HTTP ports bind (default: loopback only; 0.0.0.0 for every address)")
     p.add_argument("--kv-dir", default=None, help="disk tier of the engine's fact store "
                                                   "(default: <inferscale cache>/kv)")
+    p.add_argument("--kv-disk-budget-gib", type=_positive_float, default=None, metavar="GIB",
+                   help="byte budget of the disk tier: beyond it the files of the least recently used facts are "
+                        "deleted (default: a quarter of the disk space free when the engine starts)")
     p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                    help="cluster KV tier: a running mooncake_master's RPC address (default: none, local tiers only)")
     p.add_argument("--mooncake-metadata", default=None, metavar="URL",
@@ -117,6 +120,23 @@ def binding_refusal(args) -> str | None:
     return None
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def store_settings(args) -> dict:
+    """ServiceConfig.store_options from --kv-disk-budget-gib ({}: the engine derives the budget from the disk)."""
+    if args.kv_disk_budget_gib is None:
+        return {}
+    return {"disk_budget_bytes": int(args.kv_disk_budget_gib * (1 << 30))}
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -171,7 +191,8 @@ def serve_cmd(args) -> int:
             return 1
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=args.dtype,
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
-                        kv_dir=args.kv_dir or str(cache_dir() / "kv"), deployments=single_node_deployments(),
+                        kv_dir=args.kv_dir or str(cache_dir() / "kv"), store_options=store_settings(args),
+                        deployments=single_node_deployments(),
                         cluster_store=cluster_store_settings(args), auth=auth_settings(args))
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
@@ -194,7 +215,8 @@ def serve_cmd(args) -> int:
               f"  gRPC  inferscale.v1.Memory   {args.host}:{cfg.grpc_port}\n"
               f"  HTTP  POST /v1/chat/completions   http://{args.host}:{cfg.http_port}\n"
               f"  registry  {redacted(cfg.registry_url) if cfg.registry_url else 'in memory (Ray actor; pass --redis-url to keep facts)'}\n"
-              f"  KV disk tier  {cfg.kv_dir}\n"
+              f"  KV disk tier  {cfg.kv_dir}, budget "
+              f"{f'{args.kv_disk_budget_gib:g} GiB' if args.kv_disk_budget_gib else 'a quarter of the free disk'}\n"
               f"  KV cluster tier  {cfg.cluster_store.get('master', 'none (pass --mooncake-master)')}\n"
               f"  auth  {_auth_line(cfg.auth)}\n"
               f"try: inferscale add alice \"Alice has a cat named Pixel.\" --target 127.0.0.1:{cfg.grpc_port}",

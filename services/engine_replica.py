@@ -246,6 +246,7 @@ class EngineReplica:
                        engine_overrides: dict | None = None,
                        admission_queue_factor: float = DEFAULT_QUEUE_FACTOR, cluster_store: dict | None = None):
         from inferscale_core.defaults import serving_store_options
+        from inferscale_core.store import default_disk_budget_bytes
         from inferscale_core.engine import AsyncInjectingEngine
 
         from .encoder_pool import dtype_of
@@ -261,6 +262,8 @@ class EngineReplica:
         options = serving_store_options(store_options)
         if self.disk_dir:
             options["disk_dir"] = self.disk_dir
+            if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
+                options["disk_budget_bytes"] = default_disk_budget_bytes(self.disk_dir)
         # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
         prefix = await encoder.prefix.remote()
         self.engine = AsyncInjectingEngine(model_path=model_path, prefix=prefix, dtype=dtype_of(dtype),
@@ -280,7 +283,9 @@ class EngineReplica:
         if self.cluster is not None:
             self.cluster.available  # noqa: B018 - starts connecting in the background
         self._held: dict[str, dict[str, HeldFact]] = {}  # user -> fact_id -> servable fact (registry, last sync)
-        self.resident = ResidentKV(default_kv_budget_bytes())  # what this replica put into its worker store
+        # What this replica put into its worker store, within its disk tier's budget (files are written through),
+        # so that budget collects facts of users this replica no longer holds before the ones it counts on.
+        self.resident = ResidentKV(min(default_kv_budget_bytes(), options.get("disk_budget_bytes") or 1 << 62))
         self._reencoding: set[tuple[str, str]] = set()  # (user, kv_id) with a re-encode under way
         self._synced: dict[str, int] = {}   # user -> registry user_version last synced
         self._pruned: dict[str, int] = {}   # user -> user_version the watch last dropped moved facts for

@@ -352,10 +352,39 @@ def test_kv_disk_tier_is_one_folder_per_pod(helm):
         (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-store"]
         assert vol == {"name": "kv-store", "hostPath": {"path": "/mnt/nvme/inferscale-kv", "type": "DirectoryOrCreate"}}
     args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert args["kv_dir"] == values["kvStore"]["dir"] and args["store_options"] == {"device_budget_bytes": 8000000000}
+    assert args["kv_dir"] == values["kvStore"]["dir"]
+    assert args["store_options"] == {"device_budget_bytes": 8000000000,
+                                     "disk_budget_bytes": int(values["kvStore"]["diskBudgetGiB"] * (1 << 30))}
     out = subprocess.run([helm, "template", "x", str(CHART), "--set-json", 'kvStore.volume={"hostPath":{"path":"/x"}}'],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "one volume source" in out.stderr  # merged with the default emptyDir
+
+
+def test_disk_budget_agrees_with_the_emptydir(helm):
+    """The default emptyDir's sizeLimit and the disk tier's budget: the budget is what the replicas get, below
+    the sizeLimit (over it the kubelet evicts the pod); a budget over it, or a sizeLimit the chart cannot read,
+    is refused at render time with the reason."""
+    docs = _render(helm, release="disk")
+    args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    budget = args["store_options"]["disk_budget_bytes"]
+    assert budget == int(VALUES["kvStore"]["diskBudgetGiB"] * (1 << 30))
+    assert ServiceConfig.from_chart_values(VALUES).store_options == args["store_options"]  # the same mapping
+    for group, pod in _pod_specs(docs).items():
+        if group in ("ray-head", "redis"):
+            continue
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-store"]
+        limit = vol["emptyDir"]["sizeLimit"]
+        assert limit.endswith("Gi") and budget <= 0.95 * int(limit[:-2]) * (1 << 30), (budget, limit)
+    for bad, why in ((["kvStore.diskBudgetGiB=99"], "at most 95% of kvStore.volume.emptyDir.sizeLimit"),
+                     (["kvStore.diskBudgetGiB=null"], "must be set"),
+                     (["kvStore.volume.emptyDir.sizeLimit=100G"], "must be whole Gi")):
+        out = subprocess.run([helm, "template", "x", str(CHART)] + [a for s in bad for a in ("--set", s)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and why in out.stderr, (bad, out.stderr[-400:])
+    # No disk tier: no budget in the config.
+    args = yaml.safe_load(_rayservice(_render(helm, "kvStore.dir=null", "kvStore.volume=null"))["spec"]
+                          ["serveConfigV2"])["applications"][0]["args"]
+    assert "disk_budget_bytes" not in args["store_options"]
 
 
 def test_cpu_only_layout(helm):
@@ -578,7 +607,7 @@ def test_mooncake_master_and_engine_segments(helm):
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert args["cluster_store"] == {"master": "mc-mooncake:50051", "metadata": "http://mc-mooncake:8080/metadata",
-                                     "lease_s": 1.0}
+                                     "lease_s": 1.0, "replicas": 2}  # two copies: a lost node loses no fact
     pods = _pod_specs(docs)
     for group, gib in (("gpu-workers", 24), ("cpu-workers", 3)):
         seg = {c["name"]: c for c in pods[group]["containers"]}["mooncake-segment"]

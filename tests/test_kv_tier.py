@@ -116,6 +116,10 @@ def test_config_is_validated():
         ClusterConfig.from_dict({"mastr": "x", "metadata": "y"})
     with pytest.raises(ValueError, match="cluster_store.master must be set"):
         ClusterConfig.from_dict({"metadata": "http://x/metadata"})
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="cluster_store.replicas must be an integer >= 1"):
+            ClusterConfig.from_dict({"master": "x:1", "metadata": "http://x/metadata", "replicas": bad})
+    assert ClusterConfig.from_dict({"master": "x:1", "metadata": "http://x/metadata"}).replicas == 2
 
 
 def test_a_store_that_is_away_is_a_miss_at_once():

@@ -295,3 +295,121 @@ def test_cuda_three_tiers(tmp_path):
     assert [s.tier_of("alice", f"f{i}") for i in range(3)] == ["disk", "device", "host"]
     assert s._lru["host"][("alice", "f2")].fact.k_pre.is_pinned()
     assert_same(s.get("alice", "f0").to("cpu"), make_fact(4, seed=0))
+
+
+# ----------------------------------------------------------------------------- the disk tier's byte budget
+
+def file_size(s: FactStore, user_id: str, fact_id: str) -> int:
+    return s._path(user_id, fact_id).stat().st_size
+
+
+def on_disk(s: FactStore) -> int:
+    """Bytes of fact files in the store's folder, counted on the file system (temp files included)."""
+    return sum(p.stat().st_size for p in s.disk_dir.rglob("*") if p.is_file())
+
+
+def test_disk_budget_holds_and_files_leave_in_lru_order(tmp_path):
+    one = len(FactStore._file_data("u", "f0", make_fact(6)))  # every fact here: 6 tokens, same file size
+    s = store(tmp_path, device_budget_bytes=0, disk_budget_bytes=3 * one)  # disk only, room for 3 files
+    for i in range(3):
+        s.put("u", f"f{i}", make_fact(6, seed=i))
+    assert file_size(s, "u", "f0") == one and on_disk(s) == 3 * one
+    s.get("u", "f0")  # f0 used: f1 is now the least recently used
+    s.put("u", "f3", make_fact(6, seed=3))
+    assert sorted(s.fact_ids("u")) == ["f0", "f2", "f3"] and not s._path("u", "f1").exists()
+    s.put("v", "g0", make_fact(6, seed=4))  # another user's write collects this user's oldest (f2)
+    assert sorted(s.fact_ids("u")) == ["f0", "f3"]
+    assert on_disk(s) <= 3 * one and s.stats()["disk_file_bytes"] == on_disk(s) == 3 * one
+    assert s.stats()["disk_collected"] == 2 and s.stats()["budgets"]["disk"] == 3 * one
+    for i in range(20):  # many writes: the budget holds after every one
+        s.put("w", f"h{i}", make_fact(6, seed=100 + i))
+        assert on_disk(s) <= 3 * one
+    assert s.fact_ids("w") == ["h17", "h18", "h19"] and s.users() == ["w"]
+
+
+def test_a_collected_fact_is_a_clean_miss(tmp_path):
+    one = len(FactStore._file_data("u", "f0", make_fact(5)))
+    s = store(tmp_path, device_budget_bytes=0, disk_budget_bytes=2 * one)
+    for i in range(3):
+        s.put("u", f"f{i}", make_fact(5, seed=i))
+    assert not s.contains("u", "f0") and ("u", "f0") not in s
+    with pytest.raises(UnknownFactError):
+        s.get("u", "f0")
+    with pytest.raises(UnknownFactError):
+        s.get_many("u", ["f1", "f0"])
+    assert_same(s.get("u", "f1"), make_fact(5, seed=1))  # the others are intact
+    s.put("u", "f0", make_fact(5, seed=9))  # written again: a new fact, read back as written
+    assert_same(s.get("u", "f0"), make_fact(5, seed=9))
+    # A restart sees only what the budget kept, and a smaller budget collects the oldest files at once.
+    reopened = FactStore.open(tmp_path, disk_budget_bytes=one)
+    assert reopened.fact_ids("u") == ["f0"] and on_disk(reopened) == one
+
+
+def test_a_fact_in_memory_outlives_its_file_until_demoted(tmp_path):
+    fact = make_fact(4)
+    one, kv = len(FactStore._file_data("u", "a", fact)), fact.nbytes
+    s = store(tmp_path, device_budget_bytes=2 * kv, disk_budget_bytes=one)  # 2 facts in memory, 1 file
+    s.put("u", "a", make_fact(4, seed=1))
+    s.put("u", "b", make_fact(4, seed=2))  # a's file goes; a stays on the device
+    assert not s._path("u", "a").exists() and s.tier_of("u", "a") == "device"
+    assert_same(s.get("u", "a"), make_fact(4, seed=1))  # served from memory
+    s.put("u", "c", make_fact(4, seed=3))  # b (least recently used) leaves the device, and its file leaves: gone
+    assert s.fact_ids("u") == ["a", "c"]
+    s.put("u", "d", make_fact(4, seed=4))  # a leaves the device with no file: gone, not a FileNotFoundError later
+    assert s.fact_ids("u") == ["c", "d"] and on_disk(s) == one
+
+
+def test_a_fact_over_the_disk_budget(tmp_path):
+    small, big = make_fact(2), make_fact(40, seed=1)
+    s = store(tmp_path, disk_budget_bytes=len(FactStore._file_data("u", "s", small)))  # CPU: memory unbounded
+    s.put("u", "big", big)  # no file (too big for the disk), kept in memory
+    assert not s._path("u", "big").exists() and s.tier_of("u", "big") == "device"
+    assert_same(s.get("u", "big"), big)
+    tight = store(tmp_path / "tight", device_budget_bytes=small.nbytes,
+                  disk_budget_bytes=len(FactStore._file_data("u", "s", small)))
+    with pytest.raises(ValueError, match="over the disk budget .* fit no memory tier"):
+        tight.put("u", "big", big)  # refused before anything is written
+    assert tight.users() == [] and on_disk(tight) == 0
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, "1G", True])
+def test_bad_disk_budgets_are_refused(tmp_path, budget):
+    with pytest.raises(ValueError, match="disk_budget_bytes must be an integer >= 0 or None"):
+        store(tmp_path, disk_budget_bytes=budget)
+
+
+def test_disk_budget_without_disk_is_refused():
+    with pytest.raises(ValueError, match="disk_budget_bytes needs disk_dir"):
+        FactStore(disk_budget_bytes=1 << 20)
+
+
+def test_default_disk_budget_is_a_quarter_of_the_free_disk(tmp_path):
+    import shutil
+
+    from inferscale_core.store import default_disk_budget_bytes
+
+    (tmp_path / "old.safetensors").write_bytes(b"x" * 4096)  # a restarted store's files count as its own
+    free = shutil.disk_usage(tmp_path).free
+    budget = default_disk_budget_bytes(tmp_path)
+    assert abs(budget - (free + 4096) // 4) < 64 << 20  # the free space moves a little under other writers
+    with pytest.raises(ValueError, match="fraction must be in"):
+        default_disk_budget_bytes(tmp_path, fraction=0)
+
+
+@pytest.mark.parametrize("value, why", [("0", "must be a number above 0, got 0"),
+                                        ("-2", "must be a number above 0, got -2"),
+                                        ("lots", "must be a number, got 'lots'"),
+                                        ("inf", "must be a number above 0, got inf")])
+def test_serve_takes_the_disk_budget_and_refuses_bad_values(capsys, value, why):
+    import argparse
+
+    from inferscale_server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--kv-disk-budget-gib", "1.5"])
+    assert cli.store_settings(args) == {"disk_budget_bytes": 3 << 29}
+    assert cli.store_settings(parser.parse_args(["serve"])) == {}  # the engine derives it from the disk
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", f"--kv-disk-budget-gib={value}"])
+    assert e.value.code == 2 and f"--kv-disk-budget-gib: {why}" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .local_redis import free_port, stop_process
@@ -48,56 +48,80 @@ class LocalMooncake:
     master: subprocess.Popen
     segment: subprocess.Popen
     workdir: str
+    extra_segments: list = field(default_factory=list)
 
     def stop_master(self) -> None:
         stop_process(self.master)
+
+    def add_segment(self, segment_bytes: int, start_timeout_s: float = 30.0) -> subprocess.Popen:
+        """Another node's segment (one more `mooncake_client`), mounted at the master before this returns.
+        Stopped with the store unless the caller kills it first."""
+        port = free_port()
+        proc = _start_segment(self.config, segment_bytes, port, Path(self.workdir) / f"segment-{port}.log")
+        self.extra_segments.append(proc)
+        deadline = time.monotonic() + start_timeout_s
+        _wait_port(port, proc, "mooncake_client (segment)", deadline)
+        _wait_writable(self.config, deadline, segments=1 + len(self.extra_segments))
+        return proc
+
+
+def _start_segment(config: dict, segment_bytes: int, port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([mooncake_binary("mooncake_client"), f"--master_server_address={config['master']}",
+                             f"--metadata_server={config['metadata']}", f"--global_segment_size={segment_bytes}",
+                             "--host=127.0.0.1", f"--port={port}", "--protocol=tcp"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=log.parent)
 
 
 @contextlib.contextmanager
 def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_timeout_s: float = 30.0):
     """A master and a segment of `segment_bytes` on 127.0.0.1; yields a LocalMooncake. The read lease is short
     (`lease_ms`) so removes right after a read wait little. Stopped (terminate, then kill) on exit."""
-    master_bin, client_bin = mooncake_binary("mooncake_master"), mooncake_binary("mooncake_client")
+    master_bin = mooncake_binary("mooncake_master")
     rpc, http, seg_port = free_port(), free_port(), free_port()
     workdir = tempfile.mkdtemp(prefix="inferscale-mooncake-")
     out = open(Path(workdir) / "master.log", "wb")
     master = subprocess.Popen([master_bin, "--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
                                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                               f"--http_metadata_server_port={http}", f"--default_kv_lease_ttl={lease_ms}"],
+                               f"--http_metadata_server_port={http}", f"--default_kv_lease_ttl={lease_ms}",
+                               # its metrics server's port (default 9003) would collide with another master's
+                               "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
                               stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
-    segment = None
+    segment, store = None, None
     try:
         deadline = time.monotonic() + start_timeout_s
         _wait_port(rpc, master, "mooncake_master", deadline)
         _wait_port(http, master, "mooncake_master's metadata server", deadline)
-        metadata = f"http://127.0.0.1:{http}/metadata"
-        seg_log = open(Path(workdir) / "segment.log", "wb")
-        segment = subprocess.Popen([client_bin, f"--master_server_address=127.0.0.1:{rpc}",
-                                    f"--metadata_server={metadata}", f"--global_segment_size={segment_bytes}",
-                                    "--host=127.0.0.1", f"--port={seg_port}", "--protocol=tcp"],
-                                   stdout=seg_log, stderr=subprocess.STDOUT, cwd=workdir)
+        config = {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata",
+                  "lease_s": lease_ms / 1000}
+        segment = _start_segment(config, segment_bytes, seg_port, Path(workdir) / "segment.log")
         _wait_port(seg_port, segment, "mooncake_client (segment)", deadline)
-        config = {"master": f"127.0.0.1:{rpc}", "metadata": metadata, "lease_s": lease_ms / 1000}
         _wait_writable(config, deadline)
-        yield LocalMooncake(config, master, segment, workdir)
+        store = LocalMooncake(config, master, segment, workdir)
+        yield store
     finally:
-        if segment is not None:
-            stop_process(segment)
+        for proc in ([] if store is None else store.extra_segments) + ([segment] if segment is not None else []):
+            stop_process(proc)
         stop_process(master)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_writable(config: dict, deadline: float) -> None:
-    """Until a put succeeds: the segment is mounted at the master."""
-    from mooncake.store import MooncakeDistributedStore
+def _wait_writable(config: dict, deadline: float, segments: int = 1) -> None:
+    """Until a put succeeds with a copy in each of `segments` segments: they are mounted at the master."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     client = MooncakeDistributedStore()
     if client.setup("127.0.0.1", config["metadata"], 0, 1 << 20, "tcp", "", config["master"]) != 0:
         raise RuntimeError("cannot connect to the local mooncake_master")
+    copies = ReplicateConfig()
+    copies.replica_num = segments
     try:
-        while client.put("__probe__", b"x") != 0:
+        while True:
+            client.remove("__probe__")
+            if client.put("__probe__", b"x", copies) == 0 and len(client.get_replica_desc("__probe__")) >= segments:
+                break
             if time.monotonic() > deadline:
-                raise RuntimeError("the local Mooncake segment was never mounted")
+                raise RuntimeError(f"the local Mooncake segments ({segments}) were never mounted")
             time.sleep(0.1)
+        client.remove("__probe__")
     finally:
         client.close()

@@ -42,7 +42,11 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "engine_overrides" (.Values.model.engineOverrides | default dict) -}}
 {{- $_ := set $args "admission_queue_factor" (float64 .Values.model.admissionQueueFactor) -}}
 {{- $_ := set $args "kv_dir" .Values.kvStore.dir -}}
-{{- $_ := set $args "store_options" (.Values.kvStore.options | default dict) -}}
+{{- $storeOptions := deepCopy (.Values.kvStore.options | default dict) -}}
+{{- if and .Values.kvStore.dir .Values.kvStore.diskBudgetGiB -}}
+{{- $_ := set $storeOptions "disk_budget_bytes" (int64 (mulf .Values.kvStore.diskBudgetGiB 1073741824)) -}}
+{{- end -}}
+{{- $_ := set $args "store_options" $storeOptions -}}
 {{- $_ := set $args "cluster_store" (include "inferscale.clusterStore" . | fromYaml) -}}
 {{- $auth := include "inferscale.authArgs" . | fromYaml -}}
 {{- if $auth -}}
@@ -188,6 +192,16 @@ volumes:
 {{- if ne (len (keys .ctx.Values.kvStore.volume)) 1 }}
 {{- fail (printf "kvStore.volume must name one volume source, got %v (set the default emptyDir to null)" (keys .ctx.Values.kvStore.volume | sortAlpha)) }}
 {{- end }}
+{{- with .ctx.Values.kvStore.volume.emptyDir }}{{ with .sizeLimit }}
+{{- if not (regexMatch "^[0-9]+Gi$" (toString .)) }}
+{{- fail (printf "kvStore.volume.emptyDir.sizeLimit must be whole Gi (e.g. 100Gi) so that the chart can check kvStore.diskBudgetGiB against it, got %v" .) }}
+{{- end }}
+{{- $limit := trimSuffix "Gi" (toString .) | float64 }}
+{{- $budget := $.ctx.Values.kvStore.diskBudgetGiB }}
+{{- if or (not $budget) (gt (float64 $budget) (mulf $limit 0.95)) }}
+{{- fail (printf "kvStore.diskBudgetGiB (%v) must be set and at most 95%% of kvStore.volume.emptyDir.sizeLimit (%v): the kubelet evicts a pod whose emptyDir goes over its sizeLimit" $budget .) }}
+{{- end }}
+{{- end }}{{ end }}
   - name: kv-store
     {{- toYaml .ctx.Values.kvStore.volume | nindent 4 }}
 {{- end }}
@@ -230,6 +244,7 @@ tolerations:
 master: {{ printf "%s:%v" $host .Values.mooncake.rpcPort | quote }}
 metadata: {{ printf "http://%s:%v/metadata" $host .Values.mooncake.metadataPort | quote }}
 lease_s: {{ float64 .Values.mooncake.leaseSeconds }}
+replicas: {{ int .Values.mooncake.replicas }}
 {{- end -}}
 {{- end -}}
 
