@@ -140,7 +140,7 @@ def run(a: argparse.Namespace, folder: Path) -> dict:
     from vllm import SamplingParams
 
     from gpu import device_label
-    from inferscale_core.connector import SHARED_NAMESPACE, InjectionParams, memory_hash, pack_fact, worker_connector
+    from inferscale_core.connector import SHARED_USER_ID, InjectionParams, memory_hash, pack_fact, worker_connector
     from inferscale_core.model_spec import ModelSpec
 
     gen = torch.Generator().manual_seed(a.seed)
@@ -154,7 +154,7 @@ def run(a: argparse.Namespace, folder: Path) -> dict:
     rpc = lambda name, *args: llm.collective_rpc(name, args=args)[0]  # noqa: E731
     prefix = random_fact(spec, a.fact_tokens, dtype, gen)
     facts = [random_fact(spec, a.fact_tokens, dtype, gen) for _ in range(max(a.k))]
-    rpc("inferscale_put", SHARED_NAMESPACE, [(PREFIX_ID, pack_fact(prefix))])
+    rpc("inferscale_put", SHARED_USER_ID, [(PREFIX_ID, pack_fact(prefix))])
     rpc("inferscale_put", USER, [(f"f{i}", pack_fact(f)) for i, f in enumerate(facts)])
     query = torch.randint(3, 1000, (a.query_tokens,), generator=gen).tolist()
     label = device_label(device)

@@ -435,7 +435,7 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     from inferscale_core.engine import AsyncInjectingEngine, Query
     from inferscale_server.app import ServiceConfig
     from inferscale_server.encoder_pool import FactEncoder, dtype_of
-    from inferscale_server.engine_replica import kv_id
+    from inferscale_core.types import kv_id
 
     defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
     # Ray starts its workers, the service's replicas among them, at niceness 15 (its worker_niceness default):

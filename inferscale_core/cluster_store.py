@@ -49,12 +49,6 @@ _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
 REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
 
 
-def kv_id(fact_id: str, version: int) -> str:
-    """The id of one version of a fact's KV, in every tier: the worker store's id within the user, and (with
-    the fingerprint and user) the cluster object's key (`ClusterStore.key`)."""
-    return f"{fact_id}@v{int(version)}"
-
-
 def _h(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 

@@ -21,7 +21,7 @@ import torch
 
 # connector_types first: it checks the vLLM version before anything of vLLM's connector API is imported.
 from .connector_types import (  # noqa: F401 - re-exported: the connector's public names
-    COUNTERS, GAUGES, PARAMS_KEY, SCHEDULER_COUNTERS, SHARED_NAMESPACE, SUPPORTED_VLLM, WORKER_COUNTERS,
+    COUNTERS, GAUGES, PARAMS_KEY, SCHEDULER_COUNTERS, SHARED_USER_ID, SUPPORTED_VLLM, WORKER_COUNTERS,
     InjectionMetadata, InjectionParams, LoadSpec, UnsupportedVLLMError, cache_salt, check_vllm_version,
     injectable_tokens, memory_hash, pack_fact, recompute_tokens_option, unpack_fact)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
@@ -49,7 +49,7 @@ WORKER_EXTENSION = f"{__name__}.InjectionWorkerExtension"
 
 __all__ = [  # this module's own names and the shared ones it re-exports from connector_types
     "CONNECTOR_MODULE", "CONNECTOR_NAME", "COUNTERS", "GAUGES", "METRIC_PREFIX", "PARAMS_KEY", "SCHEDULER_COUNTERS",
-    "SHARED_NAMESPACE", "SUPPORTED_VLLM", "WORKER_COUNTERS", "WORKER_EXTENSION", "InferScaleConnector",
+    "SHARED_USER_ID", "SUPPORTED_VLLM", "WORKER_COUNTERS", "WORKER_EXTENSION", "InferScaleConnector",
     "InjectionMetadata", "InjectionParams", "InjectionPromMetrics", "InjectionStats", "InjectionWorkerExtension",
     "LoadSpec", "UnsupportedVLLMError", "cache_salt", "check_vllm_version", "injectable_tokens", "memory_hash",
     "pack_fact", "recompute_tokens_option", "unpack_fact", "worker_connector",

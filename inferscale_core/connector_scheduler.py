@@ -101,7 +101,7 @@ class SchedulerSide:
 
     def _load(self, req_id: str, block_ids: list[int], num_computed_tokens: int) -> LoadSpec:
         params, n = self._pending.pop(req_id)
-        return LoadSpec(req_id=req_id, user_id=params.user_id, fact_ids=params.fact_ids,
+        return LoadSpec(req_id=req_id, user_id=params.user_id, kv_ids=params.kv_ids,
                         memory_len=params.memory_len, memory_hash=params.memory_hash, block_ids=list(block_ids),
                         start=num_computed_tokens - n, end=num_computed_tokens)
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .errors import check_id
+from .types import SHARED_USER_ID
 
 SUPPORTED_VLLM = (0, 32)  # major, minor: the connector API and cache layouts this module was written against
 
@@ -48,7 +49,6 @@ check_vllm_version()
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
 
 PARAMS_KEY = "inferscale"  # our entry inside kv_transfer_params, so other connectors' keys never collide
-SHARED_NAMESPACE = "__inferscale_shared__"  # store namespace of chunk 0 (the instruction prefix), which every user shares
 
 
 def memory_hash(token_ids: Sequence[int]) -> str:
@@ -57,12 +57,12 @@ def memory_hash(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def cache_salt(user_id: str, fact_ids: Sequence[str], versions: Sequence[int | str]) -> str:
+def cache_salt(user_id: str, kv_ids: Sequence[str], versions: Sequence[int | str]) -> str:
     """Prefix-cache salt of one composition. Blocks vLLM caches after an injection hold KV that a plain
     prefill of the same tokens would not produce (facts encoded apart or with context windows), so they may
     only be reused by a request with the same composition: same user, same facts, same fact versions."""
     h = hashlib.blake2b(digest_size=16)
-    for part in (user_id, *fact_ids, *map(str, versions)):
+    for part in (user_id, *kv_ids, *map(str, versions)):
         h.update(part.encode())
         h.update(b"\x00")
     return f"inferscale-{h.hexdigest()}"
@@ -70,31 +70,32 @@ def cache_salt(user_id: str, fact_ids: Sequence[str], versions: Sequence[int | s
 
 @dataclass(frozen=True)
 class InjectionParams:
-    """What a request tells the connector: whose facts, which ones in which order, and the memory's tokens."""
+    """What a request tells the connector: whose facts, which stored encodings in which order (`kv_id`s), and the
+    memory's tokens."""
 
     user_id: str
-    fact_ids: tuple[str, ...]  # fact_ids[0] is the prefix chunk in SHARED_NAMESPACE, the rest the user's facts
+    kv_ids: tuple[str, ...]  # kv_ids[0] is the prefix chunk of SHARED_USER_ID, the rest the user's facts
     memory_len: int  # m: the prompt's first m tokens are the memory
     memory_hash: str  # memory_hash(prompt[:m])
-    # Tokens of each chunk of fact_ids, in order (they sum to m): the fact boundaries `recompute_facts` needs.
+    # Tokens of each chunk of kv_ids, in order (they sum to m): the fact boundaries `recompute_facts` needs.
     chunk_lens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_id("user_id", self.user_id)
-        if self.user_id == SHARED_NAMESPACE:
-            raise ValueError(f"user_id {SHARED_NAMESPACE!r} is reserved for the shared prefix chunk")
-        if not isinstance(self.fact_ids, tuple) or len(self.fact_ids) < 1:
-            raise ValueError("fact_ids must name at least the prefix chunk (fact_ids[0])")
-        for fid in self.fact_ids:
-            check_id("fact_id", fid)
+        if self.user_id == SHARED_USER_ID:
+            raise ValueError(f"user_id {SHARED_USER_ID!r} is reserved for the shared prefix chunk")
+        if not isinstance(self.kv_ids, tuple) or len(self.kv_ids) < 1:
+            raise ValueError("kv_ids must name at least the prefix chunk (kv_ids[0])")
+        for kv in self.kv_ids:
+            check_id("kv_id", kv)
         if not isinstance(self.memory_len, int) or isinstance(self.memory_len, bool) or self.memory_len < 1:
             raise ValueError(f"memory_len must be a positive int, got {self.memory_len!r}")
         if not isinstance(self.memory_hash, str) or not re.fullmatch(r"[0-9a-f]{32}", self.memory_hash):
             raise ValueError("memory_hash must be the 32-hex-digit memory_hash() of the memory token ids")
         if self.chunk_lens is not None:
             lens = self.chunk_lens
-            if not isinstance(lens, tuple) or len(lens) != len(self.fact_ids):
-                raise ValueError(f"chunk_lens must give one token count per fact id ({len(self.fact_ids)}), "
+            if not isinstance(lens, tuple) or len(lens) != len(self.kv_ids):
+                raise ValueError(f"chunk_lens must give one token count per kv id ({len(self.kv_ids)}), "
                                  f"got {lens!r}")
             bad = any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lens)
             if bad or sum(lens) != self.memory_len:
@@ -102,7 +103,7 @@ class InjectionParams:
                                  f"got {lens!r}")
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
-        p = {"user_id": self.user_id, "fact_ids": list(self.fact_ids), "memory_len": self.memory_len,
+        p = {"user_id": self.user_id, "kv_ids": list(self.kv_ids), "memory_len": self.memory_len,
              "memory_hash": self.memory_hash}
         if self.chunk_lens is not None:
             p["chunk_lens"] = list(self.chunk_lens)
@@ -116,18 +117,18 @@ class InjectionParams:
         p = params[PARAMS_KEY]
         if not isinstance(p, dict):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict")
-        missing = {"user_id", "fact_ids", "memory_len", "memory_hash"} - p.keys()
+        missing = {"user_id", "kv_ids", "memory_len", "memory_hash"} - p.keys()
         if missing:
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] lacks {sorted(missing)}")
-        fact_ids = p["fact_ids"]
-        if not isinstance(fact_ids, (list, tuple)):
-            raise ValueError("fact_ids must be a list of ids")
+        kv_ids = p["kv_ids"]
+        if not isinstance(kv_ids, (list, tuple)):
+            raise ValueError("kv_ids must be a list of ids")
         chunk_lens = p.get("chunk_lens")
         if chunk_lens is not None:
             if not isinstance(chunk_lens, (list, tuple)):
                 raise ValueError("chunk_lens must be a list of token counts")
             chunk_lens = tuple(chunk_lens)
-        return cls(p["user_id"], tuple(fact_ids), p["memory_len"], p["memory_hash"], chunk_lens)
+        return cls(p["user_id"], tuple(kv_ids), p["memory_len"], p["memory_hash"], chunk_lens)
 
 
 def pack_fact(fact) -> bytes:
@@ -199,7 +200,7 @@ class LoadSpec:
 
     req_id: str
     user_id: str
-    fact_ids: tuple[str, ...]
+    kv_ids: tuple[str, ...]
     memory_len: int
     memory_hash: str
     block_ids: list[int]  # the request's blocks for positions 0.. (group 0)

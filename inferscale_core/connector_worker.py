@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from .connector_types import SHARED_NAMESPACE, WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
+from .connector_types import SHARED_USER_ID, WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
 from .errors import InferScaleError, check_id
 from .model_spec import ModelSpec
 from .rope import ChunkedRope
@@ -330,16 +330,16 @@ class WorkerSide:
 
     def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
         """Views `[L, t, H, D]` of the pre-RoPE keys and values that cover memory positions [start, end) in
-        order, and the store tier each chunk came from. The prefix chunk comes from the shared namespace,
+        order, and the store tier each chunk came from. The prefix chunk comes from SHARED_USER_ID,
         every other chunk from the request's own user: ids never reach another user's facts."""
-        keys = [(SHARED_NAMESPACE, spec.fact_ids[0])] + [(spec.user_id, f) for f in spec.fact_ids[1:]]
+        keys = [(SHARED_USER_ID, spec.kv_ids[0])] + [(spec.user_id, kv) for kv in spec.kv_ids[1:]]
         tiers = [store.tier_of(ns, f) for ns, f in keys]  # raises for a missing fact before anything moves
         chunks = [store.get(ns, f) for ns, f in keys]
         token_ids = torch.cat([c.token_ids for c in chunks])
         # The scheduler matched the prompt against memory_hash; the chunks must be exactly those tokens, or
         # the KV written would belong to other text (a fact replaced meanwhile, a wrong id).
         if token_ids.numel() != spec.memory_len or memory_hash(token_ids.cpu()) != spec.memory_hash:
-            raise LoadError(f"the facts {list(spec.fact_ids)} of user {spec.user_id!r} are not the memory the "
+            raise LoadError(f"the facts {list(spec.kv_ids)} of user {spec.user_id!r} are not the memory the "
                             f"request was composed from ({token_ids.numel()} tokens, expected {spec.memory_len})")
         if spec.end > self.cos_sin_cache.shape[0]:
             raise LoadError(f"memory position {spec.end - 1} is beyond the rotary table "
@@ -391,7 +391,7 @@ class WorkerSide:
             s = self.store.stats()
             out["resident_bytes_disk"] = s["bytes"]["disk"]
             out["num_facts"] = s["num_facts"]
-            out["num_users"] = len([u for u in self.store.users() if u != SHARED_NAMESPACE])
+            out["num_users"] = len([u for u in self.store.users() if u != SHARED_USER_ID])
         return out
 
 

@@ -6,11 +6,11 @@ prompt as text. `InjectingEngine` wraps `vllm.LLM` (tests, benchmarks); `AsyncIn
 The engine sits on `memory.Memory` (texts, index, encoder, the service-side KV): adding a fact encodes it
 there, then pushes its KV once into the fact store inside vLLM's worker (`collective_rpc`). Requests carry
 ids only. `w` names the context-window size a fact was encoded with: `add(..., ws=(0, 2))` keeps one encoding
-per w in the worker (keyed `"{fact_id}@w{w}"`); Memory itself keeps the first.
+per w in the worker (keyed `kv_id(fact_id, version, w)`); Memory itself keeps the first.
 
 Serving without a Memory (the Ray Serve replica, where retrieval and encoding are deployments of their own):
 `AsyncInjectingEngine(prefix=<the encoded instruction prefix>, model_path=...)`; the caller puts already
-encoded facts into the worker store under ids it chooses (`put_encoded` / `delete_encoded` / `has_encoded`),
+encoded facts into the worker store under their `kv_id`s (`put_encoded` / `delete_encoded` / `has_encoded`),
 prepares requests for the facts it retrieved (`prepare_facts`) and streams them (`stream`). `chat` is plain
 chat generation (no memory), e.g. for Mem0's extraction step.
 """
@@ -26,23 +26,16 @@ from typing import Any, Literal
 
 import torch
 
-from .connector import (CONNECTOR_MODULE, CONNECTOR_NAME, METRIC_PREFIX, SHARED_NAMESPACE, WORKER_EXTENSION,
-                        InjectionParams, cache_salt, check_vllm_version, memory_hash, pack_fact)
+from .connector import (CONNECTOR_MODULE, CONNECTOR_NAME, METRIC_PREFIX, WORKER_EXTENSION, InjectionParams,
+                        cache_salt, check_vllm_version, memory_hash, pack_fact)
 from .errors import check_id
-from .memory import PREFIX_FACT, PREFIX_USER, Memory
+from .memory import PREFIX_FACT, Memory
 from .template import DEFAULT_INSTRUCTION, PromptTemplate
-from .types import EncodedFact
+from .types import SHARED_USER_ID, EncodedFact, kv_id
 
 Mode = Literal["kv", "pi"]
 MODES = ("kv", "pi")
 RPC_DEATH_CHECK_S = 1.0  # how often a call into the worker checks that the engine is still alive
-
-assert SHARED_NAMESPACE == PREFIX_USER, "the worker's shared namespace must be Memory's prefix namespace"
-
-
-def variant_id(fact_id: str, w: int) -> str:
-    """Worker-store id of a fact's encoding with a w-turn context window."""
-    return f"{fact_id}@w{w}"
 
 
 def _check_w(w) -> int:
@@ -169,12 +162,13 @@ class _EngineCore:
         self.template = template
         self.prefix = prefix
         self.prefix_id = f"prefix-{memory_hash(self.template.prefix_ids)[:16]}"
-        self._variants: dict[str, dict[str, set[int]]] = {}  # user -> fact -> ws held by the worker
+        # user -> fact -> (version, ws) of the encodings the worker holds
+        self._variants: dict[str, dict[str, tuple[int, set[int]]]] = {}
         self._lock = threading.RLock()
 
     @classmethod
     def of_memory(cls, memory: Memory) -> "_EngineCore":
-        return cls(memory.template, memory.store.get(PREFIX_USER, PREFIX_FACT), memory)
+        return cls(memory.template, memory.store.get(SHARED_USER_ID, PREFIX_FACT), memory)
 
     def need_memory(self, what: str) -> Memory:
         if self.memory is None:
@@ -184,8 +178,8 @@ class _EngineCore:
 
     # ---- payloads for the worker extension (ids and packed bytes)
     @staticmethod
-    def payload(fact_id: str, fact) -> tuple:
-        return (fact_id, pack_fact(fact))
+    def payload(kv: str, fact) -> tuple:
+        return (kv, pack_fact(fact))
 
     def prefix_payload(self) -> list[tuple]:
         return [self.payload(self.prefix_id, self.prefix)]
@@ -198,24 +192,26 @@ class _EngineCore:
         for user in self.memory.users():
             for rec in self.memory.get_all(user):
                 w = int(rec.metadata.get("w", len(rec.window)))
-                out.setdefault(user, []).append(self.payload(variant_id(rec.fact_id, w),
+                out.setdefault(user, []).append(self.payload(kv_id(rec.fact_id, rec.version, w),
                                                              self.memory.store.get(user, rec.fact_id)))
-                self._variants.setdefault(user, {}).setdefault(rec.fact_id, set()).add(w)
+                self._variants.setdefault(user, {})[rec.fact_id] = (rec.version, {w})
         return out
 
     @staticmethod
     def encoded_payloads(items: Sequence[tuple[str, EncodedFact]]) -> list[tuple]:
-        """`(worker id, EncodedFact)` pairs from the caller -> worker payloads; every id checked first."""
+        """`(kv_id, EncodedFact)` pairs from the caller -> worker payloads; every id checked first."""
         out = []
         for i, item in enumerate(items):
             if not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[1], EncodedFact):
-                raise ValueError(f"items[{i}] must be (fact id, EncodedFact), got {type(item).__name__}")
-            out.append(_EngineCore.payload(check_id("fact_id", item[0]), item[1]))
+                raise ValueError(f"items[{i}] must be (kv_id, EncodedFact), got {type(item).__name__}")
+            out.append(_EngineCore.payload(check_id("kv_id", item[0]), item[1]))
         return out
 
     def encode_variants(self, user_id: str, facts: Sequence[str], windows: Sequence[Sequence[str]] | None,
-                        fact_ids: Sequence[str] | None, ws: Sequence[int]) -> tuple[list[str], list[tuple]]:
-        """Memory.add for the first w, plain encodes for the others; returns (fact ids, worker payloads)."""
+                        fact_ids: Sequence[str] | None, ws: Sequence[int]
+                        ) -> tuple[list[str], list[int], list[tuple]]:
+        """Memory.add for the first w, plain encodes for the others; returns (fact ids, their versions, worker
+        payloads)."""
         memory = self.need_memory("add")
         ws = [_check_w(w) for w in ws]
         if not ws or len(set(ws)) != len(ws):
@@ -224,31 +220,39 @@ class _EngineCore:
         full = [list(w) for w in windows] if windows is not None else [[] for _ in facts]
         cut = lambda w: [win[max(0, len(win) - w):] if w else [] for win in full]  # noqa: E731 - last w turns
         ids = memory.add(user_id, facts, cut(ws[0]), fact_ids, metadata={"w": ws[0]})
-        payloads = [self.payload(variant_id(fid, ws[0]), memory.store.get(user_id, fid)) for fid in ids]
+        versions = [memory.get(user_id, fid).version for fid in ids]
+        payloads = [self.payload(kv_id(fid, v, ws[0]), memory.store.get(user_id, fid)) for fid, v in zip(ids, versions)]
         for w in ws[1:]:
             items = [(self.template.fact_ids(t), memory.context(win)) for t, win in zip(facts, cut(w))]
-            for fid, enc in zip(ids, memory.encoder.encode_batch(items, progress=False)):
-                payloads.append(self.payload(variant_id(fid, w), enc))
-        return ids, payloads
+            for fid, v, enc in zip(ids, versions, memory.encoder.encode_batch(items, progress=False)):
+                payloads.append(self.payload(kv_id(fid, v, w), enc))
+        return ids, versions, payloads
 
-    def stale_variants(self, user_id: str, ids: Sequence[str], ws: Sequence[int]) -> list[str]:
-        """Worker ids of encodings a re-add does not refresh (their text may be outdated)."""
+    def stale_variants(self, user_id: str, ids: Sequence[str], versions: Sequence[int], ws: Sequence[int]) -> list[str]:
+        """kv_ids of encodings a re-add does not refresh: older versions, and windows it was not re-encoded for."""
         with self._lock:
             facts = self._variants.get(user_id, {})
-            return [variant_id(f, w) for f in ids for w in facts.get(f, ()) if w not in ws]
+            out = []
+            for fid, version in zip(ids, versions):
+                old_version, old_ws = facts.get(fid, (version, set()))
+                out += [kv_id(fid, old_version, w) for w in old_ws if old_version != version or w not in ws]
+            return out
 
-    def record_added(self, user_id: str, ids: Sequence[str], ws: Sequence[int]) -> None:
+    def record_added(self, user_id: str, ids: Sequence[str], versions: Sequence[int], ws: Sequence[int]) -> None:
         with self._lock:
             facts = self._variants.setdefault(user_id, {})
-            for fid in ids:
-                facts[fid] = set(ws)  # a re-added fact loses variants it was not re-encoded for
+            for fid, version in zip(ids, versions):
+                facts[fid] = (version, set(ws))  # a re-added fact loses variants it was not re-encoded for
 
     def forget(self, user_id: str, fact_id: str | None) -> list[str]:
-        """Drop the bookkeeping of one fact (or the user); returns the worker ids to delete."""
+        """Drop the bookkeeping of one fact (or the user); returns the kv_ids to delete."""
         with self._lock:
             facts = self._variants.get(user_id, {})
             fids = [fact_id] if fact_id is not None else list(facts)
-            out = [variant_id(f, w) for f in fids for w in facts.pop(f, ())]
+            out = []
+            for f in fids:
+                version, ws = facts.pop(f, (0, set()))
+                out += [kv_id(f, version, w) for w in ws]
             if not facts:
                 self._variants.pop(user_id, None)
             return out
@@ -271,25 +275,26 @@ class _EngineCore:
         if q.mode == "kv" and fact_ids:
             with self._lock:
                 held = self._variants.get(q.user_id, {})
-                missing = [f for f in fact_ids if q.w not in held.get(f, ())]
+                missing = [f for f in fact_ids if q.w not in held.get(f, (0, ()))[1]]
             if missing:
                 raise ValueError(f"facts {missing} of user {q.user_id!r} have no encoding with window w={q.w}; "
                                  f"add them with ws including {q.w}")
-        return self.prepare_facts(q, fact_ids, [r.text for r in recs], [r.version for r in recs],
-                                  [variant_id(f, q.w) for f in fact_ids], started=t0)
+        return self.prepare_facts(q, fact_ids, [r.text for r in recs], [r.version for r in recs], started=t0)
 
     def prepare_facts(self, q: Query, fact_ids: Sequence[str], texts: Sequence[str], versions: Sequence[int],
-                      worker_ids: Sequence[str] | None = None, started: float | None = None) -> Prepared:
+                      kv_ids: Sequence[str] | None = None, started: float | None = None) -> Prepared:
         """A request for facts already chosen (serving order, best last): prompt ids, and in KV mode the
-        connector parameters naming `worker_ids` (the facts' ids in the worker store; default
-        `variant_id(fact_id, q.w)`) and a cache salt over the facts' versions."""
+        connector parameters naming `kv_ids` (the facts' stored encodings in the worker store; default
+        `kv_id(fact_id, version, q.w)`) and a cache salt over the facts' versions."""
         self.check_query(q)
         t0 = time.perf_counter() if started is None else started
-        fact_ids = list(fact_ids)
-        worker_ids = [variant_id(f, q.w) for f in fact_ids] if worker_ids is None else list(worker_ids)
-        if not len(texts) == len(versions) == len(worker_ids) == len(fact_ids):
+        fact_ids, versions = list(fact_ids), list(versions)
+        if kv_ids is None and len(versions) == len(fact_ids):
+            kv_ids = [kv_id(f, v, q.w) for f, v in zip(fact_ids, versions)]
+        kv_ids = list(kv_ids or ())
+        if not len(texts) == len(versions) == len(kv_ids) == len(fact_ids):
             raise ValueError(f"{len(fact_ids)} fact ids but {len(texts)} texts, {len(versions)} versions and "
-                             f"{len(worker_ids)} worker ids")
+                             f"{len(kv_ids)} kv ids")
         memory_ids = list(self.template.prefix_ids)
         chunk_lens = [len(memory_ids)]  # per chunk: the connector's recompute_facts needs the fact boundaries
         for t in texts:
@@ -299,10 +304,10 @@ class _EngineCore:
         prompt_ids = memory_ids + self.template.query_ids(q.query, q.conversation, q.tools, q.after)
         params = salt = None
         if q.mode == "kv" and fact_ids:
-            chunk_ids = [self.prefix_id] + worker_ids
-            params = InjectionParams(q.user_id, tuple(chunk_ids), len(memory_ids), memory_hash(memory_ids),
+            chunks = [self.prefix_id] + kv_ids
+            params = InjectionParams(q.user_id, tuple(chunks), len(memory_ids), memory_hash(memory_ids),
                                      tuple(chunk_lens))
-            salt = cache_salt(q.user_id, chunk_ids, [0, *versions])
+            salt = cache_salt(q.user_id, chunks, [0, *versions])
         else:  # prompt mode, no facts: still per user, so no one learns from the prefix cache what another sent
             salt = cache_salt(q.user_id, (), ())
         return Prepared(q, fact_ids, prompt_ids, len(memory_ids), params, salt, time.perf_counter() - t0)
@@ -368,7 +373,7 @@ class InjectingEngine:
         self.llm = LLM(**engine_kwargs(path, dtype, block_size, max_model_len, enable_prefix_caching,
                                        store_options, **llm_kwargs))
         self.block_size = block_size
-        self._rpc("inferscale_put", SHARED_NAMESPACE, self.core.prefix_payload())
+        self._rpc("inferscale_put", SHARED_USER_ID, self.core.prefix_payload())
         for user, payloads in self.core.existing_payloads().items():
             self._rpc("inferscale_put", user, payloads)
 
@@ -378,12 +383,12 @@ class InjectingEngine:
     # ---- memory management: Memory first, then the worker's store
     def add(self, user_id: str, facts: str | Sequence[str], windows: Sequence[Sequence[str]] | None = None,
             fact_ids: Sequence[str] | None = None, ws: Sequence[int] = (0,)) -> list[str]:
-        ids, payloads = self.core.encode_variants(user_id, facts, windows, fact_ids, ws)
-        stale = self.core.stale_variants(user_id, ids, ws)
+        ids, versions, payloads = self.core.encode_variants(user_id, facts, windows, fact_ids, ws)
+        stale = self.core.stale_variants(user_id, ids, versions, ws)
         if stale:
             self._rpc("inferscale_delete", user_id, stale)
         self._rpc("inferscale_put", user_id, payloads)
-        self.core.record_added(user_id, ids, ws)
+        self.core.record_added(user_id, ids, versions, ws)
         return ids
 
     def update(self, user_id: str, fact_id: str, text: str, window: Sequence[str] | None = None,
@@ -468,7 +473,7 @@ class AsyncInjectingEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=self.stat_loggers)
-        await self._rpc("inferscale_put", SHARED_NAMESPACE, self.core.prefix_payload())
+        await self._rpc("inferscale_put", SHARED_USER_ID, self.core.prefix_payload())
         for user, payloads in self.core.existing_payloads().items():
             await self._rpc("inferscale_put", user, payloads)
         return self
@@ -495,12 +500,13 @@ class AsyncInjectingEngine:
 
     # ---- Memory-backed management
     async def add(self, user_id: str, facts, windows=None, fact_ids=None, ws: Sequence[int] = (0,)) -> list[str]:
-        ids, payloads = await asyncio.to_thread(self.core.encode_variants, user_id, facts, windows, fact_ids, ws)
-        stale = self.core.stale_variants(user_id, ids, ws)
+        ids, versions, payloads = await asyncio.to_thread(self.core.encode_variants, user_id, facts, windows,
+                                                          fact_ids, ws)
+        stale = self.core.stale_variants(user_id, ids, versions, ws)
         if stale:
             await self._rpc("inferscale_delete", user_id, stale)
         await self._rpc("inferscale_put", user_id, payloads)
-        self.core.record_added(user_id, ids, ws)
+        self.core.record_added(user_id, ids, versions, ws)
         return ids
 
     async def delete(self, user_id: str, fact_id: str) -> None:
@@ -514,28 +520,28 @@ class AsyncInjectingEngine:
         self.core.forget(user_id, None)
         await self._rpc("inferscale_delete", user_id, None)
 
-    # ---- the worker store directly (facts encoded elsewhere, under ids the caller keeps track of)
+    # ---- the worker store directly (facts encoded elsewhere, under kv_ids the caller keeps track of)
     async def put_encoded(self, user_id: str, items: Sequence[tuple[str, EncodedFact]]) -> int:
-        """Store `(worker id, EncodedFact)` pairs for the user (replacing same ids); returns KV bytes stored."""
+        """Store `(kv_id, EncodedFact)` pairs for the user (replacing same ids); returns KV bytes stored."""
         check_id("user_id", user_id)
-        if user_id == SHARED_NAMESPACE:
+        if user_id == SHARED_USER_ID:
             raise ValueError(f"user_id {user_id!r} is reserved")
         payloads = await asyncio.to_thread(self.core.encoded_payloads, items)
         return await self._rpc("inferscale_put", user_id, payloads) if payloads else 0
 
-    async def delete_encoded(self, user_id: str, worker_ids: Sequence[str] | None = None) -> int:
-        """Delete these ids of the user (every fact of the user when None); returns how many were removed."""
+    async def delete_encoded(self, user_id: str, kv_ids: Sequence[str] | None = None) -> int:
+        """Delete these kv_ids of the user (every fact of the user when None); returns how many were removed."""
         check_id("user_id", user_id)
-        if user_id == SHARED_NAMESPACE:
+        if user_id == SHARED_USER_ID:
             raise ValueError(f"user_id {user_id!r} is reserved")
-        ids = None if worker_ids is None else [check_id("fact_id", f) for f in worker_ids]
+        ids = None if kv_ids is None else [check_id("kv_id", f) for f in kv_ids]
         if ids == []:
             return 0
         return await self._rpc("inferscale_delete", user_id, ids)
 
-    async def has_encoded(self, user_id: str, worker_ids: Sequence[str]) -> list[bool]:
-        """Whether the worker store holds each id (in memory or in its disk tier)."""
-        ids = [check_id("fact_id", f) for f in worker_ids]
+    async def has_encoded(self, user_id: str, kv_ids: Sequence[str]) -> list[bool]:
+        """Whether the worker store holds each kv_id (in memory or in its disk tier)."""
+        ids = [check_id("kv_id", f) for f in kv_ids]
         return await self._rpc("inferscale_has", check_id("user_id", user_id), ids) if ids else []
 
     async def preload(self, user_id: str) -> int:
@@ -543,9 +549,9 @@ class AsyncInjectingEngine:
 
     # ---- generation
     def prepare_facts(self, q: Query, fact_ids: Sequence[str], texts: Sequence[str], versions: Sequence[int],
-                      worker_ids: Sequence[str] | None = None) -> Prepared:
+                      kv_ids: Sequence[str] | None = None) -> Prepared:
         """A request for facts the caller retrieved (see _EngineCore.prepare_facts)."""
-        return self.core.prepare_facts(q, fact_ids, texts, versions, worker_ids)
+        return self.core.prepare_facts(q, fact_ids, texts, versions, kv_ids)
 
     async def stream(self, p: Prepared, sampling_params=None) -> AsyncIterator[tuple[str, Answer | None]]:
         """Yields `(new text, None)` as tokens arrive, then `("", Answer)` once; `Answer.ttft_s` is

@@ -26,8 +26,8 @@ from .models import load_model
 from .rope import ChunkedRope
 from .store import FactStore
 from .template import DEFAULT_INSTRUCTION, PromptTemplate
+from .types import SHARED_USER_ID
 
-PREFIX_USER = "__inferscale_shared__"  # namespace of chunks every request shares (the instruction prefix)
 PREFIX_FACT = "prefix"
 MAX_K = 100
 
@@ -72,7 +72,7 @@ class Memory:
         self.index = VectorIndex(self.embedder.dim, device=self.device)
         self._records: dict[str, dict[str, MemoryRecord]] = {}
         self._lock = threading.RLock()
-        self.store.put(PREFIX_USER, PREFIX_FACT, self.encoder.encode(self.template.prefix_ids))
+        self.store.put(SHARED_USER_ID, PREFIX_FACT, self.encoder.encode(self.template.prefix_ids))
         if self.store_dir is not None:
             self._reload()
 
@@ -85,7 +85,7 @@ class Memory:
         turns that preceded fact i (context-window encoding, w = len(windows[i])); omitted, w=0. With
         `prefix_window` the instruction prefix comes first in every window."""
         check_id("user_id", user_id)
-        if user_id == PREFIX_USER:
+        if user_id == SHARED_USER_ID:
             raise ValueError(f"user_id {user_id!r} is reserved")
         facts = [facts] if isinstance(facts, str) else list(facts)
         if not facts:
@@ -171,7 +171,7 @@ class Memory:
 
     def compose(self, user_id: str, fact_ids: Sequence[str], question: str) -> Composition:
         """Prefix chunk + the facts in the given order + the query, keys re-rotated to their positions."""
-        chunks = [self.store.get(PREFIX_USER, PREFIX_FACT)] + self.store.get_many(user_id, list(fact_ids))
+        chunks = [self.store.get(SHARED_USER_ID, PREFIX_FACT)] + self.store.get_many(user_id, list(fact_ids))
         return compose(self.rope, chunks, self.template.query_ids(question))
 
     def prompt_ids(self, user_id: str, fact_ids: Sequence[str], question: str) -> list[int]:

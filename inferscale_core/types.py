@@ -5,6 +5,18 @@ from dataclasses import dataclass
 
 import torch
 
+# The owner, in the engine worker's fact store, of chunks every request shares (the instruction prefix): a
+# reserved user id, refused as a caller's user id.
+SHARED_USER_ID = "__inferscale_shared__"
+
+
+def kv_id(fact_id: str, version: int, w: int | None = None) -> str:
+    """The one name of one stored encoding of a fact: version `version` of `fact_id`, encoded behind the fact's own
+    context window (`w` None, the service) or behind its last `w` turns (the in-process engine's `ws`). It is the
+    id within the user in every KV tier (the worker store in memory and on disk) and, with the fingerprint and
+    user, the cluster tier's key (`ClusterStore.key`), so KV is only ever used for the exact version named."""
+    return f"{fact_id}@v{int(version)}" + ("" if w is None else f"w{int(w)}")
+
 
 @dataclass(frozen=True)
 class EncodedFact:

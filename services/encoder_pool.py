@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from ray import serve
 
-from inferscale_core.types import EncodedFact
+from inferscale_core.types import EncodedFact, kv_id
 
 log = logging.getLogger("inferscale.encoder_pool")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,8 +181,6 @@ class EncoderPool:
         """`(fact_id, version, text, window)` of one user's facts -> per fact StoredKV (written to the cluster
         tier), the EncodedFact (no cluster tier, or the write failed) or an EncodeFailure. Writing version v
         removes the fact's older versions from the cluster tier."""
-        from inferscale_core.cluster_store import kv_id
-
         encoded = await self.encode([(text, list(window)) for _, _, text, window in facts])
         if self.cluster is None:
             return encoded

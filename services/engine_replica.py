@@ -56,8 +56,9 @@ from ray import serve
 
 import grpc
 
-from inferscale_core.cluster_store import ClusterConfig, ClusterStore, kv_id
+from inferscale_core.cluster_store import ClusterConfig, ClusterStore
 from inferscale_core.errors import check_id
+from inferscale_core.types import kv_id
 
 from .admission import DEFAULT_QUEUE_FACTOR, Admission
 from .api import RETRY_AFTER_S, ApiError

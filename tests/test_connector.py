@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from inferscale_core.connector import (SHARED_NAMESPACE, WORKER_EXTENSION, InjectionParams,  # noqa: E402
+from inferscale_core.connector import (SHARED_USER_ID, WORKER_EXTENSION, InjectionParams,  # noqa: E402
                                        UnsupportedVLLMError, cache_salt, check_vllm_version, injectable_tokens,
                                        memory_hash, pack_fact)
 from inferscale_core.types import EncodedFact  # noqa: E402
@@ -55,7 +55,7 @@ def test_injection_params_validation():
     assert InjectionParams.from_kv_transfer_params(None) is None
     assert InjectionParams.from_kv_transfer_params({"do_remote_prefill": True}) is None
     with pytest.raises(ValueError, match="reserved"):
-        InjectionParams(SHARED_NAMESPACE, ("prefix",), 3, h)
+        InjectionParams(SHARED_USER_ID, ("prefix",), 3, h)
     with pytest.raises(ValueError, match="at least the prefix chunk"):
         InjectionParams("alice", (), 3, h)
     with pytest.raises(ValueError, match="memory_len"):
@@ -180,7 +180,7 @@ class Harness:
         return self.encoder.encode_batch([(c, ()) for c in chunks], progress=False)
 
     def register(self, user: str, prefix_id: str, fact_ids: list[str], encoded: list[EncodedFact]) -> None:
-        self.put(SHARED_NAMESPACE, {prefix_id: encoded[0]})
+        self.put(SHARED_USER_ID, {prefix_id: encoded[0]})
         self.put(user, dict(zip(fact_ids, encoded[1:])))
 
     @staticmethod
@@ -190,7 +190,7 @@ class Harness:
 
         memory = [t for c in chunks for t in c]
         ids = (prefix_id, *fact_ids)
-        fields = dict(user_id=user, fact_ids=ids, memory_len=len(memory), memory_hash=memory_hash(memory))
+        fields = dict(user_id=user, kv_ids=ids, memory_len=len(memory), memory_hash=memory_hash(memory))
         fields.update(param_overrides)
         params = InjectionParams(**fields)
         prompt = {"prompt_token_ids": memory + query,
@@ -461,7 +461,7 @@ def test_malformed_parameters_do_not_stop_the_engine(harness):
     prompt = random_ids(80, 7500)
     before = h.metrics()
     sp = SamplingParams(temperature=0, max_tokens=4, logprobs=5,
-                        extra_args={"kv_transfer_params": {"inferscale": {"user_id": 5, "fact_ids": "x",
+                        extra_args={"kv_transfer_params": {"inferscale": {"user_id": 5, "kv_ids": "x",
                                                                           "memory_len": -1, "memory_hash": ""}}})
     (out,) = h.run(({"prompt_token_ids": prompt}, sp))
     assert out.num_cached_tokens == 0 and len(out.outputs[0].token_ids) == 4

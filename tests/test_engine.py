@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from inferscale_core.connector import injectable_tokens
+from inferscale_core.types import kv_id
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -139,22 +140,23 @@ def test_update_preload_and_delete_reach_the_worker(engine):
         return engine.llm.collective_rpc("inferscale_has", args=(user, ids))[0]
 
     engine.add("carol", ["Carol keeps bees on her roof.", "Carol speaks Finnish."], fact_ids=["c0", "c1"])
-    assert worker_has("carol", ["c0@w0", "c1@w0"]) == [True, True]
+    assert worker_has("carol", [kv_id("c0", 1, 0), kv_id("c1", 1, 0)]) == [True, True]
     assert engine.preload("carol") == 2
     salt_before = engine.prepare("carol", "What language does Carol speak?", 2).salt
     engine.update("carol", "c1", "Carol speaks Estonian.")
     prepared = engine.prepare("carol", "What language does Carol speak?", 2)
     assert prepared.salt != salt_before  # a new version never reuses the old version's cached blocks
     assert "Estonian" in engine.memory.tokenizer.decode(prepared.prompt_ids)
+    assert worker_has("carol", [kv_id("c1", 1, 0), kv_id("c1", 2, 0)]) == [False, True]  # the old version left
     ans = engine.generate("carol", "What language does Carol speak?", k=2, sampling_params=greedy(4))
     assert ans.num_cached_tokens == injectable_tokens(ans.prompt_len, ans.memory_len)
 
     failures = engine.metrics()["load_failures"]
     engine.delete("carol", "c0")
-    assert worker_has("carol", ["c0@w0", "c1@w0"]) == [False, True]
+    assert worker_has("carol", [kv_id("c0", 1, 0), kv_id("c1", 2, 0)]) == [False, True]
     assert engine.generate("carol", "Where are the bees?", k=5).fact_ids == ["c1"]
     engine.delete_user("carol")
-    assert worker_has("carol", ["c1@w0"]) == [False]
+    assert worker_has("carol", [kv_id("c1", 2, 0)]) == [False]
     assert engine.metrics()["load_failures"] == failures  # nothing ever referenced a deleted fact
     stats = engine.metrics()["worker"]
     assert stats["num_users"] == 2 and stats["resident_bytes_device"] > 0

@@ -92,7 +92,8 @@ def fingerprint() -> str:
 
 def object_keys(user_id: str, facts: list[tuple[str, int]], fp: str | None = None) -> list[str]:
     """The cluster-tier keys of these (fact_id, version) under the running app's fingerprint (or `fp`)."""
-    from inferscale_core.cluster_store import ClusterConfig, ClusterStore, kv_id
+    from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+    from inferscale_core.types import kv_id
 
     tier = ClusterStore(ClusterConfig(master="unused:1", metadata="unused"), fp or fingerprint())
     return [tier.key(user_id, kv_id(f, v)) for f, v in facts]
@@ -106,8 +107,8 @@ def user_files(kv_dir: Path, user_id: str) -> list[Path]:
 
 
 def fact_file(stats: dict, user_id: str, fact_id: str, version: int) -> Path:
-    from inferscale_core.cluster_store import kv_id
     from inferscale_core.store import FACT_SUFFIX, _hash_name
+    from inferscale_core.types import kv_id
 
     return Path(stats["disk_dir"]) / _hash_name(user_id) / (_hash_name(kv_id(fact_id, version)) + FACT_SUFFIX)
 
@@ -241,7 +242,8 @@ def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake
     again with the same greedy text."""
     import torch
 
-    from inferscale_core.cluster_store import kv_fingerprint, kv_id, pack, unpack
+    from inferscale_core.cluster_store import kv_fingerprint, pack, unpack
+    from inferscale_core.types import kv_id
     from inferscale_core.models import resolve_model_path
 
     prefix_ids = _handle("EncoderPool").prefix.remote().result(timeout_s=60).token_ids.tolist()
