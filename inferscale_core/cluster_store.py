@@ -46,6 +46,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
+# Of the client's transfer buffer, what one batch's values may take: Mooncake's allocator there needs room of its
+# own (a put_batch of 63.5 MiB failed in a 64 MiB buffer, measured here).
+BUFFER_SHARE = 0.75
 REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
 
 
@@ -155,6 +158,7 @@ class ClusterStore:
         self._closed = False
         self._pending_removes: set[str] = set()
         self._lock = threading.Lock()
+        self._transfer = threading.Lock()  # one batch at a time in the client's transfer buffer (BUFFER_SHARE)
         self.counters = {"hits": 0, "misses": 0, "puts": 0, "put_failures": 0, "errors": 0, "removed": 0}
 
     # ------------------------------------------------------------------ keys
@@ -267,17 +271,35 @@ class ClusterStore:
             exists = client.batch_is_exist(keys)
             todo = [i for i, e in enumerate(exists) if e != 1]
             ok = [True] * len(items)
-            if todo:
-                values = [pack(self.fingerprint, user_id, items[i][0], items[i][1]) for i in todo]
-                rc = client.put_batch([keys[i] for i in todo], values, self._replicate())
+            values = {i: pack(self.fingerprint, user_id, items[i][0], items[i][1]) for i in todo}
+            for i in [i for i in todo if len(values[i]) > self.config.buffer_bytes * BUFFER_SHARE]:  # never fits
+                log.warning("cluster KV tier: a fact of %d bytes is over the transfer buffer (buffer_bytes %d); "
+                            "not stored", len(values[i]), self.config.buffer_bytes)
+                ok[i] = False
+            for batch in self._batches([i for i in todo if ok[i]], lambda i: len(values[i])):
+                with self._transfer:
+                    rc = client.put_batch([keys[i] for i in batch], [values[i] for i in batch], self._replicate())
                 if rc != 0:
                     raise RuntimeError(f"put_batch returned {rc}")
-            self.counters["puts"] += len(todo)
+            self.counters["puts"] += sum(ok[i] for i in todo)
+            self.counters["put_failures"] += ok.count(False)
             return ok
         except Exception as e:  # noqa: BLE001 - reported per item; the caller keeps the KV elsewhere
             self.counters["put_failures"] += len(items)
             self._failed(f"put of {len(items)} facts", e)
             return [False] * len(items)
+
+    def _batches(self, todo: list[int], size) -> list[list[int]]:
+        """`todo` cut, in order, into batches whose values fit the client's transfer buffer together (Mooncake
+        stages a batch's values in it: a put_batch over it fails whole, a get_batch reads only what fits)."""
+        batches, cur, used = [], [], 0
+        for i in todo:
+            if cur and used + size(i) > self.config.buffer_bytes * BUFFER_SHARE:
+                batches.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += size(i)
+        return batches + ([cur] if cur else [])
 
     def _replicate(self):
         from mooncake.store import ReplicateConfig
@@ -296,11 +318,25 @@ class ClusterStore:
             return [None] * len(kv_ids)
         keys = [self.key(user_id, kv) for kv in kv_ids]
         try:
-            values = client.get_batch(keys)
+            with self._transfer:
+                values = client.get_batch(keys)
             # An empty value is a miss or a failure: only then one more call tells which (a hit costs one call).
-            empty = [k for k, v in zip(keys, values) if not v]
-            if empty and min(client.batch_is_exist(empty)) < 0:
+            empty = [i for i, v in enumerate(values) if not v]
+            exists = client.batch_is_exist([keys[i] for i in empty]) if empty else []
+            if exists and min(exists) < 0:
                 raise RuntimeError("the master did not answer")
+            # Present but not read: they did not fit the client's transfer buffer (buffer_bytes) with the others;
+            # read again, in further rounds, as long as each round reads some.
+            again = [i for i, e in zip(empty, exists) if e == 1]
+            while again:
+                with self._transfer:
+                    got = client.get_batch([keys[i] for i in again])
+                for i, v in zip(again, got):
+                    if v:
+                        values[i] = v
+                if not any(got):  # nothing read (a copy on a dead node until the master drops it): misses
+                    break
+                again = [i for i, v in zip(again, got) if not v]
         except Exception as e:  # noqa: BLE001
             self.counters["misses"] += len(kv_ids)
             self._failed(f"get of {len(kv_ids)} facts", e)

@@ -44,6 +44,31 @@ def test_round_trip_is_bit_exact(tier, dtype):
     assert_same(tier.get_many(user, ["f2@v1"])[0], facts["f2@v1"])  # read again: the same bytes
 
 
+def test_writes_and_reads_larger_than_the_transfer_buffer(mooncake):  # noqa: F811
+    """A user's facts (AddFacts of 100+) or a request's k facts can take more than the client's transfer buffer,
+    where Mooncake stages a batch: a put_batch over it fails whole, a get_batch reads only what fits. Both are cut
+    into batches (and reads repeated), so every fact is stored and read; a fact over the buffer alone is refused
+    by itself, and the store stays up for the others."""
+    from inferscale_core.cluster_store import BUFFER_SHARE
+
+    buffer = 1 << 20
+    s = ClusterStore(ClusterConfig.from_dict({**mooncake.config, "buffer_bytes": buffer}), FP_A)
+    assert s.wait_available(60)
+    try:
+        facts = {f"f{i}@v1": make_fact(100, seed=i) for i in range(40)}  # 40 x 38 KB: 1.5 buffers
+        assert sum(len(pack(FP_A, "big", k, f)) for k, f in facts.items()) > 1.4 * buffer
+        assert s.put_many("big", list(facts.items())) == [True] * 40
+        got = s.get_many("big", list(facts))
+        for want, have in zip(facts.values(), got):
+            assert have is not None
+            assert_same(want, have)
+        huge = make_fact(int(buffer * BUFFER_SHARE) // (2 * 4 * 3 * 2 * 8) + 1, seed=99)
+        assert s.put_many("big", [("huge@v1", huge), ("small@v1", make_fact(3))]) == [False, True]
+        assert s.available and s.counters["put_failures"] == 1 and s.counters["errors"] == 0
+    finally:
+        s.close()
+
+
 def test_the_object_is_self_describing_and_checked():
     f = make_fact(4, dtype=torch.bfloat16)
     head, back = unpack(pack(FP_A, "u", "x@v2", f))
