@@ -22,7 +22,7 @@
    met/missed and margins. lscpu's model and flags and the load average are in every output.
 
 Usage:
-  python bench/service.py --quick                      # N = 1, 4; k = 20; both modes, both doors; < 5 min
+  python bench/service.py --quick                      # N = 1, 4; k = 8; both modes, both doors; < 5 min
   python bench/service.py --tag full                   # N = 1, 10, 25, 50, 100; k = 5, 50 (gRPC; HTTP at N = 1, 100)
   python bench/service.py --target 127.0.0.1:9000,8000 --jwt-secret-file ~/.cache/inferscale/dev-jwt-secret
 
@@ -60,7 +60,10 @@ MODES = ("inject", "prompt")               # the wire names (AnswerRequest.mode,
 ENGINE_MODES = {"inject": "kv", "prompt": "pi"}
 FULL = {"users": (1, 10, 25, 50, 100), "ks": (5, 50), "http_users": (1, 100), "facts": 60, "requests_n1": 10,
         "requests_per_user": 2}
-QUICK = {"users": (1, 4), "ks": (20,), "http_users": (1, 4), "facts": 40, "requests_n1": 4, "requests_per_user": 2}
+# Quick (the tests): 12 facts a user, k=8, 2 requests at N=1. At 40 facts, k=20 and 4 requests, adding 160 facts
+# (each encoded behind up to 5 neighbours) and 20-fact prompts were most of the test's setup; what the test checks
+# needs only that every cell, door and mode runs with more than one request.
+QUICK = {"users": (1, 4), "ks": (8,), "http_users": (1, 4), "facts": 12, "requests_n1": 2, "requests_per_user": 2}
 FIXTURE = REPO / "tests" / "fixtures" / "locomo_mini.json"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 # Issue 12, item 2 (ratios measured in one run).
@@ -72,7 +75,8 @@ NO_SERVICE_PROMPT = "NO_SERVICE_PROMPT"          # engine replay of a request th
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="N = 1, 4; one k (20); few requests; the fixture data")
+    ap.add_argument("--quick", action="store_true",
+                    help="N = 1, 4; one k (8); 12 facts a user; few requests; the fixture data")
     ap.add_argument("--data", type=Path, default=None,
                     help="LoCoMo-format JSON (default: ../shared/data/locomo_dev.json; --quick: the fixture)")
     ap.add_argument("--users", default=None, help="comma-separated concurrent users (default 1,10,25,50,100)")
@@ -89,6 +93,10 @@ def parse_args(argv=None):
     ap.add_argument("--engine-replicas", type=int, default=1, help="EngineReplica replicas (fixed)")
     ap.add_argument("--max-replicas", type=int, default=1,
                     help="Gateway/Retrieval/EncoderPool autoscale from 1 to this (replica counts are recorded)")
+    ap.add_argument("--cluster-tier", action="store_true",
+                    help="a Mooncake Store on loopback as the cluster KV tier (mooncake_master + one segment of "
+                         "--segment-gib), as `inferscale serve --mooncake-master` uses one")
+    ap.add_argument("--segment-gib", type=float, default=2.0, help="--cluster-tier: the segment's size")
     ap.add_argument("--registry", default="redis", choices=["redis", "embedded"],
                     help="redis: a redis-server started here on a free loopback port; embedded: Ray-actor registry")
     ap.add_argument("--target", default=None, help="a running service instead: HOST:GRPC_PORT,HTTP_PORT (loopback)")
@@ -267,6 +275,10 @@ def redis_server():
         raise SystemExit(f"{e}; use --registry embedded") from None
 
 
+def cluster_desc(args) -> str:
+    return f"Mooncake Store on loopback ({args.segment_gib:g} GiB segment)" if args.cluster_tier else "none"
+
+
 def deployments(args) -> dict:
     """`inferscale serve`'s deployments (services/app.py) with the replica counts asked for."""
     from dataclasses import replace
@@ -296,10 +308,15 @@ def own_service(args, workdir: Path):
     secret_file.chmod(0o600)
     with contextlib.ExitStack() as stack:
         registry_url = stack.enter_context(redis_server()) if args.registry == "redis" else None
+        cluster = {}
+        if args.cluster_tier:
+            from inferscale_server.registry.local_mooncake import local_mooncake
+
+            cluster = dict(stack.enter_context(local_mooncake(segment_bytes=int(args.segment_gib * (1 << 30)))).config)
         deps = deployments(args)
         cfg = ServiceConfig(model_path=args.model, registry_url=registry_url, dtype=args.dtype,
                             max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
-                            kv_dir=str(workdir / "kv"), deployments=deps,
+                            kv_dir=str(workdir / "kv"), deployments=deps, cluster_store=cluster,
                             auth={"hs256_secret_file": str(secret_file)})
         env = {**vllm_cpu_env(), **SERVE_START_ENV}
         os.environ.update(env)
@@ -312,7 +329,8 @@ def own_service(args, workdir: Path):
             start_service(cfg, host="127.0.0.1")
             registry = "redis-server (loopback, started here)" if registry_url else "embedded (Ray actor)"
             print(f"# service up in {time.monotonic() - t0:.0f} s: gRPC 127.0.0.1:{cfg.grpc_port}, HTTP "
-                  f"127.0.0.1:{cfg.http_port}, registry {registry}", flush=True)
+                  f"127.0.0.1:{cfg.http_port}, registry {registry}, cluster KV tier "
+                  f"{cluster.get('master', 'none')}", flush=True)
             yield cfg, secret
         finally:
             with contextlib.suppress(Exception):
@@ -452,17 +470,24 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
                                   store_options=options, **defaults.engine_overrides)
     await engine.start()
     by_id = {u.user_id: u for u in users}
-    needed = sorted({p["user_id"] for c in cells for p in c.plan})
+    injected = {(r["cell"], r["user_id"], r["i"]): r.get("fact_ids") for r in records
+                if r["type"] == "request" and r["status"] == "OK"}
+    # The facts the service's answers injected, per user: what the replay needs (with a cluster tier a replica
+    # holds, and writes to its disk tier, only the facts its requests read).
+    needed: dict[str, set[str]] = {}
+    for (_, uid, _), fact_ids in injected.items():
+        needed.setdefault(uid, set()).update(fact_ids or ())
     from_disk = encoded_here = 0
-    for uid in needed:
+    for uid, wanted in sorted(needed.items()):
         u = by_id[uid]
-        ids = [kv_id(f, 1) for f in u.fact_ids]
+        idx = [i for i, f in enumerate(u.fact_ids) if f in wanted]
+        ids = [kv_id(u.fact_ids[i], 1) for i in idx]
         have = await engine.has_encoded(uid, ids)
-        missing = [i for i, ok in enumerate(have) if not ok]
+        missing = [j for j, ok in enumerate(have) if not ok]
         from_disk += len(ids) - len(missing)
         if missing:  # not ours (--target) or not on disk: encoded here exactly as the encoder pool does
-            encoded = await asyncio.to_thread(fe.encode, [(u.facts[i], []) for i in missing])
-            await engine.put_encoded(uid, [(ids[i], e) for i, e in zip(missing, encoded)])
+            encoded = await asyncio.to_thread(fe.encode, [(u.facts[idx[j]], []) for j in missing])
+            await engine.put_encoded(uid, [(ids[j], e) for j, e in zip(missing, encoded)])
             encoded_here += len(missing)
         await engine.preload(uid)  # every fact in memory, as in the replica that received them
     del fe
@@ -470,8 +495,6 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     print(f"# engine level: AsyncInjectingEngine ready in {setup_s:.0f} s; facts from the service's disk tier "
           f"{from_disk}, encoded here {encoded_here}", flush=True)
 
-    injected = {(r["cell"], r["user_id"], r["i"]): r.get("fact_ids") for r in records
-                if r["type"] == "request" and r["status"] == "OK"}
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     async def one(cell: Cell, uid: str, question: str, fact_ids: list[str]) -> dict:
@@ -787,8 +810,8 @@ def main(argv=None) -> int:
                 cfg, secret = stack.enter_context(own_service(args, workdir))
                 grpc_port, http_port = cfg.grpc_port, cfg.http_port
                 service_desc = (f"own app (`inferscale serve` config: {args.engine_replicas} EngineReplica, Gateway/"
-                                f"Retrieval/EncoderPool 1..{args.max_replicas}; registry {args.registry}; Ray and "
-                                f"Serve on 127.0.0.1)")
+                                f"Retrieval/EncoderPool 1..{args.max_replicas}; registry {args.registry}; cluster "
+                                f"KV tier {cluster_desc(args)}; disk tier; Ray and Serve on 127.0.0.1)")
             else:
                 grpc_port, http_port, cfg = args.grpc_port, args.http_port, None
                 secret = args.jwt_secret_file.read_bytes().strip() if args.jwt_secret_file else None
