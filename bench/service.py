@@ -57,7 +57,6 @@ from inferscale_core.vllm_env import serving_kv_cache_gib, set_vllm_cpu_env, vll
 set_vllm_cpu_env(serving_kv_cache_gib())
 
 MODES = ("inject", "prompt")               # the wire names (AnswerRequest.mode, inferscale_mode)
-ENGINE_MODES = {"inject": "kv", "prompt": "pi"}
 FULL = {"users": (1, 10, 25, 50, 100), "ks": (5, 50), "http_users": (1, 100), "facts": 60, "requests_n1": 10,
         "requests_per_user": 2}
 # Quick (the tests): 12 facts a user, k=8, 2 requests at N=1. At 40 facts, k=20 and 4 requests, adding 160 facts
@@ -451,9 +450,10 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
 
     from inferscale_core.defaults import serving_store_options
     from inferscale_core.engine import AsyncInjectingEngine, Query
+    from inferscale_core.types import kv_id
+    from inferscale_server.api import WIRE_MODES
     from inferscale_server.app import ServiceConfig
     from inferscale_server.encoder_pool import FactEncoder, dtype_of
-    from inferscale_core.types import kv_id
 
     defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
     # Ray starts its workers, the service's replicas among them, at niceness 15 (its worker_niceness default):
@@ -500,7 +500,7 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     async def one(cell: Cell, uid: str, question: str, fact_ids: list[str]) -> dict:
         u = by_id[uid]
         text_of = dict(zip(u.fact_ids, u.facts))
-        q = Query(uid, question, k=max(1, len(fact_ids)), mode=ENGINE_MODES[cell.mode])
+        q = Query(uid, question, k=max(1, len(fact_ids)), mode=WIRE_MODES[cell.mode])
         p = engine.prepare_facts(q, fact_ids, [text_of[f] for f in fact_ids], [1] * len(fact_ids),
                                  [kv_id(f, 1) for f in fact_ids])
         out, t_start = {"status": "OK"}, time.perf_counter()

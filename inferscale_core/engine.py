@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -31,10 +31,8 @@ from .connector import (CONNECTOR_MODULE, CONNECTOR_NAME, METRIC_PREFIX, WORKER_
 from .errors import check_id
 from .memory import PREFIX_FACT, Memory
 from .template import DEFAULT_INSTRUCTION, PromptTemplate
-from .types import SHARED_USER_ID, EncodedFact, kv_id
+from .types import SHARED_USER_ID, EncodedFact, Mode, kv_id
 
-Mode = Literal["kv", "pi"]
-MODES = ("kv", "pi")
 RPC_DEATH_CHECK_S = 1.0  # how often a call into the worker checks that the engine is still alive
 
 
@@ -96,7 +94,7 @@ class Query:
     query: str
     k: int = 10
     w: int = 0
-    mode: Mode = "kv"
+    mode: Mode = Mode.KV
     # System messages and earlier turns ({"role", "content"}), put after the memory (template.query_ids).
     conversation: tuple[dict, ...] = ()
     # OpenAI chat: tool definitions for the chat template, and the turns after the question (tool calls, results).
@@ -262,8 +260,8 @@ class _EngineCore:
     def check_query(q: Query) -> None:
         check_id("user_id", q.user_id)
         _check_w(q.w)
-        if q.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {q.mode!r}")
+        if q.mode not in set(Mode):
+            raise ValueError(f"mode must be one of {[m.value for m in Mode]}, got {q.mode!r}")
 
     def prepare(self, q: Query) -> Prepared:
         """Retrieve the user's top-k facts from Memory, then `prepare_facts`."""
@@ -272,7 +270,7 @@ class _EngineCore:
         t0 = time.perf_counter()
         fact_ids = memory.retrieve(q.user_id, q.query, q.k)
         recs = [memory.get(q.user_id, f) for f in fact_ids]
-        if q.mode == "kv" and fact_ids:
+        if q.mode == Mode.KV and fact_ids:
             with self._lock:
                 held = self._variants.get(q.user_id, {})
                 missing = [f for f in fact_ids if q.w not in held.get(f, (0, ()))[1]]
@@ -303,7 +301,7 @@ class _EngineCore:
             chunk_lens.append(len(ids))
         prompt_ids = memory_ids + self.template.query_ids(q.query, q.conversation, q.tools, q.after)
         params = salt = None
-        if q.mode == "kv" and fact_ids:
+        if q.mode == Mode.KV and fact_ids:
             chunks = [self.prefix_id] + kv_ids
             params = InjectionParams(q.user_id, tuple(chunks), len(memory_ids), memory_hash(memory_ids),
                                      tuple(chunk_lens))
@@ -409,10 +407,10 @@ class InjectingEngine:
         return self._rpc("inferscale_preload", user_id)
 
     # ---- generation
-    def prepare(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = "kv") -> Prepared:
+    def prepare(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = Mode.KV) -> Prepared:
         return self.core.prepare(Query(user_id, query, k, w, mode))
 
-    def generate(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = "kv",
+    def generate(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = Mode.KV,
                  sampling_params=None) -> Answer:
         return self.generate_many([Query(user_id, query, k, w, mode)], sampling_params)[0]
 
@@ -571,7 +569,7 @@ class AsyncInjectingEngine:
             final = out
         yield "", self.core.answer(p, final, ttft)
 
-    async def generate(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = "kv",
+    async def generate(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = Mode.KV,
                        sampling_params=None) -> Answer:
         """Runs to completion; `Answer.ttft_s` is submit -> first token, `retrieve_s` the time before it."""
         self._started()

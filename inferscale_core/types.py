@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
+
+
+class Mode(StrEnum):
+    """How a request's memory reaches the model: KV injection, or the same token ids prefilled as prompt text (the
+    Mem0-style baseline). The API's own names for them ("inject", "prompt") are mapped in services/api.py only."""
+    KV = "kv"
+    PI = "pi"
 
 # The owner, in the engine worker's fact store, of chunks every request shares (the instruction prefix): a
 # reserved user id, refused as a caller's user id.

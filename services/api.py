@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError, UnknownUserError, check_id
+from inferscale_core.types import Mode
 
 from inferscale_client import codegen
 from .registry import DuplicateFactError, FactRecord, Quota, QuotaExceededError, VersionConflictError
@@ -419,15 +420,24 @@ def page_token(token: str, scope: str, field_name: str = "page_token") -> int:
     return cursor
 
 
-MODES = ("inject", "prompt")
+# The API's names of the modes (the proto's AnswerRequest.mode, HTTP's inferscale_mode, metric labels): the one
+# place they map to inferscale_core's Mode.
+WIRE_MODES = {"inject": Mode.KV, "prompt": Mode.PI}
+_MODE_NAMES = {mode: name for name, mode in WIRE_MODES.items()}
 
 
-def answer_mode(mode: str) -> str:
+def answer_mode(mode: str) -> Mode:
+    """A request's mode ("" = inject) -> Mode; INVALID_ARGUMENT naming the choices otherwise."""
     if mode == "":
-        return "inject"
-    if mode not in MODES:
-        raise invalid(f"mode must be one of {', '.join(MODES)} (or empty for inject), got {mode!r}", "mode")
-    return mode
+        return Mode.KV
+    if mode not in WIRE_MODES:
+        raise invalid(f"mode must be one of {', '.join(WIRE_MODES)} (or empty for inject), got {mode!r}", "mode")
+    return WIRE_MODES[mode]
+
+
+def wire_mode(mode: Mode) -> str:
+    """The API's name of a Mode ("inject", "prompt")."""
+    return _MODE_NAMES[Mode(mode)]
 
 
 # --------------------------------------------------------------------------------------- conversion

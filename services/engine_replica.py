@@ -58,17 +58,16 @@ import grpc
 
 from inferscale_core.cluster_store import ClusterConfig, ClusterStore
 from inferscale_core.errors import check_id
-from inferscale_core.types import kv_id
+from inferscale_core.types import Mode, kv_id
 
 from .admission import DEFAULT_QUEUE_FACTOR, Admission
-from .api import RETRY_AFTER_S, ApiError
+from .api import RETRY_AFTER_S, ApiError, wire_mode
 from .encoder_pool import EncodeFailure, StoredKV
 from .registry import open_registry
 from .routing import IN_FLIGHT, SLOT
 
 log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
-API_MODES = {"inject": "kv", "prompt": "pi"}  # wire names -> engine modes
 WATCH_PERIOD_S = float(os.environ.get("INFERSCALE_ENGINE_WATCH_S", "0.5"))
 PUT_CHUNK_TOKENS = 512  # KV tokens per call into the engine core: its step loop waits while a call runs
 TOMBSTONE_CURSOR = "tombstones.cursor"  # in the replica's disk folder: how far it applied the registry's tombstones
@@ -623,7 +622,7 @@ class EngineReplica:
                 return await self.engine.delete_encoded(user_id, None)
 
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
-                     mode: str, conversation: list[dict] | None = None, openai: dict | None = None):
+                     mode: Mode, conversation: list[dict] | None = None, openai: dict | None = None):
         """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT, the injected fact ids and
         `timings_ms` (this replica's hops). `conversation`: system messages and earlier turns, after the memory
         in the chat template. Refused with RESOURCE_EXHAUSTED (EngineAtCapacity) when the KV cache is full.
@@ -636,15 +635,14 @@ class EngineReplica:
 
         t_in = time.perf_counter()
         with self.metrics.request("answer"), _engine_death_is_unavailable():
-            if mode not in API_MODES:
-                raise ValueError(f"mode must be one of {sorted(API_MODES)}, got {mode!r}")
+            mode = Mode(mode)  # ValueError naming the value for anything else
             await self._user(user_id)
             held = await self._sync(user_id)  # one read of the version counter when nothing moved
             t_synced = time.perf_counter()
             # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped.
             # Both modes serve the same facts (an A/B of injection).
             facts = [(f, held[f]) for f in fact_ids if f in held]
-            if mode == "inject":
+            if mode == Mode.KV:
                 await self._fetch_kv(user_id, facts)
                 # A fact the encoder just found it cannot encode (stored by an older version) is no longer held:
                 # left out, as the sync used to leave it out before the request.
@@ -655,7 +653,7 @@ class EngineReplica:
                 conversation, after, tools = turns[:at], turns[at + 1:], openai.get("tools") or ()
             else:
                 after, tools = (), ()
-            q = Query(user_id, query, k=max(1, len(facts)), mode=API_MODES[mode],
+            q = Query(user_id, query, k=max(1, len(facts)), mode=mode,
                       conversation=tuple(conversation or ()), tools=tuple(tools), after=tuple(after))
             try:
                 # Tokenizing (up to 100 messages of 16,000 characters, sized by the gateway) runs in a worker
@@ -681,7 +679,7 @@ class EngineReplica:
                         yield {"text": text}
                         continue
                     if ans.ttft_s is not None:
-                        self.metrics.ttft.observe(ans.ttft_s, tags={"mode": mode})
+                        self.metrics.ttft.observe(ans.ttft_s, tags={"mode": wire_mode(mode)})
                     yield {"final": True, "fact_ids": ans.fact_ids, "ttft_ms": (ans.ttft_s or 0.0) * 1000,
                            "prompt_tokens": ans.prompt_len,
                            "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
@@ -690,7 +688,7 @@ class EngineReplica:
                                           "admission_wait": ms(t_submit - t_in),
                                           **engine_timings(ans)}}
 
-    async def _answer_openai(self, p, openai: dict, mode: str, t_in: float, t_synced: float, t_fetched: float):
+    async def _answer_openai(self, p, openai: dict, mode: Mode, t_in: float, t_synced: float, t_fetched: float):
         """An OpenAI chat request's answer: vLLM's SamplingParams from the request (n choices, logprobs, stop,
         structured outputs, forced tool calls), streamed by choice."""
         from .openai_params import logprobs_content, request, tool_calls
@@ -720,7 +718,7 @@ class EngineReplica:
             except ValueError as e:  # vLLM's input checks (e.g. more logprobs than the engine's max_logprobs)
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0][:500]) from None
         if ttft is not None:
-            self.metrics.ttft.observe(ttft, tags={"mode": mode})
+            self.metrics.ttft.observe(ttft, tags={"mode": wire_mode(mode)})
         choices = []
         for i in range(n):
             choice = {"index": i, "finish_reason": finish[i] or "stop", "completion_tokens": counts[i]}

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from ..api import Limits, caller_deadline, time_left, to_api_error, within_deadline
+from ..api import Limits, caller_deadline, time_left, to_api_error, within_deadline, wire_mode
 from ..auth import AuthConfig, Authenticator
 from ..proxy_setup import DEADLINE_ATTR
 from .core import GatewayCore
@@ -77,7 +77,7 @@ class ServeBackends:
                     if first:  # q2ft: query in -> first token out, retrieval included
                         first_ms = (time.perf_counter() - t0) * 1000
                         if self.metrics is not None:
-                            self.metrics.q2ft.observe(first_ms / 1000, tags={"mode": mode})
+                            self.metrics.q2ft.observe(first_ms / 1000, tags={"mode": wire_mode(mode)})
                     first = False
                     if piece.get("final"):  # the gateway's hops next to the engine replica's
                         piece = {**piece, "timings_ms": {**piece.get("timings_ms", {}), "retrieval": retrieval_ms,
