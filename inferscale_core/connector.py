@@ -201,19 +201,19 @@ class InjectionWorkerExtension:
     Arguments are ids, ints and bytes only."""
 
     def inferscale_put(self, user_id: str, facts: list) -> int:
-        """facts: [(fact_id, pack_fact(fact)), ...]; returns the KV bytes stored."""
+        """facts: [(kv_id, pack_fact(fact)), ...]; returns the KV bytes stored."""
         return worker_connector().put(user_id, facts)
 
-    def inferscale_delete(self, user_id: str, fact_ids: list[str] | None = None) -> int:
-        """Delete these facts (all of the user's when None); returns how many were removed."""
-        return worker_connector().delete(user_id, fact_ids)
+    def inferscale_delete(self, user_id: str, kv_ids: list[str] | None = None) -> int:
+        """Delete these kv_ids (all of the user's when None); returns how many were removed."""
+        return worker_connector().delete(user_id, kv_ids)
 
     def inferscale_preload(self, user_id: str) -> int:
         """Bring the user's facts to the device tier ahead of their requests; returns facts moved."""
         return worker_connector().preload(user_id)
 
-    def inferscale_has(self, user_id: str, fact_ids: list[str]) -> list[bool]:
-        return worker_connector().has(user_id, fact_ids)
+    def inferscale_has(self, user_id: str, kv_ids: list[str]) -> list[bool]:
+        return worker_connector().has(user_id, kv_ids)
 
     def inferscale_stats(self) -> dict[str, Any]:
         """Cumulative counters and resident bytes of this worker."""

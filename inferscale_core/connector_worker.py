@@ -175,53 +175,53 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ fact management (worker extension)
 
-    def put(self, namespace: str, facts: list) -> int:
-        """Insert or replace `(fact_id, pack_fact(fact))` pairs, converted to the model's dtype; all facts are
-        checked before any is stored."""
+    def put(self, user_id: str, facts: list) -> int:
+        """Insert or replace the user's (or SHARED_USER_ID's) `(kv_id, pack_fact(fact))` pairs, converted to the
+        model's dtype; all facts are checked before any is stored."""
         store = self._require_store()
-        check_id("user_id", namespace)
+        check_id("user_id", user_id)
         converted = []
         for item in facts:
             if len(item) != 2:
-                raise ValueError("each fact must be (fact_id, pack_fact(fact))")
-            fact_id, blob = item
-            check_id("fact_id", fact_id)
+                raise ValueError("each fact must be (kv_id, pack_fact(fact))")
+            kv_id, blob = item
+            check_id("kv_id", kv_id)
             fact = unpack_fact(blob)
             fact = EncodedFact(fact.token_ids, fact.k_pre.to(self.kv_dtype), fact.v.to(self.kv_dtype))
             fact.validate(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
                           max_tokens=store.max_fact_tokens)
-            converted.append((fact_id, fact))
+            converted.append((kv_id, fact))
         nbytes = 0
-        for fact_id, fact in converted:
-            store.put(namespace, fact_id, fact)
+        for kv_id, fact in converted:
+            store.put(user_id, kv_id, fact)
             nbytes += fact.nbytes
         return nbytes
 
-    def delete(self, namespace: str, fact_ids: list[str] | None) -> int:
+    def delete(self, user_id: str, kv_ids: list[str] | None) -> int:
         store = self._require_store()
-        check_id("user_id", namespace)
-        if fact_ids is None:
-            if namespace not in store.users():
+        check_id("user_id", user_id)
+        if kv_ids is None:
+            if user_id not in store.users():
                 return 0
-            n = len(store.fact_ids(namespace))
-            store.delete_user(namespace)
+            n = len(store.fact_ids(user_id))
+            store.delete_user(user_id)
             return n
         removed = 0
-        for fid in fact_ids:
-            if store.contains(namespace, fid):
-                store.delete(namespace, fid)
+        for kv in kv_ids:
+            if store.contains(user_id, kv):
+                store.delete(user_id, kv)
                 removed += 1
         return removed
 
-    def preload(self, namespace: str) -> int:
+    def preload(self, user_id: str) -> int:
         store = self._require_store()
-        ids = store.fact_ids(namespace)
-        store.get_many(namespace, ids)  # promotes every fact to the device tier
+        ids = store.fact_ids(user_id)
+        store.get_many(user_id, ids)  # promotes every fact to the device tier
         return len(ids)
 
-    def has(self, namespace: str, fact_ids: list[str]) -> list[bool]:
+    def has(self, user_id: str, kv_ids: list[str]) -> list[bool]:
         store = self._require_store()
-        return [store.contains(namespace, f) for f in fact_ids]
+        return [store.contains(user_id, f) for f in kv_ids]
 
     # ------------------------------------------------------------------ injection
 
