@@ -476,6 +476,12 @@ class AsyncInjectingEngine:
             await self._rpc("inferscale_put", user, payloads)
         return self
 
+    def kv_cache_tokens(self) -> int:
+        """Tokens vLLM's KV cache holds for requests: its blocks less the null block vLLM keeps (known once
+        started: the engine core sizes the cache at start-up)."""
+        cache = self._started().vllm_config.cache_config
+        return (int(cache.num_gpu_blocks) - 1) * int(cache.block_size)
+
     def _started(self):
         if self.engine is None:
             raise RuntimeError("AsyncInjectingEngine is not started: await engine.start() first")

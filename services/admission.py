@@ -35,14 +35,20 @@ class EngineAtCapacity(ApiError):
         return (EngineAtCapacity, (self.message, self.retry_after_s))
 
 
+def check_queue_factor(queue_factor) -> float:
+    if isinstance(queue_factor, bool) or not (isinstance(queue_factor, (int, float)) and math.isfinite(queue_factor)
+                                               and queue_factor >= 1):
+        raise ValueError(f"admission queue_factor must be a number >= 1, got {queue_factor!r}")
+    return float(queue_factor)
+
+
 class Admission:
     """Tokens in flight against the limit. Single event loop (the replica's): no lock needed."""
 
     def __init__(self, capacity_tokens: int, queue_factor: float = DEFAULT_QUEUE_FACTOR):
         if capacity_tokens < 1:
             raise ValueError(f"the KV cache capacity must be >= 1 token, got {capacity_tokens}")
-        if not (isinstance(queue_factor, (int, float)) and math.isfinite(queue_factor) and queue_factor >= 1):
-            raise ValueError(f"admission queue_factor must be a number >= 1, got {queue_factor!r}")
+        check_queue_factor(queue_factor)
         self.capacity_tokens = int(capacity_tokens)
         self.limit_tokens = int(capacity_tokens * queue_factor)
         self.in_flight_tokens = 0

@@ -160,6 +160,17 @@ class ServiceConfig:
                 **({"auth": dict(self.auth)} if self.auth else {}),
                 **({"http": dict(self.http)} if self.http else {})}
 
+    def engine_replica_config(self, registry_url: str):
+        """The EngineReplica's config (services/engine_replica.py: checked when made)."""
+        from .engine_replica import EngineReplicaConfig
+
+        return EngineReplicaConfig(registry_url=registry_url, model_path=self.model_path, dtype=self.dtype,
+                                   block_size=self.block_size, max_model_len=self.max_model_len, kv_dir=self.kv_dir,
+                                   store_options=dict(self.store_options),
+                                   engine_overrides=dict(self.engine_overrides),
+                                   admission_queue_factor=float(self.admission_queue_factor),
+                                   cluster_store=dict(self.cluster_store))
+
     @classmethod
     def from_args(cls, args: dict | None) -> "ServiceConfig":
         args = dict(args or {})
@@ -271,10 +282,7 @@ def build_app(cfg: ServiceConfig):
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
         registry_url=registry_url, embedder_path=cfg.embedder_path)
     engine = serve.deployment(EngineReplica, name="EngineReplica", **opts["EngineReplica"]).bind(
-        encoder, registry_url=registry_url, model_path=cfg.model_path, dtype=cfg.dtype,
-        block_size=cfg.block_size, max_model_len=cfg.max_model_len, kv_dir=cfg.kv_dir,
-        store_options=cfg.store_options, engine_overrides=cfg.engine_overrides,
-        admission_queue_factor=cfg.admission_queue_factor, cluster_store=cfg.cluster_store or None)
+        encoder, cfg.engine_replica_config(registry_url))
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
     return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
                         embedder_path=cfg.embedder_path, auth=cfg.auth, http=cfg.http)

@@ -143,38 +143,28 @@ class FactEncoder:
         return out  # type: ignore[return-value]
 
 
-class EncoderPool:
-    """The Serve deployment (options in services/app.py)."""
+class EncoderCore:
+    """The encoder pool without Serve: a FactEncoder and the cluster tier it writes to. Tests and the engine
+    replica's unit tests call it directly (tests/test_replica_core.py); EncoderPool below is the Serve deployment,
+    which batches concurrent requests into one forward."""
 
-    def __init__(self, cluster_store: dict | None = None, **encoder_kw):
-        from inferscale_core.cluster_store import ClusterConfig, ClusterStore
-
+    def __init__(self, fe: FactEncoder, cluster=None, metrics=None):
         from .metrics import EncoderMetrics
 
-        self.fe = FactEncoder(**encoder_kw)
-        self.metrics = EncoderMetrics()
-        config = ClusterConfig.from_dict(cluster_store)
-        self.cluster = ClusterStore(config, self.fe.fingerprint) if config else None
+        self.fe, self.cluster = fe, cluster
+        self.metrics = metrics if metrics is not None else EncoderMetrics()
         if self.cluster is not None:
             self.cluster.available  # noqa: B018 - starts connecting in the background
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:
-        # Several requests (possibly of several users) in one forward; failures come back per item.
-        flat = [item for req in requests for item in req]
-        self.metrics.batch.observe(len(flat))
-        encoded = await asyncio.to_thread(self.fe.encode, flat)
-        out, i = [], 0
-        for req in requests:
-            out.append(encoded[i:i + len(req)])
-            i += len(req)
-        return out
+    async def _encode_items(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
+        self.metrics.batch.observe(len(items))
+        return await asyncio.to_thread(self.fe.encode, items)
 
     async def encode(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
         with self.metrics.request("encode"):
             if not items:
                 return []
-            return await self._encode_requests(list(items))
+            return await self._encode_items(list(items))
 
     async def encode_for(self, user_id: str, facts: list[tuple[str, int, str, list[str]]]
                          ) -> list[StoredKV | EncodedFact | EncodeFailure]:
@@ -212,3 +202,28 @@ class EncoderPool:
 
     async def health(self) -> str:
         return "ok"
+
+
+class EncoderPool(EncoderCore):
+    """The Serve deployment (options in services/app.py)."""
+
+    def __init__(self, cluster_store: dict | None = None, **encoder_kw):
+        from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+
+        fe = FactEncoder(**encoder_kw)
+        config = ClusterConfig.from_dict(cluster_store)
+        super().__init__(fe, ClusterStore(config, fe.fingerprint) if config else None)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:
+        # Several requests (possibly of several users) in one forward; failures come back per item.
+        flat = [item for req in requests for item in req]
+        encoded = await EncoderCore._encode_items(self, flat)
+        out, i = [], 0
+        for req in requests:
+            out.append(encoded[i:i + len(req)])
+            i += len(req)
+        return out
+
+    async def _encode_items(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
+        return await self._encode_requests(items)

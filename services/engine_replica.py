@@ -1,6 +1,11 @@
 """Engine replica deployment: one vLLM engine (AsyncInjectingEngine, InferScaleConnector) per replica process,
 plus the KV of the users routed here.
 
+Built from one EngineReplicaConfig (checked when services/app.py makes it) with an injectable engine:
+`ReplicaCore` is the replica's logic over its parts (engine, encoder pool handle, registry, cluster tier) without
+Serve, unit-tested without vLLM or Ray (tests/test_replica_core.py); `EngineReplica` is the Serve deployment
+around it (Serve's multiplexed user loader, routing hooks, health check, metrics export).
+
 Users are multiplexed (`multiplexed_model_id` = user id): Serve routes a user to a replica that already holds
 it, and a replica holds at most MAX_USERS users (Serve's LRU). Serve's loader (`_user`) only registers the
 user (it runs under one lock per replica, so it must stay short); the user's facts are synced by the request
@@ -48,7 +53,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,7 +65,7 @@ from inferscale_core.cluster_store import ClusterConfig, ClusterStore
 from inferscale_core.errors import check_id
 from inferscale_core.types import Mode, kv_id
 
-from .admission import DEFAULT_QUEUE_FACTOR, Admission
+from .admission import DEFAULT_QUEUE_FACTOR, Admission, check_queue_factor
 from .api import RETRY_AFTER_S, ApiError, wire_mode
 from .encoder_pool import EncodeFailure, StoredKV
 from .registry import open_registry
@@ -207,6 +212,21 @@ def _engine_death_is_unavailable():
                                                     "retry shortly", retry_after_s=RETRY_AFTER_S) from None
 
 
+async def start_engine(config: "EngineReplicaConfig", prefix, store_options: dict):
+    """The serving engine: vLLM with the injection connector (AsyncInjectingEngine) over the encoder pool's prefix
+    chunk, started."""
+    from inferscale_core.engine import AsyncInjectingEngine
+
+    from .encoder_pool import dtype_of
+    from .metrics import vllm_stat_loggers
+
+    engine = AsyncInjectingEngine(model_path=config.model_path, prefix=prefix, dtype=dtype_of(config.dtype),
+                                  block_size=config.block_size, max_model_len=config.max_model_len,
+                                  store_options=store_options, stat_loggers=vllm_stat_loggers(),
+                                  **config.engine_overrides)
+    return await engine.start()
+
+
 def engine_timings(ans) -> dict[str, float]:
     """vLLM's own per-request hops (its RequestStateStats, engine-core clock): "vllm_queue" queued ->
     scheduled, "prefill" scheduled -> first token (the connector's injection included); "engine_ttft" this
@@ -237,91 +257,111 @@ class _HeldUser:
             pass
 
 
-class EngineReplica:
-    """The Serve deployment (options in services/app.py)."""
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
-    async def __init__(self, encoder, registry_url: str | None = None, model_path: str | None = None,
-                       dtype: str = "float32", block_size: int = 32, max_model_len: int = 4096,
-                       kv_dir: str | None = None, store_options: dict | None = None,
-                       engine_overrides: dict | None = None,
-                       admission_queue_factor: float = DEFAULT_QUEUE_FACTOR, cluster_store: dict | None = None):
-        from inferscale_core.defaults import serving_store_options
-        from inferscale_core.store import default_disk_budget_bytes
-        from inferscale_core.engine import AsyncInjectingEngine
 
+@dataclass(frozen=True)
+class EngineReplicaConfig:
+    """Everything one engine replica is built from, checked once, here (as Ray Serve LLM's LLMConfig is for its
+    build_llm_deployment): a config mistake fails `build_app`, before Serve starts anything.
+    services/app.py:ServiceConfig.engine_replica_config() makes it from the service's config."""
+
+    registry_url: str | None = None  # None: an in-process registry (one replica, tests)
+    model_path: str | None = None  # None: the packaged SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_dir: str | None = None  # the worker store's disk tier (node-local); None: none
+    store_options: dict = field(default_factory=dict)  # the worker store's byte budgets
+    engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args
+    admission_queue_factor: float = DEFAULT_QUEUE_FACTOR
+    cluster_store: dict = field(default_factory=dict)  # ClusterConfig fields; empty: no cluster tier
+    kv_budget_bytes: int | None = None  # ResidentKV's budget; None: default_kv_budget_bytes()
+
+    def __post_init__(self):
         from .encoder_pool import dtype_of
-        from .metrics import EngineMetrics, hide_multiplexed_ids, vllm_stat_loggers
 
-        hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
-        self.metrics = EngineMetrics()
+        dtype_of(self.dtype)  # names the dtypes there are
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_model_len", self.max_model_len)
+        for name in ("store_options", "engine_overrides", "cluster_store"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
+        check_queue_factor(self.admission_queue_factor)
+        if self.kv_budget_bytes is not None and (isinstance(self.kv_budget_bytes, bool) or
+                                                 not isinstance(self.kv_budget_bytes, int) or self.kv_budget_bytes < 0):
+            raise ValueError(f"kv_budget_bytes must be an int >= 0 (or None), got {self.kv_budget_bytes!r}")
+        self.cluster  # noqa: B018 - ClusterConfig checks its own fields
 
-        self.encoder = encoder
-        self.registry = open_registry(registry_url)
+    @property
+    def cluster(self) -> ClusterConfig | None:
+        return ClusterConfig.from_dict(self.cluster_store or None)
+
+
+class ReplicaCore:
+    """The engine replica without Serve: user books, the KV tiers in request order, re-encodes, deletes and
+    tombstones, answers. Built from its parts (an engine with AsyncInjectingEngine's interface, the encoder pool's
+    handle, a registry, the cluster tier), so tests run it with an engine that is not vLLM and without Ray
+    (tests/test_replica_core.py); EngineReplica below is the Serve deployment around it."""
+
+    def __init__(self, config: EngineReplicaConfig, engine, encoder, registry, cluster: ClusterStore | None = None,
+                 disk_dir: str | None = None, metrics=None, disk_budget_bytes: int | None = None):
+        """`engine`: started; `encoder`: the encoder pool's handle (`encoder.encode_for.remote(...)` awaited);
+        `disk_budget_bytes`: the worker store's disk tier budget, if it has one."""
+        from .metrics import EngineMetrics
+
+        self.config = config
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.engine, self.encoder, self.registry, self.cluster = engine, encoder, registry, cluster
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.disk_dir = replica_disk_dir(kv_dir)
-        options = serving_store_options(store_options)
-        if self.disk_dir:
-            options["disk_dir"] = self.disk_dir
-            if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
-                options["disk_budget_bytes"] = default_disk_budget_bytes(self.disk_dir)
-        # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
-        prefix = await encoder.prefix.remote()
-        self.engine = AsyncInjectingEngine(model_path=model_path, prefix=prefix, dtype=dtype_of(dtype),
-                                           block_size=block_size, max_model_len=max_model_len,
-                                           store_options=options, stat_loggers=vllm_stat_loggers(),
-                                           **(engine_overrides or {}))
-        await self.engine.start()
-        self.max_model_len = max_model_len
-        cache = self.engine.engine.vllm_config.cache_config  # filled in by the engine core at start-up
-        # vLLM keeps one block of the pool as its null block: the rest holds requests' tokens.
-        self.admission = Admission((int(cache.num_gpu_blocks) - 1) * int(cache.block_size), admission_queue_factor)
+        self.disk_dir = disk_dir
+        self.max_model_len = config.max_model_len
+        self.admission = Admission(engine.kv_cache_tokens(), config.admission_queue_factor)
         log.info("engine replica %s: KV cache of %d tokens, admitting up to %d tokens in flight", self.replica_id,
                  self.admission.capacity_tokens, self.admission.limit_tokens)
-        # The cluster KV tier, under the encoder pool's fingerprint (the pool defines how facts are encoded).
-        config = ClusterConfig.from_dict(cluster_store)
-        self.cluster = ClusterStore(config, await encoder.fingerprint.remote()) if config else None
         if self.cluster is not None:
             self.cluster.available  # noqa: B018 - starts connecting in the background
         self._held: dict[str, dict[str, HeldFact]] = {}  # user -> fact_id -> servable fact (registry, last sync)
         # What this replica put into its worker store, within its disk tier's budget (files are written through),
         # so that budget collects facts of users this replica no longer holds before the ones it counts on.
-        self.resident = ResidentKV(min(default_kv_budget_bytes(), options.get("disk_budget_bytes") or 1 << 62))
+        budget = config.kv_budget_bytes if config.kv_budget_bytes is not None else default_kv_budget_bytes()
+        self.resident = ResidentKV(min(budget, disk_budget_bytes or 1 << 62))
         self._reencoding: set[tuple[str, str]] = set()  # (user, kv_id) with a re-encode under way
         self._synced: dict[str, int] = {}   # user -> registry user_version last synced
         self._pruned: dict[str, int] = {}   # user -> user_version the watch last dropped moved facts for
         self._user_locks: dict[str, asyncio.Lock] = {}
+        self._loaded: set[str] = set()  # users _hold registered (outside Serve)
         self.counters = {"facts_from_disk": 0, "facts_from_cluster": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
-                         "facts_dropped_by_watch": 0, "facts_evicted": 0, "facts_stale_pushes": 0}
-        self.counters["tombstones_applied"] = 0
-        # Tombstones (registry deletes and updates) are applied from where this slot's last replica stopped (its
-        # cursor is on the disk tier, next to the files it covers), before any request; without a saved cursor
-        # (no disk tier, a new slot) from the log's end: this replica holds nothing older.
+                         "facts_dropped_by_watch": 0, "facts_evicted": 0, "facts_stale_pushes": 0,
+                         "tombstones_applied": 0}
+        self._tomb_cursor: str | None = None
+
+    async def start(self) -> "ReplicaCore":
+        """Tombstones (registry deletes and updates) are applied from where this slot's last replica stopped (its
+        cursor is on the disk tier, next to the files it covers), before any request; without a saved cursor
+        (no disk tier, a new slot) from the log's end: this replica holds nothing older."""
         self._tomb_cursor = self._saved_tomb_cursor() or (
             await asyncio.to_thread(self.registry.tombstones_after, None))[1]
         await asyncio.to_thread(self._save_tomb_cursor)
         await self._apply_tombstones()
-        loop = asyncio.get_running_loop()
-        self._exporter = loop.create_task(self._export_engine_metrics())
-        self._watcher = loop.create_task(self._watch())
+        return self
 
     # ------------------------------------------------------------------------------ user placement
-    def record_replica_metadata(self) -> dict:
-        """Serve's hook (once, at start): this replica's stable slot for services/routing.py."""
-        return {SLOT: replica_slot()}
-
-    def record_routing_stats(self) -> dict:
-        """Serve's hook (every request_routing_stats_period_s): the slot again (in case Serve re-ranked) and the
-        requests in flight here, from every router (services/routing.py moves users off a busy home)."""
-        return {SLOT: replica_slot(), IN_FLIGHT: self.admission.in_flight}
-
-    @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
-    async def _user(self, user_id: str) -> _HeldUser:
-        """Serve's loader, run under ONE lock for the whole replica: it only registers the user. Its facts are
-        synced by `_sync`, under the user's own lock."""
+    async def register_user(self, user_id: str) -> None:
+        """Records in the registry that this replica holds the user."""
         await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
         self.counters["users_loaded"] += 1
-        return _HeldUser(self, user_id, asyncio.get_running_loop())
+
+    async def _hold(self, user_id: str) -> None:
+        """Holds the user here before serving it, once (the Serve deployment: through Serve's multiplexed loader,
+        which unloads least recently used users)."""
+        if user_id not in self._loaded:
+            self._loaded.add(user_id)
+            await self.register_user(user_id)
 
     def _lock(self, user_id: str) -> asyncio.Lock:
         return self._user_locks.setdefault(user_id, asyncio.Lock())
@@ -487,6 +527,7 @@ class EngineReplica:
             if not self.disk_dir:
                 await self.engine.delete_encoded(user_id, None)
             self._forget_books(user_id)
+        self._loaded.discard(user_id)
         self.counters["users_evicted"] += 1
         await asyncio.to_thread(self.registry.remove_placement, user_id, self.replica_id)
 
@@ -595,7 +636,7 @@ class EngineReplica:
                     await self._put(user_id, [fv for fv, _ in local], [e for _, e in local])
                 self.counters["facts_stale_pushes"] += fresh.count(False)
             self.counters["facts_pushed"] += len(encoded)
-            await self._user(user_id)  # registers the user here (Serve routes its requests to this replica)
+            await self._hold(user_id)  # registers the user here (Serve routes its requests to this replica)
             return len(encoded)
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> int:
@@ -636,7 +677,7 @@ class EngineReplica:
         t_in = time.perf_counter()
         with self.metrics.request("answer"), _engine_death_is_unavailable():
             mode = Mode(mode)  # ValueError naming the value for anything else
-            await self._user(user_id)
+            await self._hold(user_id)
             held = await self._sync(user_id)  # one read of the version counter when nothing moved
             t_synced = time.perf_counter()
             # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped.
@@ -761,7 +802,7 @@ class EngineReplica:
         """Loads the user onto THIS replica (whichever one Serve routed the call to; admin and tests: put a user
         on several replicas, warm a replica), every fact's KV fetched into its worker store (requests fetch only
         their k). Returns this replica's id."""
-        await self._user(check_id("user_id", user_id))
+        await self._hold(check_id("user_id", user_id))
         held = await self._sync(user_id)
         await self._fetch_kv(user_id, list(held.items()))
         return self.replica_id
@@ -787,6 +828,56 @@ class EngineReplica:
         await self.engine.has_encoded("__health__", ["probe"])  # a round trip to the engine's worker
         await asyncio.to_thread(self.registry.ping)
         return "ok"
+
+
+class EngineReplica(ReplicaCore):
+    """The Serve deployment (options in services/app.py): builds its parts from one EngineReplicaConfig, and adds
+    what only Serve needs: the multiplexed user loader, the routing hooks, the health check, metrics export.
+    `build_engine`: how the engine is made (default `start_engine`: vLLM with the connector)."""
+
+    async def __init__(self, encoder, config: EngineReplicaConfig, build_engine=None):
+        from inferscale_core.defaults import serving_store_options
+        from inferscale_core.store import default_disk_budget_bytes
+
+        from .metrics import EngineMetrics, hide_multiplexed_ids
+
+        hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
+        disk_dir = replica_disk_dir(config.kv_dir)
+        options = serving_store_options(config.store_options)
+        if disk_dir:
+            options["disk_dir"] = disk_dir
+            if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
+                options["disk_budget_bytes"] = default_disk_budget_bytes(disk_dir)
+        # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
+        engine = await (build_engine or start_engine)(config, await encoder.prefix.remote(), options)
+        # The cluster KV tier, under the encoder pool's fingerprint (the pool defines how facts are encoded).
+        cluster_config = config.cluster
+        cluster = ClusterStore(cluster_config, await encoder.fingerprint.remote()) if cluster_config else None
+        super().__init__(config, engine, encoder, open_registry(config.registry_url), cluster, disk_dir,
+                         EngineMetrics(), options.get("disk_budget_bytes"))
+        await self.start()
+        loop = asyncio.get_running_loop()
+        self._exporter = loop.create_task(self._export_engine_metrics())
+        self._watcher = loop.create_task(self._watch())
+
+    def record_replica_metadata(self) -> dict:
+        """Serve's hook (once, at start): this replica's stable slot for services/routing.py."""
+        return {SLOT: replica_slot()}
+
+    def record_routing_stats(self) -> dict:
+        """Serve's hook (every request_routing_stats_period_s): the slot again (in case Serve re-ranked) and the
+        requests in flight here, from every router (services/routing.py moves users off a busy home)."""
+        return {SLOT: replica_slot(), IN_FLIGHT: self.admission.in_flight}
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
+    async def _user(self, user_id: str) -> _HeldUser:
+        """Serve's loader, run under ONE lock for the whole replica: it only registers the user. Its facts are
+        synced by `_sync`, under the user's own lock."""
+        await self.register_user(user_id)
+        return _HeldUser(self, user_id, asyncio.get_running_loop())
+
+    async def _hold(self, user_id: str) -> None:
+        await self._user(user_id)
 
     async def check_health(self) -> None:
         """Serve's replica health check (every health_check_period_s): a replica whose vLLM engine died (its

@@ -1,0 +1,330 @@
+"""The engine replica's logic (services/engine_replica.py ReplicaCore) without vLLM and without Ray: tier order
+per request (worker store -> cluster tier -> miss), its counters, a miss computed by vLLM with one re-encode
+queued, updates and deletes reaching every tier, tombstones a replica that was down applies at start.
+
+Real parts: the encoder (EncoderCore over a FactEncoder on a tiny random Llama with SmolLM2's tokenizer: real
+pre-RoPE KV, milliseconds per fact), the registry (EmbeddedRegistry, the one `inferscale serve` uses without
+Redis) and the cluster tier (a Mooncake Store on loopback). The engine is `DictEngine`: AsyncInjectingEngine's
+interface over a dict, standing in for vLLM and its worker store (the injection itself is tested against real
+vLLM in test_connector*.py and through the service in test_kv_tier_service.py). Seconds, not minutes.
+"""
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from inferscale_core.connector_types import injectable_tokens
+from inferscale_core.types import Mode, kv_id
+from mooncake_fixture import mooncake  # noqa: F401
+from test_kv_tier import raw_client
+
+USER = "alice"
+FACTS = {"f1": "Alice has a cat named Tom.", "f2": "Alice moved to Lisbon in 2021.", "f3": "Alice speaks Finnish."}
+
+
+class DictEngine:
+    """The serving engine's interface (AsyncInjectingEngine: the worker store's put/has/delete, request
+    preparation, streaming) over a dict instead of vLLM. Requests are prepared by the real _EngineCore; a streamed
+    answer reports the memory as injected when every chunk it names is in the store at that moment, else
+    prefilled (vLLM's failed-load recompute)."""
+
+    def __init__(self, template, prefix, capacity_tokens: int = 8192):
+        from inferscale_core.engine import _EngineCore
+
+        self.core = _EngineCore(template, prefix)
+        self.store = {("__inferscale_shared__", self.core.prefix_id): prefix}
+        self.capacity_tokens = capacity_tokens
+        self.puts = 0  # calls that put KV
+
+    def kv_cache_tokens(self) -> int:
+        return self.capacity_tokens
+
+    async def put_encoded(self, user_id, items) -> int:
+        self.core.encoded_payloads(items)  # the real checks of ids and types
+        self.puts += 1
+        for kv, fact in items:
+            self.store[(user_id, kv)] = fact
+        return sum(fact.nbytes for _, fact in items)
+
+    async def delete_encoded(self, user_id, kv_ids=None) -> int:
+        keys = [k for k in self.store if k[0] == user_id and (kv_ids is None or k[1] in kv_ids)]
+        for k in keys:
+            del self.store[k]
+        return len(keys)
+
+    async def has_encoded(self, user_id, kv_ids) -> list[bool]:
+        return [(user_id, kv) in self.store for kv in kv_ids]
+
+    def kvs(self, user_id) -> set[str]:
+        return {kv for u, kv in self.store if u == user_id}
+
+    def prepare_facts(self, q, fact_ids, texts, versions, kv_ids=None):
+        return self.core.prepare_facts(q, fact_ids, texts, versions, kv_ids)
+
+    async def stream(self, p, sampling_params=None):
+        from inferscale_core.engine import Answer
+
+        injected = p.params is not None and all(
+            (owner, kv) in self.store
+            for owner, kv in [("__inferscale_shared__", p.params.kv_ids[0])]
+            + [(p.query.user_id, kv) for kv in p.params.kv_ids[1:]])
+        cached = injectable_tokens(len(p.prompt_ids), p.memory_len) if injected else 0
+        yield "ok", None
+        yield "", Answer(text="ok", token_ids=[1], fact_ids=p.fact_ids, mode=p.query.mode, k=p.query.k, w=p.query.w,
+                         prompt_len=len(p.prompt_ids), memory_len=p.memory_len, num_cached_tokens=cached,
+                         retrieve_s=p.retrieve_s, ttft_s=0.001, finish_reason="stop")
+
+    async def metrics(self) -> dict:
+        return {"worker": {"num_facts": len(self.store)}}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def handle(obj):
+    """A Serve handle's calling convention (`handle.method.remote(...)`, awaited) over a local object."""
+    return types.SimpleNamespace(**{name: types.SimpleNamespace(remote=getattr(obj, name))
+                                    for name in ("encode_for", "prefix", "fingerprint")})
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory, mooncake):  # noqa: F811
+    """The encoder and the cluster tier, shared by the module's tests (each test uses its own users)."""
+    from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+    from inferscale_core.models import default_model_path
+    from inferscale_server.encoder_pool import EncoderCore, FactEncoder
+    from tiny_models import save_tiny_model
+
+    folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny"), tokenizer_from=default_model_path())
+    fe = FactEncoder(model_path=str(folder), device="cpu")
+    cluster = ClusterStore(ClusterConfig.from_dict(mooncake.config), fe.fingerprint)
+    assert cluster.wait_available(60)
+    raw = raw_client(mooncake.config)
+    yield types.SimpleNamespace(fe=fe, cluster=cluster, encoder=EncoderCore(fe, cluster), raw=raw)
+    raw.close()
+    cluster.close()
+
+
+def make_core(parts, registry, cluster=True, disk_dir=None, engine=None, **config):
+    """A replica over `registry`, with the module's cluster tier (or none: then an encoder pool without one)."""
+    from inferscale_server.encoder_pool import EncoderCore
+    from inferscale_server.engine_replica import EngineReplicaConfig, ReplicaCore
+
+    engine = engine or DictEngine(parts.fe.template, parts.fe.prefix())
+    encoder = parts.encoder if cluster else EncoderCore(parts.fe)
+    return ReplicaCore(EngineReplicaConfig(**config), engine, handle(encoder), registry,
+                       parts.cluster if cluster else None, disk_dir)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def add(parts, registry, core, user: str, facts: dict[str, str]) -> list:
+    """What the gateway does for AddFacts: registry rows, the pool's encode (written to the cluster tier), the
+    engine replica's put."""
+    from inferscale_server.registry.base import NewFact
+
+    recs = registry.create(user, [NewFact(text=t, fact_id=f) for f, t in facts.items()])
+    encoded = await parts.encoder.encode_for(user, [(r.fact_id, r.version, r.text, list(r.window)) for r in recs])
+    await core.put_facts(user, [(r.fact_id, r.version, r.text) for r in recs], encoded)
+    return recs
+
+
+async def gone(parts, user: str, kv: str, timeout_s: float = 20.0) -> bool:
+    """Whether the cluster object's bytes go (looked for with a plain Mooncake client). Mooncake skips an object
+    whose read lease still runs (the answer that just read it) and ClusterStore removes it again after the lease;
+    a look takes a lease too (seen here), so the first one waits for ClusterStore's retry."""
+    key = parts.cluster.key(user, kv)
+    lease_s = parts.cluster.config.lease_s
+    for _ in range(int(timeout_s / (3 * lease_s))):
+        await asyncio.sleep(3 * lease_s)
+        if parts.raw.is_exist(key) == 0:
+            return True
+    return False
+
+
+async def answer(core, user: str, fact_ids: list[str], mode=Mode.KV) -> dict:
+    pieces = [p async for p in core.answer(user, "Where does Alice live?", fact_ids, 4, 0.0, mode)]
+    assert pieces[0] == {"text": "ok"}
+    return pieces[-1]
+
+
+def test_config_is_checked_once_when_made():
+    from inferscale_server.app import ServiceConfig
+    from inferscale_server.engine_replica import EngineReplicaConfig
+
+    cfg = ServiceConfig(dtype="bfloat16", cluster_store={"master": "m:1", "metadata": "http://m:2/metadata"})
+    made = cfg.engine_replica_config("redis://r:6379/0")
+    assert (made.dtype, made.registry_url, made.cluster.master) == ("bfloat16", "redis://r:6379/0", "m:1")
+    for bad, names in [({"dtype": "fp16"}, "dtype"), ({"block_size": 0}, "block_size"),
+                       ({"max_model_len": "4096"}, "max_model_len"), ({"admission_queue_factor": 0.5}, "queue_factor"),
+                       ({"cluster_store": {"masterr": "m:1"}}, "masterr"), ({"kv_budget_bytes": -1}, "kv_budget"),
+                       ({"store_options": None}, "store_options")]:
+        with pytest.raises(ValueError, match=names):
+            EngineReplicaConfig(**bad)
+
+
+def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+
+    async def go():
+        writer = make_core(parts, registry)
+        await writer.start()
+        recs = await add(parts, registry, writer, USER, FACTS)
+        assert all(r.version == 1 for r in recs)
+        # With a cluster tier the write moved no KV into the writer's engine: the pool wrote the objects.
+        assert writer.engine.kvs(USER) == set() and writer.engine.puts == 0
+
+        # A replica that never saw the user: the k facts a request names come from the cluster tier, once.
+        core = make_core(parts, registry)
+        await core.start()
+        final = await answer(core, USER, ["f2", "f1"])
+        assert final["fact_ids"] == ["f2", "f1"]
+        assert core.counters["facts_from_cluster"] == 2 and core.counters["facts_encoded"] == 0
+        assert core.engine.kvs(USER) == {kv_id("f1", 1), kv_id("f2", 1)}  # the request's k, not the whole user
+        assert final["prefilled_tokens"] < final["prompt_tokens"]  # injected
+        assert set(final["timings_ms"]) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft"}
+
+        # Again: the worker store has them, nothing is read; a third fact comes from the cluster tier.
+        await answer(core, USER, ["f2", "f1", "f3"])
+        assert core.counters["facts_from_cluster"] == 3 and core.counters["facts_encoded"] == 0
+        assert core.resident.count() == 3 and core.resident.bytes == sum(
+            parts.cluster.get_many(USER, [kv_id(f, 1)])[0].nbytes for f in FACTS)
+
+        # Prompt mode serves the same facts as text: no KV is fetched for it.
+        fresh = make_core(parts, registry)
+        await fresh.start()
+        final = await answer(fresh, USER, ["f1"], Mode.PI)
+        assert final["prefilled_tokens"] == final["prompt_tokens"] and fresh.engine.kvs(USER) == set()
+        # The registry knows where the user is held.
+        assert {writer.replica_id, core.replica_id, fresh.replica_id} <= registry.placement(USER)
+
+    run(go())
+
+
+def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "bob"
+
+    async def go():
+        core = make_core(parts, registry)
+        await core.start()
+        await add(parts, registry, core, user, {"b1": "Bob keeps bees.", "b2": "Bob sails on weekends."})
+        parts.cluster.remove_user(user)  # evicted from the cluster tier (or never written)
+        assert parts.cluster.get_many(user, [kv_id("b1", 1)]) == [None]
+
+        # Two requests at once miss both facts: vLLM computes them (nothing injected), ONE re-encode per fact.
+        first, second = await asyncio.gather(answer(core, user, ["b1", "b2"]), answer(core, user, ["b2", "b1"]))
+        # Answered all the same (whether vLLM computed a fact or the re-encode landed before its load is a race,
+        # as in vLLM); the first request found neither fact anywhere.
+        assert first["fact_ids"] == ["b1", "b2"] and second["fact_ids"] == ["b2", "b1"]
+        assert core.counters["facts_recomputed"] >= 2 and core.counters["facts_from_cluster"] == 0
+        for _ in range(200):  # the background re-encode (milliseconds with the tiny model)
+            if core.counters["facts_encoded"] >= 2 and not core._reencoding:
+                break
+            await asyncio.sleep(0.02)
+        assert core.counters["facts_encoded"] == 2  # not 4: a fact already queued is not queued again
+        assert core.engine.kvs(user) == {kv_id("b1", 1), kv_id("b2", 1)}
+        assert all(e is not None for e in parts.cluster.get_many(user, [kv_id("b1", 1), kv_id("b2", 1)]))
+        third = await answer(core, user, ["b1", "b2"])
+        assert third["prefilled_tokens"] < third["prompt_tokens"]  # injected now
+
+    run(go())
+
+
+def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+
+    async def go():
+        writer = make_core(parts, registry, cluster=False)
+        await writer.start()
+        from inferscale_server.registry.base import NewFact
+
+        recs = registry.create("carol", [NewFact(text="Carol speaks Estonian.", fact_id="c1")])
+        # Without a cluster tier the pool answers the EncodedFact itself and the replica puts it now.
+        plain = await asyncio.to_thread(parts.fe.encode, [(recs[0].text, [])])
+        await writer.put_facts("carol", [("c1", 1, recs[0].text)], plain)
+        assert writer.engine.kvs("carol") == {kv_id("c1", 1)}
+        other = make_core(parts, registry, cluster=False)  # never saw carol: encodes during the request
+        await other.start()
+        final = await answer(other, "carol", ["c1"])
+        assert other.counters["facts_encoded"] == 1 and other.counters["facts_recomputed"] == 0
+        assert final["prefilled_tokens"] < final["prompt_tokens"]
+
+    run(go())
+
+
+def test_update_and_delete_reach_every_tier(parts):
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "dave"
+
+    async def go():
+        core = make_core(parts, registry)
+        await core.start()
+        await add(parts, registry, core, user, {"d1": "Dave runs marathons.", "d2": "Dave has two dogs."})
+        await answer(core, user, ["d1", "d2"])
+        assert core.engine.kvs(user) == {kv_id("d1", 1), kv_id("d2", 1)}
+
+        # An update: the gateway writes version 2 (the pool removes version 1 from the cluster tier); the next
+        # request's sync drops version 1 from the worker store and serves version 2.
+        rec = registry.update(user, "d1", text="Dave runs ultramarathons.")
+        encoded = await parts.encoder.encode_for(user, [("d1", rec.version, rec.text, [])])
+        await core.put_facts(user, [("d1", rec.version, rec.text)], encoded)
+        await answer(core, user, ["d1"])
+        assert core.engine.kvs(user) == {kv_id("d1", 2), kv_id("d2", 1)}
+        assert await gone(parts, user, kv_id("d1", 1))
+
+        # A delete: forget removes every version from the worker store and the cluster tier.
+        registry.delete(user, "d2")
+        await core.forget(user, [("d2", 1)])
+        assert core.engine.kvs(user) == {kv_id("d1", 2)}
+        assert await gone(parts, user, kv_id("d2", 1))
+        final = await answer(core, user, ["d1", "d2"])  # retrieval may still name it: left out
+        assert final["fact_ids"] == ["d1"]
+
+    run(go())
+
+
+def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path):
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "erin"
+
+    async def go():
+        core = make_core(parts, registry, disk_dir=str(tmp_path))
+        await core.start()
+        await add(parts, registry, core, user, {"e1": "Erin grows tomatoes.", "e2": "Erin plays the cello."})
+        await answer(core, user, ["e1", "e2"])
+        engine = core.engine  # the worker store with its disk tier outlives the replica (the slot's folder)
+        assert engine.kvs(user) == {kv_id("e1", 1), kv_id("e2", 1)}
+
+        # The replica is down; meanwhile e1 is deleted and the user's other facts are updated.
+        registry.delete(user, "e1")
+        registry.update(user, "e2", text="Erin plays the viola.")
+        restarted = make_core(parts, registry, disk_dir=str(tmp_path), engine=engine)
+        await restarted.start()  # applies the tombstones after the cursor its predecessor saved
+        assert restarted.counters["tombstones_applied"] == 2
+        assert engine.kvs(user) == set()  # e1 deleted, e2's version 1 replaced
+        assert await gone(parts, user, kv_id("e1", 1))
+
+        # DeleteUser while down: every object and stored fact of the user is gone after the next start.
+        await add(parts, registry, restarted, "frank", {"g1": "Frank lives in Oslo."})
+        await answer(restarted, "frank", ["g1"])
+        registry.delete_user("frank")
+        again = make_core(parts, registry, disk_dir=str(tmp_path), engine=engine)
+        await again.start()
+        assert engine.kvs("frank") == set() and await gone(parts, "frank", kv_id("g1", 1))
+
+    run(go())
