@@ -160,6 +160,18 @@ class ServiceConfig:
                 **({"auth": dict(self.auth)} if self.auth else {}),
                 **({"http": dict(self.http)} if self.http else {})}
 
+    def encoder_pool_config(self):
+        """The EncoderPool's config (services/encoder_pool.py: checked when made)."""
+        from .encoder_pool import EncoderPoolConfig
+
+        return EncoderPoolConfig(model_path=self.model_path, dtype=self.dtype, cluster_store=dict(self.cluster_store))
+
+    def retrieval_config(self, registry_url: str):
+        """The Retrieval deployment's config (services/retrieval.py: checked when made)."""
+        from .retrieval import RetrievalConfig
+
+        return RetrievalConfig(registry_url=registry_url, embedder_path=self.embedder_path)
+
     def engine_replica_config(self, registry_url: str):
         """The EngineReplica's config (services/engine_replica.py: checked when made)."""
         from .engine_replica import EngineReplicaConfig
@@ -277,10 +289,10 @@ def build_app(cfg: ServiceConfig):
         request_router_class=ROUTER_PATH, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         request_router_kwargs={"move_at": move_threshold(engine_spec.target_ongoing_requests,
                                                          engine_spec.max_ongoing_requests)}), **opts["EngineReplica"]}
-    encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(
-        model_path=cfg.model_path, dtype=cfg.dtype, cluster_store=cfg.cluster_store or None)
+    # One checked config per deployment: a mistake raises here, before Serve starts anything.
+    encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(cfg.encoder_pool_config())
     retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
-        registry_url=registry_url, embedder_path=cfg.embedder_path)
+        cfg.retrieval_config(registry_url))
     engine = serve.deployment(EngineReplica, name="EngineReplica", **opts["EngineReplica"]).bind(
         encoder, cfg.engine_replica_config(registry_url))
     gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from ray import serve
@@ -36,6 +36,21 @@ def dtype_of(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+def positive_int(name: str, value) -> int:
+    """A config value that must be an int >= 1 (ValueError naming it otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_device(device) -> str:
+    """A config's device: "auto", "cpu", "cuda" or "cuda:N"."""
+    if not isinstance(device, str) or not (device in ("auto", "cpu", "cuda") or
+                                           (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
 
 
 def resolve_device(device: str) -> str:
@@ -58,6 +73,34 @@ class EncodeFailure:
     later may work, so the fact must not be marked unservable for good."""
     reason: str
     transient: bool = False
+
+
+@dataclass(frozen=True)
+class EncoderPoolConfig:
+    """What an encoder pool replica is built from, checked once when made (services/app.py
+    ServiceConfig.encoder_pool_config): FactEncoder's settings and the cluster tier it writes to."""
+
+    model_path: str | None = None  # None: the packaged SmolLM2-135M-Instruct
+    device: str = "auto"  # "auto": the GPU Ray gave the replica, else the CPU
+    dtype: str = "float32"  # the model's dtype for the forward
+    store_dtype: str | None = None  # the KV's stored dtype; None: dtype
+    prefix_window: bool = True  # facts encoded behind the instruction prefix
+    max_fact_tokens: int = 256
+    cluster_store: dict = field(default_factory=dict)  # ClusterConfig fields; empty: no cluster tier
+
+    def __post_init__(self):
+        from inferscale_core.cluster_store import ClusterConfig
+
+        check_device(self.device)
+        dtype_of(self.dtype)
+        if self.store_dtype is not None:
+            dtype_of(self.store_dtype)
+        if not isinstance(self.prefix_window, bool):
+            raise ValueError(f"prefix_window must be a bool, got {self.prefix_window!r}")
+        positive_int("max_fact_tokens", self.max_fact_tokens)
+        if not isinstance(self.cluster_store, dict):
+            raise ValueError(f"cluster_store must be a dict, got {type(self.cluster_store).__name__}")
+        ClusterConfig.from_dict(self.cluster_store or None)  # its own fields checked
 
 
 TRANSIENT_RETRIES = 2  # a fact whose encode raised is tried this often more, alone, before it is reported
@@ -207,12 +250,13 @@ class EncoderCore:
 class EncoderPool(EncoderCore):
     """The Serve deployment (options in services/app.py)."""
 
-    def __init__(self, cluster_store: dict | None = None, **encoder_kw):
+    def __init__(self, config: EncoderPoolConfig):
         from inferscale_core.cluster_store import ClusterConfig, ClusterStore
 
-        fe = FactEncoder(**encoder_kw)
-        config = ClusterConfig.from_dict(cluster_store)
-        super().__init__(fe, ClusterStore(config, fe.fingerprint) if config else None)
+        fe = FactEncoder(config.model_path, config.device, config.dtype, config.store_dtype, config.prefix_window,
+                         config.max_fact_tokens)
+        cluster = ClusterConfig.from_dict(config.cluster_store or None)
+        super().__init__(fe, ClusterStore(cluster, fe.fingerprint) if cluster else None)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:

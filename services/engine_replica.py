@@ -257,12 +257,6 @@ class _HeldUser:
             pass
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class EngineReplicaConfig:
     """Everything one engine replica is built from, checked once, here (as Ray Serve LLM's LLMConfig is for its
@@ -282,11 +276,11 @@ class EngineReplicaConfig:
     kv_budget_bytes: int | None = None  # ResidentKV's budget; None: default_kv_budget_bytes()
 
     def __post_init__(self):
-        from .encoder_pool import dtype_of
+        from .encoder_pool import dtype_of, positive_int
 
         dtype_of(self.dtype)  # names the dtypes there are
-        _positive_int("block_size", self.block_size)
-        _positive_int("max_model_len", self.max_model_len)
+        positive_int("block_size", self.block_size)
+        positive_int("max_model_len", self.max_model_len)
         for name in ("store_options", "engine_overrides", "cluster_store"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")

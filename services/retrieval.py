@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -158,10 +159,25 @@ class _LoadedUser:
         self.core.unload(self.user_id)
 
 
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """What a retrieval replica is built from, checked once when made (services/app.py
+    ServiceConfig.retrieval_config)."""
+
+    registry_url: str | None = None  # None: an in-process registry (one replica, tests)
+    device: str = "auto"  # where the indices and the embedder live; "auto": the GPU Ray gave the replica, else CPU
+    embedder_path: str | None = None  # None: the packaged all-MiniLM-L6-v2
+
+    def __post_init__(self):
+        from .encoder_pool import check_device
+
+        check_device(self.device)
+
+
 class Retrieval:
     """The Serve deployment (options in services/app.py)."""
 
-    def __init__(self, registry_url: str | None = None, device: str = "auto", embedder_path: str | None = None):
+    def __init__(self, config: RetrievalConfig):
         from inferscale_core.embedder import Embedder
 
         from .encoder_pool import resolve_device
@@ -171,10 +187,11 @@ class Retrieval:
         hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
         self.metrics = DeploymentMetrics()
 
-        device = resolve_device(device)
+        device = resolve_device(config.device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"retrieval replica asked for device {device!r} but no GPU is visible")
-        self.core = RetrievalCore(open_registry(registry_url), Embedder(embedder_path, device=device), device)
+        self.core = RetrievalCore(open_registry(config.registry_url), Embedder(config.embedder_path, device=device),
+                                  device)
 
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _LoadedUser:

@@ -167,6 +167,29 @@ def test_config_is_checked_once_when_made():
             EngineReplicaConfig(**bad)
 
 
+def test_every_deployment_config_is_checked_before_serve_starts():
+    """build_app makes each deployment's config: a mistake raises there, with Ray not even started."""
+    import ray
+
+    from inferscale_server.app import ServiceConfig, build_app
+    from inferscale_server.encoder_pool import EncoderPoolConfig
+    from inferscale_server.retrieval import RetrievalConfig
+
+    for bad, names in [({"dtype": "fp16"}, "dtype"), ({"max_model_len": 0}, "max_model_len"),
+                       ({"cluster_store": {"x": 1}}, "cluster_store keys")]:
+        with pytest.raises(ValueError, match=names):
+            build_app(ServiceConfig(**bad))
+    for make, names in [(lambda: EncoderPoolConfig(device="gpu"), "device"),
+                        (lambda: EncoderPoolConfig(store_dtype="int8"), "dtype"),
+                        (lambda: EncoderPoolConfig(max_fact_tokens=0), "max_fact_tokens"),
+                        (lambda: RetrievalConfig(device="tpu"), "device")]:
+        with pytest.raises(ValueError, match=names):
+            make()
+    cfg = ServiceConfig(dtype="bfloat16", embedder_path="/m")
+    assert cfg.encoder_pool_config().dtype == "bfloat16" and cfg.retrieval_config("redis://r").embedder_path == "/m"
+    assert not ray.is_initialized()
+
+
 def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
     from inferscale_server.registry import open_registry
 
