@@ -250,9 +250,10 @@ class EncoderCore:
 class EncoderPool(EncoderCore):
     """The Serve deployment (options in services/app.py)."""
 
-    def __init__(self, config: EncoderPoolConfig):
+    def __init__(self, config: EncoderPoolConfig | None = None):
         from inferscale_core.cluster_store import ClusterConfig, ClusterStore
 
+        config = config or EncoderPoolConfig()
         fe = FactEncoder(config.model_path, config.device, config.dtype, config.store_dtype, config.prefix_window,
                          config.max_fact_tokens)
         cluster = ClusterConfig.from_dict(config.cluster_store or None)

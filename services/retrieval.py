@@ -177,9 +177,10 @@ class RetrievalConfig:
 class Retrieval:
     """The Serve deployment (options in services/app.py)."""
 
-    def __init__(self, config: RetrievalConfig):
+    def __init__(self, config: RetrievalConfig | None = None):
         from inferscale_core.embedder import Embedder
 
+        config = config or RetrievalConfig()
         from .encoder_pool import resolve_device
         from .metrics import DeploymentMetrics, hide_multiplexed_ids
         from .registry import open_registry
