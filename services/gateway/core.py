@@ -24,6 +24,7 @@ import grpc
 
 from inferscale_core.defaults import NEIGHBOUR_WINDOW, default_windows, rewindow
 from inferscale_core.errors import UnknownFactError
+from inferscale_core.types import Mode
 
 from .. import api, filters
 from ..api import ApiError, Limits, pb2
@@ -48,7 +49,7 @@ class Backends(Protocol):
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]: ...
 
     def answer(self, user_id: str, query: str, k: int, max_tokens: int, temperature: float,
-               mode: str, conversation: list[dict] | None = None, openai: dict | None = None) -> AsyncIterator[dict]:
+               mode: Mode, conversation: list[dict] | None = None, openai: dict | None = None) -> AsyncIterator[dict]:
         """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", "timings_ms", ...}.
         `conversation`: system messages and earlier turns, put after the memory in the chat template.
         `openai`: an OpenAI chat request's parts (EngineReplica.answer in services/engine_replica.py)."""
