@@ -70,7 +70,8 @@ def main(argv=None) -> dict:
     import torch
     from vllm import SamplingParams
 
-    from inferscale_core.engine import InjectingEngine, Query
+    from inferscale_core.engine import InjectingEngine
+    from inferscale_core.requests import Query
     from bench.eval.locomo import load_locomo
     from inferscale_core.memory import Memory
 

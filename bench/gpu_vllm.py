@@ -88,7 +88,7 @@ def model_folder(tiny: bool, folder: Path) -> Path:
 def start_engine(folder: Path, a: argparse.Namespace, max_model_len: int):
     from vllm import LLM
 
-    from inferscale_core.engine import engine_kwargs, on_accelerator
+    from inferscale_core.vllm_setup import engine_kwargs, on_accelerator
 
     overrides = dict(load_format="dummy", skip_tokenizer_init=True, seed=a.seed, kv_cache_dtype=a.kv_cache_dtype)
     if on_accelerator():

@@ -122,7 +122,9 @@ class EngineBackend:
         try:
             import torch
 
-            from inferscale_core.engine import InjectingEngine, Query, default_sampling
+            from inferscale_core.engine import InjectingEngine
+            from inferscale_core.requests import Query
+            from inferscale_core.vllm_setup import default_sampling
             from inferscale_core.memory import Memory
         except ImportError as e:
             raise BackendUnavailableError(

@@ -84,7 +84,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)  # a bad --data is named before torch and vLLM are imported (seconds)
     import torch
 
-    from inferscale_core.engine import InjectingEngine, default_sampling
+    from inferscale_core.engine import InjectingEngine
+    from inferscale_core.vllm_setup import default_sampling
     from bench.eval.locomo import load_locomo
     from inferscale_core.memory import Memory
 

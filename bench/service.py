@@ -449,7 +449,8 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     from vllm import SamplingParams
 
     from inferscale_core.defaults import serving_store_options
-    from inferscale_core.engine import AsyncInjectingEngine, Query
+    from inferscale_core.requests import Query
+    from inferscale_core.serving_engine import AsyncInjectingEngine
     from inferscale_core.types import kv_id
     from inferscale_server.api import WIRE_MODES
     from inferscale_server.app import ServiceConfig

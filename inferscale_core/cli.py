@@ -79,7 +79,8 @@ def _demo(args, out) -> int:
     import torch
 
     from .defaults import NEIGHBOUR_WINDOW, default_windows, serving_store_options
-    from .engine import InjectingEngine, default_sampling
+    from .engine import InjectingEngine
+    from .vllm_setup import default_sampling
     from .types import Mode
 
     dtype = getattr(torch, args.dtype)

@@ -215,7 +215,7 @@ def _engine_death_is_unavailable():
 async def start_engine(config: "EngineReplicaConfig", prefix, store_options: dict):
     """The serving engine: vLLM with the injection connector (AsyncInjectingEngine) over the encoder pool's prefix
     chunk, started."""
-    from inferscale_core.engine import AsyncInjectingEngine
+    from inferscale_core.serving_engine import AsyncInjectingEngine
 
     from .encoder_pool import dtype_of
     from .metrics import vllm_stat_loggers
@@ -666,7 +666,7 @@ class ReplicaCore:
         "tools"; pieces then carry the choice "index" and OpenAI "logprobs", and the final one "choices"."""
         from vllm import SamplingParams
 
-        from inferscale_core.engine import Query
+        from inferscale_core.requests import Query
 
         t_in = time.perf_counter()
         with self.metrics.request("answer"), _engine_death_is_unavailable():

@@ -135,7 +135,7 @@ def build_tiny_model(family: str, folder: Path, **overrides) -> Path:
 def start_engine(folder: Path, **overrides):
     from vllm import LLM
 
-    from inferscale_core.engine import kv_transfer_config
+    from inferscale_core.vllm_setup import kv_transfer_config
 
     # inject_group_tokens=128: the mixed batch (96 + 145 injected tokens) is written in two groups.
     kw = dict(model=str(folder), dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=1024,
@@ -210,7 +210,7 @@ class Harness:
         return outs
 
     def metrics(self) -> dict[str, float]:
-        from inferscale_core.engine import vllm_metrics
+        from inferscale_core.vllm_setup import vllm_metrics
 
         return vllm_metrics()
 
@@ -249,9 +249,9 @@ def open_harness(folder: Path, **engine_overrides) -> Harness:
 
 
 def close_harness(h: Harness) -> None:
-    from inferscale_core.engine import _shutdown_llm
+    from inferscale_core.vllm_setup import shutdown_llm
 
-    _shutdown_llm(h.llm)
+    shutdown_llm(h.llm)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -540,7 +540,7 @@ def _mp_check(folder: Path, disk_dir: Path) -> dict:
     from vllm import SamplingParams
     from transformers import AutoModelForCausalLM
 
-    from inferscale_core.engine import kv_transfer_config, vllm_metrics
+    from inferscale_core.vllm_setup import kv_transfer_config, vllm_metrics
 
     llm = start_engine(folder, num_gpu_blocks_override=24, max_model_len=512, enable_prefix_caching=False,
                        kv_transfer_config=kv_transfer_config({"disk_dir": str(disk_dir),

@@ -86,7 +86,7 @@ def test_engine_prepare_gives_the_fact_boundaries(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from inferscale_core.engine import Query, _EngineCore
+    from inferscale_core.requests import Query, RequestCore
     from inferscale_core.models import default_model_path
     from inferscale_core.template import PromptTemplate
     from inferscale_core.types import EncodedFact
@@ -94,7 +94,7 @@ def test_engine_prepare_gives_the_fact_boundaries(tmp_path):
     template = PromptTemplate(AutoTokenizer.from_pretrained(default_model_path()))
     n = len(template.prefix_ids)
     prefix = EncodedFact(torch.tensor(template.prefix_ids), torch.zeros(1, n, 1, 1), torch.zeros(1, n, 1, 1))
-    core = _EngineCore(template, prefix)
+    core = RequestCore(template, prefix)
     texts = ["Alice has a cat named Tom.", "Alice moved to Lisbon in 2021 to work on boats."]
     p = core.prepare_facts(Query("alice", "Where does Alice live?"), ["f1", "f2"], texts, [1, 1])
     chunks = [template.prefix_ids] + [template.fact_ids(t) for t in texts]
@@ -115,7 +115,7 @@ def model_folder(tmp_path_factory):
 def harness(request, model_folder):
     """An engine whose connector has the options CONFIGS[request.param] (tests pick theirs with indirect
     parametrization; pytest runs each engine's tests together and closes it before starting the next)."""
-    from inferscale_core.engine import kv_transfer_config
+    from inferscale_core.vllm_setup import kv_transfer_config
 
     h = open_harness(model_folder, kv_transfer_config=kv_transfer_config(CONFIGS[request.param]))
     yield h

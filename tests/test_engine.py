@@ -107,7 +107,7 @@ def test_pi_mode_is_the_same_token_ids_as_text(engine):
 
 
 def test_mixed_batch_of_users_and_modes(engine):
-    from inferscale_core.engine import Query
+    from inferscale_core.requests import Query
 
     queries = [Query("alice", "What is Alice training for?", 2), Query("bob", "What is Bob allergic to?", 2),
                Query("bob", "What is Bob allergic to?", 2, mode="pi"), Query("alice", "What does Alice do?", 5, w=2)]
@@ -179,11 +179,11 @@ def test_clear_errors(engine):
 def test_async_engine_serves_the_same_answers(engine, smollm2_path):
     """AsyncLLM (engine core in its own process) over the same Memory: facts Memory already holds are pushed
     at start, injection works across processes, and time to first token is measured."""
-    from inferscale_core.engine import AsyncInjectingEngine
+    from inferscale_core.engine import AsyncMemoryEngine
 
     async def run():
-        aeng = await AsyncInjectingEngine(engine.memory, smollm2_path,
-                                          dtype=torch.float32, max_model_len=2048).start()
+        aeng = await AsyncMemoryEngine(engine.memory, smollm2_path,
+                                       dtype=torch.float32, max_model_len=2048).start()
         try:
             await aeng.add("dave", ["Dave collects vintage typewriters.", "Dave's dog is called Biscuit."],
                            fact_ids=["d0", "d1"])

@@ -166,12 +166,12 @@ def test_every_request_is_salted_per_user(template):
     cached block only for the same user, and `prefilled_tokens` tells nobody about another user's prompts."""
     import torch
 
-    from inferscale_core.engine import Query, _EngineCore
+    from inferscale_core.requests import Query, RequestCore
     from inferscale_core.types import EncodedFact
 
     ids = torch.tensor(template.prefix_ids, dtype=torch.long)
     empty = torch.zeros(1, len(ids), 1, 1)
-    core = _EngineCore(template, EncodedFact(ids, empty, empty))  # prepare_facts reads only the prefix's ids
+    core = RequestCore(template, EncodedFact(ids, empty, empty))  # prepare_facts reads only the prefix's ids
 
     def salt(user, mode, facts=()):
         q = Query(user, "What is my cat called?", k=max(1, len(facts)), mode=mode)

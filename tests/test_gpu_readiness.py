@@ -21,7 +21,7 @@ from test_store import assert_same as assert_same_fact  # noqa: E402
 from test_store import make_fact, store  # noqa: E402
 
 from inferscale_core.connector_worker import AUTO_DEVICE_FRACTION, device_budget, memory_outside_vllm  # noqa: E402
-from inferscale_core.engine import default_dtype, engine_kwargs, on_accelerator  # noqa: E402
+from inferscale_core.vllm_setup import default_dtype, engine_kwargs, on_accelerator  # noqa: E402
 from inferscale_core.store import is_out_of_memory  # noqa: E402
 
 GiB = 1 << 30

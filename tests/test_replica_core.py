@@ -26,14 +26,14 @@ FACTS = {"f1": "Alice has a cat named Tom.", "f2": "Alice moved to Lisbon in 202
 
 class DictEngine:
     """The serving engine's interface (AsyncInjectingEngine: the worker store's put/has/delete, request
-    preparation, streaming) over a dict instead of vLLM. Requests are prepared by the real _EngineCore; a streamed
+    preparation, streaming) over a dict instead of vLLM. Requests are prepared by the real RequestCore; a streamed
     answer reports the memory as injected when every chunk it names is in the store at that moment, else
     prefilled (vLLM's failed-load recompute)."""
 
     def __init__(self, template, prefix, capacity_tokens: int = 8192):
-        from inferscale_core.engine import _EngineCore
+        from inferscale_core.requests import RequestCore
 
-        self.core = _EngineCore(template, prefix)
+        self.core = RequestCore(template, prefix)
         self.store = {("__inferscale_shared__", self.core.prefix_id): prefix}
         self.capacity_tokens = capacity_tokens
         self.puts = 0  # calls that put KV
@@ -64,7 +64,7 @@ class DictEngine:
         return self.core.prepare_facts(q, fact_ids, texts, versions, kv_ids)
 
     async def stream(self, p, sampling_params=None):
-        from inferscale_core.engine import Answer
+        from inferscale_core.requests import Answer
 
         injected = p.params is not None and all(
             (owner, kv) in self.store

@@ -88,7 +88,7 @@ def reset_prefix_cache(engine) -> None:
 
 def prepare_fixed(engine, user_id: str, fact_ids: Sequence[str], question: str, mode: str, w: int = 0):
     """A request over exactly `fact_ids` in this order (the last next to the query), bypassing retrieval."""
-    from inferscale_core.engine import Query
+    from inferscale_core.requests import Query
 
     recs = [engine.memory.get(user_id, f) for f in fact_ids]
     return engine.core.prepare_facts(Query(user_id, question, len(fact_ids), w, mode), fact_ids,

@@ -1,0 +1,160 @@
+"""The serving engine (`AsyncInjectingEngine`): vLLM's AsyncLLM with InferScaleConnector and no Memory, what the Ray
+Serve engine replica runs (services/engine_replica.py). Facts encoded elsewhere go into the worker store under their
+kv_ids (`put_encoded` / `delete_encoded` / `has_encoded`), requests are prepared for the facts the caller retrieved
+(`prepare_facts`) and streamed (`stream`); `chat` is plain chat generation (no memory), e.g. Mem0's extraction step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from .connector import check_vllm_version
+from .errors import check_id
+from .requests import Answer, Prepared, Query, RequestCore
+from .template import DEFAULT_INSTRUCTION, PromptTemplate
+from .types import SHARED_USER_ID, EncodedFact
+from .vllm_setup import default_dtype, default_sampling, engine_kwargs, model_folder, vllm_metrics
+
+RPC_DEATH_CHECK_S = 1.0  # how often a call into the worker checks that the engine is still alive
+
+
+class AsyncInjectingEngine:
+    """The serving engine: vLLM's AsyncLLM with the injection connector and no Memory. `prefix` is the EncodedFact
+    of the template's instruction prefix, encoded by whoever encodes the facts; the engine loads only the tokenizer
+    besides vLLM, facts arrive encoded through `put_encoded` under their kv_ids, requests are prepared for the
+    facts the caller retrieved (`prepare_facts`) and streamed (`stream`). inferscale_core/engine.py's
+    AsyncMemoryEngine adds an in-process Memory (tests, benchmarks)."""
+
+    def __init__(self, model_path=None, *, prefix: EncodedFact, instruction: str = DEFAULT_INSTRUCTION,
+                 dtype: torch.dtype | None = None, block_size: int = 32, max_model_len: int = 4096,
+                 enable_prefix_caching: bool = True, store_options: dict | None = None,
+                 stat_loggers: list | None = None, **engine_overrides):
+        """`stat_loggers`: vLLM stat logger factories (AsyncLLM's); e.g. services/metrics.py:vllm_stat_loggers()
+        exports vLLM's own metrics through Ray's metrics agent."""
+        from transformers import AutoTokenizer
+
+        path = model_folder(model_path)
+        self._setup(RequestCore(PromptTemplate(AutoTokenizer.from_pretrained(path), instruction), prefix), path,
+                    dtype, block_size, max_model_len, enable_prefix_caching, store_options, stat_loggers,
+                    engine_overrides)
+
+    def _setup(self, core: RequestCore, path: str, dtype, block_size: int, max_model_len: int,
+               enable_prefix_caching: bool, store_options: dict | None, stat_loggers: list | None,
+               engine_overrides: dict) -> None:
+        check_vllm_version()
+        self.core = core
+        self.stat_loggers = stat_loggers
+        self.block_size = block_size
+        self._args = engine_kwargs(path, default_dtype() if dtype is None else dtype, block_size, max_model_len,
+                                   enable_prefix_caching, store_options, **engine_overrides)
+        self.engine = None
+
+    async def start(self) -> "AsyncInjectingEngine":
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=self.stat_loggers)
+        await self._rpc("inferscale_put", SHARED_USER_ID, self.core.prefix_payload())
+        return self
+
+    def kv_cache_tokens(self) -> int:
+        """Tokens vLLM's KV cache holds for requests: its blocks less the null block vLLM keeps (known once
+        started: the engine core sizes the cache at start-up)."""
+        cache = self._started().vllm_config.cache_config
+        return (int(cache.num_gpu_blocks) - 1) * int(cache.block_size)
+
+    def _started(self):
+        if self.engine is None:
+            raise RuntimeError("AsyncInjectingEngine is not started: await engine.start() first")
+        return self.engine
+
+    async def _rpc(self, method: str, *args):
+        """A call into the engine's worker. vLLM never answers a call that is in flight when its engine core
+        dies, so the wait gives up (EngineDeadError) once the engine says it is dead."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        engine = self._started()
+        call = asyncio.ensure_future(engine.collective_rpc(method, args=args))
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=RPC_DEATH_CHECK_S)
+            if done:
+                return call.result()[0]
+            if engine.errored:
+                call.cancel()
+                raise EngineDeadError()
+
+    # ---- the worker store directly (facts encoded elsewhere, under kv_ids the caller keeps track of)
+    async def put_encoded(self, user_id: str, items: Sequence[tuple[str, EncodedFact]]) -> int:
+        """Store `(kv_id, EncodedFact)` pairs for the user (replacing same ids); returns KV bytes stored."""
+        check_id("user_id", user_id)
+        if user_id == SHARED_USER_ID:
+            raise ValueError(f"user_id {user_id!r} is reserved")
+        payloads = await asyncio.to_thread(self.core.encoded_payloads, items)
+        return await self._rpc("inferscale_put", user_id, payloads) if payloads else 0
+
+    async def delete_encoded(self, user_id: str, kv_ids: Sequence[str] | None = None) -> int:
+        """Delete these kv_ids of the user (every fact of the user when None); returns how many were removed."""
+        check_id("user_id", user_id)
+        if user_id == SHARED_USER_ID:
+            raise ValueError(f"user_id {user_id!r} is reserved")
+        ids = None if kv_ids is None else [check_id("kv_id", f) for f in kv_ids]
+        if ids == []:
+            return 0
+        return await self._rpc("inferscale_delete", user_id, ids)
+
+    async def has_encoded(self, user_id: str, kv_ids: Sequence[str]) -> list[bool]:
+        """Whether the worker store holds each kv_id (in memory or in its disk tier)."""
+        ids = [check_id("kv_id", f) for f in kv_ids]
+        return await self._rpc("inferscale_has", check_id("user_id", user_id), ids) if ids else []
+
+    async def preload(self, user_id: str) -> int:
+        return await self._rpc("inferscale_preload", user_id)
+
+    # ---- generation
+    def prepare_facts(self, q: Query, fact_ids: Sequence[str], texts: Sequence[str], versions: Sequence[int],
+                      kv_ids: Sequence[str] | None = None) -> Prepared:
+        """A request for facts the caller retrieved (see RequestCore.prepare_facts)."""
+        return self.core.prepare_facts(q, fact_ids, texts, versions, kv_ids)
+
+    async def stream(self, p: Prepared, sampling_params=None) -> AsyncIterator[tuple[str, Answer | None]]:
+        """Yields `(new text, None)` as tokens arrive, then `("", Answer)` once; `Answer.ttft_s` is
+        submit -> first token."""
+        engine = self._started()
+        sp = p.sampling(sampling_params or default_sampling())
+        t0 = time.perf_counter()
+        ttft = final = None
+        sent = 0
+        async for out in engine.generate(p.prompt(), sp, request_id=uuid.uuid4().hex):
+            c = out.outputs[0] if out.outputs else None
+            if ttft is None and c is not None and c.token_ids:
+                ttft = time.perf_counter() - t0
+            if c is not None and len(c.text) > sent:
+                yield c.text[sent:], None
+                sent = len(c.text)
+            final = out
+        yield "", self.core.answer(p, final, ttft)
+
+    async def chat(self, messages: Sequence[dict], sampling_params=None) -> tuple[str, int, int]:
+        """Plain chat generation without memory (e.g. Mem0's fact extraction with the serving model);
+        returns (text, prompt tokens, completion tokens)."""
+        engine = self._started()
+        prompt = self.core.chat_prompt(messages)
+        final = None
+        async for final in engine.generate(prompt, sampling_params or default_sampling(),
+                                           request_id=uuid.uuid4().hex):
+            pass
+        c = final.outputs[0]
+        return c.text, len(prompt["prompt_token_ids"]), len(c.token_ids)
+
+    async def metrics(self) -> dict[str, Any]:
+        return {**vllm_metrics(), "worker": await self._rpc("inferscale_stats")}
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
