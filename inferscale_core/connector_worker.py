@@ -28,6 +28,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.logger import init_logger
 
@@ -301,7 +302,7 @@ class WorkerSide:
         torch.cat([piece_v for _, pieces in group for _, piece_v in pieces], dim=1, out=v)
         num_layers, n = k.shape[0], k.shape[1]
         # One fused rotation of all layers: layer l's token t sits at row l * N + t of the flattened view.
-        ops.rotary_embedding(pos.repeat(num_layers), k.view(num_layers * n, -1), None,
+        ops.rotary_embedding(serial_tile(pos, num_layers), k.view(num_layers * n, -1), None,
                              self.spec.head_dim, self.cos_sin_cache, True)
         offset = pos % self.block_size
         if self.all_layers is not None:  # one cache write for every layer
@@ -408,6 +409,16 @@ def rotary_table(hf_config, spec: ModelSpec, max_model_len: int, device: torch.d
     return torch.cat((cos[:, :half], sin[:, :half]), dim=-1).to(device=device, dtype=dtype).contiguous()
 
 
+def serial_tile(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`x.repeat(n)` for a 1-D index tensor, on the CPU without torch's thread pool: a torch op over more than
+    32K elements is a parallel region, and on a loaded machine each region waits for its slowest thread
+    (measured at load 13 on 2 cores: 0.1 ms median, 77 ms at the 90th percentile, for the index arithmetic
+    of one k=50 request; numpy 0.15 ms at the 90th percentile)."""
+    if x.device.type != "cpu":
+        return x.repeat(n)
+    return torch.from_numpy(np.tile(x.numpy(), n))
+
+
 class AllLayersCache:
     """Every layer's paged cache seen as ONE cache tensor, so one cache-write call covers all layers (one call
     instead of 30 for SmolLM2, and each call spreads its tokens over all threads).
@@ -426,9 +437,10 @@ class AllLayersCache:
         self.ratio = ratio  # block_stride / s
 
     def slots(self, block: torch.Tensor, offset: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Combined-view slots `[L * N]`, layer-major, of tokens in blocks `block` `[N]` at `offset` `[N]`."""
-        combined = self.layer_base[:, None] + block[None, :] * self.ratio
-        return (combined * block_size + offset[None, :]).view(-1)
+        """Combined-view slots `[L * N]`, layer-major, of tokens in blocks `block` `[N]` at `offset` `[N]` (CPU
+        tensors; computed with numpy, see `serial_tile`)."""
+        combined = self.layer_base.numpy()[:, None] + block.numpy()[None, :] * self.ratio
+        return torch.from_numpy((combined * block_size + offset.numpy()[None, :]).reshape(-1))
 
     @classmethod
     def of(cls, kv_caches: dict[str, torch.Tensor], layer_index: dict[str, int], forward_context,
