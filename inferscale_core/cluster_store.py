@@ -357,6 +357,21 @@ class ClusterStore:
             out.append(fact)
         return out
 
+    def present(self, user_id: str, kv_ids: list[str]) -> list[bool]:
+        """Whether each object exists (readable or not: a copy on a segment whose node just died is listed until
+        the master drops that segment); all False when the store is away."""
+        client = self._store()
+        if client is None or not kv_ids:
+            return [False] * len(kv_ids)
+        try:
+            exists = client.batch_is_exist([self.key(user_id, kv) for kv in kv_ids])
+            if min(exists) < 0:
+                raise RuntimeError("the master did not answer")
+        except Exception as e:  # noqa: BLE001
+            self._failed(f"exists of {len(kv_ids)} facts", e)
+            return [False] * len(kv_ids)
+        return [e == 1 for e in exists]
+
     def remove_versions(self, user_id: str, fact_id: str, below: int | None = None) -> None:
         """Removes, under every fingerprint, the fact's versions below `below` (every version when None)."""
         versions = None if below is None else range(max(1, below - 64), below)

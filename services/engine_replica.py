@@ -331,7 +331,8 @@ class ReplicaCore:
         self.counters = {"facts_from_disk": 0, "facts_from_cluster": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
                          "facts_dropped_by_watch": 0, "facts_evicted": 0, "facts_stale_pushes": 0,
-                         "tombstones_applied": 0}
+                         "tombstones_applied": 0,
+                         "facts_unreadable": 0}  # cluster-tier objects that exist but could not be read (computed)
         self._tomb_cursor: str | None = None
 
     async def start(self) -> "ReplicaCore":
@@ -414,7 +415,12 @@ class ReplicaCore:
             missed = [(f, h) for (f, h), enc in zip(todo, got) if enc is None]
             if missed:
                 self.counters["facts_recomputed"] += len(missed)
-                self._queue_reencode(user_id, missed)
+                # An object that exists but could not be read (its copy on a node that just died, until the
+                # master drops that segment) is read again by the next request, not re-encoded.
+                present = await asyncio.to_thread(self.cluster.present, user_id,
+                                                  [kv_id(f, h.version) for f, h in missed])
+                self.counters["facts_unreadable"] += sum(present)
+                self._queue_reencode(user_id, [fh for fh, p in zip(missed, present) if not p])
 
     def _queue_reencode(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
         """One background re-encode per fact version, however many requests miss it meanwhile."""

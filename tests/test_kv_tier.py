@@ -65,6 +65,7 @@ def test_writes_and_reads_larger_than_the_transfer_buffer(mooncake):  # noqa: F8
         huge = make_fact(int(buffer * BUFFER_SHARE) // (2 * 4 * 3 * 2 * 8) + 1, seed=99)
         assert s.put_many("big", [("huge@v1", huge), ("small@v1", make_fact(3))]) == [False, True]
         assert s.available and s.counters["put_failures"] == 1 and s.counters["errors"] == 0
+        assert s.present("big", ["f0@v1", "huge@v1", "f39@v1"]) == [True, False, True]  # exists, readable or not
     finally:
         s.close()
 

@@ -1,11 +1,21 @@
-"""A Ray node dies under load (issue 12 item 5). Two Ray nodes on this machine, all on 127.0.0.1 with Ray token
-auth: the head runs the Serve controller, the gRPC proxy, Gateway, Retrieval, EncoderPool and one EngineReplica;
-a worker node (`ray start --address`) runs the second EngineReplica. Users are spread over both engines
-(services/routing.py), facts in Redis. A bounded load run (a fixed number of Answers from a few threads, each
-with a deadline) is going on when the worker node's raylet is SIGKILLed (a crash, not `ray stop`). Then:
+"""A Ray node dies under load (issue 12 item 5, issue 18). Two Ray nodes on this machine, all on 127.0.0.1 with Ray
+token auth: the head runs the Serve controller, the gRPC proxy, Gateway, Retrieval, EncoderPool and one
+EngineReplica; a worker node (`ray start --address`) runs the second EngineReplica. Users are spread over both
+engines (services/routing.py), facts in Redis, their KV in the cluster tier: a real Mooncake Store whose master
+runs beside the head and where each node adds a memory segment (as the chart's `mooncake-segment` sidecar and
+ray_cluster.yaml's mooncake_client do), every object written twice (`cluster_store.replicas`, default 2), so
+each fact has a copy in the head's segment and one in the worker's. One user has 100+ facts (one AddFacts)
+and is answered on the worker's replica first. A bounded load run (a fixed number of Answers from a few threads,
+each with a deadline) is going on when the worker node dies: its raylet and its Mooncake segment are SIGKILLed
+(a crash, not `ray stop`). Then:
   - every request ends OK or UNAVAILABLE (retryable), never INTERNAL/UNKNOWN or a hang (DEADLINE_EXCEEDED);
-  - the users of the lost replica are answered again by the head's replica (re-encoded from Redis), and the
-    test prints how long that took (the kill -> their first successful answer);
+  - the users of the lost replica are answered again by the head's replica, which reads their KV from the
+    cluster tier (the copies in the head's segment): nothing is re-encoded (the survivor's facts_encoded, the
+    encoder pool's cluster puts; a read that meets the dead node's copy before Mooncake drops that segment is
+    computed by vLLM for that request, not re-encoded), and the test prints how long that took (the kill ->
+    their first answer);
+  - the user with 100+ facts gets the same greedy text and the same injected facts on the head's replica as on
+    the worker's before the kill, its k facts read from the cluster tier, 0 facts re-encoded;
   - no fact is lost: ListMemories and the injected fact ids of every user are what they were before.
 """
 from __future__ import annotations
@@ -22,10 +32,12 @@ import grpc
 import pytest
 
 from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
+from mooncake_fixture import mooncake  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from inferscale_server.registry.local_redis import free_port
 from serve_specs import spec_with
-from test_multi_replica import NAMES, facts_of, stats_by_replica
+from test_kv_tier import raw_client
+from test_multi_replica import APP, NAMES, facts_of, stats_by_replica
 from test_ray_cluster import _ray, _reload_ray_auth, _stop_ray
 
 pytestmark = pytest.mark.slow
@@ -35,6 +47,16 @@ THREADS, REQUESTS = 4, 32   # the load run: Answers in all, from this many clien
 KILL_AFTER = 6              # the worker node dies once this many Answers have finished
 REQUEST_TIMEOUT_S = 240     # per Answer: a hang shows up as DEADLINE_EXCEEDED
 ALLOWED = {"OK", "UNAVAILABLE"}
+BIG_FACTS = 101             # the user with 100+ facts, added in one AddFacts call
+BIG_K = 5                   # facts its Answer injects
+WORKER_SEGMENT_BYTES = 256 << 20  # the worker node's Mooncake segment (the head's is the fixture's)
+
+
+def big_facts(name: str) -> tuple[list[str], list[list[str]]]:
+    """Texts and windows: short facts, each encoded behind one short line (its window) instead of its 5 neighbours,
+    so that encoding 100+ facts costs seconds, not minutes, on 2 cores (the encoder pool is the test's cost)."""
+    texts = [f"{name} adopted a grey cat named Pixel."] + [f"Locker {i} code: {1000 + 7 * i}." for i in range(BIG_FACTS - 1)]
+    return texts, [[f"{name}'s notes."]] * BIG_FACTS
 
 
 def _pids(pattern: str) -> dict[int, str]:
@@ -68,9 +90,10 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
-    """Head (2 CPUs, the `head` and one `engine_slot` resource) + worker (2 CPUs, one `engine_slot`), the app
-    started on them. Yields a dict: the gRPC client, the worker's raylet pid, `strays` (pids to end afterwards)."""
+def cluster(redis_url, jwt_secret, mooncake, tmp_path_factory):  # noqa: F811
+    """Head (2 CPUs, the `head` and one `engine_slot` resource) + worker (2 CPUs, one `engine_slot`), each with a
+    Mooncake segment (the head's is the fixture's), the app started on them. Yields a dict: the gRPC client, the
+    worker's raylet pid and segment process, `strays` (pids to end afterwards)."""
     from inferscale_core.vllm_env import vllm_cpu_env
     from inferscale_server.app import SERVE_START_ENV, ServiceConfig, start_service
     from inferscale_client import MemoryClient
@@ -90,7 +113,7 @@ def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
     head = {"head": 3, "engine_slot": 1}
     on_head = {"head": 1}
     cfg = ServiceConfig(
-        registry_url=redis_url, kv_dir="~/kv", max_model_len=1024,
+        registry_url=redis_url, kv_dir="~/kv", max_model_len=1024, cluster_store=dict(mooncake.config),
         http_port=free_port(), grpc_port=free_port(), auth={"hs256_secret_file": str(jwt_secret[0])},
         deployments={"Gateway": spec_with(on_head, num_cpus=0.25), "Retrieval": spec_with(on_head, num_cpus=0.25),
                      "EncoderPool": spec_with(on_head, num_cpus=0.5),
@@ -114,10 +137,11 @@ def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
         raylets = [p for p, cmd in _pids("raylet").items()
                    if f"--node_id={worker['NodeID']}" in cmd]
         assert len(raylets) == 1, f"the worker's raylet: {raylets}"
+        segment = mooncake.add_segment(WORKER_SEGMENT_BYTES)  # the worker node's contribution to the pool
         start_service(cfg, proxy_location="HeadOnly")  # two nodes on one address: one proxy
         client = MemoryClient(f"127.0.0.1:{cfg.grpc_port}", timeout_s=REQUEST_TIMEOUT_S,
                               token=token_for(jwt_secret[1], "node-admin", admin=True, ttl_s=3600))
-        info = {"client": client, "raylet": raylets[0], "strays": strays}
+        info = {"client": client, "raylet": raylets[0], "segment": segment, "strays": strays}
         yield info
         client.close()
     finally:
@@ -138,7 +162,33 @@ def cluster(redis_url, jwt_secret, tmp_path_factory):  # noqa: F811
                 pass
 
 
-def test_a_dead_node_loses_no_request_and_no_fact(cluster):
+def home_of(name: str, slots: list[int]) -> int:
+    """The slot services/routing.py sends an idle user to (its rendezvous-hash winner)."""
+    from inferscale_server.routing import affinity_score
+
+    return max(slots, key=lambda slot: affinity_score(name, f"slot-{slot}"))
+
+
+def encoder_stats() -> dict:
+    """The encoder pool's cluster-tier counters; "puts": objects written (every encode, AddFacts or re-encode)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("EncoderPool", app_name=APP).cluster_stats.remote().result(timeout_s=60)
+
+
+def encoder_puts() -> int:
+    return int(encoder_stats()["puts"])
+
+
+def ask(client, name: str, query: str, k: int, max_tokens: int) -> tuple[str, list[str]]:
+    chunks = list(client.answer(name, query, k=k, max_tokens=max_tokens))
+    assert chunks and chunks[-1].final
+    return "".join(c.text for c in chunks), list(chunks[-1].fact_ids)
+
+
+def test_a_dead_node_loses_no_request_and_no_fact(cluster, mooncake):  # noqa: F811
+    from test_kv_tier_service import object_keys
+
     client = cluster["client"]
     users: dict[str, list[str]] = {}
     for name in NAMES:  # add users until each engine (one per node) holds at least two (bounded)
@@ -151,9 +201,37 @@ def test_a_dead_node_loses_no_request_and_no_fact(cluster):
     assert len(on_worker) == 1, [(s["pid"], s["replica_id"]) for s in stats.values()]
     moving = set(on_worker[0]["users"])  # users whose engine dies with the node
     assert 2 <= len(moving) < len(users)
+
+    # The user with 100+ facts, homed on the worker's replica, answered there (its k facts read from the
+    # cluster tier); every one of its objects has two copies, in two segments.
+    worker_slot = on_worker[0]["slot"]
+    big = next(f"Zoe{i}" for i in range(100) if home_of(f"Zoe{i}", [s["slot"] for s in stats.values()]) == worker_slot)
+    texts, windows = big_facts(big)
+    t = time.monotonic()
+    big_ids = [f.fact_id for f in client.add_facts(big, texts, windows=windows)]
+    print(f"\n{big}: {BIG_FACTS} facts added in {time.monotonic() - t:.1f} s (one AddFacts)")
+    assert len(big_ids) == BIG_FACTS
+    client_mc = raw_client(mooncake.config)
+    try:
+        copies = client_mc.batch_get_replica_desc(object_keys(big, [(f, 1) for f in big_ids]))
+        where = [{r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in reps}
+                 for reps in copies.values()]
+        assert len(where) == BIG_FACTS and all(len(w) == 2 for w in where), (where[:3], encoder_stats())
+    finally:
+        client_mc.close()
+    big_q = f"What is the name of {big}'s cat?"
+    worker_before = next(s for s in stats_by_replica(2).values() if s["pid"] in worker_pids)
+    big_text, big_injected = ask(client, big, big_q, BIG_K, 12)
+    worker_after = next(s for s in stats_by_replica(2).values() if s["pid"] in worker_pids)
+    assert big in worker_after["users"], "the user with 100+ facts was not answered on the worker's replica"
+    assert worker_after["facts_from_cluster"] - worker_before["facts_from_cluster"] == BIG_K  # k, not 100+
+    assert len(big_injected) == BIG_K and big_ids[0] in big_injected, big_injected
+    print(f"{big} answered on the worker's replica: {big_text!r}")
+
     before = {u: (sorted(f.fact_id for f in client.list(u)), sorted(ids)) for u, ids in users.items()}
     assert all(listed == ids for listed, ids in before.values())
     cluster["strays"] |= worker_pids
+    puts_before_kill = encoder_puts()
 
     names = sorted(users)
     work = [names[i % len(names)] for i in range(REQUESTS)]
@@ -174,7 +252,8 @@ def test_a_dead_node_loses_no_request_and_no_fact(cluster):
     with ThreadPoolExecutor(THREADS) as pool:
         futures = [pool.submit(one, n) for n in work]
         assert finished.wait(timeout=600), "the load run did not get going"
-        os.kill(cluster["raylet"], signal.SIGKILL)
+        os.kill(cluster["raylet"], signal.SIGKILL)  # the node dies: its raylet and its Mooncake segment
+        cluster["segment"].kill()
         t_kill = time.monotonic()
         for f in futures:
             f.result(timeout=REQUEST_TIMEOUT_S + 60)
@@ -188,7 +267,7 @@ def test_a_dead_node_loses_no_request_and_no_fact(cluster):
     after_kill = sorted((end, n) for n, start, end, outcome, _ in results
                         if outcome == "OK" and start > t_kill and n in moving)
     first_failure = min((end for _, _, end, _, _ in failed), default=None)
-    print(f"\n{len(results)} Answers, {THREADS} threads, worker raylet killed after {KILL_AFTER}: {codes}; "
+    print(f"{len(results)} Answers, {THREADS} threads, worker raylet killed after {KILL_AFTER}: {codes}; "
           f"users moved: {sorted(moving)}")
     if first_failure is not None:
         print(f"first failure {first_failure - t_kill:.1f} s after the kill")
@@ -206,6 +285,24 @@ def test_a_dead_node_loses_no_request_and_no_fact(cluster):
         assert sorted(chunks[-1].fact_ids) == sorted(users[name]), (name, chunks[-1].fact_ids)
     print(f"recovery: the moved users' first successful answer {t_recovered - t_kill:.1f} s after the kill"
           + (f" ({t_recovered - first_failure:.1f} s after the first failure)" if first_failure else ""))
+
+    # The user with 100+ facts on the head's replica: its k facts from the cluster tier (the head's copies), the
+    # same greedy text and facts as on the worker's replica, nothing re-encoded.
     (survivor,) = stats_by_replica(1).values()
-    assert set(survivor["users"]) == set(users)
-    assert survivor["facts_encoded"] >= 3 * len(moving)  # the moved users' facts, re-encoded from Redis
+    assert big not in survivor["users"]
+    text, injected = ask(client, big, big_q, BIG_K, 12)
+    (after,) = stats_by_replica(1).values()
+    print(f"{big} on the head's replica after the kill: {text!r}; survivor {after['facts_from_cluster']} facts "
+          f"read from the cluster tier, {after['facts_encoded']} re-encoded, {after['facts_recomputed']} computed "
+          f"({after['facts_unreadable']} of them present but unreadable: a copy on the dead node)")
+    assert (text, sorted(injected)) == (big_text, sorted(big_injected))
+    assert after["facts_from_cluster"] - survivor["facts_from_cluster"] == BIG_K
+    assert after["facts_recomputed"] == survivor["facts_recomputed"]
+    worker = after["engine"]["worker"]
+    assert int(worker["load_failures"]) == int(survivor["engine"]["worker"]["load_failures"])
+
+    assert set(after["users"]) == set(users) | {big}
+    # Nothing re-encoded after the node died: not by the survivor (the moved users' facts came from the cluster
+    # tier), not by the encoder pool (it writes every fact it encodes).
+    assert after["facts_encoded"] == 0, after["facts_encoded"]
+    assert encoder_puts() == puts_before_kill
