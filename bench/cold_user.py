@@ -81,6 +81,16 @@ def parse_args(argv=None):
 @contextlib.contextmanager
 def service(args, workdir: Path):
     """The app with a cluster KV tier and no disk tier; yields (cfg, secret, mooncake)."""
+    with loopback_service(args.dtype, workdir, env={**vllm_cpu_env(), "INFERSCALE_ENGINE_MAX_USERS": "2"}) as up:
+        yield up
+
+
+@contextlib.contextmanager
+def loopback_service(dtype: str, workdir: Path, env: dict[str, str], segment_bytes: int = 1 << 30,
+                     kv_dir: str | None = None):
+    """The app on 127.0.0.1 with a Redis registry, a Mooncake cluster tier of `segment_bytes` and JWT auth, its
+    Ray workers started with `env` (vLLM's settings); yields (cfg, secret, mooncake). Shared by the benches that
+    measure the service as `inferscale serve` runs it (this one, resident_memory.py)."""
     import ray
     from ray import serve
 
@@ -90,12 +100,12 @@ def service(args, workdir: Path):
 
     secret = os.urandom(32).hex().encode()
     (workdir / "jwt-secret").write_bytes(secret)
-    with redis_server() as redis_url, local_mooncake(segment_bytes=1 << 30) as mooncake:
-        cfg = ServiceConfig(registry_url=redis_url, dtype=args.dtype, kv_dir=None, http_port=free_port(),
+    with redis_server() as redis_url, local_mooncake(segment_bytes=segment_bytes) as mooncake:
+        cfg = ServiceConfig(registry_url=redis_url, dtype=dtype, kv_dir=kv_dir, http_port=free_port(),
                             grpc_port=free_port(), deployments=single_node_deployments(),
                             cluster_store=dict(mooncake.config),
                             auth={"hs256_secret_file": str(workdir / "jwt-secret")})
-        env = {**vllm_cpu_env(), **SERVE_START_ENV, "INFERSCALE_ENGINE_MAX_USERS": "2"}
+        env = {**env, **SERVE_START_ENV}
         os.environ.update(env)
         ray.init(address="local", include_dashboard=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
                  runtime_env={"env_vars": env})
@@ -103,7 +113,7 @@ def service(args, workdir: Path):
             t0 = time.monotonic()
             start_service(cfg, host="127.0.0.1")
             print(f"# service up in {time.monotonic() - t0:.0f} s (gRPC 127.0.0.1:{cfg.grpc_port}, Mooncake "
-                  f"{mooncake.config['master']})", flush=True)
+                  f"{mooncake.config['master']}, vLLM KV cache {env.get('VLLM_CPU_KVCACHE_SPACE')} GiB)", flush=True)
             yield cfg, secret, mooncake
         finally:
             with contextlib.suppress(Exception):

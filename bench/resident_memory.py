@@ -173,36 +173,13 @@ def du_bytes(path: Path) -> int:
 def service(args, workdir: Path):
     """`inferscale serve`'s app (services/cli.py serve_cmd: its deployments, a disk tier, the KV cache sized from
     the machine) with a Redis registry and a Mooncake cluster tier on loopback. Yields (cfg, secret, mooncake)."""
-    import ray
-    from ray import serve
-    from service import redis_server
+    from cold_user import loopback_service
 
     from inferscale_core.vllm_env import serving_kv_cache_gib, vllm_cpu_env
-    from inferscale_server.app import SERVE_START_ENV, ServiceConfig, single_node_deployments, start_service
-    from inferscale_server.registry.local_mooncake import local_mooncake
-    from inferscale_server.registry.local_redis import free_port
 
-    secret = os.urandom(32).hex().encode()
-    (workdir / "jwt-secret").write_bytes(secret)
-    with redis_server() as redis_url, local_mooncake(segment_bytes=int(args.segment_gib * (1 << 30))) as mooncake:
-        cfg = ServiceConfig(registry_url=redis_url, dtype=args.dtype, kv_dir=str(workdir / "kv"),
-                            http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments(),
-                            cluster_store=dict(mooncake.config),
-                            auth={"hs256_secret_file": str(workdir / "jwt-secret")})
-        env = {**vllm_cpu_env(serving_kv_cache_gib()), **SERVE_START_ENV}
-        os.environ.update(env)
-        ray.init(address="local", include_dashboard=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": env})
-        try:
-            t0 = time.monotonic()
-            start_service(cfg, host="127.0.0.1")
-            print(f"# service up in {time.monotonic() - t0:.0f} s (gRPC 127.0.0.1:{cfg.grpc_port}, Mooncake "
-                  f"{mooncake.config['master']}, vLLM KV cache {env.get('VLLM_CPU_KVCACHE_SPACE')} GiB)", flush=True)
-            yield cfg, secret, mooncake
-        finally:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
-            ray.shutdown()
+    with loopback_service(args.dtype, workdir, env=vllm_cpu_env(serving_kv_cache_gib()),
+                          segment_bytes=int(args.segment_gib * (1 << 30)), kv_dir=str(workdir / "kv")) as up:
+        yield up
 
 
 def tiers(args, cfg, n_facts: int) -> dict:
