@@ -12,6 +12,7 @@ from .model_spec import ModelSpec
 from .types import EncodedFact
 
 Text = str | Sequence[int]
+WIDTH_MULTIPLE = 8  # padded batch width: a multiple of 8 keeps a fact's KV the same in any batch (see _forward)
 
 
 @contextmanager
@@ -87,7 +88,10 @@ class PreRopeEncoder:
     def _forward(self, batch: list[tuple[list[int], list[int]]]) -> list[EncodedFact]:
         spec, dev = self.spec, self.device
         seqs = [ctx + fact for ctx, fact in batch]
-        width = max(len(s) for s in seqs)
+        # The width is rounded up to a multiple of WIDTH_MULTIPLE so that a fact's KV does not depend on what
+        # it was batched with: CPU kernels sum a width that is not a multiple of 8 in another order (last-bit
+        # differences that can flip a greedy answer), and a re-encode after a loss must give the same bits.
+        width = -(-max(len(s) for s in seqs) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
         # Right padding and no attention mask: under the causal mask real tokens never attend to the pad
         # that follows them, and without a padding mask SDPA keeps its fast causal path.
         input_ids = torch.zeros(len(seqs), width, dtype=torch.long)

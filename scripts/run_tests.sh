@@ -9,5 +9,7 @@ export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 
 export VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}"
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
-# --durations=30: the CI log shows where the suite's 30-minute budget goes (a later --durations=N wins)
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 "$@"
+# --durations=30: the CI log shows where the suite's 30-minute budget goes (a later --durations=N wins).
+# --show-capture=no: a failure's report ends with its assertion, not with megabytes of Ray and vLLM worker logs
+# (CI shows only the end of a report); run one test with -s to see them.
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 --show-capture=no "$@"
