@@ -50,6 +50,14 @@ _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
 # own (a put_batch of 63.5 MiB failed in a 64 MiB buffer, measured here).
 BUFFER_SHARE = 0.75
 REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
+MIN_REMOVE_ATTEMPTS = 3  # ... and this often at least (see ClusterStore._remove)
+
+
+@dataclass
+class ClusterRead:
+    """What one read of k facts found: each fact (None: a miss) and, per fact, whether it exists unread."""
+    facts: list
+    unreadable: list
 
 
 def _h(text: str) -> str:
@@ -310,24 +318,32 @@ class ClusterStore:
 
     def get_many(self, user_id: str, kv_ids: list[str]) -> list[EncodedFact | None]:
         """The facts, None for each miss (absent, evicted, another fingerprint's, or the store is away)."""
+        return self.read(user_id, kv_ids).facts
+
+    def read(self, user_id: str, kv_ids: list[str]) -> "ClusterRead":
+        """The facts (None for each miss) and, for each miss, whether the object exists all the same: a copy on a
+        segment whose node just died is listed until the master drops that segment, and cannot be read."""
         if not kv_ids:
-            return []
+            return ClusterRead([], [])
         client = self._store()
         if client is None:
             self.counters["misses"] += len(kv_ids)
-            return [None] * len(kv_ids)
+            return ClusterRead([None] * len(kv_ids), [False] * len(kv_ids))
         keys = [self.key(user_id, kv) for kv in kv_ids]
+        exists = [1] * len(kv_ids)  # what a read shows; an empty value is asked about below
         try:
             with self._transfer:
                 values = client.get_batch(keys)
             # An empty value is a miss or a failure: only then one more call tells which (a hit costs one call).
             empty = [i for i, v in enumerate(values) if not v]
-            exists = client.batch_is_exist([keys[i] for i in empty]) if empty else []
-            if exists and min(exists) < 0:
+            asked = client.batch_is_exist([keys[i] for i in empty]) if empty else []
+            if asked and min(asked) < 0:
                 raise RuntimeError("the master did not answer")
+            for i, e in zip(empty, asked):
+                exists[i] = e
             # Present but not read: they did not fit the client's transfer buffer (buffer_bytes) with the others;
             # read again, in further rounds, as long as each round reads some.
-            again = [i for i, e in zip(empty, exists) if e == 1]
+            again = [i for i, e in zip(empty, asked) if e == 1]
             while again:
                 with self._transfer:
                     got = client.get_batch([keys[i] for i in again])
@@ -340,9 +356,9 @@ class ClusterStore:
         except Exception as e:  # noqa: BLE001
             self.counters["misses"] += len(kv_ids)
             self._failed(f"get of {len(kv_ids)} facts", e)
-            return [None] * len(kv_ids)
-        out = []
-        for kv, data in zip(kv_ids, values):
+            return ClusterRead([None] * len(kv_ids), [False] * len(kv_ids))
+        out, unreadable = [], []
+        for kv, data, e in zip(kv_ids, values, exists):
             fact = None
             if data:
                 try:
@@ -350,27 +366,13 @@ class ClusterStore:
                     if (head["fingerprint"], head["user_id"], head["kv_id"]) != (self.fingerprint, user_id, kv):
                         log.warning("cluster KV tier: object for %s holds another fact's KV; ignored", kv)
                         fact = None
-                except (ValueError, KeyError) as e:
-                    log.warning("cluster KV tier: unreadable object for a fact: %s", e)
+                except (ValueError, KeyError) as err:
+                    log.warning("cluster KV tier: unreadable object for a fact: %s", err)
                     fact = None
             self.counters["hits" if fact is not None else "misses"] += 1
             out.append(fact)
-        return out
-
-    def present(self, user_id: str, kv_ids: list[str]) -> list[bool]:
-        """Whether each object exists (readable or not: a copy on a segment whose node just died is listed until
-        the master drops that segment); all False when the store is away."""
-        client = self._store()
-        if client is None or not kv_ids:
-            return [False] * len(kv_ids)
-        try:
-            exists = client.batch_is_exist([self.key(user_id, kv) for kv in kv_ids])
-            if min(exists) < 0:
-                raise RuntimeError("the master did not answer")
-        except Exception as e:  # noqa: BLE001
-            self._failed(f"exists of {len(kv_ids)} facts", e)
-            return [False] * len(kv_ids)
-        return [e == 1 for e in exists]
+            unreadable.append(not data and e == 1)  # listed, not read; a read but wrong object is a plain miss
+        return ClusterRead(out, unreadable)
 
     def remove_versions(self, user_id: str, fact_id: str, below: int | None = None) -> None:
         """Removes, under every fingerprint, the fact's versions below `below` (every version when None)."""
@@ -384,10 +386,12 @@ class ClusterStore:
         self._remove(self._user_pattern(user_id))
 
     def _remove(self, pattern: str, attempt: int = 0) -> None:
-        """Now, then again after each read lease until an attempt finds nothing left (REMOVE_ATTEMPTS at most):
-        Mooncake skips objects whose lease runs (a read in progress), answering -706 or the count of the others."""
+        """Now, then again after each read lease: MIN_REMOVE_ATTEMPTS times, then until an attempt finds nothing
+        (REMOVE_ATTEMPTS at most). Mooncake skips objects whose lease runs (a read in progress) and answers -706,
+        the count of the others, or 0 when the leased ones were all it found (measured): so 0 ends the retries
+        only after a read that started between two attempts has had a lease to end."""
         n = self._remove_now(pattern)
-        if (attempt == 0 or n != 0) and attempt + 1 < REMOVE_ATTEMPTS and not self._closed:
+        if (attempt + 1 < MIN_REMOVE_ATTEMPTS or n != 0) and attempt + 1 < REMOVE_ATTEMPTS and not self._closed:
             timer = threading.Timer(self.config.lease_s + 0.2, self._remove, args=(pattern, attempt + 1))
             timer.daemon = True
             timer.start()

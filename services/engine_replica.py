@@ -406,21 +406,17 @@ class ReplicaCore:
             if self.cluster is None:
                 await self._encode_and_put(user_id, todo)
                 return
-            ids = [kv_id(f, h.version) for f, h in todo]
-            got = await asyncio.to_thread(self.cluster.get_many, user_id, ids)
-            hits = [(f, h, enc) for (f, h), enc in zip(todo, got) if enc is not None]
+            got = await asyncio.to_thread(self.cluster.read, user_id, [kv_id(f, h.version) for f, h in todo])
+            hits = [(f, h, enc) for (f, h), enc in zip(todo, got.facts) if enc is not None]
             if hits:
                 await self._put(user_id, [(f, h.version) for f, h, _ in hits], [enc for _, _, enc in hits])
             self.counters["facts_from_cluster"] += len(hits)
-            missed = [(f, h) for (f, h), enc in zip(todo, got) if enc is None]
-            if missed:
-                self.counters["facts_recomputed"] += len(missed)
-                # An object that exists but could not be read (its copy on a node that just died, until the
-                # master drops that segment) is read again by the next request, not re-encoded.
-                present = await asyncio.to_thread(self.cluster.present, user_id,
-                                                  [kv_id(f, h.version) for f, h in missed])
-                self.counters["facts_unreadable"] += sum(present)
-                self._queue_reencode(user_id, [fh for fh, p in zip(missed, present) if not p])
+            self.counters["facts_recomputed"] += len(todo) - len(hits)
+            # An object that exists but could not be read (its copy on a node that just died, until the master
+            # drops that segment) is read again by the next request, not re-encoded.
+            self.counters["facts_unreadable"] += sum(got.unreadable)
+            self._queue_reencode(user_id, [fh for fh, enc, unread in zip(todo, got.facts, got.unreadable)
+                                           if enc is None and not unread])
 
     def _queue_reencode(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
         """One background re-encode per fact version, however many requests miss it meanwhile."""

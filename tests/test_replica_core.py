@@ -108,14 +108,25 @@ def parts(tmp_path_factory, mooncake):  # noqa: F811
 
 
 def make_core(parts, registry, cluster=True, disk_dir=None, engine=None, **config):
-    """A replica over `registry`, with the module's cluster tier (or none: then an encoder pool without one)."""
+    """A replica over `registry`, with the module's cluster tier (False: none, then an encoder pool without one;
+    a ClusterStore: that one, with an encoder pool writing to it)."""
     from inferscale_server.encoder_pool import EncoderCore
     from inferscale_server.engine_replica import EngineReplicaConfig, ReplicaCore
 
     engine = engine or DictEngine(parts.fe.template, parts.fe.prefix())
-    encoder = parts.encoder if cluster else EncoderCore(parts.fe)
-    return ReplicaCore(EngineReplicaConfig(**config), engine, handle(encoder), registry,
-                       parts.cluster if cluster else None, disk_dir)
+    if cluster is True:
+        cluster, encoder = parts.cluster, parts.encoder
+    else:
+        cluster = cluster or None
+        encoder = EncoderCore(parts.fe, cluster)
+    return ReplicaCore(EngineReplicaConfig(**config), engine, handle(encoder), registry, cluster, disk_dir)
+
+
+async def started(parts, registry, **kw):
+    """make_core, started (tombstones applied): what a replica is once Serve has built it."""
+    core = make_core(parts, registry, **kw)
+    await core.start()
+    return core
 
 
 def run(coro):
@@ -128,7 +139,8 @@ async def add(parts, registry, core, user: str, facts: dict[str, str]) -> list:
     from inferscale_server.registry.base import NewFact
 
     recs = registry.create(user, [NewFact(text=t, fact_id=f) for f, t in facts.items()])
-    encoded = await parts.encoder.encode_for(user, [(r.fact_id, r.version, r.text, list(r.window)) for r in recs])
+    encoded = await core.encoder.encode_for.remote(user, [(r.fact_id, r.version, r.text, list(r.window))
+                                                          for r in recs])  # the pool the replica calls
     await core.put_facts(user, [(r.fact_id, r.version, r.text) for r in recs], encoded)
     return recs
 
@@ -196,16 +208,14 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
     registry = open_registry(None)
 
     async def go():
-        writer = make_core(parts, registry)
-        await writer.start()
+        writer = await started(parts, registry)
         recs = await add(parts, registry, writer, USER, FACTS)
         assert all(r.version == 1 for r in recs)
         # With a cluster tier the write moved no KV into the writer's engine: the pool wrote the objects.
         assert writer.engine.kvs(USER) == set() and writer.engine.puts == 0
 
         # A replica that never saw the user: the k facts a request names come from the cluster tier, once.
-        core = make_core(parts, registry)
-        await core.start()
+        core = await started(parts, registry)
         final = await answer(core, USER, ["f2", "f1"])
         assert final["fact_ids"] == ["f2", "f1"]
         assert core.counters["facts_from_cluster"] == 2 and core.counters["facts_encoded"] == 0
@@ -220,8 +230,7 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
             parts.cluster.get_many(USER, [kv_id(f, 1)])[0].nbytes for f in FACTS)
 
         # Prompt mode serves the same facts as text: no KV is fetched for it.
-        fresh = make_core(parts, registry)
-        await fresh.start()
+        fresh = await started(parts, registry)
         final = await answer(fresh, USER, ["f1"], Mode.PI)
         assert final["prefilled_tokens"] == final["prompt_tokens"] and fresh.engine.kvs(USER) == set()
         # The registry knows where the user is held.
@@ -237,8 +246,7 @@ def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
     user = "bob"
 
     async def go():
-        core = make_core(parts, registry)
-        await core.start()
+        core = await started(parts, registry)
         await add(parts, registry, core, user, {"b1": "Bob keeps bees.", "b2": "Bob sails on weekends."})
         parts.cluster.remove_user(user)  # evicted from the cluster tier (or never written)
         assert parts.cluster.get_many(user, [kv_id("b1", 1)]) == [None]
@@ -268,8 +276,7 @@ def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
     registry = open_registry(None)
 
     async def go():
-        writer = make_core(parts, registry, cluster=False)
-        await writer.start()
+        writer = await started(parts, registry, cluster=False)
         from inferscale_server.registry.base import NewFact
 
         recs = registry.create("carol", [NewFact(text="Carol speaks Estonian.", fact_id="c1")])
@@ -277,8 +284,7 @@ def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
         plain = await asyncio.to_thread(parts.fe.encode, [(recs[0].text, [])])
         await writer.put_facts("carol", [("c1", 1, recs[0].text)], plain)
         assert writer.engine.kvs("carol") == {kv_id("c1", 1)}
-        other = make_core(parts, registry, cluster=False)  # never saw carol: encodes during the request
-        await other.start()
+        other = await started(parts, registry, cluster=False)  # never saw carol: encodes during the request
         final = await answer(other, "carol", ["c1"])
         assert other.counters["facts_encoded"] == 1 and other.counters["facts_recomputed"] == 0
         assert final["prefilled_tokens"] < final["prompt_tokens"]
@@ -293,8 +299,7 @@ def test_update_and_delete_reach_every_tier(parts):
     user = "dave"
 
     async def go():
-        core = make_core(parts, registry)
-        await core.start()
+        core = await started(parts, registry)
         await add(parts, registry, core, user, {"d1": "Dave runs marathons.", "d2": "Dave has two dogs."})
         await answer(core, user, ["d1", "d2"])
         assert core.engine.kvs(user) == {kv_id("d1", 1), kv_id("d2", 1)}
@@ -326,8 +331,7 @@ def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path
     user = "erin"
 
     async def go():
-        core = make_core(parts, registry, disk_dir=str(tmp_path))
-        await core.start()
+        core = await started(parts, registry, disk_dir=str(tmp_path))
         await add(parts, registry, core, user, {"e1": "Erin grows tomatoes.", "e2": "Erin plays the cello."})
         await answer(core, user, ["e1", "e2"])
         engine = core.engine  # the worker store with its disk tier outlives the replica (the slot's folder)
@@ -336,8 +340,8 @@ def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path
         # The replica is down; meanwhile e1 is deleted and the user's other facts are updated.
         registry.delete(user, "e1")
         registry.update(user, "e2", text="Erin plays the viola.")
-        restarted = make_core(parts, registry, disk_dir=str(tmp_path), engine=engine)
-        await restarted.start()  # applies the tombstones after the cursor its predecessor saved
+        # Started: the tombstones after the cursor its predecessor saved are applied.
+        restarted = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
         assert restarted.counters["tombstones_applied"] == 2
         assert engine.kvs(user) == set()  # e1 deleted, e2's version 1 replaced
         assert await gone(parts, user, kv_id("e1", 1))
@@ -346,8 +350,65 @@ def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path
         await add(parts, registry, restarted, "frank", {"g1": "Frank lives in Oslo."})
         await answer(restarted, "frank", ["g1"])
         registry.delete_user("frank")
-        again = make_core(parts, registry, disk_dir=str(tmp_path), engine=engine)
-        await again.start()
+        again = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
         assert engine.kvs("frank") == set() and await gone(parts, "frank", kv_id("g1", 1))
 
     run(go())
+
+
+def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_drops_it(parts):
+    """A node dies with its Mooncake segment: until the master drops that segment (client_ttl) its objects are
+    listed but cannot be read. A request then computes those facts (vLLM) and queues no re-encode; once the master
+    has dropped the segment, the objects that were only there are misses and are re-encoded, once."""
+    import signal
+    import time
+
+    from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+    from inferscale_server.registry import open_registry
+    from inferscale_server.registry.local_mooncake import local_mooncake
+
+    registry = open_registry(None)
+    user, ttl_s = "gina", 5
+    facts = {f"g{i}": f"Gina's fact number {i} is about {w}." for i, w in enumerate(
+        "bees boats cats dogs eels figs goats hats inks jars kites lamps moss nuts oars pears".split())}
+    ids = list(facts)
+
+    async def go(mc, store):
+        core = await started(parts, registry, cluster=store)
+        await add(parts, registry, core, user, facts)
+        # One copy per object, spread over the two segments (placement is Mooncake's).
+        mc.extra_segments[0].send_signal(signal.SIGKILL)
+        mc.extra_segments[0].wait()
+        killed = time.monotonic()
+        reader = await started(parts, registry, cluster=store)  # never saw the user: reads the cluster tier
+        first = await answer(reader, user, ids)
+        assert time.monotonic() - killed < ttl_s, "too slow to see the dead segment's window"
+        c = reader.counters
+        assert c["facts_unreadable"] >= 1 and c["facts_from_cluster"] + c["facts_unreadable"] == len(ids), c
+        assert c["facts_encoded"] == 0 and not reader._reencoding, c  # computed for this request, not re-encoded
+        assert first["prefilled_tokens"] == first["prompt_tokens"]  # vLLM computed the memory
+        for _ in range(int(4 * ttl_s / 0.25)):  # until the master drops the dead segment
+            gone = await asyncio.to_thread(store.read, user, [kv_id(f, 1) for f in ids])
+            if not any(gone.unreadable):
+                break
+            await asyncio.sleep(0.25)
+        lost = [f for f, fact in zip(ids, gone.facts) if fact is None]
+        assert not any(gone.unreadable) and 1 <= len(lost) < len(ids), gone.unreadable
+        later = await started(parts, registry, cluster=store)
+        await answer(later, user, ids)
+        for _ in range(200):  # the background re-encode of what was only on the dead segment
+            if later.counters["facts_encoded"] >= len(lost) and not later._reencoding:
+                break
+            await asyncio.sleep(0.02)
+        assert later.counters["facts_encoded"] == len(lost) and later.counters["facts_unreadable"] == 0
+        assert later.counters["facts_from_cluster"] == len(ids) - len(lost)
+        assert all(f is not None for f in store.get_many(user, [kv_id(f, 1) for f in ids]))  # written again
+
+    with local_mooncake(segment_bytes=64 << 20, client_ttl_s=ttl_s) as mc:
+        mc.add_segment(64 << 20)
+        store = ClusterStore(ClusterConfig.from_dict({**mc.config, "replicas": 1}), parts.fe.fingerprint)
+        try:
+            assert store.wait_available(60)
+            run(go(mc, store))
+        finally:
+            store.close()

@@ -73,9 +73,11 @@ def _start_segment(config: dict, segment_bytes: int, port: int, log: Path) -> su
 
 
 @contextlib.contextmanager
-def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_timeout_s: float = 30.0):
+def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_timeout_s: float = 30.0,
+                   client_ttl_s: int = 10):
     """A master and a segment of `segment_bytes` on 127.0.0.1; yields a LocalMooncake. The read lease is short
-    (`lease_ms`) so removes right after a read wait little. Stopped (terminate, then kill) on exit."""
+    (`lease_ms`) so removes right after a read wait little; a segment whose client stops heartbeating is dropped
+    after `client_ttl_s` (Mooncake's default 10). Stopped (terminate, then kill) on exit."""
     master_bin = mooncake_binary("mooncake_master")
     rpc, http, seg_port = free_port(), free_port(), free_port()
     workdir = tempfile.mkdtemp(prefix="inferscale-mooncake-")
@@ -83,6 +85,7 @@ def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_ti
     master = subprocess.Popen([master_bin, "--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
                                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                                f"--http_metadata_server_port={http}", f"--default_kv_lease_ttl={lease_ms}",
+                               f"--client_ttl={int(client_ttl_s)}",
                                # its metrics server's port (default 9003) would collide with another master's
                                "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
                               stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
