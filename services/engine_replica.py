@@ -70,6 +70,7 @@ from .api import RETRY_AFTER_S, ApiError, wire_mode
 from .encoder_pool import EncodeFailure, StoredKV
 from .registry import open_registry
 from .routing import IN_FLIGHT, SLOT
+from .user_sync import moved_facts, user_changes
 
 log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
@@ -85,6 +86,10 @@ class HeldFact:
     version: int
     text: str
     window: tuple[str, ...] = ()
+
+
+def held_versions(held: dict[str, HeldFact]) -> dict[str, int]:
+    return {f: h.version for f, h in held.items()}
 
 
 def ms(seconds: float) -> float:
@@ -365,22 +370,16 @@ class ReplicaCore:
         """The registry's servable facts of the user at their versions (texts and windows), no KV; drops the
         KV of facts deleted or moved on. One registry read (the version counter) when nothing moved."""
         async with self._lock(user_id):
-            version = await asyncio.to_thread(self.registry.user_version, user_id)
-            if self._synced.get(user_id) == version:
-                return self._held[user_id]
-            # Read after `version`: a change landing in between bumps the counter again and the next
-            # request re-syncs; this replica can only be ahead of `version`, never silently behind.
-            wanted = await asyncio.to_thread(self.registry.fact_versions, user_id)
             held = self._held.setdefault(user_id, {})
-            await self._drop_moved(user_id, held, wanted)
-            need = [f for f in wanted if f not in held]
-            if need:
-                found = await asyncio.to_thread(self.registry.find_many, user_id, need)  # one round trip
-                for f in need:  # deleted since the listing: the next sync; a version known to be bad: left out
-                    r = found.get(f)
-                    if r is not None and not r.unservable_reason:
-                        held[f] = HeldFact(r.version, r.text, tuple(r.window))
-            self._synced[user_id] = version
+            changes = await asyncio.to_thread(user_changes, self.registry, user_id, self._synced.get(user_id),
+                                              held_versions(held))
+            if changes is None:
+                return held
+            await self._drop(user_id, held, changes.gone)
+            for r in changes.fresh:  # a version known to be bad is left out
+                if not r.unservable_reason:
+                    held[r.fact_id] = HeldFact(r.version, r.text, tuple(r.window))
+            self._synced[user_id] = changes.version
             self._pruned.pop(user_id, None)
             # A user's placement is dropped with its facts (DeleteUser): say again that this replica holds it.
             await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
@@ -481,16 +480,15 @@ class ReplicaCore:
                 await asyncio.to_thread(self.cluster.remove_versions, user_id, f, v + 1)
         return fresh
 
-    async def _drop_moved(self, user_id: str, held: dict[str, HeldFact], wanted: dict[str, int]) -> int:
-        """Drops from the worker store the held facts that are deleted or at another version in `wanted`."""
-        moved = {f: h.version for f, h in held.items() if wanted.get(f) != h.version}
-        if moved:
-            ids = [kv_id(f, v) for f, v in moved.items()]
+    async def _drop(self, user_id: str, held: dict[str, HeldFact], fact_ids: list[str]) -> int:
+        """Drops these held facts (deleted, or at another version now) from the books and the worker store."""
+        if fact_ids:
+            ids = [kv_id(f, held[f].version) for f in fact_ids]
             await self.engine.delete_encoded(user_id, ids)
             self.resident.discard(user_id, ids)
-            for f in moved:
+            for f in fact_ids:
                 del held[f]
-        return len(moved)
+        return len(fact_ids)
 
     async def _put(self, user_id: str, facts: list[tuple[str, int]], encoded: list) -> None:
         """`facts`: (fact_id, version) of each EncodedFact. Chunked: each call into the engine core holds up its
@@ -559,7 +557,8 @@ class ReplicaCore:
             if held is None or self._synced.get(user_id) == version:  # unloaded or re-synced meanwhile
                 return
             wanted = await asyncio.to_thread(self.registry.fact_versions, user_id)
-            self.counters["facts_dropped_by_watch"] += await self._drop_moved(user_id, held, wanted)
+            self.counters["facts_dropped_by_watch"] += await self._drop(
+                user_id, held, moved_facts(held_versions(held), wanted))
             self._pruned[user_id] = version
 
     # ------------------------------------------------------------------------------ tombstones

@@ -24,6 +24,7 @@ from inferscale_core.errors import UnknownUserError
 from inferscale_core.index import VectorIndex
 
 from .registry import Registry
+from .user_sync import user_changes
 
 MAX_USERS = int(os.environ.get("INFERSCALE_RETRIEVAL_MAX_USERS", "1024"))
 
@@ -58,20 +59,13 @@ class RetrievalCore:
     def ensure(self, user_id: str) -> int:
         """Bring the user's index up to the registry's state; returns the number of facts indexed."""
         with self._lock(user_id):
-            version = self.registry.user_version(user_id)
-            if self._synced.get(user_id) == version:
-                return self.index.size(user_id)
-            # Read after `version`: a change that lands in between bumps the counter again, so the next
-            # call re-syncs; we can only be ahead of `version`, never silently behind.
-            wanted = self.registry.fact_versions(user_id)
             have = self._versions.setdefault(user_id, {})
-            for fid in [f for f in have if f not in wanted]:
-                self._drop(user_id, fid)
-            stale = [f for f, v in wanted.items() if have.get(f) != v]
-            # One round trip; a fact deleted since the listing is left out (the next sync sees that too).
-            recs = list(self.registry.find_many(user_id, stale).values()) if stale else []
-            self._add_records(user_id, recs)
-            self._synced[user_id] = version
+            changes = user_changes(self.registry, user_id, self._synced.get(user_id), have)
+            if changes is not None:
+                for fid in changes.gone:
+                    self._drop(user_id, fid)
+                self._add_records(user_id, changes.fresh)
+                self._synced[user_id] = changes.version
             return self.index.size(user_id)
 
     def _add_records(self, user_id: str, recs) -> None:

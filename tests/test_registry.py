@@ -276,6 +276,24 @@ def test_actor_registry_is_shared_by_name(local_ray):
     local_ray.kill(first.actor)
 
 
+def test_user_changes_is_one_read_when_nothing_moved_and_the_diff_otherwise(reg):
+    """services/user_sync.py, the sync retrieval and the engine replica share."""
+    from inferscale_server.user_sync import user_changes
+
+    a, b = reg.create("u", [NewFact("one"), NewFact("two")])
+    first = user_changes(reg, "u", None, {})
+    assert sorted(r.fact_id for r in first.fresh) == sorted([a.fact_id, b.fact_id]) and first.gone == []
+    held = {r.fact_id: r.version for r in first.fresh}
+    assert user_changes(reg, "u", first.version, held) is None  # the counter did not move
+    reg.update("u", a.fact_id, text="uno")
+    reg.delete("u", b.fact_id)
+    (c,) = reg.create("u", [NewFact("three")])
+    later = user_changes(reg, "u", first.version, held)
+    assert later.version > first.version and sorted(later.gone) == sorted([a.fact_id, b.fact_id])
+    assert sorted((r.fact_id, r.version, r.text) for r in later.fresh) == sorted(
+        [(a.fact_id, 2, "uno"), (c.fact_id, 1, "three")])
+
+
 def test_retrieval_replica_resyncs_from_the_registry(redis_url):  # noqa: F811
     """A retrieval replica's index is a cache of the registry: writes made by someone else (another gateway,
     or a push that never arrived) are seen by its next search, embeddings are written back, and deletes and
