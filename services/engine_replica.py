@@ -68,6 +68,7 @@ from inferscale_core.types import Mode, kv_id
 from .admission import DEFAULT_QUEUE_FACTOR, Admission, check_queue_factor
 from .api import RETRY_AFTER_S, ApiError, wire_mode
 from .encoder_pool import EncodeFailure, StoredKV
+from .messages import AnswerEnd, AnswerPiece, Choice
 from .registry import open_registry
 from .routing import IN_FLIGHT, SLOT
 from .user_sync import moved_facts, user_changes
@@ -659,8 +660,8 @@ class ReplicaCore:
 
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
                      mode: Mode, conversation: list[dict] | None = None, openai: dict | None = None):
-        """Streams {"text"} pieces, then the final {"final": True, ...} with TTFT, the injected fact ids and
-        `timings_ms` (this replica's hops). `conversation`: system messages and earlier turns, after the memory
+        """Streams AnswerPiece messages, then one AnswerEnd with TTFT, the injected fact ids and `timings_ms`
+        (this replica's hops) (services/messages.py). `conversation`: system messages and earlier turns, after the memory
         in the chat template. Refused with RESOURCE_EXHAUSTED (EngineAtCapacity) when the KV cache is full.
         `openai`: an OpenAI chat request's parts (services/openai_params.py): "sampling" (its sampling fields,
         which replace max_tokens and temperature), "messages" (its turns, the question at "question_index") and
@@ -712,17 +713,18 @@ class ReplicaCore:
                 t_submit = time.perf_counter()
                 async for text, ans in self.engine.stream(p, sp):
                     if ans is None:
-                        yield {"text": text}
+                        yield AnswerPiece(text)
                         continue
                     if ans.ttft_s is not None:
                         self.metrics.ttft.observe(ans.ttft_s, tags={"mode": wire_mode(mode)})
-                    yield {"final": True, "fact_ids": ans.fact_ids, "ttft_ms": (ans.ttft_s or 0.0) * 1000,
-                           "prompt_tokens": ans.prompt_len,
-                           "prefilled_tokens": ans.prompt_len - ans.num_cached_tokens,
-                           "completion_tokens": len(ans.token_ids), "finish_reason": ans.finish_reason or "stop",
-                           "timings_ms": {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
-                                          "admission_wait": ms(t_submit - t_in),
-                                          **engine_timings(ans)}}
+                    yield AnswerEnd(fact_ids=list(ans.fact_ids), ttft_ms=(ans.ttft_s or 0.0) * 1000,
+                                    prompt_tokens=ans.prompt_len,
+                                    prefilled_tokens=ans.prompt_len - ans.num_cached_tokens,
+                                    completion_tokens=len(ans.token_ids),
+                                    finish_reason=ans.finish_reason or "stop",
+                                    timings_ms={"user_sync": ms(t_synced - t_in),
+                                                "kv_fetch": ms(t_fetched - t_synced),
+                                                "admission_wait": ms(t_submit - t_in), **engine_timings(ans)})
 
     async def _answer_openai(self, p, openai: dict, mode: Mode, t_in: float, t_synced: float, t_fetched: float):
         """An OpenAI chat request's answer: vLLM's SamplingParams from the request (n choices, logprobs, stop,
@@ -743,35 +745,31 @@ class ReplicaCore:
                     for c in out.outputs:
                         if ttft is None and c.token_ids:
                             ttft = time.perf_counter() - t_submit
-                        piece = {"index": c.index, "text": c.text}
-                        if req.top_logprobs is not None and c.logprobs:
-                            piece["logprobs"] = logprobs_content(c.token_ids, c.logprobs, req.top_logprobs, tokenizer)
+                        logprobs = (logprobs_content(c.token_ids, c.logprobs, req.top_logprobs, tokenizer)
+                                    if req.top_logprobs is not None and c.logprobs else None)
                         texts[c.index] += c.text
                         counts[c.index] += len(c.token_ids)
                         finish[c.index] = c.finish_reason or finish[c.index]
-                        if c.text or "logprobs" in piece:
-                            yield piece
+                        if c.text or logprobs is not None:
+                            yield AnswerPiece(c.text, c.index, logprobs)
             except ValueError as e:  # vLLM's input checks (e.g. more logprobs than the engine's max_logprobs)
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0][:500]) from None
         if ttft is not None:
             self.metrics.ttft.observe(ttft, tags={"mode": wire_mode(mode)})
         choices = []
         for i in range(n):
-            choice = {"index": i, "finish_reason": finish[i] or "stop", "completion_tokens": counts[i]}
-            if req.tool_choice is not None:
-                calls = tool_calls(texts[i], req.tool_choice)
-                if calls is not None:
-                    choice["tool_calls"] = calls
-                    choice["finish_reason"] = "tool_calls" if req.tool_choice == "required" else choice["finish_reason"]
-            choices.append(choice)
+            reason = finish[i] or "stop"
+            calls = tool_calls(texts[i], req.tool_choice) if req.tool_choice is not None else None
+            if calls is not None and req.tool_choice == "required":
+                reason = "tool_calls"
+            choices.append(Choice(i, reason, counts[i], calls))
         stats = SimpleNamespace(ttft_s=ttft, engine_stats=getattr(final, "metrics", None))  # engine_timings' view
-        yield {"final": True, "fact_ids": p.fact_ids, "ttft_ms": (ttft or 0.0) * 1000,
-               "prompt_tokens": len(p.prompt_ids),
-               "prefilled_tokens": len(p.prompt_ids) - ((final.num_cached_tokens or 0) if final else 0),
-               "completion_tokens": sum(counts), "finish_reason": choices[0]["finish_reason"], "choices": choices,
-               "max_tokens": sp.max_tokens,
-               "timings_ms": {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
-                              "admission_wait": ms(t_submit - t_in), **engine_timings(stats)}}
+        yield AnswerEnd(fact_ids=list(p.fact_ids), ttft_ms=(ttft or 0.0) * 1000, prompt_tokens=len(p.prompt_ids),
+                        prefilled_tokens=len(p.prompt_ids) - ((final.num_cached_tokens or 0) if final else 0),
+                        completion_tokens=sum(counts), finish_reason=choices[0].finish_reason, choices=choices,
+                        max_tokens=sp.max_tokens,
+                        timings_ms={"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
+                                    "admission_wait": ms(t_submit - t_in), **engine_timings(stats)})
 
     async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
                    structured: dict | None = None) -> str:

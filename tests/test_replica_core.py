@@ -158,9 +158,12 @@ async def gone(parts, user: str, kv: str, timeout_s: float = 20.0) -> bool:
     return False
 
 
-async def answer(core, user: str, fact_ids: list[str], mode=Mode.KV) -> dict:
+async def answer(core, user: str, fact_ids: list[str], mode=Mode.KV):
+    """The AnswerEnd of a streamed answer (services/messages.py)."""
+    from inferscale_server.messages import AnswerEnd, AnswerPiece
+
     pieces = [p async for p in core.answer(user, "Where does Alice live?", fact_ids, 4, 0.0, mode)]
-    assert pieces[0] == {"text": "ok"}
+    assert pieces[0] == AnswerPiece("ok") and isinstance(pieces[-1], AnswerEnd)
     return pieces[-1]
 
 
@@ -217,11 +220,11 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
         # A replica that never saw the user: the k facts a request names come from the cluster tier, once.
         core = await started(parts, registry)
         final = await answer(core, USER, ["f2", "f1"])
-        assert final["fact_ids"] == ["f2", "f1"]
+        assert final.fact_ids == ["f2", "f1"]
         assert core.counters["facts_from_cluster"] == 2 and core.counters["facts_encoded"] == 0
         assert core.engine.kvs(USER) == {kv_id("f1", 1), kv_id("f2", 1)}  # the request's k, not the whole user
-        assert final["prefilled_tokens"] < final["prompt_tokens"]  # injected
-        assert set(final["timings_ms"]) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft"}
+        assert final.prefilled_tokens < final.prompt_tokens  # injected
+        assert set(final.timings_ms) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft"}
 
         # Again: the worker store has them, nothing is read; a third fact comes from the cluster tier.
         await answer(core, USER, ["f2", "f1", "f3"])
@@ -232,7 +235,7 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
         # Prompt mode serves the same facts as text: no KV is fetched for it.
         fresh = await started(parts, registry)
         final = await answer(fresh, USER, ["f1"], Mode.PI)
-        assert final["prefilled_tokens"] == final["prompt_tokens"] and fresh.engine.kvs(USER) == set()
+        assert final.prefilled_tokens == final.prompt_tokens and fresh.engine.kvs(USER) == set()
         # The registry knows where the user is held.
         assert {writer.replica_id, core.replica_id, fresh.replica_id} <= registry.placement(USER)
 
@@ -255,7 +258,7 @@ def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
         first, second = await asyncio.gather(answer(core, user, ["b1", "b2"]), answer(core, user, ["b2", "b1"]))
         # Answered all the same (whether vLLM computed a fact or the re-encode landed before its load is a race,
         # as in vLLM); the first request found neither fact anywhere.
-        assert first["fact_ids"] == ["b1", "b2"] and second["fact_ids"] == ["b2", "b1"]
+        assert first.fact_ids == ["b1", "b2"] and second.fact_ids == ["b2", "b1"]
         assert core.counters["facts_recomputed"] >= 2 and core.counters["facts_from_cluster"] == 0
         for _ in range(200):  # the background re-encode (milliseconds with the tiny model)
             if core.counters["facts_encoded"] >= 2 and not core._reencoding:
@@ -265,7 +268,7 @@ def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
         assert core.engine.kvs(user) == {kv_id("b1", 1), kv_id("b2", 1)}
         assert all(e is not None for e in parts.cluster.get_many(user, [kv_id("b1", 1), kv_id("b2", 1)]))
         third = await answer(core, user, ["b1", "b2"])
-        assert third["prefilled_tokens"] < third["prompt_tokens"]  # injected now
+        assert third.prefilled_tokens < third.prompt_tokens  # injected now
 
     run(go())
 
@@ -287,7 +290,7 @@ def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
         other = await started(parts, registry, cluster=False)  # never saw carol: encodes during the request
         final = await answer(other, "carol", ["c1"])
         assert other.counters["facts_encoded"] == 1 and other.counters["facts_recomputed"] == 0
-        assert final["prefilled_tokens"] < final["prompt_tokens"]
+        assert final.prefilled_tokens < final.prompt_tokens
 
     run(go())
 
@@ -319,7 +322,7 @@ def test_update_and_delete_reach_every_tier(parts):
         assert core.engine.kvs(user) == {kv_id("d1", 2)}
         assert await gone(parts, user, kv_id("d2", 1))
         final = await answer(core, user, ["d1", "d2"])  # retrieval may still name it: left out
-        assert final["fact_ids"] == ["d1"]
+        assert final.fact_ids == ["d1"]
 
     run(go())
 
@@ -386,7 +389,7 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
         c = reader.counters
         assert c["facts_unreadable"] >= 1 and c["facts_from_cluster"] + c["facts_unreadable"] == len(ids), c
         assert c["facts_encoded"] == 0 and not reader._reencoding, c  # computed for this request, not re-encoded
-        assert first["prefilled_tokens"] == first["prompt_tokens"]  # vLLM computed the memory
+        assert first.prefilled_tokens == first.prompt_tokens  # vLLM computed the memory
         for _ in range(int(4 * ttl_s / 0.25)):  # until the master drops the dead segment
             gone = await asyncio.to_thread(store.read, user, [kv_id(f, 1) for f in ids])
             if not any(gone.unreadable):

@@ -29,6 +29,7 @@ from inferscale_core.types import Mode
 from .. import api, filters
 from ..api import ApiError, Limits, pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
+from ..messages import AnswerEnd, AnswerPiece
 from ..registry import FactRecord, NewFact, Registry, VersionConflictError
 
 log = logging.getLogger("inferscale.gateway")
@@ -49,8 +50,9 @@ class Backends(Protocol):
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]: ...
 
     def answer(self, user_id: str, query: str, k: int, max_tokens: int, temperature: float,
-               mode: Mode, conversation: list[dict] | None = None, openai: dict | None = None) -> AsyncIterator[dict]:
-        """Yields {"text": ...} pieces, then one {"final": True, "fact_ids", "ttft_ms", "timings_ms", ...}.
+               mode: Mode, conversation: list[dict] | None = None, openai: dict | None = None
+               ) -> AsyncIterator[AnswerPiece | AnswerEnd]:
+        """Yields AnswerPiece messages, then one AnswerEnd (services/messages.py).
         `conversation`: system messages and earlier turns, put after the memory in the chat template.
         `openai`: an OpenAI chat request's parts (EngineReplica.answer in services/engine_replica.py)."""
 
@@ -382,18 +384,16 @@ class GatewayCore:
 
     async def Answer(self, raw, caller: Principal):  # noqa: N802 - async generator of AnswerChunk
         async for piece in self.answer_pieces(raw, caller):
-            if piece.get("final"):
+            if isinstance(piece, AnswerEnd):
                 yield pb2.AnswerChunk(
-                    text=piece.get("text", ""), final=True, ttft_ms=piece.get("ttft_ms", 0.0),
-                    fact_ids=piece.get("fact_ids", []), prompt_tokens=piece.get("prompt_tokens", 0),
-                    prefilled_tokens=piece.get("prefilled_tokens", 0),
-                    completion_tokens=piece.get("completion_tokens", 0),
-                    finish_reason=piece.get("finish_reason", ""), timings_ms=piece.get("timings_ms", {}))
+                    final=True, ttft_ms=piece.ttft_ms, fact_ids=piece.fact_ids, prompt_tokens=piece.prompt_tokens,
+                    prefilled_tokens=piece.prefilled_tokens, completion_tokens=piece.completion_tokens,
+                    finish_reason=piece.finish_reason, timings_ms=piece.timings_ms)
             else:
-                yield pb2.AnswerChunk(text=piece.get("text", ""))
+                yield pb2.AnswerChunk(text=piece.text)
 
     async def answer_pieces(self, raw, caller: Principal, openai: dict | None = None):
-        """Answer's validation and stream, as the engine replica's pieces (dicts). `openai`: the parts of an
+        """Answer's validation and stream, as the engine replica's messages (AnswerPiece..., AnswerEnd). `openai`: the parts of an
         OpenAI chat request the HTTP front door checked (services/engine_replica.py EngineReplica.answer); its
         question may be as long as any message, and its sampling replaces max_tokens and temperature."""
         req = api.parse("Answer", raw, self.limits)

@@ -20,6 +20,7 @@ from .. import api
 from ..admission import EngineAtCapacity
 from ..api import ApiError, Limits, pb2
 from ..auth import Principal
+from ..messages import AnswerEnd, AnswerPiece, Choice
 from ..openai_params import SAMPLING_FIELDS
 
 HTTP_STATUS = {
@@ -195,9 +196,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
         choices: dict[int, dict] = {}
         try:
             piece = first
-            while True:
-                if piece.get("final"):
-                    break
+            while not isinstance(piece, AnswerEnd):
                 _gather(choices, piece)
                 piece = await gen.__anext__()
         except Exception as e:  # noqa: BLE001 - nothing was sent yet: a plain error answer
@@ -206,7 +205,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
             return error_response(err)
         done(grpc.StatusCode.OK)
         return {"id": cid, "object": "chat.completion", "created": created, "model": call.model,
-                "choices": [_choice(c, choices.get(c["index"], {})) for c in _final_choices(piece)],
+                "choices": [_choice(c, choices.get(c.index, {})) for c in _final_choices(piece)],
                 "usage": _usage(piece), "inferscale": _extra(piece)}
 
     @app.get("/v1/models")
@@ -332,42 +331,42 @@ def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": _STARTED, "owned_by": "inferscale"}
 
 
-def _usage(last: dict) -> dict:
-    prompt, completion = last.get("prompt_tokens", 0), last.get("completion_tokens", 0)
+def _usage(last: AnswerEnd) -> dict:
+    prompt, completion = last.prompt_tokens, last.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _extra(last: dict) -> dict:
+def _extra(last: AnswerEnd) -> dict:
     """InferScale's own fields next to OpenAI's: which facts were injected, TTFT, tokens actually prefilled, the
     per-hop timings (AnswerChunk.timings_ms in the proto) and the max_tokens vLLM ran with."""
-    out = {"fact_ids": list(last.get("fact_ids", [])), "ttft_ms": last.get("ttft_ms", 0.0),
-           "prefilled_tokens": last.get("prefilled_tokens", 0), "timings_ms": dict(last.get("timings_ms", {}))}
-    if "max_tokens" in last:  # the cap each choice ran with: the request's, or the rest of the context
-        out["max_tokens"] = last["max_tokens"]
+    out = {"fact_ids": list(last.fact_ids), "ttft_ms": last.ttft_ms, "prefilled_tokens": last.prefilled_tokens,
+           "timings_ms": dict(last.timings_ms)}
+    if last.max_tokens is not None:  # the cap each choice ran with: the request's, or the rest of the context
+        out["max_tokens"] = last.max_tokens
     return out
 
 
-def _final_choices(last: dict) -> list[dict]:
-    return last.get("choices") or [{"index": 0, "finish_reason": last.get("finish_reason") or "stop"}]
+def _final_choices(last: AnswerEnd) -> list[Choice]:
+    return last.choices or [Choice(0, last.finish_reason or "stop")]
 
 
-def _gather(choices: dict[int, dict], piece: dict) -> None:
-    c = choices.setdefault(piece.get("index", 0), {"text": "", "logprobs": None})
-    c["text"] += piece.get("text", "")
-    if "logprobs" in piece:
-        c["logprobs"] = (c["logprobs"] or []) + piece["logprobs"]
+def _gather(choices: dict[int, dict], piece: AnswerPiece) -> None:
+    c = choices.setdefault(piece.index, {"text": "", "logprobs": None})
+    c["text"] += piece.text
+    if piece.logprobs is not None:
+        c["logprobs"] = (c["logprobs"] or []) + piece.logprobs
 
 
-def _choice(final: dict, got: dict) -> dict:
+def _choice(final: Choice, got: dict) -> dict:
     """One choice of a chat.completion: the text (or the tool calls), logprobs when asked, finish reason."""
-    calls = final.get("tool_calls")
+    calls = final.tool_calls
     message = {"role": "assistant", "content": None if calls else got.get("text", "")}
     if calls:
         message["tool_calls"] = calls
     logprobs = got.get("logprobs")
-    return {"index": final["index"], "message": message,
+    return {"index": final.index, "message": message,
             "logprobs": {"content": logprobs} if logprobs is not None else None,
-            "finish_reason": final.get("finish_reason") or "stop"}
+            "finish_reason": final.finish_reason or "stop"}
 
 
 PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (well under a millisecond)
@@ -584,27 +583,28 @@ async def _sse(gen, first: dict, cid: str, created: int, call: ChatCall, done):
     started: set[int] = set()
     try:
         piece = first
-        while not piece.get("final"):
-            i = piece.get("index", 0)
+        while not isinstance(piece, AnswerEnd):
+            i = piece.index
             if i not in started:
                 started.add(i)
                 yield event([delta(i, {"role": "assistant", "content": ""})])
             if call.tool_choice is None:
-                lp = {"content": piece["logprobs"]} if "logprobs" in piece else None
-                yield event([delta(i, {"content": piece.get("text", "")}, logprobs=lp)])
+                lp = {"content": piece.logprobs} if piece.logprobs is not None else None
+                yield event([delta(i, {"content": piece.text}, logprobs=lp)])
             try:
                 piece = await gen.__anext__()
-            except StopAsyncIteration:
-                piece = {"final": True}
+            except StopAsyncIteration:  # no end message: close the choices that started
+                piece = AnswerEnd(fact_ids=[], ttft_ms=0.0, prompt_tokens=0, prefilled_tokens=0,
+                                  completion_tokens=0, finish_reason="stop")
         finals = _final_choices(piece)
         for c in finals:
-            if c["index"] not in started:
-                yield event([delta(c["index"], {"role": "assistant", "content": ""})])
-            if c.get("tool_calls"):
-                yield event([delta(c["index"], {"tool_calls": [{"index": j, **tc}
-                                                               for j, tc in enumerate(c["tool_calls"])]})])
+            if c.index not in started:
+                yield event([delta(c.index, {"role": "assistant", "content": ""})])
+            if c.tool_calls:
+                yield event([delta(c.index, {"tool_calls": [{"index": j, **tc}
+                                                            for j, tc in enumerate(c.tool_calls)]})])
         for n, c in enumerate(finals):
-            yield event([delta(c["index"], {}, c.get("finish_reason") or "stop")],
+            yield event([delta(c.index, {}, c.finish_reason or "stop")],
                         _extra(piece) if n == len(finals) - 1 else None)
         if call.include_usage:
             yield "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,

@@ -4,6 +4,7 @@ http_front), plus `ServeBackends`, the GatewayCore's view of the other deploymen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -11,6 +12,7 @@ import grpc
 
 from ..api import Limits, caller_deadline, time_left, to_api_error, within_deadline, wire_mode
 from ..auth import AuthConfig, Authenticator
+from ..messages import AnswerEnd
 from ..proxy_setup import DEADLINE_ATTR
 from .core import GatewayCore
 from .grpc_front import health_check, health_watch, metadata_value, status_of
@@ -79,9 +81,9 @@ class ServeBackends:
                         if self.metrics is not None:
                             self.metrics.q2ft.observe(first_ms / 1000, tags={"mode": wire_mode(mode)})
                     first = False
-                    if piece.get("final"):  # the gateway's hops next to the engine replica's
-                        piece = {**piece, "timings_ms": {**piece.get("timings_ms", {}), "retrieval": retrieval_ms,
-                                                         "gateway_total_to_first_chunk": first_ms}}
+                    if isinstance(piece, AnswerEnd):  # the gateway's hops next to the engine replica's
+                        piece = dataclasses.replace(piece, timings_ms={
+                            **piece.timings_ms, "retrieval": retrieval_ms, "gateway_total_to_first_chunk": first_ms})
                     yield piece
                 return
             except Exception as e:  # noqa: BLE001 - retried, or raised as it is
