@@ -661,8 +661,8 @@ class ReplicaCore:
     async def answer(self, user_id: str, query: str, fact_ids: list[str], max_tokens: int, temperature: float,
                      mode: Mode, conversation: list[dict] | None = None, openai: dict | None = None):
         """Streams AnswerPiece messages, then one AnswerEnd with TTFT, the injected fact ids and `timings_ms`
-        (this replica's hops) (services/messages.py). `conversation`: system messages and earlier turns, after the memory
-        in the chat template. Refused with RESOURCE_EXHAUSTED (EngineAtCapacity) when the KV cache is full.
+        (this replica's hops; services/messages.py). `conversation`: system messages and earlier turns, after the
+        memory in the chat template. Refused with RESOURCE_EXHAUSTED (EngineAtCapacity) when the KV cache is full.
         `openai`: an OpenAI chat request's parts (services/openai_params.py): "sampling" (its sampling fields,
         which replace max_tokens and temperature), "messages" (its turns, the question at "question_index") and
         "tools"; pieces then carry the choice "index" and OpenAI "logprobs", and the final one "choices"."""

@@ -393,9 +393,10 @@ class GatewayCore:
                 yield pb2.AnswerChunk(text=piece.text)
 
     async def answer_pieces(self, raw, caller: Principal, openai: dict | None = None):
-        """Answer's validation and stream, as the engine replica's messages (AnswerPiece..., AnswerEnd). `openai`: the parts of an
-        OpenAI chat request the HTTP front door checked (services/engine_replica.py EngineReplica.answer); its
-        question may be as long as any message, and its sampling replaces max_tokens and temperature."""
+        """Answer's validation and stream, as the engine replica's messages (AnswerPiece..., AnswerEnd).
+        `openai`: the parts of an OpenAI chat request the HTTP front door checked (services/engine_replica.py
+        EngineReplica.answer); its question may be as long as any message, and its sampling replaces max_tokens
+        and temperature."""
         req = api.parse("Answer", raw, self.limits)
         uid = self._owner(caller, "Answer", req.user_id)
         query = api.text_field(req.query, "query", self.limits.max_message_chars if openai is not None
