@@ -79,6 +79,11 @@ def points(specs: list[tuple[str, str, str]]) -> list[dict]:
             # loss, so the table also says whether the target holds when "not below 0" is what counts.
             not_below = all(r["hi"] >= 0 and len(reports) - len(r["below"]) >= TARGET_CONVERSATIONS
                             for r in at.values())
+            if len(reports) < ALL_CONVERSATIONS:
+                # Too few conversations to decide: a verdict stands only once enough conversations already fail.
+                allowed = ALL_CONVERSATIONS - TARGET_CONVERSATIONS
+                holds = False if any(len(reports) - r["include_0"] > allowed for r in at.values()) else None
+                not_below = False if any(len(r["below"]) > allowed for r in at.values()) else None
             by_k = {k: pooled[(k, w)] for k in EVERY_K if (k, w) in pooled}
             # issue 21: at every k, pooled and each conversation on its own not below 0 (above counts as met)
             every_k = len(by_k) == len(EVERY_K) and all(r["hi"] >= 0 and not r["below"] for r in by_k.values())
@@ -86,9 +91,14 @@ def points(specs: list[tuple[str, str, str]]) -> list[dict]:
             rows.append({"label": label, "w": w, "k10": at[10], "k50": at[50], "by_k": by_k,
                          "every_k_not_below": every_k, "ratio": ratio, "ratios": ratios,
                          "conversations": len(reports), "accuracy_target": holds, "accuracy_not_below": not_below,
-                         "target": holds and ratio >= TARGET_RATIO,
-                         "target_not_below": not_below and ratio >= TARGET_RATIO, "folder": folder, "ttft_report": ttft})
+                         "target": _and(holds, ratio >= TARGET_RATIO),
+                         "target_not_below": _and(not_below, ratio >= TARGET_RATIO), "folder": folder, "ttft_report": ttft})
     return rows
+
+
+def _and(verdict: bool | None, ratio_met: bool) -> bool | None:
+    """A whole target: missed when either part is missed, undecided while the accuracy part is."""
+    return False if verdict is False or not ratio_met else verdict
 
 
 def _cell(r: dict) -> str:
@@ -105,8 +115,10 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| setting | w | ΔF1 k=10 pooled | conv. incl. 0 (k=10) | ΔF1 k=50 pooled | conv. incl. 0 (k=50) | "
              "TTFT PI/KV k=50 | accuracy target | accuracy, 'not below 0' | whole target | whole, 'not below 0' |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    verdict = lambda ok: "met" if ok else "missed"  # noqa: E731
     for p in rows:
+        def verdict(ok: bool | None) -> str:
+            return {True: "met", False: "missed"}.get(ok, f"not decided: {p['conversations']} of {ALL_CONVERSATIONS}")
+
         def convs(r):
             notes = [f"{side}: {', '.join(r[side])}" for side in ("below", "above") if r[side]]
             return f"{r['include_0']} of {p['conversations']}" + (f" ({'; '.join(notes)})" if notes else "")

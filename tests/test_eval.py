@@ -740,6 +740,14 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
     (one,) = pareto.main(["--point", "one", str(tmp_path / "one"), str(fast)])
     assert one["every_k_not_below"] is None  # nothing below 0, but on 1 conversation of 7: no verdict
     assert pareto.every_k_markdown([one]).endswith("| not decided: 1 of 7 conversations |\n")
+    # the issue-13 verdicts too: none on 1 of 7 conversations, but "missed" once too many already fail
+    assert one["accuracy_target"] is None and one["accuracy_not_below"] is None and one["target_not_below"] is None
+    assert "| not decided: 1 of 7 | not decided: 1 of 7 | not decided: 1 of 7 |" in pareto.markdown([one])
+    for i in range(2):  # 2 of 7 below 0: at most 1 may be, whatever the other 5 show
+        report("early", f"conv-{i}", "| 10 | 5 | 100 | -0.030 [-0.050, -0.010] | – |\n"
+                                     "| 50 | 5 | 100 | -0.030 [-0.050, -0.010] | – |\n")
+    (early,) = pareto.main(["--point", "two of 7", str(tmp_path / "early"), str(fast)])
+    assert early["accuracy_target"] is False and early["accuracy_not_below"] is False and early["target"] is False
     with pytest.raises(SystemExit, match="TTFT"):
         pareto.main(["--point", "x", str(tmp_path / "good"), str(tmp_path / "good" / "conv-0" / "locomo_results.md")])
     with pytest.raises(SystemExit, match="no single-conversation"):
