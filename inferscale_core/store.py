@@ -69,6 +69,16 @@ def default_disk_budget_bytes(disk_dir: str | Path, fraction: float = DISK_BUDGE
     return int((shutil.disk_usage(folder).free + held) * fraction)
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor made by one thread (numpy's memcpy). torch splits a copy of a fact's size
+    over its intra-op threads, and while the cores are busy (vLLM's engine core stepping, the encoder) each
+    split waits for a time slice: a fact put into a CPU store took 15.5 ms with torch's 2 threads and 0.33 ms
+    with this, measured here with both cores busy."""
+    src = t.detach().contiguous()
+    flat = src.reshape(-1).view(torch.uint8).numpy()
+    return torch.from_numpy(flat.copy()).view(t.dtype).reshape(t.shape)
+
+
 def _hash_name(text: str) -> str:
     """File-system-safe, fixed-length name for an id (ids may hold any printable character)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
@@ -360,6 +370,8 @@ class FactStore:
     def _copy(self, fact: EncodedFact, tier: str) -> EncodedFact:
         """A copy that never aliases the caller's tensors (they may be reused or mutated)."""
         device = self.device if tier == "device" else torch.device("cpu")
+        if not self._pin and device.type == "cpu" and fact.k_pre.device.type == "cpu" and fact.v.device.type == "cpu":
+            return EncodedFact(fact.token_ids.to(torch.int64, copy=True), host_copy(fact.k_pre), host_copy(fact.v))
         out = EncodedFact(token_ids=fact.token_ids.to(device, torch.int64, copy=True),
                           k_pre=fact.k_pre.to(device, copy=True, memory_format=torch.contiguous_format),
                           v=fact.v.to(device, copy=True, memory_format=torch.contiguous_format))

@@ -386,30 +386,45 @@ class ReplicaCore:
             await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
             return held
 
-    async def _fetch_kv(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
+    async def _fetch_kv(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> dict[str, float]:
         """Makes the worker store hold these facts' KV where it can, before the request goes to vLLM: worker
         store (memory or disk), then the cluster tier, then (no cluster tier) the encoder now. With a cluster
-        tier a fact found nowhere is left to vLLM to compute, and one re-encode is queued."""
+        tier a fact found nowhere is left to vLLM to compute, and one re-encode is queued. Returns the time of
+        each step it took, in ms (`kv_fetch_*` hops of the answer's timings)."""
+        steps: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def step(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[name] = ms(now - t)
+            t = now
+
         async with self._lock(user_id):
+            step("kv_fetch_lock")
             self.resident.touch(user_id, [kv_id(f, h.version) for f, h in facts])
             todo = [(f, h) for f, h in facts if not self.resident.has(user_id, kv_id(f, h.version))]
             if not todo:
-                return
+                return steps
             # The disk tier: the worker store lists every fact written before a restart.
             present = await self.engine.has_encoded(user_id, [kv_id(f, h.version) for f, h in todo])
             await self._evict(self.resident.add(
                 user_id, [(kv_id(f, h.version), None) for (f, h), ok in zip(todo, present) if ok]))
             self.counters["facts_from_disk"] += sum(present)
+            step("kv_fetch_disk_check")
             todo = [fh for fh, ok in zip(todo, present) if not ok]
             if not todo:
-                return
+                return steps
             if self.cluster is None:
                 await self._encode_and_put(user_id, todo)
-                return
+                step("kv_fetch_encode")
+                return steps
             got = await asyncio.to_thread(self.cluster.read, user_id, [kv_id(f, h.version) for f, h in todo])
+            step("kv_fetch_read")
             hits = [(f, h, enc) for (f, h), enc in zip(todo, got.facts) if enc is not None]
             if hits:
                 await self._put(user_id, [(f, h.version) for f, h, _ in hits], [enc for _, _, enc in hits])
+                step("kv_fetch_put")
             self.counters["facts_from_cluster"] += len(hits)
             self.counters["facts_recomputed"] += len(todo) - len(hits)
             # An object that exists but could not be read (its copy on a node that just died, until the master
@@ -417,6 +432,7 @@ class ReplicaCore:
             self.counters["facts_unreadable"] += sum(got.unreadable)
             self._queue_reencode(user_id, [fh for fh, enc, unread in zip(todo, got.facts, got.unreadable)
                                            if enc is None and not unread])
+            return steps
 
     def _queue_reencode(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
         """One background re-encode per fact version, however many requests miss it meanwhile."""
@@ -679,12 +695,13 @@ class ReplicaCore:
             # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped.
             # Both modes serve the same facts (an A/B of injection).
             facts = [(f, held[f]) for f in fact_ids if f in held]
+            fetch_steps = {}
             if mode == Mode.KV:
-                await self._fetch_kv(user_id, facts)
+                fetch_steps = await self._fetch_kv(user_id, facts)
                 # A fact the encoder just found it cannot encode (stored by an older version) is no longer held:
                 # left out, as the sync used to leave it out before the request.
                 facts = [(f, h) for f, h in facts if held.get(f) == h]
-            t_fetched = time.perf_counter()
+            hops = {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(time.perf_counter() - t_synced), **fetch_steps}
             if openai is not None:
                 turns, at = openai.get("messages") or [], openai.get("question_index", 0)
                 conversation, after, tools = turns[:at], turns[at + 1:], openai.get("tools") or ()
@@ -705,7 +722,7 @@ class ReplicaCore:
                                f"the prompt is {len(p.prompt_ids)} tokens (memory, conversation and query); the "
                                f"model's context is {self.max_model_len} tokens: send fewer or shorter messages")
             if openai is not None:
-                async for piece in self._answer_openai(p, openai, mode, t_in, t_synced, t_fetched):
+                async for piece in self._answer_openai(p, openai, mode, t_in, hops):
                     yield piece
                 return
             sp = SamplingParams(temperature=temperature, max_tokens=max_tokens)
@@ -722,11 +739,9 @@ class ReplicaCore:
                                     prefilled_tokens=ans.prompt_len - ans.num_cached_tokens,
                                     completion_tokens=len(ans.token_ids),
                                     finish_reason=ans.finish_reason or "stop",
-                                    timings_ms={"user_sync": ms(t_synced - t_in),
-                                                "kv_fetch": ms(t_fetched - t_synced),
-                                                "admission_wait": ms(t_submit - t_in), **engine_timings(ans)})
+                                    timings_ms={**hops, "admission_wait": ms(t_submit - t_in), **engine_timings(ans)})
 
-    async def _answer_openai(self, p, openai: dict, mode: Mode, t_in: float, t_synced: float, t_fetched: float):
+    async def _answer_openai(self, p, openai: dict, mode: Mode, t_in: float, hops: dict[str, float]):
         """An OpenAI chat request's answer: vLLM's SamplingParams from the request (n choices, logprobs, stop,
         structured outputs, forced tool calls), streamed by choice."""
         from .openai_params import logprobs_content, request, tool_calls
@@ -768,8 +783,7 @@ class ReplicaCore:
                         prefilled_tokens=len(p.prompt_ids) - ((final.num_cached_tokens or 0) if final else 0),
                         completion_tokens=sum(counts), finish_reason=choices[0].finish_reason, choices=choices,
                         max_tokens=sp.max_tokens,
-                        timings_ms={"user_sync": ms(t_synced - t_in), "kv_fetch": ms(t_fetched - t_synced),
-                                    "admission_wait": ms(t_submit - t_in), **engine_timings(stats)})
+                        timings_ms={**hops, "admission_wait": ms(t_submit - t_in), **engine_timings(stats)})
 
     async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
                    structured: dict | None = None) -> str:

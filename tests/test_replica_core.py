@@ -224,7 +224,10 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
         assert core.counters["facts_from_cluster"] == 2 and core.counters["facts_encoded"] == 0
         assert core.engine.kvs(USER) == {kv_id("f1", 1), kv_id("f2", 1)}  # the request's k, not the whole user
         assert final.prefilled_tokens < final.prompt_tokens  # injected
-        assert set(final.timings_ms) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft"}
+        assert set(final.timings_ms) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft", "kv_fetch_lock",
+                                         "kv_fetch_disk_check", "kv_fetch_read", "kv_fetch_put"}
+        steps = sum(v for key, v in final.timings_ms.items() if key.startswith("kv_fetch_"))
+        assert steps <= final.timings_ms["kv_fetch"] + 0.01  # the steps of the fetch, not beside it
 
         # Again: the worker store has them, nothing is read; a third fact comes from the cluster tier.
         await answer(core, USER, ["f2", "f1", "f3"])

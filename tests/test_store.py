@@ -8,7 +8,7 @@ import torch
 
 from inferscale_core.errors import InferScaleError, InvalidIdError, UnknownFactError, UnknownUserError
 from inferscale_core.model_spec import ModelSpec
-from inferscale_core.store import FactStore
+from inferscale_core.store import FactStore, host_copy
 from inferscale_core.types import EncodedFact
 
 L, H, D = 3, 2, 8  # layers, kv heads, head dim of a toy model
@@ -176,6 +176,21 @@ def test_put_copies_the_callers_tensors():
     s.put("alice", "f", fact)
     fact.k_pre.zero_()
     assert s.get("alice", "f").k_pre.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_host_copy_is_exact_contiguous_and_owns_its_memory(dtype):
+    """The store's one-thread copy (inferscale_core.store.host_copy): same bits, shape and dtype for every KV
+    dtype, a layout a cache write reads without a copy, from a non-contiguous source too, sharing nothing."""
+    fact = make_fact(9, dtype=torch.float32, seed=4)
+    for src in (fact.k_pre.to(dtype), fact.k_pre.to(dtype).transpose(1, 2)):
+        out = host_copy(src)
+        assert out.dtype == dtype and out.shape == src.shape and out.is_contiguous()
+        assert torch.equal(out.view(torch.uint8), src.contiguous().view(torch.uint8))
+        assert out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    s = store(None, dtype=dtype)
+    s.put("alice", "f", EncodedFact(fact.token_ids, fact.k_pre.to(dtype), fact.v.to(dtype)))
+    assert torch.equal(s.get("alice", "f").v.view(torch.uint8), fact.v.to(dtype).view(torch.uint8))
 
 
 def test_get_many_keeps_order():

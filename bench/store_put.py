@@ -1,0 +1,105 @@
+"""What a fact put into a CPU worker store costs inside vLLM's engine core, with its cores idle and busy.
+
+The engine core runs torch with one intra-op thread per core (inferscale_core/vllm_env.py). A put copies the
+fact's K and V (FactStore._copy); torch splits a copy of that size over its threads, and while other processes
+keep the cores busy (the encoder pool, the replica, other requests) each split waits for a time slice. The
+store copies with one thread (inferscale_core.store.host_copy). This compares the two copies, and the store's
+whole put with and without its disk tier, on SmolLM2-135M-shaped facts (30 layers, 3 KV heads, dim 64, 25
+tokens), with 0 and then one busy process per core (a Python loop at the same priority).
+
+    python bench/store_put.py --facts 100
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from inferscale_core.store import FactStore, host_copy  # noqa: E402
+from inferscale_core.types import EncodedFact  # noqa: E402
+
+LAYERS, HEADS, DIM, TOKENS = 30, 3, 64, 25
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        sum(range(10_000))
+
+
+def fact(dtype: torch.dtype, seed: int) -> EncodedFact:
+    g = torch.Generator().manual_seed(seed)
+    return EncodedFact(torch.arange(TOKENS), torch.randn(LAYERS, TOKENS, HEADS, DIM, generator=g).to(dtype),
+                       torch.randn(LAYERS, TOKENS, HEADS, DIM, generator=g).to(dtype))
+
+
+def per_fact_ms(fn, facts: list[EncodedFact]) -> float:
+    """Median over the facts of one call's time, in ms."""
+    times = []
+    for i, f in enumerate(facts):
+        t = time.perf_counter()
+        fn(i, f)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def measure(dtype: torch.dtype, n: int, disk_root: str) -> dict[str, float]:
+    facts = [fact(dtype, i) for i in range(n)]
+    torch_copy = lambda _, f: (f.k_pre.to("cpu", copy=True), f.v.to("cpu", copy=True))  # noqa: E731
+    one_thread = lambda _, f: (host_copy(f.k_pre), host_copy(f.v))  # noqa: E731
+    memory = FactStore(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=dtype)
+    disk = FactStore(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=dtype,
+                     disk_dir=tempfile.mkdtemp(dir=disk_root))
+    return {"torch copy (K+V)": per_fact_ms(torch_copy, facts),
+            "one-thread copy (K+V)": per_fact_ms(one_thread, facts),
+            "store put, memory": per_fact_ms(lambda i, f: memory.put("u", f"f{i}", f), facts),
+            "store put, memory + disk": per_fact_ms(lambda i, f: disk.put("u", f"f{i}", f), facts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--facts", type=int, default=100, help="facts per measurement (the median is reported)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (vLLM: one a core)")
+    a = p.parse_args(argv)
+    if a.facts < 1 or a.threads < 1:
+        p.error("--facts and --threads must be >= 1")
+    torch.set_num_threads(a.threads)
+    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split()
+    keep = [f for f in flags if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx"))]
+    print(f"{os.cpu_count()} cores, torch {a.threads} threads; lscpu flags: {' '.join(keep)}; "
+          f"load {os.getloadavg()[0]:.1f} at start")
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for busy in (0, os.cpu_count()):
+            stop = multiprocessing.Event()
+            spinners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
+            for s in spinners:
+                s.start()
+            try:
+                for dtype in (torch.bfloat16, torch.float32):
+                    rows.append((busy, str(dtype).split(".")[1], measure(dtype, a.facts, root)))
+            finally:
+                stop.set()
+                for s in spinners:
+                    s.join(5)
+    names = list(rows[0][2])
+    print(f"\nms per fact (median of {a.facts}); load {os.getloadavg()[0]:.1f} at end\n")
+    print("| busy processes | dtype | " + " | ".join(names) + " | torch / one-thread copy |")
+    print("|---|---|" + "---|" * (len(names) + 1))
+    for busy, dtype, r in rows:
+        ratio = r["torch copy (K+V)"] / r["one-thread copy (K+V)"]
+        print(f"| {busy} | {dtype} | " + " | ".join(f"{r[n]:.2f}" for n in names) + f" | {ratio:.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
