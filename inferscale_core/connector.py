@@ -215,6 +215,10 @@ class InjectionWorkerExtension:
     def inferscale_has(self, user_id: str, kv_ids: list[str]) -> list[bool]:
         return worker_connector().has(user_id, kv_ids)
 
+    def inferscale_list(self) -> dict[str, list[str]]:
+        """Every user's kv_ids in the worker store: what a replica finds on its disk tier at start."""
+        return worker_connector().listed()
+
     def inferscale_stats(self) -> dict[str, Any]:
         """Cumulative counters and resident bytes of this worker."""
         return worker_connector().stats()

@@ -224,6 +224,11 @@ class WorkerSide:
         store = self._require_store()
         return [store.contains(user_id, f) for f in kv_ids]
 
+    def listed(self) -> dict[str, list[str]]:
+        """Every user's kv_ids in the store (its disk tier's files included), the shared prefix left out."""
+        store = self._require_store()
+        return {u: store.fact_ids(u) for u in store.users() if u != SHARED_USER_ID}
+
     # ------------------------------------------------------------------ injection
 
     def load(self, forward_context: "ForwardContext", meta: InjectionMetadata) -> None:

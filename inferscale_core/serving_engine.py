@@ -112,6 +112,10 @@ class AsyncInjectingEngine:
         ids = [check_id("kv_id", f) for f in kv_ids]
         return await self._rpc("inferscale_has", check_id("user_id", user_id), ids) if ids else []
 
+    async def list_encoded(self) -> dict[str, list[str]]:
+        """Every user's kv_ids in the worker store (memory and disk tier), the shared prefix left out."""
+        return await self._rpc("inferscale_list")
+
     async def preload(self, user_id: str) -> int:
         return await self._rpc("inferscale_preload", user_id)
 

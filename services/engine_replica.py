@@ -166,8 +166,11 @@ class ResidentKV:
         for kv in kvs:
             self.bytes -= self._lru.pop((user_id, kv), 0)
 
+    def kvs_of(self, user_id: str) -> list[str]:
+        return [kv for u, kv in self._lru if u == user_id]
+
     def drop_user(self, user_id: str) -> None:
-        self.discard(user_id, [kv for u, kv in self._lru if u == user_id])
+        self.discard(user_id, self.kvs_of(user_id))
 
     def count(self) -> int:
         return len(self._lru)
@@ -330,6 +333,10 @@ class ReplicaCore:
         budget = config.kv_budget_bytes if config.kv_budget_bytes is not None else default_kv_budget_bytes()
         self.resident = ResidentKV(min(budget, disk_budget_bytes or 1 << 62))
         self._reencoding: set[tuple[str, str]] = set()  # (user, kv_id) with a re-encode under way
+        # kv_ids the worker store may hold that `resident` does not count: its disk tier's files at start and what
+        # a disk tier keeps of users this replica unloaded. A request asks the engine core about these only (one
+        # RPC into its step loop); any other fact not in `resident` is known to be absent.
+        self._maybe_on_disk: dict[str, set[str]] = {}
         self._synced: dict[str, int] = {}   # user -> registry user_version last synced
         self._pruned: dict[str, int] = {}   # user -> user_version the watch last dropped moved facts for
         self._user_locks: dict[str, asyncio.Lock] = {}
@@ -349,6 +356,8 @@ class ReplicaCore:
             await asyncio.to_thread(self.registry.tombstones_after, None))[1]
         await asyncio.to_thread(self._save_tomb_cursor)
         await self._apply_tombstones()
+        if self.disk_dir:
+            self._maybe_on_disk = {u: set(kvs) for u, kvs in (await self.engine.list_encoded()).items()}
         return self
 
     # ------------------------------------------------------------------------------ user placement
@@ -406,15 +415,17 @@ class ReplicaCore:
             todo = [(f, h) for f, h in facts if not self.resident.has(user_id, kv_id(f, h.version))]
             if not todo:
                 return steps
-            # The disk tier: the worker store lists every fact written before a restart.
-            present = await self.engine.has_encoded(user_id, [kv_id(f, h.version) for f, h in todo])
-            await self._evict(self.resident.add(
-                user_id, [(kv_id(f, h.version), None) for (f, h), ok in zip(todo, present) if ok]))
-            self.counters["facts_from_disk"] += sum(present)
-            step("kv_fetch_disk_check")
-            todo = [fh for fh, ok in zip(todo, present) if not ok]
-            if not todo:
-                return steps
+            maybe = self._maybe_on_disk.get(user_id, set())
+            ask = [kv_id(f, h.version) for f, h in todo if kv_id(f, h.version) in maybe]
+            if ask:  # the disk tier may have them: the worker store says which it still holds
+                present = set(kv for kv, ok in zip(ask, await self.engine.has_encoded(user_id, ask)) if ok)
+                maybe.difference_update(ask)  # counted in `resident` now, or known to be gone
+                await self._evict(self.resident.add(user_id, [(kv, None) for kv in ask if kv in present]))
+                self.counters["facts_from_disk"] += len(present)
+                step("kv_fetch_disk_check")
+                todo = [(f, h) for f, h in todo if kv_id(f, h.version) not in present]
+                if not todo:
+                    return steps
             if self.cluster is None:
                 await self._encode_and_put(user_id, todo)
                 step("kv_fetch_encode")
@@ -535,15 +546,19 @@ class ReplicaCore:
         """LRU eviction. With a disk tier the worker store keeps the facts (its byte budgets decide what stays
         in memory) and a reload finds them there; without one they are dropped and re-encoded on reload."""
         async with self._lock(user_id):
+            kept = self._maybe_on_disk.get(user_id, set()).union(self.resident.kvs_of(user_id))
             if not self.disk_dir:
                 await self.engine.delete_encoded(user_id, None)
             self._forget_books(user_id)
+            # The disk tier keeps them: a reload asks the worker store, whose budgets may have dropped some since.
+            if self.disk_dir and kept:
+                self._maybe_on_disk[user_id] = kept
         self._loaded.discard(user_id)
         self.counters["users_evicted"] += 1
         await asyncio.to_thread(self.registry.remove_placement, user_id, self.replica_id)
 
     def _forget_books(self, user_id: str) -> None:
-        for books in (self._held, self._synced, self._pruned):
+        for books in (self._held, self._synced, self._pruned, self._maybe_on_disk):
             books.pop(user_id, None)
         self.resident.drop_user(user_id)
 

@@ -37,6 +37,7 @@ class DictEngine:
         self.store = {("__inferscale_shared__", self.core.prefix_id): prefix}
         self.capacity_tokens = capacity_tokens
         self.puts = 0  # calls that put KV
+        self.asked: list[list[str]] = []  # the kv_ids of each has_encoded call (an RPC into vLLM's step loop)
 
     def kv_cache_tokens(self) -> int:
         return self.capacity_tokens
@@ -55,7 +56,15 @@ class DictEngine:
         return len(keys)
 
     async def has_encoded(self, user_id, kv_ids) -> list[bool]:
+        self.asked.append(list(kv_ids))
         return [(user_id, kv) in self.store for kv in kv_ids]
+
+    async def list_encoded(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for u, kv in self.store:
+            if u != "__inferscale_shared__":
+                out.setdefault(u, []).append(kv)
+        return out
 
     def kvs(self, user_id) -> set[str]:
         return {kv for u, kv in self.store if u == user_id}
@@ -225,7 +234,9 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
         assert core.engine.kvs(USER) == {kv_id("f1", 1), kv_id("f2", 1)}  # the request's k, not the whole user
         assert final.prefilled_tokens < final.prompt_tokens  # injected
         assert set(final.timings_ms) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft", "kv_fetch_lock",
-                                         "kv_fetch_disk_check", "kv_fetch_read", "kv_fetch_put"}
+                                         "kv_fetch_read", "kv_fetch_put"}
+        # No disk tier: nothing to ask the worker store, so no call into its step loop before the read.
+        assert "kv_fetch_disk_check" not in final.timings_ms and core.engine.asked == []
         steps = sum(v for key, v in final.timings_ms.items() if key.startswith("kv_fetch_"))
         assert steps <= final.timings_ms["kv_fetch"] + 0.01  # the steps of the fetch, not beside it
 
@@ -358,6 +369,50 @@ def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path
         registry.delete_user("frank")
         again = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
         assert engine.kvs("frank") == set() and await gone(parts, "frank", kv_id("g1", 1))
+
+    run(go())
+
+
+def test_the_worker_store_is_asked_only_about_facts_its_disk_tier_may_hold(parts, tmp_path):
+    """A request's cold facts cost one call into the engine core's step loop (the put), not two: the replica asks
+    the worker store which facts it holds only for those its disk tier listed at start or kept for a user the
+    replica unloaded; every other fact not counted as resident is read from the cluster tier at once."""
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "hana"
+    facts = {"h1": "Hana repairs clocks.", "h2": "Hana lives in Kyoto.", "h3": "Hana has two cats.",
+             "h4": "Hana swims at dawn."}
+
+    async def go():
+        core = await started(parts, registry, disk_dir=str(tmp_path))
+        await add(parts, registry, core, user, facts)
+        await answer(core, user, ["h1", "h2"])
+        engine = core.engine  # the worker store with its disk tier outlives the replica (the slot's folder)
+        assert engine.asked == [] and engine.kvs(user) == {kv_id("h1", 1), kv_id("h2", 1)}
+
+        # Restarted over the same disk tier: asked once, about the listed facts the request names, not about h3.
+        restarted = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
+        final = await answer(restarted, user, ["h3", "h2", "h1"])
+        assert engine.asked == [[kv_id("h2", 1), kv_id("h1", 1)]]
+        assert restarted.counters["facts_from_disk"] == 2 and restarted.counters["facts_from_cluster"] == 1
+        assert "kv_fetch_disk_check" in final.timings_ms and final.prefilled_tokens < final.prompt_tokens
+        final = await answer(restarted, user, ["h4", "h1"])  # h1 counted now, h4 never listed: no call
+        assert len(engine.asked) == 1 and "kv_fetch_disk_check" not in final.timings_ms
+        assert restarted.counters["facts_from_cluster"] == 2
+
+        # Unloaded (Serve's LRU): the disk tier keeps its facts. Meanwhile its budget drops one (h3). A reload
+        # asks about the facts it kept; the one gone is read from the cluster tier, not assumed present.
+        await restarted._unload(user)
+        await engine.delete_encoded(user, [kv_id("h3", 1)])
+        final = await answer(restarted, user, ["h3", "h1"])
+        assert engine.asked[-1] == [kv_id("h3", 1), kv_id("h1", 1)]
+        assert restarted.counters["facts_from_disk"] == 3 and restarted.counters["facts_from_cluster"] == 3
+        assert engine.kvs(user) >= {kv_id("h1", 1), kv_id("h3", 1)} and final.prefilled_tokens < final.prompt_tokens
+
+        # DeleteUser forgets what the disk tier had of the user: nothing left to ask about.
+        await restarted.forget_user(user)
+        assert user not in restarted._maybe_on_disk and engine.kvs(user) == set()
 
     run(go())
 
