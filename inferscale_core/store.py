@@ -71,9 +71,9 @@ def default_disk_budget_bytes(disk_dir: str | Path, fraction: float = DISK_BUDGE
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of a CPU tensor made by one thread (numpy's memcpy). torch splits a copy of a fact's size
-    over its intra-op threads, and while the cores are busy (vLLM's engine core stepping, the encoder) each
-    split waits for a time slice: a fact put into a CPU store took 15.5 ms with torch's 2 threads and 0.33 ms
-    with this, measured here with both cores busy."""
+    over its intra-op threads, and a split can wait for a time slice: beside a running vLLM engine (another
+    process, its threads pinned to both cores) a 288 KB bf16 copy took ~7 ms with torch's 2 threads, 0.01 ms
+    with one (BENCHMARKS.md, "A fact put into the engine core's store"). Idle, both take ~0.05 ms."""
     src = t.detach().contiguous()
     flat = src.reshape(-1).view(torch.uint8).numpy()
     return torch.from_numpy(flat.copy()).view(t.dtype).reshape(t.shape)
