@@ -173,6 +173,7 @@ class Retrieval:
 
     def __init__(self, config: RetrievalConfig | None = None):
         from inferscale_core.embedder import Embedder
+        from inferscale_core.vllm_env import one_thread_beside_the_engine
 
         config = config or RetrievalConfig()
         from .encoder_pool import resolve_device
@@ -185,6 +186,7 @@ class Retrieval:
         device = resolve_device(config.device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"retrieval replica asked for device {device!r} but no GPU is visible")
+        one_thread_beside_the_engine(device)
         self.core = RetrievalCore(open_registry(config.registry_url), Embedder(config.embedder_path, device=device),
                                   device)
 

@@ -26,3 +26,18 @@ def test_serve_refuses_a_cache_under_one_gib(capsys):
         cli.main(["serve", "--kv-cache-gib", "0"])
     assert e.value.code == 2
     assert "--kv-cache-gib: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, threads", [("cpu", 1), ("cuda", None), ("cuda:1", None)])
+def test_service_processes_beside_a_cpu_engine_use_one_thread(device, threads):
+    """The encoder pool and retrieval call this with their device: on the CPU one intra-op thread (vLLM's engine
+    pins one per core), elsewhere torch's threads are left alone."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        vllm_env.one_thread_beside_the_engine(device)
+        assert torch.get_num_threads() == (threads or 2)
+    finally:
+        torch.set_num_threads(before)
