@@ -33,12 +33,12 @@ def set_vllm_cpu_env(kv_cache_gib: int = 1) -> None:
 
 
 def one_thread_beside_the_engine(device: str) -> None:
-    """A service process that runs torch on the CPU beside vLLM's CPU engine (the encoder pool, retrieval) uses
-    one intra-op thread. vLLM pins one OMP thread to each core; a second process with a thread per core then
-    waits for time slices at every parallel region while the engine runs. Measured on 2 cores beside a running
-    engine: a MiniLM query embedding took 444-497 ms with 2 threads and 14 ms with 1; SmolLM2 encoded 0.8 facts/s
-    with 2 and 5.4 with 1 (idle, 2 threads encode 10.0: the price on a machine that only adds facts). On an
-    accelerator the work is not on the CPU: nothing changes."""
+    """Retrieval on the CPU runs torch with one intra-op thread. vLLM's CPU engine pins one OMP thread to each
+    core; a process beside it with a thread per core waits for time slices at its parallel regions while the
+    engine runs. bench/threads_beside_engine.py on 2 cores, beside a running engine: a MiniLM query embedding
+    took 61 ms with 2 threads and 14 ms with 1 (alone: 11 and 15 ms). The encoder pool keeps a thread per core:
+    beside the engine 1 thread encoded 3.2 facts/s and 2 threads 2.3, but alone 5.0 and 8.9. On an accelerator
+    the work is not on the CPU: nothing changes."""
     if device == "cpu":
         import torch
 

@@ -253,10 +253,7 @@ class EncoderPool(EncoderCore):
     def __init__(self, config: EncoderPoolConfig | None = None):
         from inferscale_core.cluster_store import ClusterConfig, ClusterStore
 
-        from inferscale_core.vllm_env import one_thread_beside_the_engine
-
         config = config or EncoderPoolConfig()
-        one_thread_beside_the_engine(resolve_device(config.device))
         fe = FactEncoder(config.model_path, config.device, config.dtype, config.store_dtype, config.prefix_window,
                          config.max_fact_tokens)
         cluster = ClusterConfig.from_dict(config.cluster_store or None)

@@ -30,8 +30,8 @@ def test_serve_refuses_a_cache_under_one_gib(capsys):
 
 @pytest.mark.parametrize("device, threads", [("cpu", 1), ("cuda", None), ("cuda:1", None)])
 def test_service_processes_beside_a_cpu_engine_use_one_thread(device, threads):
-    """The encoder pool and retrieval call this with their device: on the CPU one intra-op thread (vLLM's engine
-    pins one per core), elsewhere torch's threads are left alone."""
+    """Retrieval calls this with its device: on the CPU one intra-op thread (vLLM's engine pins one per core),
+    elsewhere torch's threads are left alone."""
     import torch
 
     before = torch.get_num_threads()
