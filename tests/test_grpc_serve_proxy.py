@@ -257,7 +257,9 @@ def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, ad
             grpc.channel_ready_future(ch).result(timeout=60)
             stub = health_pb2_grpc.HealthStub(ch)
             for _ in range(WATCH_STREAMS_PER_PEER + 1):
-                call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=20)
+                # A stream must outlive the loop (60 opened one by one; a stream that timed out would free its
+                # slot and let one more open: seen under load with 20 s)
+                call = stub.Watch(health_pb2.HealthCheckRequest(), timeout=180)
                 try:
                     assert next(call).status == health_pb2.HealthCheckResponse.SERVING
                     streams.append(call)
