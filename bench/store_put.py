@@ -16,7 +16,6 @@ import argparse
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench.eval import serving  # noqa: E402
 from inferscale_core.store import FactStore, host_copy  # noqa: E402
 from inferscale_core.types import EncodedFact  # noqa: E402
 
@@ -84,10 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.facts < 1 or a.threads < 1:
         p.error("--facts and --threads must be >= 1")
     torch.set_num_threads(a.threads)
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split()
-    keep = [f for f in flags if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx"))]
-    print(f"{os.cpu_count()} cores, torch {a.threads} threads; lscpu flags: {' '.join(keep)}; "
-          f"load {os.getloadavg()[0]:.1f} at start")
+    m = serving.machine()
+    print(f"{m['cpu_model']}, {os.cpu_count()} cores, torch {a.threads} threads; "
+          f"lscpu flags: {' '.join(m['cpu_flags'])}; load {os.getloadavg()[0]:.1f} at start")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for nice in (None, 0, 19):  # alone; beside a torch process at the same priority; beside a niced one

@@ -14,7 +14,6 @@ import argparse
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--start-timeout-s", type=float, default=300.0, help="wait this long for the engine to start")
     a = p.parse_args(argv)
+    from bench.eval import serving
     from inferscale_core.embedder import Embedder
     from inferscale_server.encoder_pool import FactEncoder
 
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.split()
-    keep = [f for f in flags if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx"))]
+    m = serving.machine()
     cores = os.cpu_count() or 1
-    print(f"{cores} cores; lscpu flags: {' '.join(keep)}; load {os.getloadavg()[0]:.1f} at start", flush=True)
+    print(f"{m['cpu_model']}, {cores} cores; lscpu flags: {' '.join(m['cpu_flags'])}; "
+          f"load {os.getloadavg()[0]:.1f} at start", flush=True)
     embedder = Embedder(None, device="cpu")
     encoder = FactEncoder(dtype="bfloat16", device="cpu")
     queries = [("When " + "really " * (i % 13) + f"did Caroline go to the support group, time {i}?") for i in range(32)]

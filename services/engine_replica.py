@@ -546,12 +546,13 @@ class ReplicaCore:
         """LRU eviction. With a disk tier the worker store keeps the facts (its byte budgets decide what stays
         in memory) and a reload finds them there; without one they are dropped and re-encoded on reload."""
         async with self._lock(user_id):
-            kept = self._maybe_on_disk.get(user_id, set()).union(self.resident.kvs_of(user_id))
+            # The disk tier keeps them: a reload asks the worker store, whose budgets may have dropped some since.
+            kept = (self._maybe_on_disk.get(user_id, set()).union(self.resident.kvs_of(user_id))
+                    if self.disk_dir else set())
             if not self.disk_dir:
                 await self.engine.delete_encoded(user_id, None)
             self._forget_books(user_id)
-            # The disk tier keeps them: a reload asks the worker store, whose budgets may have dropped some since.
-            if self.disk_dir and kept:
+            if kept:
                 self._maybe_on_disk[user_id] = kept
         self._loaded.discard(user_id)
         self.counters["users_evicted"] += 1
