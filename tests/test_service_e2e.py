@@ -397,11 +397,27 @@ def _wait_running(deployment: str, timeout_s: float = 240) -> None:
     raise AssertionError(f"{deployment} did not come back within {timeout_s} s: {serve.status()}")
 
 
+def _wait_gone(pid: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie its parent has not reaped yet (it runs no code)
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout_s} s after ray.kill")
+
+
 def test_a_killed_engine_replica_is_rebuilt_from_redis(service):
     old = service.engine_stats("alice")
-    # Without its disk tier the replacement has only Redis: it must re-encode every fact from the text.
-    shutil.rmtree(old["disk_dir"])
     ray.kill(_engine_actor(), no_restart=True)
+    # Without its disk tier the replacement has only Redis: it must re-encode every fact from the text. Removed
+    # after the kill: a live replica's watch writes its tombstone cursor into this folder (after the mem0 test's
+    # deletes), which raced an rmtree done before it (CI: "Directory not empty"). The replacement takes seconds
+    # to start (a new process and vLLM), the rmtree milliseconds.
+    _wait_gone(old["pid"])
+    shutil.rmtree(old["disk_dir"])
     t = time.monotonic()
     time.sleep(2)
     _wait_running("EngineReplica")
