@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,13 +30,73 @@ from .user_sync import user_changes
 MAX_USERS = int(os.environ.get("INFERSCALE_RETRIEVAL_MAX_USERS", "1024"))
 
 
+QUERY_BATCH = 64  # queries embedded in one call at most (the Embedder's own batch size)
+
+
+class QueryBatcher:
+    """Embeds queries that wait for the embedder together: a caller that finds it idle embeds every query
+    queued so far (up to `max_batch`) in one call, the others wait for their row. Under load a replica embeds a
+    queue of N queries in a few calls instead of N; alone a query is embedded at once, as before. A batch's rows
+    equal one-at-a-time embeddings to ~1e-7 (padding to the longest query; bench/query_batch.py). A failed call
+    fails the queries of that batch only."""
+
+    def __init__(self, embed, max_batch: int = QUERY_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self._embed, self.max_batch = embed, max_batch
+        self._cv = threading.Condition()
+        self._queue: list[_Query] = []
+        self._busy = False
+        self.calls = 0  # embedder calls made, for tests and benchmarks
+
+    def embed(self, text: str) -> torch.Tensor:
+        mine = _Query(text)
+        with self._cv:
+            self._queue.append(mine)
+            while not mine.done:
+                if self._busy:
+                    self._cv.wait()
+                    continue
+                batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+                self._busy = True
+                self._cv.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self._cv.acquire()
+                    self._busy = False
+                    self._cv.notify_all()
+        if mine.error is not None:
+            raise mine.error
+        return mine.row
+
+    def _run(self, batch: list["_Query"]) -> None:
+        self.calls += 1
+        try:
+            rows = self._embed([q.text for q in batch])
+            for q, row in zip(batch, rows):
+                q.row = row
+        except BaseException as err:  # noqa: BLE001 - handed to every caller of this batch, raised there
+            for q in batch:
+                q.error = err
+        for q in batch:
+            q.done = True
+
+
+class _Query:
+    __slots__ = ("text", "row", "error", "done")
+
+    def __init__(self, text: str):
+        self.text, self.row, self.error, self.done = text, None, None, False
+
+
 class RetrievalCore:
     """Registry-synced per-user indices. Thread-safe; blocking (call from a thread in async code).
 
     Locking is per user: syncing one user (registry reads, embedding its new facts) never holds up another
-    user's search. The query is embedded before any user lock is taken. Embedding itself runs one call at a
-    time (`_embed_lock`: a fast tokenizer is not safe to call from two threads at once); VectorIndex guards
-    its own matrices."""
+    user's search. The query is embedded before any user lock is taken, in a batch with the queries waiting
+    beside it (QueryBatcher). Embedding itself runs one call at a time (`_embed_lock`: a fast tokenizer is not
+    safe to call from two threads at once); VectorIndex guards its own matrices."""
 
     def __init__(self, registry: Registry, embedder, device: str | torch.device = "cpu"):
         self.registry = registry
@@ -44,6 +105,7 @@ class RetrievalCore:
         self._locks_guard = threading.Lock()            # only to create/drop entries of _locks
         self._locks: dict[str, threading.RLock] = {}    # user -> the lock of its sync state and index rows
         self._embed_lock = threading.Lock()
+        self.queries = QueryBatcher(self._embed)
         self._synced: dict[str, int] = {}              # user -> registry user_version last synced
         self._versions: dict[str, dict[str, int]] = {}  # user -> fact_id -> fact version indexed
 
@@ -122,7 +184,7 @@ class RetrievalCore:
     # -------------------------------------------------------------------------------- reads
     def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
         """Top-k `(fact_id, score)` of the user, best first; [] for a user with no facts."""
-        q = self._embed([query])[0]  # before the user's lock: a search never waits on another's embedding
+        q = self.queries.embed(query)  # before the user's lock: a search never waits on another's sync
         return self._search(user_id, q, k)
 
     def search_vector(self, user_id: str, vector, k: int) -> list[tuple[str, float]]:
@@ -189,6 +251,10 @@ class Retrieval:
         one_thread_beside_the_engine(device)
         self.core = RetrievalCore(open_registry(config.registry_url), Embedder(config.embedder_path, device=device),
                                   device)
+        # Searches run on threads of their own, as many as a query batch holds: asyncio's default pool has
+        # cores + 4 threads, which would cap a batch there and queue the other searches unbatched behind it.
+        # A search's thread mostly waits for its batch's row.
+        self._searches = ThreadPoolExecutor(QUERY_BATCH, thread_name_prefix="search")
 
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _LoadedUser:
@@ -199,7 +265,8 @@ class Retrieval:
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
         with self.metrics.request("search"):
             await self._user(user_id)
-            return await asyncio.to_thread(self.core.search, user_id, query, k)
+            return await asyncio.get_running_loop().run_in_executor(self._searches, self.core.search, user_id,
+                                                                    query, k)
 
     async def search_vector(self, user_id: str, vector: list[float], k: int) -> list[tuple[str, float]]:
         with self.metrics.request("search_vector"):

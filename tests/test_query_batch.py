@@ -1,0 +1,97 @@
+"""Queries that wait for the retrieval replica's embedder are embedded together (services/retrieval.py
+QueryBatcher): one call for a queue of queries, each caller gets its own row, a failure stays in its batch."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import pytest
+import torch
+
+from inferscale_core.embedder import default_embedder
+from inferscale_server.retrieval import QueryBatcher
+
+QUERIES = ["what is my dog's name?", "where do I live?", "which city am I flying to next week?", "tea",
+           "what does my sister do for a living, and where does she work?", "allergies", "favourite dessert",
+           "when is my birthday?", "what instrument do I play?", "cats"]
+
+
+class _Gated:
+    """The real embedder behind a gate: the first call waits until the test opens it, so that the other
+    queries queue meanwhile. Records the size of every call."""
+
+    def __init__(self):
+        self.embedder = default_embedder()
+        self.sizes: list[int] = []
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+        self.fail_next = False
+
+    def __call__(self, texts):
+        self.sizes.append(len(texts))
+        self.entered.set()
+        assert self.opened.wait(60), "the test never opened the gate"
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("embedder failed")
+        return self.embedder.embed(texts)
+
+
+def _wait_queued(batcher: QueryBatcher, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(batcher._queue) < n:
+        assert time.monotonic() < deadline, f"only {len(batcher._queue)} of {n} queries queued"
+        time.sleep(0.01)
+
+
+def _embed_all(batcher: QueryBatcher, gated: _Gated, texts: list[str]) -> list:
+    """The first text alone, the rest while it holds the embedder; returns the futures in `texts` order."""
+    with cf.ThreadPoolExecutor(len(texts)) as pool:
+        first = pool.submit(batcher.embed, texts[0])
+        assert gated.entered.wait(60)
+        rest = [pool.submit(batcher.embed, t) for t in texts[1:]]
+        _wait_queued(batcher, len(texts) - 1)
+        gated.opened.set()
+        futures = [first] + rest
+        cf.wait(futures, timeout=120)
+        return futures
+
+
+def test_queries_that_wait_are_embedded_in_one_call_each_with_its_own_row():
+    gated = _Gated()
+    batcher = QueryBatcher(gated)
+    futures = _embed_all(batcher, gated, QUERIES)
+    assert gated.sizes == [1, len(QUERIES) - 1] and batcher.calls == 2
+    alone = default_embedder().embed(QUERIES)  # same texts, one row each
+    for q, f, row in zip(QUERIES, futures, alone):
+        got = f.result()
+        assert got.shape == row.shape
+        # Its own row, not a neighbour's: closest to its own one-at-a-time embedding by far.
+        assert torch.allclose(got, default_embedder().embed([q])[0], atol=1e-5), q
+        assert int(torch.argmax(alone @ got)) == QUERIES.index(q)
+
+
+def test_a_batch_holds_at_most_max_batch_queries():
+    gated = _Gated()
+    batcher = QueryBatcher(gated, max_batch=4)
+    futures = _embed_all(batcher, gated, QUERIES)
+    assert gated.sizes == [1, 4, 4, 1], gated.sizes
+    assert all(f.result().shape == (gated.embedder.dim,) for f in futures)
+
+
+def test_a_failed_call_fails_its_own_batch_only():
+    gated = _Gated()
+    gated.fail_next = True
+    batcher = QueryBatcher(gated, max_batch=4)
+    futures = _embed_all(batcher, gated, QUERIES[:6])
+    assert gated.sizes == [1, 4, 1]
+    with pytest.raises(RuntimeError, match="embedder failed"):
+        futures[0].result()
+    assert all(f.result().shape == (gated.embedder.dim,) for f in futures[1:])
+    assert batcher.embed("one more").shape == (gated.embedder.dim,)  # still usable
+
+
+def test_max_batch_must_be_positive():
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        QueryBatcher(lambda texts: texts, max_batch=0)
