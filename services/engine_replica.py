@@ -20,6 +20,9 @@ facts the request names (the retrieval's top-k), before the request is handed to
      down) is computed by vLLM with the query (the connector's failed-load path: slower, never wrong) and ONE
      re-encode is queued in the background, which writes it to the cluster tier and this worker store,
   3. without a cluster tier the rest is encoded by the encoder pool now, from the registry's text and window.
+The puts of steps 2 and 3 are sent, not awaited, before the request (`_put(ahead=True)`): vLLM's engine core runs
+its input in the order sent, so the put has run when the request is added, and the request does not wait a step
+of the engine's loop for the put's reply.
 Facts are stored under `kv_id(fact_id, version)` in every tier, so KV is used only for the exact version the
 registry names; an update or a delete removes the older versions (from the cluster tier too).
 
@@ -344,9 +347,10 @@ class ReplicaCore:
         self.counters = {"facts_from_disk": 0, "facts_from_cluster": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
                          "facts_dropped_by_watch": 0, "facts_evicted": 0, "facts_stale_pushes": 0,
-                         "tombstones_applied": 0,
+                         "tombstones_applied": 0, "facts_put_failed": 0,
                          "facts_unreadable": 0}  # cluster-tier objects that exist but could not be read (computed)
         self._tomb_cursor: str | None = None
+        self._tasks: set[asyncio.Task] = set()  # background work (re-encodes, puts settling)
 
     async def start(self) -> "ReplicaCore":
         """Tombstones (registry deletes and updates) are applied from where this slot's last replica stopped (its
@@ -434,7 +438,7 @@ class ReplicaCore:
             step("kv_fetch_read")
             hits = [(f, h, enc) for (f, h), enc in zip(todo, got.facts) if enc is not None]
             if hits:
-                await self._put(user_id, [(f, h.version) for f, h, _ in hits], [enc for _, _, enc in hits])
+                await self._put(user_id, [(f, h.version) for f, h, _ in hits], [enc for _, _, enc in hits], ahead=True)
                 step("kv_fetch_put")
             self.counters["facts_from_cluster"] += len(hits)
             self.counters["facts_recomputed"] += len(todo) - len(hits)
@@ -464,7 +468,7 @@ class ReplicaCore:
             finally:
                 self._reencoding.difference_update((user_id, kv_id(f, h.version)) for f, h in fresh)
 
-        asyncio.get_running_loop().create_task(run())
+        self._background(run())
 
     async def _encode_and_put(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
         """Encodes facts from the registry's text and window (the pool writes them to the cluster tier when there
@@ -493,7 +497,7 @@ class ReplicaCore:
             else:
                 good.append((f, h.version, e))
         if good:
-            await self._put(user_id, [(f, v) for f, v, _ in good], [e for _, _, e in good])
+            await self._put(user_id, [(f, v) for f, v, _ in good], [e for _, _, e in good], ahead=True)
         self.counters["facts_encoded"] += sum(not isinstance(e, EncodeFailure) for e in encoded)
 
     async def _current(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
@@ -518,19 +522,53 @@ class ReplicaCore:
                 del held[f]
         return len(fact_ids)
 
-    async def _put(self, user_id: str, facts: list[tuple[str, int]], encoded: list) -> None:
+    async def _put(self, user_id: str, facts: list[tuple[str, int]], encoded: list, ahead: bool = False) -> None:
         """`facts`: (fact_id, version) of each EncodedFact. Chunked: each call into the engine core holds up its
-        step loop (every user's decoding) for as long as it runs. Older versions leave the worker store."""
+        step loop (every user's decoding) for as long as it runs. Older versions leave the worker store.
+
+        `ahead`: a request that needs these facts is sent next. Returns once the puts are sent
+        (AsyncInjectingEngine.send_put: the engine core runs them before it adds that request), not answered,
+        which saves the request a step of the engine's loop; their replies, the older versions' delete and the
+        byte budget's evictions are settled in the background. A put that fails there is logged and counted
+        (`facts_put_failed`), its facts forgotten here: the request computes them (vLLM's failed-load path), the
+        next one that names them fetches them again."""
         if len(facts) != len(encoded):
             raise ValueError(f"{len(facts)} fact ids but {len(encoded)} encoded facts")
         items = [(kv_id(f, v), enc) for (f, v), enc in zip(facts, encoded)]
-        for chunk in put_chunks(items, [enc.num_tokens for enc in encoded]):
-            await self.engine.put_encoded(user_id, chunk)
+        replies = [await self.engine.send_put(user_id, chunk)
+                   for chunk in put_chunks(items, [enc.num_tokens for enc in encoded])]
         old = [i for f, v in facts for i in older_kv_ids(f, v)]
-        if old:
-            await self.engine.delete_encoded(user_id, old)
         self.resident.discard(user_id, old)
-        await self._evict(self.resident.add(user_id, [(i, enc.nbytes) for i, enc in items]))
+        evicted = self.resident.add(user_id, [(i, enc.nbytes) for i, enc in items])
+
+        async def settle() -> None:
+            try:
+                for reply in replies:
+                    await reply
+            except BaseException:
+                self.resident.discard(user_id, [i for i, _ in items])
+                raise
+            if old:
+                await self.engine.delete_encoded(user_id, old)
+            await self._evict(evicted)
+
+        if not ahead:
+            return await settle()
+
+        async def settle_in_background() -> None:
+            try:
+                await settle()
+            except Exception:  # noqa: BLE001 - the request computes what is missing; nothing to answer to
+                self.counters["facts_put_failed"] += len(items)
+                log.exception("putting %d facts of a user into the worker store failed", len(items))
+
+        self._background(settle_in_background())
+
+    def _background(self, work) -> None:
+        """Runs `work` as a task this replica keeps a reference to until it ends (asyncio keeps only a weak one)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _evict(self, keys: list[tuple[str, str]]) -> None:
         """Deletes from the worker store (memory and disk) the facts the byte budget pushed out; a later request

@@ -29,7 +29,7 @@ from mooncake_fixture import mooncake  # noqa: F401  (fixture)
 from redis_fixture import redis_url  # noqa: F401  (fixture)
 from serve_specs import spec_with
 from test_kv_tier import raw_client
-from test_service_e2e import _engine_actor, _wait_running
+from test_service_e2e import _engine_actor, _wait_gone, _wait_running
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -136,11 +136,14 @@ def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, m
         assert fact.num_tokens > 0 and all(client.is_exist(k) == 1 for k in keys)
     finally:
         client.close()
-    before = engine_stats("alice")
+    before, (_, failed_before) = engine_stats("alice"), injections("alice")
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     after = engine_stats("alice")
     assert "Pixel" in text and final.prefilled_tokens < final.prompt_tokens  # injected, not prefilled
     assert after["facts_from_cluster"] - before["facts_from_cluster"] == 3  # the k it needed, not all 5
+    # The put is sent, not awaited, before the request (AsyncInjectingEngine.send_put): the engine core ran it
+    # first, so the request's load found every fact (a put behind the request would be a failed load).
+    assert injections("alice")[1] == failed_before and after["facts_put_failed"] == 0
     assert after["facts_encoded"] == 0 and after["facts_recomputed"] == 0
     service.answers["alice"] = text
 
@@ -148,13 +151,15 @@ def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, m
 def test_a_restarted_replica_serves_from_the_cluster_tier_without_encoding(service):
     old = engine_stats("alice")
     encoder_before = _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
-    shutil.rmtree(old["disk_dir"])  # a replica restarted without its disk (another node): only the cluster tier
     ray.kill(_engine_actor(), no_restart=True)
+    _wait_gone(old["pid"])  # before the rmtree: a live replica writes its tombstone cursor into the folder
+    shutil.rmtree(old["disk_dir"])  # a replica restarted without its disk (another node): only the cluster tier
     time.sleep(2)
     _wait_running("EngineReplica")
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     new = engine_stats("alice")
     assert new["pid"] != old["pid"] and new["slot"] == old["slot"] and new["facts_from_disk"] == 0
+    assert new["engine"]["worker"]["load_failures"] == 0  # the puts sent ahead ran before the request
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0 and new["facts_from_cluster"] == 3
     assert _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)["puts"] == encoder_before["puts"]
     assert text == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens

@@ -49,6 +49,15 @@ class DictEngine:
             self.store[(user_id, kv)] = fact
         return sum(fact.nbytes for _, fact in items)
 
+    async def send_put(self, user_id, items):
+        """Stored at once: the engine core runs a sent put before any request sent after it."""
+        reply = asyncio.get_running_loop().create_future()
+        try:
+            reply.set_result(await self.put_encoded(user_id, items))
+        except Exception as err:  # noqa: BLE001 - handed to whoever awaits the reply, as vLLM's call would
+            reply.set_exception(err)
+        return reply
+
     async def delete_encoded(self, user_id, kv_ids=None) -> int:
         keys = [k for k in self.store if k[0] == user_id and (kv_ids is None or k[1] in kv_ids)]
         for k in keys:
@@ -283,6 +292,44 @@ def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
         assert all(e is not None for e in parts.cluster.get_many(user, [kv_id("b1", 1), kv_id("b2", 1)]))
         third = await answer(core, user, ["b1", "b2"])
         assert third.prefilled_tokens < third.prompt_tokens  # injected now
+
+    run(go())
+
+
+class FailingPuts(DictEngine):
+    """DictEngine whose next `fail` puts raise, as a worker store over its budget would."""
+
+    fail = 0
+
+    async def put_encoded(self, user_id, items) -> int:
+        if self.fail:
+            self.fail -= 1
+            raise ValueError("the worker store is full")
+        return await super().put_encoded(user_id, items)
+
+
+def test_a_put_sent_ahead_of_its_request_that_fails_is_computed_then_fetched_again(parts):
+    """The fetch sends the put and lets the request go (AsyncInjectingEngine.send_put); a put that fails is
+    settled in the background: counted, forgotten here, the request computes the facts, the next fetches them."""
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "fiona"
+
+    async def go():
+        engine = FailingPuts(parts.fe.template, parts.fe.prefix())
+        core = await started(parts, registry, engine=engine)
+        await add(parts, registry, core, user, {"p1": "Fiona plays the cello.", "p2": "Fiona lives in Porto."})
+        engine.fail = 1
+        first = await answer(core, user, ["p1", "p2"])
+        for _ in range(100):
+            if not core._tasks:
+                break
+            await asyncio.sleep(0.01)
+        assert first.fact_ids == ["p1", "p2"] and first.prefilled_tokens == first.prompt_tokens  # computed
+        assert core.counters["facts_put_failed"] == 2 and core.resident.count() == 0
+        second = await answer(core, user, ["p1", "p2"])
+        assert second.prefilled_tokens < second.prompt_tokens and core.counters["facts_from_cluster"] == 4
 
     run(go())
 
