@@ -547,6 +547,8 @@ class ReplicaCore:
                     await reply
             except BaseException:
                 self.resident.discard(user_id, [i for i, _ in items])
+                with contextlib.suppress(Exception):  # the facts the books let go for these still leave the store
+                    await self._evict(evicted)
                 raise
             if old:
                 await self.engine.delete_encoded(user_id, old)
