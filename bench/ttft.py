@@ -92,7 +92,9 @@ def main(argv=None) -> dict:
     memory = Memory(args.model, dtype=dtype)
     engine = InjectingEngine(memory, args.model, dtype=dtype, max_model_len=4096, enable_prefix_caching=True,
                              store_options={"recompute_tokens": args.recompute_tokens,
-                                            "recompute_facts": args.recompute_facts})
+                                            "recompute_facts": args.recompute_facts,
+              "recompute_facts_max_k": args.recompute_facts_max_k,
+                                            "recompute_facts_max_k": args.recompute_facts_max_k})
     t_engine = time.perf_counter() - t0
     chosen = conv.facts[:max_facts]
     facts = [f.render(with_date=args.dates) for f in chosen]
@@ -102,7 +104,7 @@ def main(argv=None) -> dict:
     fact_tokens = statistics.mean(len(memory.template.fact_ids(t)) for t in facts)
     print(f"# {len(facts)} facts of {user} ({fact_tokens:.1f} tokens each on average), encoded in {t_add:.1f} s; "
           f"engine ready in {t_engine:.1f} s; dtype {args.dtype}; recompute_tokens {args.recompute_tokens}; "
-          f"recompute_facts {args.recompute_facts}; "
+          f"recompute_facts {args.recompute_facts} (memories of up to {args.recompute_facts_max_k or 'any'} facts); "
           f"device: CPU ({cpu_line(cpu_description())}); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 

@@ -89,7 +89,8 @@ def _demo(args, out) -> int:
     w = NEIGHBOUR_WINDOW
     say(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded default)'} on vLLM ({args.dtype}, CPU), "
           f"neighbour window={w}, recompute_tokens={options['recompute_tokens']}, "
-          f"recompute_facts={options['recompute_facts']} ...")
+          f"recompute_facts={options['recompute_facts']} (memories of up to "
+          f"{options['recompute_facts_max_k'] or 'any'} facts) ...")
     engine = InjectingEngine(model_path=args.model, dtype=dtype, store_options=options)
     sampling = default_sampling(max_tokens=24)
     kv_wrong_pi_right = []

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from .connector_types import (InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash,
-                              recompute_facts_option, recompute_tokens_option, recomputed_suffix)
+                              recompute_facts_max_k_option, recompute_facts_option, recompute_tokens_option,
+                              recomputed_suffix)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -24,6 +25,7 @@ class SchedulerSide:
         # longer suffix wins when both are set.
         self.recompute_tokens = recompute_tokens_option(extra_config or {})
         self.recompute_facts = recompute_facts_option(extra_config or {})
+        self.recompute_facts_max_k = recompute_facts_max_k_option(extra_config or {})
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 f"InferScaleConnector supports models with one KV cache group (full attention in every layer); "
@@ -69,7 +71,8 @@ class SchedulerSide:
                            "not injecting", request.request_id)
             self._count("requests_invalid")
             return 0
-        recompute = recomputed_suffix(params.chunk_lens or (), self.recompute_tokens, self.recompute_facts)
+        recompute = recomputed_suffix(params.chunk_lens or (), self.recompute_tokens, self.recompute_facts,
+                                      self.recompute_facts_max_k)
         return max(injectable_tokens(len(prompt), m, recompute) - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:

@@ -181,11 +181,22 @@ def recompute_facts_option(extra_config: dict) -> int:
     return _count_option(extra_config, "recompute_facts")
 
 
-def recomputed_suffix(chunk_lens: Sequence[int], recompute_tokens: int, recompute_facts: int) -> int:
+def recompute_facts_max_k_option(extra_config: dict) -> int:
+    """kv_connector_extra_config["recompute_facts_max_k"] (default 0: any memory): `recompute_facts` applies only
+    to memories of at most this many facts. At small k one recomputed fact buys back the accuracy injection loses
+    there; at large k it is not needed and costs time to first token (BENCHMARKS.md, issue 21)."""
+    return _count_option(extra_config, "recompute_facts_max_k")
+
+
+def recomputed_suffix(chunk_lens: Sequence[int], recompute_tokens: int, recompute_facts: int,
+                      recompute_facts_max_k: int = 0) -> int:
     """Memory tokens left to vLLM: the last `recompute_facts` chunks whole (the facts nearest the query; once r
     exceeds the facts it takes in the prefix chunk too, i.e. the whole memory) or the last `recompute_tokens`
-    tokens, whichever suffix is longer. vLLM can only be told that a PREFIX of the prompt is provided
-    externally, so what is recomputed is always a suffix of the memory."""
+    tokens, whichever suffix is longer. `chunk_lens`: the instruction prefix's chunk, then one per fact. With
+    `recompute_facts_max_k` > 0 a memory of more facts than that recomputes no whole fact. vLLM can only be told
+    that a PREFIX of the prompt is provided externally, so what is recomputed is always a suffix of the memory."""
+    if recompute_facts_max_k and len(chunk_lens) - 1 > recompute_facts_max_k:
+        recompute_facts = 0
     r = min(recompute_facts, len(chunk_lens))
     return max(recompute_tokens, sum(chunk_lens[len(chunk_lens) - r:]))
 

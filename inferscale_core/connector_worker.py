@@ -49,7 +49,7 @@ logger = init_logger(__name__)
 WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "disk_budget_bytes", "max_fact_tokens",
                   "inject_group_tokens")
 # Read by the scheduler side (connector_scheduler.py); accepted here so one extra_config serves both sides.
-SCHEDULER_OPTIONS = ("recompute_tokens", "recompute_facts")
+SCHEDULER_OPTIONS = ("recompute_tokens", "recompute_facts", "recompute_facts_max_k")
 
 # Default tokens written per group: bounds the temporary K/V buffers (23 KB per token for SmolLM2 bf16 ->
 # ~190 MB; 128 KiB per token for Llama-3.1-8B bf16 -> 1 GiB) when a batch of many large memories arrives in

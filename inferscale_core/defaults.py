@@ -12,10 +12,15 @@ KV. A fact the caller sends with its own window (conversation turns) keeps it. T
 fact (a re-encode reproduces it); when a neighbour is later deleted or its text changes, the facts encoded
 behind it get the line removed or replaced and are re-encoded (`rewindow`), so a deleted text survives in no
 other fact's window or KV (docs/architecture.md, "Neighbour windows").
-RECOMPUTE_TOKENS = RECOMPUTE_FACTS = 0: the whole memory is injected, only the query is prefilled.
-Measured on all 1,035 LoCoMo development questions (7 conversations, SmolLM2-135M, bf16), conversation by
-conversation: see BENCHMARKS.md for the table and for what was tried instead (recomputing the last 32 tokens or
-the last fact, windows of conversation turns).
+RECOMPUTE_FACTS = 1 with RECOMPUTE_FACTS_MAX_K = 5: a memory of at most 5 facts leaves its last fact (the one
+nearest the question) to vLLM, computed with the query; larger memories are injected whole (RECOMPUTE_TOKENS = 0),
+only the query is prefilled. With facts added one at a time, injecting everything lost to prompt injection at
+k=5 only (pooled -0.009 [-0.017, -0.002], conv-47 below 0); recomputing the last fact there closed it (-0.002
+[-0.008, +0.005], no conversation below 0) for ~35 ms of TTFT at k=5 on a 2-core CPU; at k=10-50 nothing was
+lost, and recomputing would cost TTFT where the 10x target is measured (k=50). Measured on all 1,035 LoCoMo
+development questions (7 conversations, SmolLM2-135M, bf16), conversation by conversation: BENCHMARKS.md, "Facts
+added one at a time", with what was tried before (recomputing the last 32 tokens, windows of conversation turns).
+The service's default k is 5 (services/api.py), so the default request recomputes one fact.
 """
 from __future__ import annotations
 
@@ -25,12 +30,14 @@ from .template import PromptTemplate
 
 NEIGHBOUR_WINDOW = 5
 RECOMPUTE_TOKENS = 0
-RECOMPUTE_FACTS = 0
+RECOMPUTE_FACTS = 1
+RECOMPUTE_FACTS_MAX_K = 5
 
 
 def serving_store_options(overrides: dict | None = None) -> dict:
     """The connector/store options a serving engine starts with: the shipped default, then `overrides`."""
-    return {"recompute_tokens": RECOMPUTE_TOKENS, "recompute_facts": RECOMPUTE_FACTS, **(overrides or {})}
+    return {"recompute_tokens": RECOMPUTE_TOKENS, "recompute_facts": RECOMPUTE_FACTS,
+            "recompute_facts_max_k": RECOMPUTE_FACTS_MAX_K, **(overrides or {})}
 
 
 def default_windows(fact_texts: Sequence[str], windows: Sequence[Sequence[str]] | None = None,
@@ -66,3 +73,6 @@ def add_recompute_arguments(parser) -> None:
                         help="KV mode: leave the memory's last R facts, whole, to vLLM to compute with the query; "
                              "with --recompute-tokens the longer suffix wins (default: the shipped default, "
                              "%(default)s)")
+    parser.add_argument("--recompute-facts-max-k", type=int, default=RECOMPUTE_FACTS_MAX_K,
+                        help="KV mode: --recompute-facts applies only to memories of at most this many facts; 0: any "
+                             "(default: the shipped default, %(default)s)")

@@ -66,7 +66,7 @@ def test_ttft_quick_measures_every_condition(tmp_path):
     prefix cache instead, and the query-only prompt carries no memory."""
     out = tmp_path / "ttft.json"
     proc = run_script(["bench/ttft.py", "--quick", "--max-facts", "40", "--questions", "2", "--dtype", "bfloat16",
-                       "--sample-id", "syn-1", "--dates", "--recompute-tokens", "0", "--data", str(LOCOMO),
+                       "--sample-id", "syn-1", "--dates", "--recompute-tokens", "0", "--recompute-facts", "0", "--data", str(LOCOMO),
                        "--json", str(out)], timeout=300)
     assert "TTFT(PI,k=20)/TTFT(KV,k=20)" in proc.stdout and "CPU only" in proc.stdout
     res = json.loads(out.read_text())

@@ -16,13 +16,15 @@ from test_connector import (BLOCK, FACT_LENS, M, assert_same, block_diagonal_ref
                             build_tiny_model, close_harness, layout, open_harness)
 
 from inferscale_core.connector import injectable_tokens, recompute_tokens_option  # noqa: E402
-from inferscale_core.connector_types import (InjectionParams, memory_hash, recompute_facts_option,  # noqa: E402
+from inferscale_core.defaults import RECOMPUTE_FACTS, RECOMPUTE_FACTS_MAX_K  # noqa: E402
+from inferscale_core.connector_types import (InjectionParams, memory_hash,  # noqa: E402
+                                             recompute_facts_max_k_option, recompute_facts_option,
                                              recomputed_suffix)
 
 RECOMPUTE = 20
 # The engines' connector options, by fixture parameter.
 CONFIGS = {"tokens20": {"recompute_tokens": RECOMPUTE},
-           "facts1": {"recompute_facts": 1},
+           "facts1": {"recompute_facts": 1, "recompute_facts_max_k": 4},
            "facts2_tokens40": {"recompute_facts": 2, "recompute_tokens": 40}}
 
 
@@ -50,6 +52,12 @@ def test_recompute_facts_option_and_suffix():
     assert recomputed_suffix(lens, 40, 2) == 46 and recomputed_suffix(lens, 50, 2) == 50  # the longer suffix wins
     assert recomputed_suffix(lens, 0, 4) == 100  # every fact; the prefix chunk stays injected
     assert recomputed_suffix(lens, 0, 5) == recomputed_suffix(lens, 0, 99) == 145  # beyond the facts: everything
+    # recompute_facts_max_k: whole facts are recomputed only in memories of at most that many facts (4 here).
+    assert recomputed_suffix(lens, 0, 1, 4) == recomputed_suffix(lens, 0, 1, 0) == 29
+    assert recomputed_suffix(lens, 0, 1, 3) == 0 and recomputed_suffix(lens, 20, 1, 3) == 20  # tokens still apply
+    assert recompute_facts_max_k_option({}) == 0 and recompute_facts_max_k_option({"recompute_facts_max_k": 5}) == 5
+    with pytest.raises(ValueError, match="recompute_facts_max_k must be an integer >= 0"):
+        recompute_facts_max_k_option({"recompute_facts_max_k": -5})
 
 
 def test_misspelled_option_is_refused_naming_the_known_ones():
@@ -178,6 +186,9 @@ def test_last_fact_is_computed_whole_with_the_query(harness):
     h = harness
     chunks, query = layout(7100)
     fids = inject_and_compare(h, "facts1", chunks, query, M - FACT_LENS[-1])  # 116: ends inside a block
+    # recompute_facts_max_k=4: a memory of 5 facts recomputes no fact, all of it is injected.
+    five, query5 = layout(7150, FACT_LENS + [11])
+    inject_and_compare(h, "facts1-five", five, query5, sum(map(len, five)))
     # A request without the fact boundaries (an older client) is not injected at all: vLLM computes the
     # whole memory, which is prompt injection, and the scheduler counts the request as invalid.
     (plain,) = h.run(h.plain([t for c in chunks for t in c] + query))
@@ -220,7 +231,9 @@ def test_locomo_records_recompute_facts_and_merges_only_equal_runs(tmp_path):
 
     from test_eval import runner as locomo  # bench/locomo.py, loaded the way test_eval loads it
     assert locomo.parse_args(["--recompute-facts", "2"]).recompute_facts == 2
-    assert locomo.parse_args([]).recompute_facts == 0
+    shipped = locomo.parse_args([])  # no flags: the shipped default (inferscale_core/defaults.py)
+    assert (shipped.recompute_facts, shipped.recompute_facts_max_k) == (RECOMPUTE_FACTS, RECOMPUTE_FACTS_MAX_K)
+    assert locomo.parse_args(["--recompute-facts-max-k", "0"]).recompute_facts_max_k == 0
     config = {"recompute_tokens": 32}
     for name, extra in (("old", {}), ("r0", {"recompute_facts": 0}), ("r2", {"recompute_facts": 2})):
         (tmp_path / name).mkdir()

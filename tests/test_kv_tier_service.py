@@ -59,9 +59,11 @@ def service(redis_url, mooncake, tmp_path_factory, jwt_secret):  # noqa: F811
                                              target_ongoing_requests=2, max_ongoing_requests=512, num_cpus=0.5,
                                              upscale_delay_s=2.0, downscale_delay_s=3600.0)
     kv_dir = tmp_path_factory.mktemp("kv")
+    # Every fact injected (no fact recomputed by design at small k): a fact missing from every tier is then a
+    # failed load that vLLM recomputes, which the tests below count.
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048, http_port=free_port(),
                         grpc_port=free_port(), deployments=deployments, cluster_store=dict(mooncake.config),
-                        auth={"hs256_secret_file": str(jwt_secret[0])})
+                        auth={"hs256_secret_file": str(jwt_secret[0])}, store_options={"recompute_facts": 0})
     with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars={"INFERSCALE_ENGINE_MAX_USERS": "2"}) as svc:
         svc.answers = {}
         yield svc

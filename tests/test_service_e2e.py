@@ -148,7 +148,8 @@ def test_answers_stream_with_the_injected_memory(service):
     assert len(final.fact_ids) == 3 and set(final.fact_ids) <= set(service.ids["alice"])
     assert final.fact_ids[-1] == service.ids["alice"][0]  # the cat fact, next to the query
     # vLLM's own accounting: the memory's tokens came from the connector, except the suffix the shipped default
-    # leaves to vLLM (its last RECOMPUTE_TOKENS; 0 today), which vLLM prefilled with the query.
+    # leaves to vLLM (at k=3 its last fact: RECOMPUTE_FACTS, RECOMPUTE_FACTS_MAX_K), which vLLM prefilled with
+    # the query.
     loaded = (after["engine"]["prompt_tokens_external_kv_transfer"]
               - before["engine"].get("prompt_tokens_external_kv_transfer", 0))
     computed = after["engine"]["prompt_tokens_local_compute"] - before["engine"].get("prompt_tokens_local_compute", 0)
@@ -156,12 +157,16 @@ def test_answers_stream_with_the_injected_memory(service):
     assert RECOMPUTE_TOKENS < computed == final.prefilled_tokens < final.prompt_tokens
     assert after["engine"]["worker"]["injected_requests"] >= 1
     service.answers["alice"] = text
+    service.fact_ids = {"alice": list(final.fact_ids)}
 
 
-def test_prompt_mode_is_the_baseline_with_the_same_answer(service):
+def test_prompt_mode_is_the_baseline_with_the_same_facts(service):
     pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24, mode="prompt")
     assert final.prefilled_tokens == final.prompt_tokens  # everything prefilled: Mem0-style text memory
-    assert "".join(pieces) == service.answers["alice"]  # fp32 greedy: injection changes nothing but speed
+    # The same facts in the same order, as text. The greedy text may differ: facts encoded apart (with their
+    # neighbours, the last one recomputed at this k) are close to, not equal to, one joint prefill; the
+    # exactness tests compare jointly encoded memory (tests/test_connector.py).
+    assert final.fact_ids == service.fact_ids["alice"] and "Pixel" in "".join(pieces)
 
 
 def test_one_user_never_sees_another_users_facts(service):
