@@ -736,6 +736,11 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
     assert not allk["every_k_not_below"] and "At every k" in (tmp_path / "o2" / "pareto.md").read_text()
     every = pareto.every_k_markdown([allk])
     assert "| all k | 5 | 2 |" in every and "; 1 (conv-1) |" in every and every.endswith("| missed |\n")
+    # A setting that differs by k: k=20 from a second folder, measured at that k only, replaces the first's.
+    for i in range(2):
+        report("allk-k20", f"conv-{i}", "| 20 | 5 | 100 | +0.002 [-0.010, +0.014] | – |\n")
+    (mixed,) = pareto.main(["--point", "mixed", f"{tmp_path / 'allk'},{tmp_path / 'allk-k20'}", str(fast)])
+    assert mixed["by_k"][20]["below"] == [] and mixed["by_k"][5] == allk["by_k"][5] and mixed["conversations"] == 2
     report("one", "conv-0", ok + "| 5 | 5 | 100 | +0.001 [-0.020, +0.018] | – |\n| 20 | 5 | 100 | +0.001 [-0.020, +0.018] | – |\n")
     (one,) = pareto.main(["--point", "one", str(tmp_path / "one"), str(fast)])
     assert one["every_k_not_below"] is None  # nothing below 0, but on 1 conversation of 7: no verdict
