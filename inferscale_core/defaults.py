@@ -12,12 +12,13 @@ KV. A fact the caller sends with its own window (conversation turns) keeps it. T
 fact (a re-encode reproduces it); when a neighbour is later deleted or its text changes, the facts encoded
 behind it get the line removed or replaced and are re-encoded (`rewindow`), so a deleted text survives in no
 other fact's window or KV (docs/architecture.md, "Neighbour windows").
-RECOMPUTE_FACTS = 1 with RECOMPUTE_FACTS_MAX_K = 5: a memory of at most 5 facts leaves its last fact (the one
+RECOMPUTE_FACTS = 1 with RECOMPUTE_FACTS_MAX_K = 9: a memory of at most 9 facts leaves its last fact (the one
 nearest the question) to vLLM, computed with the query; larger memories are injected whole (RECOMPUTE_TOKENS = 0),
 only the query is prefilled. With facts added one at a time, injecting everything lost to prompt injection at
-k=5 only (pooled -0.009 [-0.017, -0.002], conv-47 below 0); recomputing the last fact there closed it (-0.002
-[-0.008, +0.005], no conversation below 0) for ~35 ms of TTFT at k=5 on a 2-core CPU; at k=10-50 nothing was
-lost, and recomputing would cost TTFT where the 10x target is measured (k=50). Measured on all 1,035 LoCoMo
+k=5 (pooled -0.009 [-0.017, -0.002], conv-47 below 0) and at k=8 (conv-47 below 0, 3 conversations run);
+recomputing the last fact closed both (k=5 -0.002 [-0.008, +0.005], k=8 +0.000 [-0.006, +0.007], no conversation
+below 0) for ~35 ms of TTFT on a 2-core CPU; at k=10-50 injecting everything lost nothing, and recomputing would
+cost TTFT where the 10x target is measured (k=50). Measured on all 1,035 LoCoMo
 development questions (7 conversations, SmolLM2-135M, bf16), conversation by conversation: BENCHMARKS.md, "Facts
 added one at a time", with what was tried before (recomputing the last 32 tokens, windows of conversation turns).
 The service's default k is 5 (services/api.py), so the default request recomputes one fact.
@@ -31,7 +32,7 @@ from .template import PromptTemplate
 NEIGHBOUR_WINDOW = 5
 RECOMPUTE_TOKENS = 0
 RECOMPUTE_FACTS = 1
-RECOMPUTE_FACTS_MAX_K = 5
+RECOMPUTE_FACTS_MAX_K = 9
 
 
 def serving_store_options(overrides: dict | None = None) -> dict:
