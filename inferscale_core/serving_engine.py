@@ -23,7 +23,6 @@ from .vllm_setup import default_dtype, default_sampling, engine_kwargs, model_fo
 RPC_DEATH_CHECK_S = 1.0  # how often a call into the worker checks that the engine is still alive
 
 
-
 class AsyncInjectingEngine:
     """The serving engine: vLLM's AsyncLLM with the injection connector and no Memory. `prefix` is the EncodedFact
     of the template's instruction prefix, encoded by whoever encodes the facts; the engine loads only the tokenizer
