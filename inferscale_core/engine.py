@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .compose import SERVING_ORDERS
 from .connector import check_vllm_version
 from .memory import PREFIX_FACT, Memory
 from .requests import Answer, Prepared, Query, RequestCore, check_w
@@ -32,9 +33,11 @@ class MemoryCore(RequestCore):
     """A RequestCore over an in-process Memory: keeps the worker store in step with Memory (one encoding per
     context-window size w, keyed `kv_id(fact_id, version, w)`) and retrieves the facts of a request itself."""
 
-    def __init__(self, memory: Memory):
+    def __init__(self, memory: Memory, serving_order: str = "relevance"):
         super().__init__(memory.template, memory.store.get(SHARED_USER_ID, PREFIX_FACT))
-        self.memory = memory
+        if serving_order not in SERVING_ORDERS:
+            raise ValueError(f"serving_order must be one of {SERVING_ORDERS}, got {serving_order!r}")
+        self.memory, self.serving_order = memory, serving_order
         # user -> fact -> (version, ws) of the encodings the worker holds
         self._variants: dict[str, dict[str, tuple[int, set[int]]]] = {}
         self._lock = threading.RLock()
@@ -106,7 +109,7 @@ class MemoryCore(RequestCore):
         memory = self.memory
         self.check_query(q)
         t0 = time.perf_counter()
-        fact_ids = memory.retrieve(q.user_id, q.query, q.k)
+        fact_ids = memory.retrieve(q.user_id, q.query, q.k, self.serving_order)
         recs = [memory.get(q.user_id, f) for f in fact_ids]
         if q.mode == Mode.KV and fact_ids:
             with self._lock:
@@ -120,17 +123,18 @@ class MemoryCore(RequestCore):
 
 class InjectingEngine:
     """Synchronous engine over `vllm.LLM`. One per process: vLLM keeps its KV connector in a global.
-    `dtype` None: `default_dtype()` (bf16 on an accelerator, fp32 on the CPU), for vLLM and a Memory it builds."""
+    `dtype` None: `default_dtype()` (bf16 on an accelerator, fp32 on the CPU), for vLLM and a Memory it builds.
+    `serving_order`: how retrieved facts are ordered in the memory (`compose.serving_order`)."""
 
     def __init__(self, memory: Memory | None = None, model_path=None, *, dtype: torch.dtype | None = None,
                  block_size: int = 32, max_model_len: int = 4096, enable_prefix_caching: bool = True,
-                 store_options: dict | None = None, **llm_kwargs):
+                 store_options: dict | None = None, serving_order: str = "relevance", **llm_kwargs):
         check_vllm_version()
         from vllm import LLM
 
         dtype = default_dtype() if dtype is None else dtype
         self.memory = memory if memory is not None else Memory(model_path, dtype=dtype)
-        self.core = MemoryCore(self.memory)
+        self.core = MemoryCore(self.memory, serving_order)
         path = model_folder(model_path, self.memory.model)
         self.llm = LLM(**engine_kwargs(path, dtype, block_size, max_model_len, enable_prefix_caching,
                                        store_options, **llm_kwargs))

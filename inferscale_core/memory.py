@@ -163,11 +163,17 @@ class Memory:
 
     # ------------------------------------------------------------------ serving helpers
 
-    def retrieve(self, user_id: str, query: str, k: int) -> list[str]:
-        """Fact ids in serving order (best fact last), or [] for a user with no memory."""
+    def retrieve(self, user_id: str, query: str, k: int, order: str = "relevance") -> list[str]:
+        """Fact ids in serving order (`compose.serving_order`: by default the best fact last), or [] for a user
+        with no memory."""
         if user_id not in self._records:
             return []
-        return serving_order([(h.fact_id, h.score) for h in self.search(user_id, query, k)])
+        hits = [(h.fact_id, h.score) for h in self.search(user_id, query, k)]
+        if order != "stored":
+            return serving_order(hits, order)
+        with self._lock:  # records keep insertion order: a fact's place is when it was first stored
+            rank = {fact_id: i for i, fact_id in enumerate(self._records.get(user_id, {}))}
+        return serving_order([h for h in hits if h[0] in rank], order, rank)
 
     def compose(self, user_id: str, fact_ids: Sequence[str], question: str) -> Composition:
         """Prefix chunk + the facts in the given order + the query, keys re-rotated to their positions."""

@@ -34,6 +34,14 @@ def test_add_search_isolation_and_answer(memory):
     answer = memory.tokenizer.decode(greedy_with_injection(memory.model, comp, 16))
     assert "Miso" in answer
 
+    # The other serving order: the same facts, in the order Alice stored them (a later update keeps its place).
+    everything = memory.retrieve("alice", "What is the name of Alice's cat?", k=3)
+    memory.update("alice", a_ids[0], "Alice adopted a grey cat named Miso in April.")
+    stored = memory.retrieve("alice", "What is the name of Alice's cat?", k=3, order="stored")
+    assert stored == a_ids and sorted(stored) == sorted(everything)
+    with pytest.raises(ValueError, match="serving order must be one of"):
+        memory.retrieve("alice", "cat", k=2, order="newest")
+
 
 def test_update_delete_keep_store_and_index_consistent(memory):
     ids = memory.add("alice", ALICE)
