@@ -2,6 +2,7 @@
 and k_norm, before rotary embedding) and values, per layer."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -13,32 +14,41 @@ from .types import EncodedFact
 
 Text = str | Sequence[int]
 WIDTH_MULTIPLE = 8  # padded batch width: a multiple of 8 keeps a fact's KV the same in any batch (see _forward)
+# One capture at a time in a process: hooks belong to modules, not to calls, so two captures at once (the encoder
+# pool's batch and the prefix an engine replica asks for, both on asyncio's thread pool) would fill each other's
+# lists, and adding or removing a hook while another thread's forward iterates the hooks is a race. Encoder
+# forwards use every core anyway, so serializing them costs no throughput.
+_CAPTURE_LOCK = threading.Lock()
 
 
 @contextmanager
 def capture_pre_rope(model):
-    """Within the block, every forward pass of `model` fills two lists, one entry per layer:
-    keys after k_proj (and k_norm) before RoPE, and values, each `[B, T, H, D]`."""
+    """Within the block, every forward pass of `model` in THIS thread fills two lists, one entry per layer:
+    keys after k_proj (and k_norm) before RoPE, and values, each `[B, T, H, D]`. Other threads' captures wait
+    (`_CAPTURE_LOCK`); their plain forwards run and are not recorded."""
     spec = ModelSpec.from_config(model.config)
     keys: list[torch.Tensor | None] = [None] * spec.num_layers
     values: list[torch.Tensor | None] = [None] * spec.num_layers
+    owner = threading.get_ident()
 
     def grabber(store, i):
         def hook(_module, _inputs, out):
-            store[i] = out.reshape(out.shape[0], out.shape[1], spec.num_kv_heads, spec.head_dim)
+            if threading.get_ident() == owner:
+                store[i] = out.reshape(out.shape[0], out.shape[1], spec.num_kv_heads, spec.head_dim)
         return hook
 
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        key_module = attn.k_norm if spec.has_k_norm else attn.k_proj
-        hooks.append(key_module.register_forward_hook(grabber(keys, i)))
-        hooks.append(attn.v_proj.register_forward_hook(grabber(values, i)))
-    try:
-        yield keys, values
-    finally:
-        for h in hooks:
-            h.remove()
+    with _CAPTURE_LOCK:
+        hooks = []
+        try:
+            for i, layer in enumerate(model.model.layers):
+                attn = layer.self_attn
+                key_module = attn.k_norm if spec.has_k_norm else attn.k_proj
+                hooks.append(key_module.register_forward_hook(grabber(keys, i)))
+                hooks.append(attn.v_proj.register_forward_hook(grabber(values, i)))
+            yield keys, values
+        finally:
+            for h in hooks:
+                h.remove()
 
 
 class PreRopeEncoder:
