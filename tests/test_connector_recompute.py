@@ -242,3 +242,14 @@ def test_locomo_records_recompute_facts_and_merges_only_equal_runs(tmp_path):
         locomo.merge_runs([tmp_path / "r0", tmp_path / "r2"], tmp_path / "merged")
     with pytest.raises(ValueError, match=r"other settings than .*\['recompute_facts'\]"):
         locomo.merge_runs([tmp_path / "old", tmp_path / "r2"], tmp_path / "merged")
+
+    # --serving-order (issue 21, item 3): the shipped order unless asked, a bad name refused, runs of the two
+    # orders never merged (a run written before the option counts as the shipped "relevance").
+    assert locomo.parse_args([]).serving_order == "relevance"
+    assert locomo.parse_args(["--serving-order", "stored"]).serving_order == "stored"
+    with pytest.raises(SystemExit):
+        locomo.parse_args(["--serving-order", "newest"])
+    (tmp_path / "stored").mkdir()
+    (tmp_path / "stored" / "locomo_results.json").write_text(json.dumps({"config": {**config, "serving_order": "stored"}}))
+    with pytest.raises(ValueError, match=r"other settings than .*\['serving_order'\]"):
+        locomo.merge_runs([tmp_path / "old", tmp_path / "stored"], tmp_path / "merged")
