@@ -2,7 +2,7 @@
 process, SmolLM2-135M, facts encoded in rounds as the gateway sends them (batches of up to 8), the process's
 RSS after each round; the encoded KV is dropped after each round, as the pool does once Serve has it.
 
-    python bench/encoder_memory.py --dtype float32 --rounds 4 --per-round 500
+    python bench/encoder_memory.py --dtype float32 --rounds 4 --per-round 500 [--threads 6]
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,6 +31,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--per-round", type=int, default=500)
+    p.add_argument("--threads", type=int, default=1,
+                   help="encode calls spread over a pool of this many threads, as the pool's asyncio.to_thread does "
+                        "(each thread that allocates gets its own glibc malloc arena)")
     a = p.parse_args()
     import torch
 
@@ -39,21 +43,26 @@ def main() -> int:
     fe = FactEncoder(dtype=a.dtype, device="cpu")
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     flags = next((ln for ln in flags.splitlines() if ln.startswith("Flags")), "")
-    print(f"lscpu flags: {' '.join(f for f in flags.split() if f.startswith(('avx512', 'amx')))}")
+    print(f"lscpu flags: {' '.join(f for f in flags.split() if f.startswith(('avx512', 'amx')))}; load "
+          f"{os.getloadavg()[0]:.1f}; threads {a.threads}; glibc malloc env: "
+          f"{ {k: v for k, v in os.environ.items() if k.startswith('MALLOC_')} or 'none'}")
     print(f"| facts encoded | RSS (MB) | seconds | KV bytes of the round (MB) |\n|---|---|---|---|\n| 0 | {rss_mb():.0f} | | |")
     n = 0
+    pool = ThreadPoolExecutor(a.threads)
+
+    def encode_batch(first: int) -> int:  # the gateway's requests: a few facts, each behind its neighbours
+        texts = [f"User {first + j} said fact number {first + j}: " + "they like " + "tea and biscuits " * (1 + (first + j) % 5)
+                 for j in range(8)]
+        out = fe.encode([(t_, texts[:j][-5:]) for j, t_ in enumerate(texts)])
+        return sum(e.nbytes for e in out)
+
     for r in range(a.rounds):
         t = time.perf_counter()
-        kv = 0
-        for i in range(0, a.per_round, 8):  # the gateway's requests: a few facts, each behind its neighbours
-            texts = [f"User {n + j} said fact number {n + j}: " + "they like " + "tea and biscuits " * (1 + (n + j) % 5)
-                     for j in range(8)]
-            out = fe.encode([(t_, texts[:j][-5:]) for j, t_ in enumerate(texts)])
-            kv += sum(e.nbytes for e in out)
-            n += len(texts)
-            del out
+        kv = sum(pool.map(encode_batch, range(n, n + a.per_round, 8)))
+        n += len(range(0, a.per_round, 8)) * 8
         gc.collect()
         print(f"| {n} | {rss_mb():.0f} | {time.perf_counter() - t:.0f} | {kv / 1e6:.0f} |", flush=True)
+    pool.shutdown()
     return 0
 
 
