@@ -94,7 +94,7 @@ def loopback_service(dtype: str, workdir: Path, env: dict[str, str], segment_byt
     import ray
     from ray import serve
 
-    from inferscale_server.app import SERVE_START_ENV, ServiceConfig, single_node_deployments, start_service
+    from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments, start_service
     from inferscale_server.registry.local_mooncake import local_mooncake
     from inferscale_server.registry.local_redis import free_port
 
@@ -105,7 +105,7 @@ def loopback_service(dtype: str, workdir: Path, env: dict[str, str], segment_byt
                             grpc_port=free_port(), deployments=single_node_deployments(),
                             cluster_store=dict(mooncake.config),
                             auth={"hs256_secret_file": str(workdir / "jwt-secret")})
-        env = {**env, **SERVE_START_ENV}
+        env = {**env, **serve_start_env("127.0.0.1")}
         os.environ.update(env)
         ray.init(address="local", include_dashboard=False, logging_level="ERROR", _node_ip_address="127.0.0.1",
                  runtime_env={"env_vars": env})

@@ -215,7 +215,7 @@ def service(workdir: Path):
     from ray import serve
 
     from inferscale_core.vllm_env import vllm_cpu_env
-    from inferscale_server.app import SERVE_START_ENV, ServiceConfig, single_node_deployments, start_service
+    from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments, start_service
     from inferscale_server.registry.local_redis import free_port, local_redis_server
 
     secret = secrets.token_urlsafe(48).encode()
@@ -225,7 +225,7 @@ def service(workdir: Path):
         cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(workdir / "kv"), max_model_len=2048,
                             http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments(),
                             auth={"hs256_secret_file": str(workdir / "jwt")})
-        env = {**vllm_cpu_env(), **SERVE_START_ENV}
+        env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
         os.environ.update(env)
         ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
                  logging_level="ERROR", _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port,

@@ -298,7 +298,7 @@ def own_service(args, workdir: Path):
     import ray
     from ray import serve
 
-    from inferscale_server.app import SERVE_START_ENV, ServiceConfig, start_service
+    from inferscale_server.app import ServiceConfig, serve_start_env, start_service
     from inferscale_server.registry.local_redis import free_port
 
     secret = secrets.token_urlsafe(48).encode()
@@ -317,7 +317,7 @@ def own_service(args, workdir: Path):
                             max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
                             kv_dir=str(workdir / "kv"), deployments=deps, cluster_store=cluster,
                             auth={"hs256_secret_file": str(secret_file)})
-        env = {**vllm_cpu_env(), **SERVE_START_ENV}
+        env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
         os.environ.update(env)
         # Ray schedules by these shares; the replicas at their maximum must fit (the cores are shared anyway).
         ray_cpus = max(os.cpu_count() or 1, sum(d.num_cpus * d.max_replicas for d in deps.values()))

@@ -24,7 +24,7 @@ import yaml
 
 from .api import SERVICER_FUNCTION, Limits
 from .gateway.core import WATCH_STREAMS_MAX
-from .proxy_setup import TRANSPORT_MAX_MESSAGE_BYTES  # a gRPC message or an HTTP body; one request: Limits (1 MiB)
+from .proxy_setup import GRPC_HOST_ENV, TRANSPORT_MAX_MESSAGE_BYTES  # a gRPC message or an HTTP body; one request: Limits (1 MiB)
 from .registry import ACTOR_SCHEME
 
 APP_NAME = "inferscale"
@@ -47,6 +47,12 @@ CHART_VALUES = Path(__file__).parent / "chart_values.yaml"
 SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
                    "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(TRANSPORT_MAX_MESSAGE_BYTES),
                    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "inferscale_server.proxy_setup:proxy_setup"}
+
+
+def serve_start_env(host: str) -> dict[str, str]:
+    """SERVE_START_ENV with the gRPC proxy bound to `host` (Serve's own binds every interface; an HTTP proxy's
+    host is Serve's http_options): what a Ray that serves this app on one address needs."""
+    return {**SERVE_START_ENV, GRPC_HOST_ENV: host}
 
 # How long a replica being stopped (scale-down, upgrade) keeps serving the requests it has: an answer streams for
 # up to max_max_tokens tokens, minutes on a CPU. Serve's default is 20 s. Set in code, so a Serve config that

@@ -172,8 +172,7 @@ def serve_cmd(args) -> int:
 
     from inferscale_core.models import cache_dir
 
-    from .app import SERVE_START_ENV, ServiceConfig, single_node_deployments
-    from .proxy_setup import GRPC_HOST_ENV
+    from .app import ServiceConfig, serve_start_env, single_node_deployments
     from .registry import redacted
 
     refusal = binding_refusal(args)
@@ -197,7 +196,7 @@ def serve_cmd(args) -> int:
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
     # The local Ray, Serve's controller and its proxies inherit it; the gRPC proxy binds --host (proxy_setup.py).
-    proxy_env = {**SERVE_START_ENV, GRPC_HOST_ENV: args.host}
+    proxy_env = serve_start_env(args.host)
     engine_env = vllm_cpu_env(serving_kv_cache_gib())  # a value already in the environment wins, but not over the flag
     if args.kv_cache_gib is not None:
         engine_env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)

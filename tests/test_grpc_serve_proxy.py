@@ -31,14 +31,13 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
     from inferscale_server.gateway import Gateway, http_app
     from inferscale_server.gateway.core import WATCH_STREAMS_MAX
 
-    from inferscale_server.app import SERVE_START_ENV
-    from inferscale_server.proxy_setup import GRPC_HOST_ENV
+    from inferscale_server.app import serve_start_env
 
     grpc_port, http_port = free_port(), free_port()
     # The proxies' environment as every deployment mode sets it (transport limits, the proxy callback), and the
     # gRPC proxy bound to loopback as `inferscale serve` binds it.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **SERVE_START_ENV, GRPC_HOST_ENV: "127.0.0.1"}})
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **serve_start_env("127.0.0.1")}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[api.SERVICER_FUNCTION]))
