@@ -757,3 +757,28 @@ def test_pareto_points_pool_conversations_and_read_the_ttft_ratio(tmp_path):
         pareto.main(["--point", "x", str(tmp_path / "good"), str(tmp_path / "good" / "conv-0" / "locomo_results.md")])
     with pytest.raises(SystemExit, match="no single-conversation"):
         pareto.main(["--point", "x", str(tmp_path / "out"), str(fast)])
+
+
+def test_compare_runs_pairs_two_settings_question_by_question(tmp_path, capsys):
+    """bench/compare_runs.py: B - A per mode and k, per conversation and pooled, over the questions both answered."""
+    compare_runs = _load_script("compare_runs")
+
+    def run(folder, conv, kv_f1, pi_f1):
+        records = [{"qid": f"{conv}:q{i}", "sample_id": conv, "mode": mode, "k": 5, "phase": "accuracy", "f1": f1}
+                   for i in range(len(kv_f1)) for mode, f1 in (("kv", kv_f1[i]), ("pi", pi_f1[i]))]
+        records.append({"qid": f"{conv}:q0", "sample_id": conv, "mode": "kv", "k": 5, "phase": "latency", "f1": 9.0})
+        (folder / conv).mkdir(parents=True)
+        (folder / conv / "locomo_results.json").write_text(json.dumps({"records": records}))
+
+    run(tmp_path / "a", "conv-1", [0.5, 0.5, 0.0], [0.2, 0.2, 0.2])
+    run(tmp_path / "a", "conv-2", [0.4, 0.4], [0.3, 0.3])
+    run(tmp_path / "b", "conv-1", [0.5, 0.2, 0.0], [0.2, 0.2, 0.2])
+    run(tmp_path / "b", "conv-2", [0.4, 0.4], [0.3, 0.3])
+    a, b = compare_runs.accuracy_records(tmp_path / "a"), compare_runs.accuracy_records(tmp_path / "b")
+    rows = compare_runs.compare(a, b, 5, "kv", 200, 0)
+    assert [r["conversation"] for r in rows] == ["conv-1", "conv-2", "pooled"]
+    assert rows[0]["diff"] == pytest.approx(-0.1) and rows[1]["diff"] == pytest.approx(0.0)
+    assert rows[2]["n"] == 5 and rows[2]["diff"] == pytest.approx(-0.06)  # the latency record is not a question
+    assert compare_runs.compare(a, b, 5, "pi", 200, 0)[2]["diff"] == pytest.approx(0.0)
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
+    assert "no locomo_results.json" in capsys.readouterr().err
