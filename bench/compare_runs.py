@@ -5,7 +5,8 @@ every question both sets answered. So a setting can be compared on each mode's o
 gap each run reports.
 
 Reads each run's locomo_results.json (the per-question records stay on the machine that ran them: they hold
-LoCoMo's text). A folder is one run, or holds one run per conversation (conv-*/).
+LoCoMo's text). A folder is one run, or holds one run per conversation (conv-*/); a setting may take several
+folders, comma-separated (a question in several: the last folder's record).
 
     python bench/compare_runs.py bench/results/accuracy-memory-recompute1 bench/results/accuracy-stored-order --k 5
 """
@@ -21,13 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.eval.stats import paired_bootstrap  # noqa: E402
 
 
-def accuracy_records(folder: Path) -> dict[tuple[str, str, int], dict]:
-    """(qid, mode, k) -> record, over the run in `folder` or its conv-*/ runs."""
-    files = sorted(folder.glob("conv-*/locomo_results.json")) or [folder / "locomo_results.json"]
+def accuracy_records(folders: str | Path) -> dict[tuple[str, str, int], dict]:
+    """(qid, mode, k) -> record, over the runs in the comma-separated `folders` (each one run or conv-*/ runs)."""
+    files = []
+    for folder in (Path(x) for x in str(folders).split(",") if x):
+        files += sorted(folder.glob("conv-*/locomo_results.json")) or [folder / "locomo_results.json"]
     out = {}
     for f in files:
         if not f.exists():
-            raise FileNotFoundError(f"{f}: no locomo_results.json (run bench/locomo.py into {folder})")
+            raise FileNotFoundError(f"{f}: no locomo_results.json (run bench/locomo.py into {f.parent})")
         for r in json.loads(f.read_text())["records"]:
             if r["phase"] == "accuracy":
                 out[(r["qid"], r["mode"], int(r["k"]))] = r
@@ -51,8 +54,8 @@ def compare(a: dict, b: dict, k: int, mode: str, resamples: int, seed: int) -> l
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("a", type=Path, help="runs of setting A (the baseline)")
-    ap.add_argument("b", type=Path, help="runs of setting B")
+    ap.add_argument("a", help="runs of setting A (the baseline): folders, comma-separated")
+    ap.add_argument("b", help="runs of setting B: folders, comma-separated")
     ap.add_argument("--k", type=int, action="append", help="k to compare (repeatable; default: every k in both)")
     ap.add_argument("--bootstrap", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)

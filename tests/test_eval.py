@@ -780,5 +780,8 @@ def test_compare_runs_pairs_two_settings_question_by_question(tmp_path, capsys):
     assert rows[0]["diff"] == pytest.approx(-0.1) and rows[1]["diff"] == pytest.approx(0.0)
     assert rows[2]["n"] == 5 and rows[2]["diff"] == pytest.approx(-0.06)  # the latency record is not a question
     assert compare_runs.compare(a, b, 5, "pi", 200, 0)[2]["diff"] == pytest.approx(0.0)
+    run(tmp_path / "a2", "conv-1", [0.2, 0.2, 0.0], [0.2, 0.2, 0.2])  # a second folder: its records win
+    both = compare_runs.accuracy_records(f"{tmp_path / 'a'},{tmp_path / 'a2'}")
+    assert compare_runs.compare(both, b, 5, "kv", 200, 0)[0]["diff"] == pytest.approx(0.1)
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
     assert "no locomo_results.json" in capsys.readouterr().err
