@@ -56,3 +56,44 @@ def test_a_capture_records_only_its_own_thread(smollm2):
         other.join(timeout=60)
     assert all(torch.equal(a, b) for a, b in zip(keys, mine))
     assert keys[0].shape[1] == ids.shape[1]
+
+
+ARENAS_SCRIPT = r"""
+import ctypes, sys, tempfile, threading
+from inferscale_server.encoder_pool import limit_malloc_arenas
+if sys.argv[1] != "default":
+    assert limit_malloc_arenas(int(sys.argv[1]))
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.fopen.restype = ctypes.c_void_p
+start = threading.Barrier(8)
+def work():
+    start.wait()
+    blocks = [libc.malloc(4096) for _ in range(200)]  # small blocks: from the thread's arena, not mmap
+    for b in blocks:
+        libc.free(b)
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]; [t.join() for t in threads]
+with tempfile.NamedTemporaryFile() as f:
+    fp = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, ctypes.c_void_p(fp)); libc.fclose(ctypes.c_void_p(fp))
+    print(open(f.name).read().count("<heap nr="))
+"""
+
+
+def test_the_encoder_pool_limits_malloc_arenas():
+    """glibc gives every allocating thread an arena of its own, which keeps freed memory (the encoder pool's
+    threads: ~230 MB of RSS, BENCHMARKS.md); limit_malloc_arenas caps them in a running process."""
+    import os
+    import subprocess
+    import sys
+
+    def arenas(limit: str) -> int:
+        out = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, limit], capture_output=True, text=True,
+                             timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.strip().splitlines()[-1])
+
+    assert arenas("default") > 4  # 8 threads: their own arenas (the test has teeth)
+    assert arenas("2") <= 2
