@@ -33,6 +33,15 @@ MEMORY_START = 40  # the memory follows the instruction prefix: its first block 
 def kernels():
     from numba import njit, uint64
 
+    @njit(nogil=True)
+    def run_end(block_start, offset, layer, n_tok, i):
+        """End of the run of tokens from i on that sit in consecutive slots of one block."""
+        j = i + 1
+        while (j < n_tok and block_start[layer * n_tok + j] == block_start[layer * n_tok + i]
+               and offset[j] == offset[i] + (j - i)):
+            j += 1
+        return j
+
     @njit(nogil=True, boundscheck=False)
     def write_scalar(k, v, cache, block_start, offset, layers, n_tok, heads, dim, bs, head_stride):
         # k, v: flat [L * N * H * D] uint16; cache: the whole buffer as flat uint16. Unsigned indices: numba
@@ -42,9 +51,7 @@ def kernels():
             i = 0
             while i < n_tok:
                 start, off0 = block_start[layer * n_tok + i], offset[i]
-                j = i + 1
-                while j < n_tok and block_start[layer * n_tok + j] == start and offset[j] == off0 + (j - i):
-                    j += 1
+                j = run_end(block_start, offset, layer, n_tok, i)
                 for h in range(heads):
                     kb = uint64(start + h * head_stride)
                     vb = kb + uint64(bs * dim)
@@ -68,9 +75,7 @@ def kernels():
             i = 0
             while i < n_tok:
                 start, off0 = block_start[layer * n_tok + i], offset[i]
-                j = i + 1
-                while j < n_tok and block_start[layer * n_tok + j] == start and offset[j] == off0 + (j - i):
-                    j += 1
+                j = run_end(block_start, offset, layer, n_tok, i)
                 n = j - i
                 head = min((4 - off0 % 4) % 4, n)  # tokens before the first 4-aligned slot
                 full = (n - head) // 4 * 4
