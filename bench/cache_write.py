@@ -15,8 +15,6 @@ numba is not a dependency of the project (`pip install numba` to run this); the 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,11 +109,11 @@ def kernels():
 
 
 def machine() -> str:
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    line = next((x for x in flags.splitlines() if x.startswith("Flags")), "")
-    keep = [f for f in line.split() if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx"))]
-    model = next((x.split(":", 1)[1].strip() for x in flags.splitlines() if x.startswith("Model name")), "?")
-    return f"{model}, {os.cpu_count()} cores; flags: {' '.join(keep)}; load {os.getloadavg()[0]:.2f}"
+    """bench.eval.serving.machine() (what every benchmark reports) as one line."""
+    from bench.eval.serving import machine as measured_on
+
+    m = measured_on()
+    return f"{m['cpu_model']}, {m['device']}; flags: {' '.join(m['cpu_flags'])}; load {m['loadavg'][0]:.2f}"
 
 
 def main(argv=None) -> None:
