@@ -40,15 +40,19 @@ def compose(rope: ChunkedRope, chunks: Sequence[EncodedFact], query_ids: Sequenc
 SERVING_ORDERS = ("relevance", "stored")
 
 
+def check_serving_order(order: str) -> str:
+    if order not in SERVING_ORDERS:
+        raise ValueError(f"serving order must be one of {SERVING_ORDERS}, got {order!r}")
+    return order
+
+
 def serving_order(hits: Sequence[tuple[str, float]], order: str = "relevance",
                   stored_rank: Mapping[str, int] | None = None) -> list[str]:
     """Retrieval returns best first. "relevance" (the default): the best fact last, adjacent to the query.
     "stored": the order the user stored the facts in (`stored_rank`, oldest first), so facts stored one after
     another sit together, each behind neighbours it was encoded behind (bench/locomo.py --serving-order)."""
-    if order == "relevance":
+    if check_serving_order(order) == "relevance":
         return [fact_id for fact_id, _ in reversed(hits)]
-    if order == "stored":
-        if stored_rank is None:
-            raise ValueError('serving order "stored" needs the facts\' stored ranks')
-        return sorted((fact_id for fact_id, _ in hits), key=stored_rank.__getitem__)
-    raise ValueError(f"serving order must be one of {SERVING_ORDERS}, got {order!r}")
+    if stored_rank is None:
+        raise ValueError('serving order "stored" needs the facts\' stored ranks')
+    return sorted((fact_id for fact_id, _ in hits), key=stored_rank.__getitem__)

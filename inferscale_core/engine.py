@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .compose import SERVING_ORDERS
+from .compose import check_serving_order
 from .connector import check_vllm_version
 from .memory import PREFIX_FACT, Memory
 from .requests import Answer, Prepared, Query, RequestCore, check_w
@@ -35,9 +35,7 @@ class MemoryCore(RequestCore):
 
     def __init__(self, memory: Memory, serving_order: str = "relevance"):
         super().__init__(memory.template, memory.store.get(SHARED_USER_ID, PREFIX_FACT))
-        if serving_order not in SERVING_ORDERS:
-            raise ValueError(f"serving_order must be one of {SERVING_ORDERS}, got {serving_order!r}")
-        self.memory, self.serving_order = memory, serving_order
+        self.memory, self.serving_order = memory, check_serving_order(serving_order)  # before vLLM starts
         # user -> fact -> (version, ws) of the encodings the worker holds
         self._variants: dict[str, dict[str, tuple[int, set[int]]]] = {}
         self._lock = threading.RLock()
