@@ -49,26 +49,27 @@ def main() -> int:
     fe = FactEncoder(dtype=a.dtype, device="cpu")
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     flags = next((ln for ln in flags.splitlines() if ln.startswith("Flags")), "")
+    malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or "none"
     print(f"lscpu flags: {' '.join(f for f in flags.split() if f.startswith(('avx512', 'amx')))}; load "
-          f"{os.getloadavg()[0]:.1f}; threads {a.threads}; --arena-max {a.arena_max or 'default'}; glibc malloc env: "
-          f"{ {k: v for k, v in os.environ.items() if k.startswith('MALLOC_')} or 'none'}")
+          f"{os.getloadavg()[0]:.1f}; threads {a.threads}; --arena-max {a.arena_max or 'default'}; "
+          f"glibc malloc env: {malloc_env}")
     print(f"| facts encoded | RSS (MB) | seconds | KV bytes of the round (MB) |\n|---|---|---|---|\n| 0 | {rss_mb():.0f} | | |")
-    n = 0
-    pool = ThreadPoolExecutor(a.threads)
 
     def encode_batch(first: int) -> int:  # the gateway's requests: a few facts, each behind its neighbours
-        texts = [f"User {first + j} said fact number {first + j}: " + "they like " + "tea and biscuits " * (1 + (first + j) % 5)
-                 for j in range(8)]
+        texts = [f"User {i} said fact number {i}: they like " + "tea and biscuits " * (1 + i % 5)
+                 for i in range(first, first + 8)]
         out = fe.encode([(t_, texts[:j][-5:]) for j, t_ in enumerate(texts)])
         return sum(e.nbytes for e in out)
 
-    for r in range(a.rounds):
-        t = time.perf_counter()
-        kv = sum(pool.map(encode_batch, range(n, n + a.per_round, 8)))
-        n += len(range(0, a.per_round, 8)) * 8
-        gc.collect()
-        print(f"| {n} | {rss_mb():.0f} | {time.perf_counter() - t:.0f} | {kv / 1e6:.0f} |", flush=True)
-    pool.shutdown()
+    n = 0
+    with ThreadPoolExecutor(a.threads) as pool:
+        for _ in range(a.rounds):
+            t = time.perf_counter()
+            firsts = range(n, n + a.per_round, 8)  # batches of 8 facts
+            kv = sum(pool.map(encode_batch, firsts))
+            n += 8 * len(firsts)
+            gc.collect()
+            print(f"| {n} | {rss_mb():.0f} | {time.perf_counter() - t:.0f} | {kv / 1e6:.0f} |", flush=True)
     return 0
 
 

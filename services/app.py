@@ -24,7 +24,8 @@ import yaml
 
 from .api import SERVICER_FUNCTION, Limits
 from .gateway.core import WATCH_STREAMS_MAX
-from .proxy_setup import GRPC_HOST_ENV, TRANSPORT_MAX_MESSAGE_BYTES  # a gRPC message or an HTTP body; one request: Limits (1 MiB)
+# TRANSPORT_MAX_MESSAGE_BYTES: a gRPC message or an HTTP body; one request: Limits (1 MiB)
+from .proxy_setup import GRPC_HOST_ENV, TRANSPORT_MAX_MESSAGE_BYTES
 from .registry import ACTOR_SCHEME
 
 APP_NAME = "inferscale"
@@ -53,6 +54,7 @@ def serve_start_env(host: str) -> dict[str, str]:
     """SERVE_START_ENV with the gRPC proxy bound to `host` (Serve's own binds every interface; an HTTP proxy's
     host is Serve's http_options): what a Ray that serves this app on one address needs."""
     return {**SERVE_START_ENV, GRPC_HOST_ENV: host}
+
 
 # How long a replica being stopped (scale-down, upgrade) keeps serving the requests it has: an answer streams for
 # up to max_max_tokens tokens, minutes on a CPU. Serve's default is 20 s. Set in code, so a Serve config that
