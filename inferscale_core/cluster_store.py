@@ -38,6 +38,9 @@ import torch
 
 from .types import EncodedFact
 
+# Mooncake's metadata mode without a metadata server: clients exchange segment descriptors in a handshake.
+P2P_METADATA = "P2PHANDSHAKE"
+
 log = logging.getLogger("inferscale.cluster_store")
 FORMAT = "inferscale-kv-v1"
 MAGIC = b"ISKV1\n"
@@ -120,7 +123,10 @@ def unpack(data: bytes | memoryview) -> tuple[dict, EncodedFact]:
 class ClusterConfig:
     """Where the Mooncake Store is and what this process contributes to it."""
     master: str                       # mooncake_master's RPC address, host:port
-    metadata: str                     # its metadata server, http://host:port/metadata
+    # Where transfer engines find each other's segments: P2P_METADATA (each client answers for its own segment
+    # on its handshake port, so the master runs no HTTP metadata server, one unauthenticated listener fewer),
+    # or a metadata server's URL (http://host:port/metadata) for a master started with one.
+    metadata: str = P2P_METADATA
     # This client's address as other clients reach it: the pod IP ($POD_IP, set by the chart) or loopback.
     local_host: str = field(default_factory=lambda: os.environ.get("POD_IP", "127.0.0.1"))
     segment_bytes: int = 0            # memory this process adds to the pool (0: a client only)
@@ -143,10 +149,11 @@ class ClusterConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown cluster_store keys {sorted(unknown)}; known: {sorted(known)}")
-        for name in ("master", "metadata"):
-            if not isinstance(d.get(name), str) or not d[name]:
-                raise ValueError(f"cluster_store.{name} must be set (e.g. master 127.0.0.1:50051, "
-                                 "metadata http://127.0.0.1:8080/metadata)")
+        if not isinstance(d.get("master"), str) or not d["master"]:
+            raise ValueError("cluster_store.master must be set (mooncake_master's RPC address, e.g. 127.0.0.1:50051)")
+        if "metadata" in d and (not isinstance(d["metadata"], str) or not d["metadata"]):
+            raise ValueError(f"cluster_store.metadata must be {P2P_METADATA!r} (the default) or a metadata "
+                             f"server's URL, got {d['metadata']!r}")
         replicas = d.get("replicas", 2)
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"cluster_store.replicas must be an integer >= 1 (copies of each object), got {replicas!r}")

@@ -243,8 +243,7 @@ def cluster_store_for(values: dict, release: str) -> dict:
     if not m.get("enabled"):
         return {}
     host = f"{release}-mooncake"
-    return {"master": f"{host}:{m['rpcPort']}", "metadata": f"http://{host}:{m['metadataPort']}/metadata",
-            "lease_s": float(m["leaseSeconds"]), "replicas": int(m["replicas"])}
+    return {"master": f"{host}:{m['rpcPort']}", "lease_s": float(m["leaseSeconds"]), "replicas": int(m["replicas"])}
 
 
 def auth_args_for(values: dict) -> dict:
@@ -381,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                         "password out of it, replicas read it from $INFERSCALE_REDIS_PASSWORD")
     p.add_argument("--mooncake-master", default=None, metavar="HOST",
                    help="the cluster KV tier's mooncake_master host instead of the chart's Service (a Ray cluster: "
-                        "the head's address; RPC port 50051, metadata server 8080)")
+                        "the head's address; RPC port 50051)")
     a = p.parse_args(argv)
     if not a.emit_serve_config:
         p.print_help()
@@ -393,8 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                     "INFERSCALE_REDIS_PASSWORD where Ray starts instead")
         cfg["applications"][0]["args"]["registry_url"] = a.registry_url
     if a.mooncake_master:
-        cfg["applications"][0]["args"]["cluster_store"].update(
-            master=f"{a.mooncake_master}:50051", metadata=f"http://{a.mooncake_master}:8080/metadata")
+        cfg["applications"][0]["args"]["cluster_store"].update(master=f"{a.mooncake_master}:50051")
     text = dump(cfg)
     if a.emit_serve_config == "-":
         sys.stdout.write(text)

@@ -48,7 +48,8 @@ def add_commands(sub) -> None:
     p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                    help="cluster KV tier: a running mooncake_master's RPC address (default: none, local tiers only)")
     p.add_argument("--mooncake-metadata", default=None, metavar="URL",
-                   help="its metadata server (default: http://HOST:8080/metadata, the master's embedded one)")
+                   help="a metadata server's URL, for a master started with one (default: none, segment "
+                        "descriptors are exchanged peer to peer: Mooncake's P2PHANDSHAKE)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-gib", type=_positive_int, default=None,
                    help="vLLM's KV cache on a CPU machine, GiB (default: an eighth of the machine's memory, at least 1; "
@@ -164,7 +165,7 @@ def cluster_store_settings(args) -> dict:
     host, _, port = args.mooncake_master.rpartition(":")
     if not host or not port.isdigit():
         raise SystemExit(f"--mooncake-master must be HOST:PORT, got {args.mooncake_master!r}")
-    return {"master": args.mooncake_master, "metadata": args.mooncake_metadata or f"http://{host}:8080/metadata"}
+    return {"master": args.mooncake_master, **({"metadata": args.mooncake_metadata} if args.mooncake_metadata else {})}
 
 
 def serve_cmd(args) -> int:

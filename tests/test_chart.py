@@ -593,26 +593,81 @@ def test_proxies_get_the_transport_limits_and_redis_refuses_to_grow_past_its_lim
     assert VALUES["redis"]["memory"] == "2Gi" and mb * 2**20 < 0.8 * 2 * 2**30
 
 
+def _pod_labels(docs: list[dict]) -> dict[str, dict]:
+    """The labels of every pod template of the release by group (as _pod_specs), the Mooncake master's too."""
+    rs = _rayservice(docs)["spec"]["rayClusterConfig"]
+    out = {"ray-head": rs["headGroupSpec"]["template"]["metadata"]["labels"]}
+    out.update({g["groupName"]: g["template"]["metadata"]["labels"] for g in rs["workerGroupSpecs"]})
+    out.update({d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+                for d in docs if d["kind"] in ("StatefulSet", "Deployment")})
+    return out
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and the In operator, what the chart uses)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def test_network_policies_admit_only_the_release_to_mooncake(helm):
+    """Mooncake has no authentication: by default only the release's own pods reach the master and the worker pods
+    (segments, transfer engines); from elsewhere only the Serve proxies' and the metrics ports are open."""
+    docs = _render(helm, release="np")
+    labels = _pod_labels(docs)
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"np-mooncake-master", "np-ray-workers"}
+    selected = {name: sorted(g for g, lab in labels.items() if _selects(p["podSelector"], lab))
+                for name, p in policies.items()}
+    assert selected == {"np-mooncake-master": ["np-mooncake"], "np-ray-workers": ["cpu-workers", "gpu-workers"]}
+    pods = _pod_specs(docs)
+    for name, p in policies.items():
+        assert p["policyTypes"] == ["Ingress"]
+        release_rules = [r for r in p["ingress"] if r.get("from") and all("podSelector" in f for f in r["from"])]
+        (peer,) = [f["podSelector"] for r in release_rules for f in r["from"]]
+        assert all(_selects(peer, lab) for lab in labels.values())  # every pod of the release, none of another's
+        assert not _selects(peer, {**labels["gpu-workers"], "app.kubernetes.io/instance": "other"})
+        open_to_all = {port["port"] for r in p["ingress"] if "from" not in r for port in r["ports"]}
+        assert open_to_all == (set() if name == "np-mooncake-master" else {"serve", "grpc", "metrics"})
+    for group in ("cpu-workers", "gpu-workers"):  # the named ports exist on the selected pods
+        names = {port["name"] for c in pods[group]["containers"] for port in c.get("ports", [])}
+        assert {"serve", "grpc", "metrics"} <= names
+    monitoring = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    docs = _render(helm, "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring", release="np")
+    (workers,) = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "np-ray-workers"]
+    assert [r["from"] for r in workers["ingress"] if r.get("ports") == [{"port": "metrics"}]] == [[monitoring]]
+    _validate([d for d in docs if d["kind"] == "NetworkPolicy"])
+    assert [d["metadata"]["name"] for d in _render(helm, "mooncake.enabled=false", release="np")
+            if d["kind"] == "NetworkPolicy"] == ["np-ray-workers"]
+    assert not [d for d in _render(helm, "networkPolicy.enabled=false", release="np") if d["kind"] == "NetworkPolicy"]
+
+
 def test_mooncake_master_and_engine_segments(helm):
     """The cluster KV tier: mooncake_master (Deployment + Service) whose address the app's cluster_store names,
     and a mooncake_client sidecar in every worker pod contributing the values' segment size."""
     docs = _render(helm, "mooncake.segmentGiB=24", "mooncake.cpuSegmentGiB=3", "ray.gpuWorkers.maxReplicas=2",
                    release="mc")
     (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "mc-mooncake"]
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"rpc": 50051, "metadata": 8080}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"rpc": 50051}  # no metadata server
     (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "mc-mooncake"]
     (master,) = dep["spec"]["template"]["spec"]["containers"]
     assert master["command"] == ["mooncake_master"] and "--rpc_port=50051" in master["args"]
-    assert "--enable_http_metadata_server=true" in master["args"] and "--default_kv_lease_ttl=1000" in master["args"]
+    assert "--default_kv_lease_ttl=1000" in master["args"]
+    assert not [a for a in master["args"] if "metadata" in a] and len(master["ports"]) == 1
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert args["cluster_store"] == {"master": "mc-mooncake:50051", "metadata": "http://mc-mooncake:8080/metadata",
+    assert args["cluster_store"] == {"master": "mc-mooncake:50051",  # metadata: the default, peer to peer
                                      "lease_s": 1.0, "replicas": 2}  # two copies: a lost node loses no fact
     pods = _pod_specs(docs)
     for group, gib in (("gpu-workers", 24), ("cpu-workers", 3)):
         seg = {c["name"]: c for c in pods[group]["containers"]}["mooncake-segment"]
         cmd = seg["args"][0]
         assert f"--global_segment_size={gib * 1024 ** 3}" in cmd and "--master_server_address=mc-mooncake:50051" in cmd
+        assert "--metadata_server=P2PHANDSHAKE" in cmd
         assert seg["resources"]["limits"]["memory"] == f"{gib + 1}Gi"
         ray_env = _env({c["name"]: c for c in pods[group]["containers"]}["ray-worker"])
         assert ray_env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}

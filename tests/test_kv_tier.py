@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from inferscale_core.cluster_store import ClusterConfig, ClusterStore, kv_fingerprint, pack, unpack
+from inferscale_core.cluster_store import P2P_METADATA, ClusterConfig, ClusterStore, kv_fingerprint, pack, unpack
 from mooncake_fixture import mooncake  # noqa: F401
 from test_store import assert_same, make_fact
 
@@ -157,6 +157,21 @@ def test_a_read_between_two_remove_attempts_does_not_keep_the_object(tier, moonc
         client.close()
 
 
+def test_the_master_listens_on_loopback_only_and_runs_no_metadata_server(tier, mooncake):  # noqa: F811
+    """Segments find each other peer to peer (P2PHANDSHAKE): the master's listeners are its RPC port and its
+    metrics port, both on 127.0.0.1 (an HTTP metadata server would add one that Mooncake binds to 0.0.0.0
+    whatever --http_metadata_server_host says), and the tier works through it (the fixture's `tier`)."""
+    import psutil
+
+    assert tier.put_many("u", [("f@v1", make_fact(2))]) == [True] and tier.get_many("u", ["f@v1"])[0] is not None
+    listening = [c.laddr for c in psutil.Process(mooncake.master.pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    rpc_port = int(mooncake.config["master"].rpartition(":")[2])
+    assert rpc_port in {a.port for a in listening} and len(listening) == 2, listening
+    assert {a.ip for a in listening} == {"127.0.0.1"}, listening
+    assert mooncake.config["metadata"] == P2P_METADATA
+
+
 def test_config_is_validated():
     assert ClusterConfig.from_dict({}) is None
     with pytest.raises(ValueError, match="unknown cluster_store keys \\['mastr'\\]"):
@@ -167,6 +182,28 @@ def test_config_is_validated():
         with pytest.raises(ValueError, match="cluster_store.replicas must be an integer >= 1"):
             ClusterConfig.from_dict({"master": "x:1", "metadata": "http://x/metadata", "replicas": bad})
     assert ClusterConfig.from_dict({"master": "x:1", "metadata": "http://x/metadata"}).replicas == 2
+    assert ClusterConfig.from_dict({"master": "x:1"}).metadata == P2P_METADATA  # no metadata server by default
+    for bad in ("", None, 5):
+        with pytest.raises(ValueError, match="cluster_store.metadata must be 'P2PHANDSHAKE'"):
+            ClusterConfig.from_dict({"master": "x:1", "metadata": bad})
+
+
+def test_serve_flags_name_the_master_and_default_to_peer_to_peer_metadata():
+    """`inferscale serve --mooncake-master`: no metadata server unless --mooncake-metadata names one."""
+    from types import SimpleNamespace
+
+    from inferscale_server.cli import cluster_store_settings
+
+    def settings(master, metadata=None):
+        return cluster_store_settings(SimpleNamespace(mooncake_master=master, mooncake_metadata=metadata))
+
+    assert settings(None) == {}
+    assert settings("10.0.0.5:50051") == {"master": "10.0.0.5:50051"}
+    assert ClusterConfig.from_dict(settings("10.0.0.5:50051")).metadata == P2P_METADATA
+    assert settings("m:1", "http://m:8080/metadata") == {"master": "m:1", "metadata": "http://m:8080/metadata"}
+    for bad in (("m", None), (None, "http://m:8080/metadata")):
+        with pytest.raises(SystemExit, match="--mooncake-m"):
+            settings(*bad)
 
 
 def test_a_store_that_is_away_is_a_miss_at_once():
@@ -175,8 +212,7 @@ def test_a_store_that_is_away_is_a_miss_at_once():
     from inferscale_server.registry.local_redis import free_port
 
     port = free_port()
-    s = ClusterStore(ClusterConfig(master=f"127.0.0.1:{port}", metadata=f"http://127.0.0.1:{port}/metadata",
-                                   retry_s=60), FP_A)
+    s = ClusterStore(ClusterConfig(master=f"127.0.0.1:{port}", retry_s=60), FP_A)
     try:
         t = time.monotonic()
         assert s.put_many("u", [("f@v1", make_fact(2))]) == [False]

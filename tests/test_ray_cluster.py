@@ -74,18 +74,18 @@ def test_head_runs_the_mooncake_master_and_gpu_nodes_add_segments(capsys):
     from inferscale_server.app import main
 
     (master,) = [c for c in RAW["head_start_ray_commands"] if "mooncake_master" in c]
-    assert "--rpc_port=50051" in master and "--http_metadata_server_port=8080" in master
-    assert "--enable_http_metadata_server=true" in master and "--default_kv_lease_ttl=" in master
+    assert "--rpc_port=50051" in master and "--default_kv_lease_ttl=" in master
+    assert "metadata" not in master  # no metadata server: the clients' handshake carries their descriptors
     (segment,) = [c for c in RAW["worker_start_ray_commands"] if "mooncake_client" in c]
     assert "--master_server_address=$RAY_HEAD_IP:50051" in segment and "nvidia-smi" in segment
-    assert "--metadata_server=http://$RAY_HEAD_IP:8080/metadata" in segment and "--global_segment_size=" in segment
+    assert "--metadata_server=P2PHANDSHAKE" in segment and "--global_segment_size=" in segment
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):  # the clients' own address
         assert "POD_IP=" in _commands(key)
     # the deploy command's Serve config points the app at the head's master
     assert main(["--emit-serve-config", "-", "--mooncake-master", "10.1.2.3"]) == 0
     args = yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"]
     assert args["cluster_store"]["master"] == "10.1.2.3:50051"
-    assert args["cluster_store"]["metadata"] == "http://10.1.2.3:8080/metadata"
+    assert "metadata" not in args["cluster_store"]  # ClusterConfig's default: P2PHANDSHAKE
     assert "--mooncake-master" in (ROOT / "ray_cluster.yaml").read_text()
 
 

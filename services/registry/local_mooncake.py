@@ -1,6 +1,6 @@
-"""A throwaway Mooncake Store on free loopback ports, for the tests and the benchmarks: `mooncake_master` (with
-its embedded HTTP metadata server) and one `mooncake_client` that contributes the memory segment objects live
-in. The service itself only ever connects to addresses (`cluster_store` = inferscale_core.cluster_store
+"""A throwaway Mooncake Store on free loopback ports, for the tests and the benchmarks: `mooncake_master` (no
+metadata server: clients exchange segment descriptors peer to peer, as the chart and the cluster file run it)
+and one `mooncake_client` that contributes the memory segment objects live in. The service itself only ever connects to addresses (`cluster_store` = inferscale_core.cluster_store
 .ClusterConfig); this starts local ones, like local_redis.py does for Redis."""
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from inferscale_core.cluster_store import P2P_METADATA
 
 from .local_redis import free_port, stop_process
 
@@ -79,12 +81,11 @@ def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_ti
     (`lease_ms`) so removes right after a read wait little; a segment whose client stops heartbeating is dropped
     after `client_ttl_s` (Mooncake's default 10). Stopped (terminate, then kill) on exit."""
     master_bin = mooncake_binary("mooncake_master")
-    rpc, http, seg_port = free_port(), free_port(), free_port()
+    rpc, seg_port = free_port(), free_port()
     workdir = tempfile.mkdtemp(prefix="inferscale-mooncake-")
     out = open(Path(workdir) / "master.log", "wb")
     master = subprocess.Popen([master_bin, "--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
-                               "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                               f"--http_metadata_server_port={http}", f"--default_kv_lease_ttl={lease_ms}",
+                               f"--default_kv_lease_ttl={lease_ms}",
                                f"--client_ttl={int(client_ttl_s)}",
                                # its metrics server's port (default 9003) would collide with another master's
                                "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
@@ -93,9 +94,7 @@ def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_ti
     try:
         deadline = time.monotonic() + start_timeout_s
         _wait_port(rpc, master, "mooncake_master", deadline)
-        _wait_port(http, master, "mooncake_master's metadata server", deadline)
-        config = {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata",
-                  "lease_s": lease_ms / 1000}
+        config = {"master": f"127.0.0.1:{rpc}", "metadata": P2P_METADATA, "lease_s": lease_ms / 1000}
         segment = _start_segment(config, segment_bytes, seg_port, Path(workdir) / "segment.log")
         _wait_port(seg_port, segment, "mooncake_client (segment)", deadline)
         _wait_writable(config, deadline)

@@ -242,7 +242,6 @@ tolerations:
 {{- if .Values.mooncake.enabled -}}
 {{- $host := printf "%s-mooncake" (include "inferscale.fullname" .) -}}
 master: {{ printf "%s:%v" $host .Values.mooncake.rpcPort | quote }}
-metadata: {{ printf "http://%s:%v/metadata" $host .Values.mooncake.metadataPort | quote }}
 lease_s: {{ float64 .Values.mooncake.leaseSeconds }}
 replicas: {{ int .Values.mooncake.replicas }}
 {{- end -}}
@@ -259,7 +258,7 @@ replicas: {{ int .Values.mooncake.replicas }}
     - >-
       exec mooncake_client --host="$POD_IP" --port=50052 --protocol=tcp
       --master_server_address={{ include "inferscale.fullname" .ctx }}-mooncake:{{ $v.rpcPort }}
-      --metadata_server=http://{{ include "inferscale.fullname" .ctx }}-mooncake:{{ $v.metadataPort }}/metadata
+      --metadata_server=P2PHANDSHAKE
       --global_segment_size={{ mul (int .gib) 1073741824 }}
   env:
     - name: POD_IP
