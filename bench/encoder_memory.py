@@ -3,6 +3,7 @@ process, SmolLM2-135M, facts encoded in rounds as the gateway sends them (batche
 RSS after each round; the encoded KV is dropped after each round, as the pool does once Serve has it.
 
     python bench/encoder_memory.py --dtype float32 --rounds 4 --per-round 500 [--threads 6]
+    MALLOC_ARENA_MAX=2 python bench/encoder_memory.py ...   # the encoder pool's environment (services/app.py)
 """
 from __future__ import annotations
 
@@ -31,9 +32,6 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--per-round", type=int, default=500)
-    p.add_argument("--arena-max", type=int, default=0,
-                   help="limit glibc's malloc arenas as the encoder pool does (services/encoder_pool.py:"
-                        "limit_malloc_arenas; 0: glibc's default)")
     p.add_argument("--threads", type=int, default=1,
                    help="encode calls spread over a pool of this many threads, as the pool's asyncio.to_thread does "
                         "(each thread that allocates gets its own glibc malloc arena)")
@@ -41,18 +39,14 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(2)
-    from inferscale_server.encoder_pool import FactEncoder, limit_malloc_arenas
-
-    if a.arena_max:
-        limit_malloc_arenas(a.arena_max)
+    from inferscale_server.encoder_pool import FactEncoder
 
     fe = FactEncoder(dtype=a.dtype, device="cpu")
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     flags = next((ln for ln in flags.splitlines() if ln.startswith("Flags")), "")
     malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or "none"
     print(f"lscpu flags: {' '.join(f for f in flags.split() if f.startswith(('avx512', 'amx')))}; load "
-          f"{os.getloadavg()[0]:.1f}; threads {a.threads}; --arena-max {a.arena_max or 'default'}; "
-          f"glibc malloc env: {malloc_env}")
+          f"{os.getloadavg()[0]:.1f}; threads {a.threads}; glibc malloc env: {malloc_env}")
     print(f"| facts encoded | RSS (MB) | seconds | KV bytes of the round (MB) |\n|---|---|---|---|\n| 0 | {rss_mb():.0f} | | |")
 
     def encode_batch(first: int) -> int:  # the gateway's requests: a few facts, each behind its neighbours

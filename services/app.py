@@ -61,6 +61,11 @@ def serve_start_env(host: str) -> dict[str, str]:
 # does not name it keeps it.
 GRACEFUL_SHUTDOWN_S = {"Gateway": 300.0, "EngineReplica": 300.0}
 GATEWAY_MAX_QUEUED = 1024  # requests waiting for a gateway replica before Serve sheds load (429)
+# The encoder pool's process environment. glibc gives each allocating thread a malloc arena (up to 8 per core)
+# that keeps freed memory; the pool encodes on a thread pool, so each arena keeps a forward's worth (~230 MB
+# more RSS, BENCHMARKS.md). glibc reads MALLOC_ARENA_MAX when the process starts: a mallopt from the replica's
+# constructor came after Ray's own threads had made theirs (16 arenas measured in a running pool).
+ENCODER_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
 @dataclass
@@ -268,6 +273,7 @@ def deployment_options(cfg: ServiceConfig) -> dict[str, dict]:
     if missing:
         raise ValueError(f"deployment specs missing for {sorted(missing)}")
     opts = {name: cfg.deployments[name].options() for name in DEPLOYMENTS}
+    opts["EncoderPool"]["ray_actor_options"]["runtime_env"] = {"env_vars": dict(ENCODER_ENV)}
     # Open health Watch streams take slots of their own, never the users' (the chart adds the same).
     opts["Gateway"]["max_ongoing_requests"] += WATCH_STREAMS_MAX
     return opts

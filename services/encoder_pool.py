@@ -19,7 +19,6 @@ same batch. `check` applies the same limits without encoding: the gateway calls 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,23 +30,6 @@ from inferscale_core.types import EncodedFact, kv_id
 
 log = logging.getLogger("inferscale.encoder_pool")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# glibc gives each thread that allocates its own malloc arena (up to 8 per core) and keeps freed memory in it; the
-# pool encodes on asyncio's thread pool, so every thread's arena holds a forward's worth of free memory.
-# bench/encoder_memory.py --threads 6 (BENCHMARKS.md): 1,255-1,307 MB of RSS with the default, 1,025-1,092 MB
-# with 2 arenas, at the same speed.
-ENCODER_MALLOC_ARENAS = 2
-_M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def limit_malloc_arenas(n: int) -> bool:
-    """At most `n` malloc arenas for the threads of this process that allocate from now on (glibc's
-    M_ARENA_MAX, what $MALLOC_ARENA_MAX sets at start). False where the C library is not glibc."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, int(n)))
-    except (OSError, AttributeError):
-        return False
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -272,7 +254,6 @@ class EncoderPool(EncoderCore):
         from inferscale_core.cluster_store import ClusterConfig, ClusterStore
 
         config = config or EncoderPoolConfig()
-        limit_malloc_arenas(ENCODER_MALLOC_ARENAS)  # before the model and the thread pool allocate
         fe = FactEncoder(config.model_path, config.device, config.dtype, config.store_dtype, config.prefix_window,
                          config.max_fact_tokens)
         cluster = ClusterConfig.from_dict(config.cluster_store or None)

@@ -59,10 +59,7 @@ def test_a_capture_records_only_its_own_thread(smollm2):
 
 
 ARENAS_SCRIPT = r"""
-import ctypes, sys, tempfile, threading
-from inferscale_server.encoder_pool import limit_malloc_arenas
-if sys.argv[1] != "default":
-    assert limit_malloc_arenas(int(sys.argv[1]))
+import ctypes, tempfile, threading
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -82,18 +79,24 @@ with tempfile.NamedTemporaryFile() as f:
 """
 
 
-def test_the_encoder_pool_limits_malloc_arenas():
+def test_the_encoder_pools_process_starts_with_few_malloc_arenas():
     """glibc gives every allocating thread an arena of its own, which keeps freed memory (the encoder pool's
-    threads: ~230 MB of RSS, BENCHMARKS.md); limit_malloc_arenas caps them in a running process."""
+    threads: ~230 MB of RSS, BENCHMARKS.md). The pool's Ray worker gets services/app.py's ENCODER_ENV in its
+    environment from the start (a runtime_env), which is when glibc reads it: 8 threads then share 2 arenas."""
     import os
     import subprocess
     import sys
 
-    def arenas(limit: str) -> int:
-        out = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, limit], capture_output=True, text=True,
-                             timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+    from inferscale_server.app import ENCODER_ENV, ServiceConfig, deployment_options
+
+    def arenas(env: dict) -> int:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT], capture_output=True, text=True, timeout=120,
+                             env={**clean, **env})
         assert out.returncode == 0, out.stderr
         return int(out.stdout.strip().splitlines()[-1])
 
-    assert arenas("default") > 4  # 8 threads: their own arenas (the test has teeth)
-    assert arenas("2") <= 2
+    assert arenas({}) > 4  # 8 threads: their own arenas (the test has teeth)
+    assert arenas(ENCODER_ENV) <= int(ENCODER_ENV["MALLOC_ARENA_MAX"]) == 2
+    options = deployment_options(ServiceConfig())["EncoderPool"]["ray_actor_options"]
+    assert options["runtime_env"] == {"env_vars": ENCODER_ENV}

@@ -414,6 +414,22 @@ def _wait_gone(pid: int, timeout_s: float = 30) -> None:
     raise AssertionError(f"process {pid} still runs {timeout_s} s after ray.kill")
 
 
+def test_the_encoder_pool_starts_with_its_malloc_arena_cap(service):
+    """services/app.py gives the EncoderPool's Ray worker ENCODER_ENV from its start (glibc reads it then;
+    tests/test_encoder_threads.py: 8 threads share 2 arenas), merged with the job's environment, not instead."""
+    import psutil
+
+    from inferscale_core.vllm_env import vllm_cpu_env
+    from inferscale_server.app import ENCODER_ENV
+
+    pools = [p for p in psutil.process_iter(["cmdline"])
+             if " ".join(p.info["cmdline"] or []).startswith(f"ray::ServeReplica:{APP}:EncoderPool")]
+    assert len(pools) == 1, pools
+    env = pools[0].environ()
+    assert {k: env.get(k) for k in ENCODER_ENV} == ENCODER_ENV
+    assert all(env.get(k) == v for k, v in vllm_cpu_env().items())  # the job's runtime_env is still there
+
+
 def test_a_killed_engine_replica_is_rebuilt_from_redis(service):
     old = service.engine_stats("alice")
     ray.kill(_engine_actor(), no_restart=True)
