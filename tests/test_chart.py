@@ -185,13 +185,18 @@ def _validate(docs: list[dict]) -> None:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
-def _pod_specs(docs: list[dict]) -> dict[str, dict]:
-    """Every pod template of the release by group: ray-head, <worker group>, redis."""
+def _pod_templates(docs: list[dict]) -> dict[str, dict]:
+    """The Ray and Redis pod templates of the release by group: ray-head, <worker group>, redis."""
     rs = _rayservice(docs)["spec"]["rayClusterConfig"]
-    pods = {"ray-head": rs["headGroupSpec"]["template"]["spec"]}
-    pods.update({g["groupName"]: g["template"]["spec"] for g in rs["workerGroupSpecs"]})
-    pods.update({"redis": d["spec"]["template"]["spec"] for d in docs if d["kind"] == "StatefulSet"})
+    pods = {"ray-head": rs["headGroupSpec"]["template"]}
+    pods.update({g["groupName"]: g["template"] for g in rs["workerGroupSpecs"]})
+    pods.update({"redis": d["spec"]["template"] for d in docs if d["kind"] == "StatefulSet"})
     return pods
+
+
+def _pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """The spec of every pod template of _pod_templates, by group."""
+    return {group: t["spec"] for group, t in _pod_templates(docs).items()}
 
 
 def _env(container: dict) -> dict[str, dict]:
@@ -594,12 +599,11 @@ def test_proxies_get_the_transport_limits_and_redis_refuses_to_grow_past_its_lim
 
 
 def _pod_labels(docs: list[dict]) -> dict[str, dict]:
-    """The labels of every pod template of the release by group (as _pod_specs), the Mooncake master's too."""
-    rs = _rayservice(docs)["spec"]["rayClusterConfig"]
-    out = {"ray-head": rs["headGroupSpec"]["template"]["metadata"]["labels"]}
-    out.update({g["groupName"]: g["template"]["metadata"]["labels"] for g in rs["workerGroupSpecs"]})
+    """The labels of every pod template of _pod_templates, by group, and of each Deployment's (the Mooncake
+    master's) by its name."""
+    out = {group: t["metadata"]["labels"] for group, t in _pod_templates(docs).items()}
     out.update({d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
-                for d in docs if d["kind"] in ("StatefulSet", "Deployment")})
+                for d in docs if d["kind"] == "Deployment"})
     return out
 
 

@@ -21,6 +21,7 @@ each with a deadline) is going on when the worker node dies: its raylet and its 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -182,19 +183,31 @@ def encoder_puts() -> int:
     return int(encoder_stats()["puts"])
 
 
-def wait_single_copies(config: dict, keys: list[str], timeout_s: float) -> float:
-    """Until the master lists one copy of each object (it has dropped the dead node's segment); returns when."""
+@contextlib.contextmanager
+def mooncake_client(config: dict):
     client_mc = raw_client(config)
     try:
-        deadline = time.monotonic() + timeout_s
+        yield client_mc
+    finally:
+        client_mc.close()
+
+
+def copy_endpoints(client_mc, keys: list[str]) -> list[set[str]]:
+    """For each listed object, the segments (transfer endpoints) the master lists a copy in."""
+    return [{r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in reps}
+            for reps in client_mc.batch_get_replica_desc(keys).values()]
+
+
+def wait_single_copies(config: dict, keys: list[str], timeout_s: float) -> float:
+    """Until the master lists one copy of each object (it has dropped the dead node's segment); returns when."""
+    deadline = time.monotonic() + timeout_s
+    with mooncake_client(config) as client_mc:
         while True:
-            counts = [len(reps) for reps in client_mc.batch_get_replica_desc(keys).values()]
+            counts = [len(w) for w in copy_endpoints(client_mc, keys)]
             if len(counts) == len(keys) and max(counts) == 1:
                 return time.monotonic()
             assert time.monotonic() < deadline, f"copies still listed after {timeout_s} s: {sorted(set(counts))}"
             time.sleep(0.5)
-    finally:
-        client_mc.close()
 
 
 def ask(client, name: str, query: str, k: int, max_tokens: int) -> tuple[str, list[str]]:
@@ -228,14 +241,9 @@ def test_a_dead_node_loses_no_request_and_no_fact(cluster, mooncake):  # noqa: F
     big_ids = [f.fact_id for f in client.add_facts(big, texts, windows=windows)]
     print(f"\n{big}: {BIG_FACTS} facts added in {time.monotonic() - t:.1f} s (one AddFacts)")
     assert len(big_ids) == BIG_FACTS
-    client_mc = raw_client(mooncake.config)
-    try:
-        copies = client_mc.batch_get_replica_desc(object_keys(big, [(f, 1) for f in big_ids]))
-        where = [{r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in reps}
-                 for reps in copies.values()]
-        assert len(where) == BIG_FACTS and all(len(w) == 2 for w in where), (where[:3], encoder_stats())
-    finally:
-        client_mc.close()
+    with mooncake_client(mooncake.config) as client_mc:
+        where = copy_endpoints(client_mc, object_keys(big, [(f, 1) for f in big_ids]))
+    assert len(where) == BIG_FACTS and all(len(w) == 2 for w in where), (where[:3], encoder_stats())
     big_q = f"What is the name of {big}'s cat?"
     worker_before = next(s for s in stats_by_replica(2).values() if s["pid"] in worker_pids)
     big_text, big_injected = ask(client, big, big_q, BIG_K, 12)

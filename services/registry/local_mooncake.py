@@ -1,6 +1,7 @@
 """A throwaway Mooncake Store on free loopback ports, for the tests and the benchmarks: `mooncake_master` (no
 metadata server: clients exchange segment descriptors peer to peer, as the chart and the cluster file run it)
-and one `mooncake_client` that contributes the memory segment objects live in. The service itself only ever connects to addresses (`cluster_store` = inferscale_core.cluster_store
+and one `mooncake_client` that contributes the memory segment objects live in. The service itself only ever
+connects to addresses (`cluster_store` = inferscale_core.cluster_store
 .ClusterConfig); this starts local ones, like local_redis.py does for Redis."""
 from __future__ import annotations
 
