@@ -90,6 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--engine-replicas", type=int, default=1, help="EngineReplica replicas (fixed)")
+    ap.add_argument("--engine-cpu-cores", type=int, default=None,
+                    help="cores each engine replica's vLLM binds to (ServiceConfig.engine_cpu_cores; 0: all, "
+                         "shared); default: the usable cores / --engine-replicas when there are several, else 0")
     ap.add_argument("--max-replicas", type=int, default=1,
                     help="Gateway/Retrieval/EncoderPool autoscale from 1 to this (replica counts are recorded)")
     ap.add_argument("--cluster-tier", action="store_true",
@@ -292,6 +295,15 @@ def deployments(args) -> dict:
     return deps
 
 
+def engine_cpu_cores(args) -> int:
+    """Several engine replicas on this one node each get their own cores unless told otherwise."""
+    from inferscale_core.vllm_env import usable_cpus
+
+    if args.engine_cpu_cores is not None:
+        return args.engine_cpu_cores
+    return len(usable_cpus()) // args.engine_replicas if args.engine_replicas > 1 else 0
+
+
 @contextlib.contextmanager
 def own_service(args, workdir: Path):
     """The app as `inferscale serve` starts it, on a local Ray bound to 127.0.0.1. Yields (cfg, secret)."""
@@ -316,7 +328,7 @@ def own_service(args, workdir: Path):
         cfg = ServiceConfig(model_path=args.model, registry_url=registry_url, dtype=args.dtype,
                             max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
                             kv_dir=str(workdir / "kv"), deployments=deps, cluster_store=cluster,
-                            auth={"hs256_secret_file": str(secret_file)})
+                            auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args))
         env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
         os.environ.update(env)
         # Ray schedules by these shares; the replicas at their maximum must fit (the cores are shared anyway).
@@ -812,7 +824,8 @@ def main(argv=None) -> int:
             if own:
                 cfg, secret = stack.enter_context(own_service(args, workdir))
                 grpc_port, http_port = cfg.grpc_port, cfg.http_port
-                service_desc = (f"own app (`inferscale serve` config: {args.engine_replicas} EngineReplica, Gateway/"
+                service_desc = (f"own app (`inferscale serve` config: {args.engine_replicas} EngineReplica "
+                                f"(engine_cpu_cores {engine_cpu_cores(args)}), Gateway/"
                                 f"Retrieval/EncoderPool 1..{args.max_replicas}; registry {args.registry}; cluster "
                                 f"KV tier {cluster_desc(args)}; disk tier; Ray and Serve on 127.0.0.1)")
             else:

@@ -3,6 +3,7 @@ a bounded KV cache, no hub). One definition for the CLI, the services and the be
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 
 def machine_memory_bytes() -> int:
@@ -17,14 +18,47 @@ def serving_kv_cache_gib() -> int:
     return max(1, round(machine_memory_bytes() / 8 / 2**30))
 
 
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on: a container's cpuset, not the host's count."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def cpu_list(cpus: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND's form of a core list ("0,1,4"; vLLM also reads ranges)."""
+    return ",".join(str(c) for c in cpus)
+
+
 def vllm_cpu_env(kv_cache_gib: int = 1) -> dict[str, str]:
     """The settings, with any value already in the environment winning."""
-    n = os.cpu_count() or 1
-    defaults = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
+    cpus = usable_cpus()
+    defaults = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus),
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "OMP_NUM_THREADS": str(n), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "OMP_NUM_THREADS": str(len(cpus)), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"}
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
+
+
+def engine_cpus(cores_per_engine: int, local_rank: int, cpus: Sequence[int]) -> list[int] | None:
+    """The cores of one engine replica when several share a CPU node: the `local_rank`-th run of
+    `cores_per_engine` of the node's usable cores, so replicas on one node never share a core. None (every usable
+    core, shared) when cores_per_engine is 0 or the node has no free run for this rank."""
+    if cores_per_engine < 0:
+        raise ValueError(f"cores per engine must be >= 0, got {cores_per_engine}")
+    start = local_rank * cores_per_engine
+    if cores_per_engine == 0 or start + cores_per_engine > len(cpus):
+        return None
+    return list(cpus[start:start + cores_per_engine])
+
+
+def engine_bind_env(cpus: Sequence[int]) -> dict[str, str]:
+    """The environment that confines a vLLM CPU engine started after it to `cpus`: one OpenMP thread per core,
+    bound by the OpenMP runtime when the engine core process starts. vLLM 0.32 binds threads itself only in its
+    multiprocess executor (from VLLM_CPU_OMP_THREADS_BIND); the one-worker engine we run starts OpenMP with
+    these variables alone. Why engines sharing a node need it: vLLM's CPU engine runs each layer as OpenMP parallel
+    regions that end in a barrier, and two engines with a thread per core each preempt each other's threads inside
+    them (bench/engines_sharing_cores.py)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus), "OMP_NUM_THREADS": str(len(cpus)),
+            "OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus), "OMP_PROC_BIND": "close"}
 
 
 def set_vllm_cpu_env(kv_cache_gib: int = 1) -> None:

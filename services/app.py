@@ -154,6 +154,9 @@ class ServiceConfig:
     # The cluster KV tier (Mooncake Store; inferscale_core.cluster_store.ClusterConfig fields: master, metadata,
     # ...). Empty: none, each engine replica's own tiers only (a moved user's facts are encoded again).
     cluster_store: dict = field(default_factory=dict)
+    # On a CPU node with several engine replicas: cores each replica's vLLM binds to, disjoint by the replica's
+    # node-local rank (services/engine_replica.py bind_engine_cpus). 0: every core (one engine per node).
+    engine_cpu_cores: int = 0
     # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
     # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.
     auth: dict = field(default_factory=dict)
@@ -170,6 +173,7 @@ class ServiceConfig:
                 "engine_overrides": dict(self.engine_overrides),
                 "admission_queue_factor": float(self.admission_queue_factor), "kv_dir": self.kv_dir,
                 "store_options": dict(self.store_options), "cluster_store": dict(self.cluster_store),
+                **({"engine_cpu_cores": self.engine_cpu_cores} if self.engine_cpu_cores else {}),
                 **({"auth": dict(self.auth)} if self.auth else {}),
                 **({"http": dict(self.http)} if self.http else {})}
 
@@ -194,7 +198,8 @@ class ServiceConfig:
                                    store_options=dict(self.store_options),
                                    engine_overrides=dict(self.engine_overrides),
                                    admission_queue_factor=float(self.admission_queue_factor),
-                                   cluster_store=dict(self.cluster_store))
+                                   cluster_store=dict(self.cluster_store),
+                                   engine_cpu_cores=self.engine_cpu_cores)
 
     @classmethod
     def from_args(cls, args: dict | None) -> "ServiceConfig":

@@ -196,6 +196,30 @@ def serve_replica_id() -> str | None:
         return None
 
 
+def replica_local_rank() -> int:
+    """Serve's rank of this replica among the deployment's replicas on its node; 0 outside Serve."""
+    try:
+        return int(serve.get_replica_context().rank.local_rank)
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test)
+        return 0
+
+
+def bind_engine_cpus(cores_per_engine: int) -> list[int] | None:
+    """Before vLLM starts (its engine core process inherits the environment): bind its compute threads to this
+    replica's own cores when replicas share the node; None, environment untouched, otherwise."""
+    from inferscale_core.vllm_env import engine_bind_env, engine_cpus, usable_cpus
+
+    cpus = usable_cpus()
+    mine = engine_cpus(cores_per_engine, replica_local_rank(), cpus)
+    if mine is None:
+        if cores_per_engine:
+            log.warning("engine_cpu_cores=%d: no free run of cores for node-local rank %d on cores %s; this "
+                        "replica's vLLM uses all of them, shared", cores_per_engine, replica_local_rank(), cpus)
+        return None
+    os.environ.update(engine_bind_env(mine))
+    return mine
+
+
 def replica_disk_dir(kv_dir: str | None) -> str | None:
     """`{kv_dir}/{app}/{deployment}/slot-{local rank}`: stable across restarts of the replica in that slot,
     so a restarted replica finds its predecessor's files, and never shared by two live replicas."""
@@ -286,6 +310,10 @@ class EngineReplicaConfig:
     admission_queue_factor: float = DEFAULT_QUEUE_FACTOR
     cluster_store: dict = field(default_factory=dict)  # ClusterConfig fields; empty: no cluster tier
     kv_budget_bytes: int | None = None  # ResidentKV's budget; None: default_kv_budget_bytes()
+    # On a CPU node: the cores this replica's vLLM binds its compute threads to, a run of this many taken by the
+    # replica's node-local rank, so engine replicas sharing a node never share a core (inferscale_core/vllm_env.py
+    # engine_cpus). 0: every core of the node (one engine replica per node).
+    engine_cpu_cores: int = 0
 
     def __post_init__(self):
         from .encoder_pool import dtype_of, positive_int
@@ -297,6 +325,9 @@ class EngineReplicaConfig:
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
         check_queue_factor(self.admission_queue_factor)
+        if isinstance(self.engine_cpu_cores, bool) or not isinstance(self.engine_cpu_cores, int) \
+                or self.engine_cpu_cores < 0:
+            raise ValueError(f"engine_cpu_cores must be an int >= 0 (0: every core), got {self.engine_cpu_cores!r}")
         if self.kv_budget_bytes is not None and (isinstance(self.kv_budget_bytes, bool) or
                                                  not isinstance(self.kv_budget_bytes, int) or self.kv_budget_bytes < 0):
             raise ValueError(f"kv_budget_bytes must be an int >= 0 (or None), got {self.kv_budget_bytes!r}")
@@ -312,6 +343,8 @@ class ReplicaCore:
     tombstones, answers. Built from its parts (an engine with AsyncInjectingEngine's interface, the encoder pool's
     handle, a registry, the cluster tier), so tests run it with an engine that is not vLLM and without Ray
     (tests/test_replica_core.py); EngineReplica below is the Serve deployment around it."""
+
+    engine_cpus: list[int] | None = None  # the cores its vLLM is bound to, when not every core (bind_engine_cpus)
 
     def __init__(self, config: EngineReplicaConfig, engine, encoder, registry, cluster: ClusterStore | None = None,
                  disk_dir: str | None = None, metrics=None, disk_budget_bytes: int | None = None):
@@ -880,7 +913,7 @@ class ReplicaCore:
     async def stats(self) -> dict:
         """This replica's counters, the users it holds, and the engine's (vLLM + worker store) metrics."""
         return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir, "slot": replica_slot(),
-                "serve_replica_id": serve_replica_id(),
+                "serve_replica_id": serve_replica_id(), "engine_cpus": self.engine_cpus,
                 "users": sorted(self._held), **self.counters, "admission": self.admission.stats(),
                 "cluster": dict(self.cluster.counters) if self.cluster is not None else None,
                 "resident": {"facts": self.resident.count(), "bytes": self.resident.bytes,
@@ -911,6 +944,7 @@ class EngineReplica(ReplicaCore):
             options["disk_dir"] = disk_dir
             if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
                 options["disk_budget_bytes"] = default_disk_budget_bytes(disk_dir)
+        self.engine_cpus = bind_engine_cpus(config.engine_cpu_cores)
         # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
         engine = await (build_engine or start_engine)(config, await encoder.prefix.remote(), options)
         # The cluster KV tier, under the encoder pool's fingerprint (the pool defines how facts are encoded).

@@ -75,12 +75,45 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
     deployments["EngineReplica"] = DeploymentSpec(2, 2, max_ongoing_requests=THREADS + 1,
                                                   target_ongoing_requests=THREADS, num_cpus=0.5)
     kv_dir = tmp_path_factory.mktemp("kv")
+    # One core each: two vLLM CPU engines bound to the same cores preempt each other inside their OpenMP regions
+    # (bench/engines_sharing_cores.py).
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024,
                         http_port=free_port(), grpc_port=free_port(), deployments=deployments,
-                        auth={"hs256_secret_file": str(jwt_secret[0])})
+                        auth={"hs256_secret_file": str(jwt_secret[0])}, engine_cpu_cores=1)
     with service_on_local_ray(cfg, kv_dir, jwt_secret) as svc:
         svc.users = {}  # name -> fact ids
         yield svc
+
+
+def bound_cpus(pid: int) -> set[int]:
+    """The cores of every thread in a replica's process tree (its vLLM engine core included) that is bound to
+    fewer than all the usable cores: what the OpenMP binding actually did."""
+    import psutil
+
+    from inferscale_core.vllm_env import usable_cpus
+
+    every, out = set(usable_cpus()), set()
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        for t in proc.threads():
+            try:
+                cpus = os.sched_getaffinity(t.id)
+            except (ProcessLookupError, PermissionError):  # a thread that just ended
+                continue
+            if cpus != every:
+                out |= cpus
+    return out
+
+
+def test_each_engine_replica_computes_on_its_own_core(service):
+    """engine_cpu_cores=1: node-local rank 0 binds vLLM's compute threads to the first usable core, rank 1 to the
+    second; checked in /proc, not only in what the replicas report."""
+    from inferscale_core.vllm_env import usable_cpus
+
+    stats = stats_by_replica(2)
+    assert sorted(s["engine_cpus"] for s in stats.values()) == [[c] for c in usable_cpus()[:2]]
+    for s in stats.values():
+        assert bound_cpus(s["pid"]) == set(s["engine_cpus"]), s["replica_id"]
 
 
 def test_users_spread_over_both_replicas(service):

@@ -40,3 +40,33 @@ def test_service_processes_beside_a_cpu_engine_use_one_thread(device, threads):
             f"vllm_env.one_thread_beside_the_engine({device!r}); print(torch.get_num_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert int(out.stdout.split()[-1]) == threads
+
+
+@pytest.mark.parametrize("cores, rank, cpus, expected", [
+    (0, 0, [0, 1], None),            # the default: every core
+    (1, 0, [0, 1], [0]),
+    (1, 1, [0, 1], [1]),
+    (1, 2, [0, 1], None),            # a third replica on a 2-core node: no core of its own, shares them all
+    (2, 1, [4, 5, 6, 7], [6, 7]),    # a container's cpuset: the usable ids, not 0..n-1
+    (3, 0, [0, 1], None),
+])
+def test_engine_replicas_on_one_node_take_disjoint_cores(cores, rank, cpus, expected):
+    assert vllm_env.engine_cpus(cores, rank, cpus) == expected
+
+
+def test_engine_cpu_cores_is_checked_with_the_config():
+    from inferscale_server.engine_replica import EngineReplicaConfig
+
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="engine_cpu_cores must be an int >= 0"):
+            EngineReplicaConfig(engine_cpu_cores=bad)
+    with pytest.raises(ValueError, match="cores per engine must be >= 0"):
+        vllm_env.engine_cpus(-1, 0, [0, 1])
+
+
+def test_the_default_bind_is_the_usable_cpus(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(vllm_env, "usable_cpus", lambda: [2, 3, 5])
+    env = vllm_env.vllm_cpu_env()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3,5" and env["OMP_NUM_THREADS"] == "3"
