@@ -7,10 +7,15 @@ second. This script writes the same bytes three ways into the same layout, check
 and times them interleaved (min and median of --repeats):
   - vLLM's op, one call for every layer (what the worker does), on 2 threads and on 1;
   - a numba kernel, one thread: runs of consecutive slots in one block, keys stored one element at a time;
-  - the same with keys moved as 4 x 4 tiles of bf16 in 64-bit words (4 loads and 4 stores per 16 keys).
-numba is not a dependency of the project (`pip install numba` to run this); the answer decides whether it should be.
+  - the same with keys moved as 4 x 4 tiles of bf16 in 64-bit words (4 loads and 4 stores per 16 keys);
+  - a plain copy of the same bytes into a contiguous buffer (2 threads and 1): what ANY writer costs at least, since
+    it must read every byte of K and V and write it once.
+numba is not a dependency of the project (`pip install numba` for its two rows; without it they are left out).
 
-    python bench/cache_write.py [--repeats 20]
+    python bench/cache_write.py [--repeats 20] [--isa vec]
+
+vLLM's op writes the layout of the ISA vLLM picks on this machine (`amx` for bf16 where AMX exists, else `vec`) unless
+--isa says otherwise; the numba kernels write the `vec` layout only and run only with it.
 """
 from __future__ import annotations
 
@@ -119,18 +124,23 @@ def machine() -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--isa", default=None, help="the cache layout vLLM's op writes (default: vLLM's choice here)")
     args = ap.parse_args(argv)
     from inferscale_core.vllm_env import set_vllm_cpu_env
 
     set_vllm_cpu_env()
     import torch
     from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    isa = args.isa or _get_attn_isa(torch.bfloat16, BLOCK, HEAD_DIM)
     try:
-        write_scalar, write_tiled = kernels()
+        write_scalar, write_tiled = kernels() if isa == "vec" else (None, None)
+        why_not = f"ISA {isa}: the numba rows (vec layout) are left out"
     except ImportError:
-        sys.exit("error: this benchmark needs numba (pip install numba)")
-    print(f"# {machine()}")
+        write_scalar = write_tiled = None
+        why_not = "numba not installed: its rows are left out"
+    print(f"# {machine()}; vLLM's op writes the {isa!r} layout" + ("" if write_scalar else f"; {why_not}"))
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(LAYERS, TOKENS, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     v = torch.randn(LAYERS, TOKENS, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
@@ -152,16 +162,27 @@ def main(argv=None) -> None:
     def vllm_op():
         kc, vc = caches["vllm"].view(shape[0], HEADS, 2 * BLOCK, HEAD_DIM).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(k.view(-1, HEADS, HEAD_DIM), v.view(-1, HEADS, HEAD_DIM), kc, vc, slots,
-                                       "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    k_copy, v_copy = torch.empty_like(k), torch.empty_like(v)
+
+    def plain_copy():
+        k_copy.copy_(k)
+        v_copy.copy_(v)
 
     variants = {"vLLM op, 2 threads": (vllm_op, 2), "vLLM op, 1 thread": (vllm_op, 1),
-                "numba scalar, 1 thread": (lambda: write_scalar(k16, v16, flat["scalar"], block_start, off, *dims), 1),
-                "numba 4x4 tiles, 1 thread": (lambda: write_tiled(k16, v16, k64, flat["tiled"], tiled64,
-                                                                  block_start, off, *dims), 1)}
+                "plain copy of the bytes, 2 threads (any writer's floor)": (plain_copy, 2),
+                "plain copy of the bytes, 1 thread": (plain_copy, 1)}
+    if write_scalar is not None:
+        variants["numba scalar, 1 thread"] = (lambda: write_scalar(k16, v16, flat["scalar"], block_start, off,
+                                                                   *dims), 1)
+        variants["numba 4x4 tiles, 1 thread"] = (lambda: write_tiled(k16, v16, k64, flat["tiled"], tiled64,
+                                                                     block_start, off, *dims), 1)
     for fn, _ in variants.values():  # compile, and fill every cache once
         fn()
-    equal = all(torch.equal(caches["vllm"], caches[n]) for n in ("scalar", "tiled"))
-    print(f"# bytes equal to vLLM's op: {equal}")
+    equal = write_scalar is None or all(torch.equal(caches["vllm"], caches[n]) for n in ("scalar", "tiled"))
+    if write_scalar is not None:
+        print(f"# bytes equal to vLLM's op: {equal}")
     times = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, (fn, threads) in variants.items():
@@ -171,7 +192,7 @@ def main(argv=None) -> None:
             times[name].append((time.perf_counter() - t0) * 1000)
     torch.set_num_threads(2)
     mb = 2 * k.numel() * k.element_size() / 2**20
-    print(f"\nK and V of {TOKENS} tokens x {LAYERS} layers ({mb:.0f} MiB) written into a paged cache, "
+    print(f"\nK and V of {TOKENS} tokens x {LAYERS} layers ({mb:.0f} MiB) written into a paged cache ({isa} layout), "
           f"{args.repeats} interleaved repeats; {machine()}\n")
     print("| writer | min ms | median ms |\n|---|---|---|")
     for name, ts in times.items():
