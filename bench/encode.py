@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach
 import torch
 
 from bench.eval.locomo import default_data_path, load_locomo, require_data_path, window_turns
+from inferscale_core.encoder import ENCODE_BATCH_SIZE
 from inferscale_core.model_spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="model and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=ENCODE_BATCH_SIZE,
+                   help="facts per forward (default: the shipped ENCODE_BATCH_SIZE, %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="encode only the first N facts")
     p.add_argument("--quick", action="store_true", help="a smoke run: w in {0,5} and at most 16 facts")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results (default: %(default)s)")

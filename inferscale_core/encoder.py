@@ -13,7 +13,15 @@ from .model_spec import ModelSpec
 from .types import EncodedFact
 
 Text = str | Sequence[int]
-WIDTH_MULTIPLE = 8  # padded batch width: a multiple of 8 keeps a fact's KV the same in any batch (see _forward)
+# Facts per forward pass, by default ONE: a fact's KV then depends on its own window and text only, bit for bit, on
+# every device, so a re-encode (after a loss, on another replica) writes the same bytes under the same version key.
+# A batch shares its matrix products, and the CPU BLAS libraries pick kernels and thread splits by the batch's row
+# count: on an Intel Xeon with AMX, 39 of 40 facts batched by 8 differed from the same facts encoded alone, in fp32
+# (MKL) and in bf16 (oneDNN); on an AMD EPYC (AVX-512, no AMX) batching with WIDTH_MULTIPLE kept the bits. Larger
+# batches are faster for bulk encodes (1.5-1.8x in bf16 on the Xeon, ~1.1-1.3x in fp32: BENCHMARKS.md) and
+# accurate to the kernels' rounding, but no longer batch-invariant.
+ENCODE_BATCH_SIZE = 1
+WIDTH_MULTIPLE = 8  # padded width: a multiple of 8 (see _forward)
 # One capture at a time in a process: hooks belong to modules, not to calls, so two captures at once (the encoder
 # pool's batch and the prefix an engine replica asks for, both on asyncio's thread pool) would fill each other's
 # lists, and adding or removing a hook while another thread's forward iterates the hooks is a race. Encoder
@@ -71,9 +79,12 @@ class PreRopeEncoder:
     def encode(self, fact: Text, window: Sequence[Text] = ()) -> EncodedFact:
         return self.encode_batch([(fact, window)], progress=False)[0]
 
-    def encode_batch(self, items: Sequence[tuple[Text, Sequence[Text]]], batch_size: int = 8,
+    def encode_batch(self, items: Sequence[tuple[Text, Sequence[Text]]], batch_size: int = ENCODE_BATCH_SIZE,
                      progress: bool = True) -> list[EncodedFact]:
-        """Encode many `(fact, window_turns)` pairs; results come back in input order."""
+        """Encode many `(fact, window_turns)` pairs; results come back in input order. `batch_size` facts share
+        a forward pass (ENCODE_BATCH_SIZE says why the default is one)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         prepared = []
         for i, (fact, window) in enumerate(items):
             fact_ids = self.token_ids(fact)
@@ -98,9 +109,10 @@ class PreRopeEncoder:
     def _forward(self, batch: list[tuple[list[int], list[int]]]) -> list[EncodedFact]:
         spec, dev = self.spec, self.device
         seqs = [ctx + fact for ctx, fact in batch]
-        # The width is rounded up to a multiple of WIDTH_MULTIPLE so that a fact's KV does not depend on what
-        # it was batched with: CPU kernels sum a width that is not a multiple of 8 in another order (last-bit
-        # differences that can flip a greedy answer), and a re-encode after a loss must give the same bits.
+        # The width is rounded up to a multiple of WIDTH_MULTIPLE: on CPUs whose kernels do not pick another
+        # summation order by row count (AVX-512 without AMX), that kept a fact's KV the same in any batch; an
+        # unrounded width differed in the last bits, enough to flip a greedy answer. Kept for batches of one so
+        # that every stored fact keeps the bits it had.
         width = -(-max(len(s) for s in seqs) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
         # Right padding and no attention mask: under the causal mask real tokens never attend to the pad
         # that follows them, and without a padding mask SDPA keeps its fast causal path.

@@ -1,7 +1,8 @@
 """Encoder pool deployment: turns new facts into pre-RoPE KV (one forward over [prefix | window | fact]).
 
 Stateless and autoscaled on ongoing requests (services/app.py). Concurrent requests are merged by
-`@serve.batch` into one padded forward. The result is a list of `EncodedFact` on the CPU: Serve stores it in
+`@serve.batch` into one encode call, which runs a forward per fact (inferscale_core/encoder.py ENCODE_BATCH_SIZE:
+a fact's KV never depends on what it was encoded with). The result is a list of `EncodedFact` on the CPU: Serve stores it in
 the Ray object store and the engine replica that asked for it (through the gateway's unresolved response)
 reads it from there. Facts are encoded exactly as `inferscale_core.memory.Memory.add` does — fact tokens
 from the prompt template, behind the instruction prefix and the fact's own context window — so KV made here
@@ -261,7 +262,7 @@ class EncoderPool(EncoderCore):
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:
-        # Several requests (possibly of several users) in one forward; failures come back per item.
+        # Several requests (possibly of several users) in one encode call; failures come back per item.
         flat = [item for req in requests for item in req]
         encoded = await EncoderCore._encode_items(self, flat)
         out, i = [], 0

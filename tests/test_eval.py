@@ -186,8 +186,8 @@ def test_memory_windows_do_not_depend_on_how_the_facts_arrive(dev):
 def test_facts_added_one_by_one_get_the_same_kv_as_added_together(dev, smollm2):
     """Through the real encoder (SmolLM2, fp32, behind the instruction prefix as Memory encodes): a
     conversation's facts added one per call and added per session have the same windows, so each fact's KV is
-    the same, bit for bit, when each is encoded on its own (a batch of several pads them to one width, which
-    reorders fp32 sums: tests/test_core_exactness.py)."""
+    the same, bit for bit (each fact has a forward pass of its own: ENCODE_BATCH_SIZE,
+    tests/test_core_exactness.py)."""
     from inferscale_core.memory import Memory
 
     model, tok = smollm2
