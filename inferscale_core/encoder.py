@@ -13,13 +13,14 @@ from .model_spec import ModelSpec
 from .types import EncodedFact
 
 Text = str | Sequence[int]
-# Facts per forward pass, by default ONE: a fact's KV then depends on its own window and text only, bit for bit, on
-# every device, so a re-encode (after a loss, on another replica) writes the same bytes under the same version key.
+# Facts per forward pass, by default ONE: a fact's KV then depends on its own window and text only (the same forward
+# shape every time, so the same bits on a given machine), and a re-encode after a loss writes the same bytes under
+# the same version key.
 # A batch shares its matrix products, and the CPU BLAS libraries pick kernels and thread splits by the batch's row
 # count: on an Intel Xeon with AMX, 39 of 40 facts batched by 8 differed from the same facts encoded alone, in fp32
 # (MKL) and in bf16 (oneDNN); on an AMD EPYC (AVX-512, no AMX) batching with WIDTH_MULTIPLE kept the bits. Larger
-# batches are faster for bulk encodes (1.5-1.8x in bf16 on the Xeon, ~1.1-1.3x in fp32: BENCHMARKS.md) and
-# accurate to the kernels' rounding, but no longer batch-invariant.
+# batches are faster for bulk encodes (by 8 on the Xeon: 1.4x in bf16 and 1.05x in fp32 at the shipped window, 1.8x
+# with none: BENCHMARKS.md, "Offline cost") and accurate to the kernels' rounding, but not batch-invariant.
 ENCODE_BATCH_SIZE = 1
 WIDTH_MULTIPLE = 8  # padded width: a multiple of 8 (see _forward)
 # One capture at a time in a process: hooks belong to modules, not to calls, so two captures at once (the encoder
