@@ -1,12 +1,12 @@
 """Encoder pool deployment: turns new facts into pre-RoPE KV (one forward over [prefix | window | fact]).
 
 Stateless and autoscaled on ongoing requests (services/app.py). Concurrent requests are merged by
-`@serve.batch` into one encode call, which runs a forward per fact (inferscale_core/encoder.py ENCODE_BATCH_SIZE:
-a fact's KV never depends on what it was encoded with). The result is a list of `EncodedFact` on the CPU: Serve stores it in
-the Ray object store and the engine replica that asked for it (through the gateway's unresolved response)
-reads it from there. Facts are encoded exactly as `inferscale_core.memory.Memory.add` does — fact tokens
-from the prompt template, behind the instruction prefix and the fact's own context window — so KV made here
-composes like KV made in-process.
+`@serve.batch` into one encode call, which runs a forward per fact (inferscale_core/encoder.py
+ENCODE_BATCH_SIZE: a fact's KV never depends on what it was encoded with). The result is a list of
+`EncodedFact` on the CPU: Serve stores it in the Ray object store and the engine replica that asked for it
+(through the gateway's unresolved response) reads it from there. Facts are encoded exactly as
+`inferscale_core.memory.Memory.add` does — fact tokens from the prompt template, behind the instruction prefix
+and the fact's own context window — so KV made here composes like KV made in-process.
 
 With a cluster KV tier (`cluster_store`, inferscale_core/cluster_store.py), `encode_for` writes each fact's KV
 into it as one object per fact version and answers only its token count (`StoredKV`): the KV never travels
