@@ -19,8 +19,8 @@ Text = str | Sequence[int]
 # A batch shares its matrix products, and the CPU BLAS libraries pick kernels and thread splits by the batch's row
 # count: on an Intel Xeon with AMX, 39 of 40 facts batched by 8 differed from the same facts encoded alone, in fp32
 # (MKL) and in bf16 (oneDNN); on an AMD EPYC (AVX-512, no AMX) batching with WIDTH_MULTIPLE kept the bits. Larger
-# batches are faster for bulk encodes (by 8 on the Xeon: 1.4x in bf16 and 1.05x in fp32 at the shipped window, 1.8x
-# with none: BENCHMARKS.md, "Offline cost") and accurate to the kernels' rounding, but not batch-invariant.
+# batches are faster for bulk encodes (by 8 on the Xeon: up to 1.4x in bf16 and 1.05x in fp32 at the shipped window,
+# 1.5-2.1x with none: BENCHMARKS.md, "Offline cost") and accurate to the kernels' rounding, but not batch-invariant.
 ENCODE_BATCH_SIZE = 1
 WIDTH_MULTIPLE = 8  # padded width: a multiple of 8 (see _forward)
 # One capture at a time in a process: hooks belong to modules, not to calls, so two captures at once (the encoder
