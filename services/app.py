@@ -65,7 +65,10 @@ GATEWAY_MAX_QUEUED = 1024  # requests waiting for a gateway replica before Serve
 # that keeps freed memory; the pool encodes on a thread pool, so each arena keeps a forward's worth (~230 MB
 # more RSS, BENCHMARKS.md). glibc reads MALLOC_ARENA_MAX when the process starts: a mallopt from the replica's
 # constructor came after Ray's own threads had made theirs (16 arenas measured in a running pool).
-ENCODER_ENV = {"MALLOC_ARENA_MAX": "2"}
+# MALLOC_MMAP_THRESHOLD_ fixed at 1 MiB: glibc's dynamic threshold climbs to 32 MiB after the first large free,
+# after which a forward's variable-sized activations come from the heap and fragment it (a slow RSS rise);
+# fixed, they are mapped and unmapped (BENCHMARKS.md, "The oneDNN-cache guess, tested", run D).
+ENCODER_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 
 @dataclass
