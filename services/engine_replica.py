@@ -119,13 +119,25 @@ def older_kv_ids(fact_id: str, version: int) -> list[str]:
     return [kv_id(fact_id, v) for v in range(1, int(version))]
 
 
-def default_kv_budget_bytes() -> int:
+def default_kv_budget_bytes(node_share: float = 1.0) -> int:
     """KV bytes one engine replica keeps in its worker store: $INFERSCALE_ENGINE_KV_BUDGET_BYTES, else a quarter of
-    the machine's memory (the rest is for vLLM's own KV cache, the model, the other deployments)."""
+    the machine's memory (the rest is for vLLM's own KV cache, the model, the other deployments) times
+    `node_share`, the replica's share of the node when engine replicas split it (`node_share_of`)."""
     env = os.environ.get("INFERSCALE_ENGINE_KV_BUDGET_BYTES")
     if env:
         return int(env)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 * node_share)
+
+
+def node_share_of(engine_cpu_cores: int) -> float:
+    """The share of a CPU node one engine replica takes: 1 by default (one engine replica per node); with
+    `engine_cpu_cores` = c of the node's n usable cores, the node holds n // c replicas and each takes that
+    fraction of the memory defaults too: at a quarter of the machine each, two replicas' budgets alone would
+    be half of it, beside two vLLM KV caches (BENCHMARKS.md: such a node ran out of memory at k=50)."""
+    from inferscale_core.vllm_env import usable_cpus
+
+    replicas = len(usable_cpus()) // engine_cpu_cores if engine_cpu_cores else 1
+    return 1.0 / max(1, replicas)
 
 
 class ResidentKV:
@@ -309,7 +321,7 @@ class EngineReplicaConfig:
     engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args
     admission_queue_factor: float = DEFAULT_QUEUE_FACTOR
     cluster_store: dict = field(default_factory=dict)  # ClusterConfig fields; empty: no cluster tier
-    kv_budget_bytes: int | None = None  # ResidentKV's budget; None: default_kv_budget_bytes()
+    kv_budget_bytes: int | None = None  # ResidentKV's budget; None: default_kv_budget_bytes(its node share)
     # On a CPU node: the cores this replica's vLLM binds its compute threads to, a run of this many taken by the
     # replica's node-local rank, so engine replicas sharing a node never share a core (inferscale_core/vllm_env.py
     # engine_cpus). 0: every core of the node (one engine replica per node).
@@ -366,7 +378,8 @@ class ReplicaCore:
         self._held: dict[str, dict[str, HeldFact]] = {}  # user -> fact_id -> servable fact (registry, last sync)
         # What this replica put into its worker store, within its disk tier's budget (files are written through),
         # so that budget collects facts of users this replica no longer holds before the ones it counts on.
-        budget = config.kv_budget_bytes if config.kv_budget_bytes is not None else default_kv_budget_bytes()
+        budget = config.kv_budget_bytes if config.kv_budget_bytes is not None else \
+            default_kv_budget_bytes(node_share_of(config.engine_cpu_cores))
         self.resident = ResidentKV(min(budget, disk_budget_bytes or 1 << 62))
         self._reencoding: set[tuple[str, str]] = set()  # (user, kv_id) with a re-encode under way
         # kv_ids the worker store may hold that `resident` does not count: its disk tier's files at start and what

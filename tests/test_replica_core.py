@@ -200,6 +200,23 @@ def test_config_is_checked_once_when_made():
             EngineReplicaConfig(**bad)
 
 
+def test_engine_replicas_splitting_a_node_split_its_kv_budget(parts, monkeypatch):
+    """engine_cpu_cores = c on an n-core node: n // c replicas share the node, so each keeps that share of the
+    default resident-KV budget (a quarter of the machine for one replica per node)."""
+    from inferscale_core.vllm_env import usable_cpus
+    from inferscale_server.engine_replica import default_kv_budget_bytes
+    from inferscale_server.registry import open_registry
+
+    monkeypatch.delenv("INFERSCALE_ENGINE_KV_BUDGET_BYTES", raising=False)
+    registry, cores = open_registry(None), len(usable_cpus())
+    whole = make_core(parts, registry, cluster=False).resident.budget_bytes
+    split = make_core(parts, registry, cluster=False, engine_cpu_cores=1).resident.budget_bytes
+    assert whole == default_kv_budget_bytes() > 0
+    assert split == default_kv_budget_bytes(1 / cores) and (cores == 1 or split < whole)
+    given = make_core(parts, registry, cluster=False, engine_cpu_cores=1, kv_budget_bytes=123)
+    assert given.resident.budget_bytes == 123  # a budget given is the replica's own, never split
+
+
 def test_every_deployment_config_is_checked_before_serve_starts():
     """build_app makes each deployment's config: a mistake raises there, with Ray not even started."""
     import ray
