@@ -123,10 +123,12 @@ def default_kv_budget_bytes(node_share: float = 1.0) -> int:
     """KV bytes one engine replica keeps in its worker store: $INFERSCALE_ENGINE_KV_BUDGET_BYTES, else a quarter of
     the machine's memory (the rest is for vLLM's own KV cache, the model, the other deployments) times
     `node_share`, the replica's share of the node when engine replicas split it (`node_share_of`)."""
+    from inferscale_core.vllm_env import machine_memory_bytes
+
     env = os.environ.get("INFERSCALE_ENGINE_KV_BUDGET_BYTES")
     if env:
         return int(env)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 * node_share)
+    return int(machine_memory_bytes() // 4 * node_share)
 
 
 def node_share_of(engine_cpu_cores: int) -> float:
