@@ -11,7 +11,9 @@ here. This module holds the vLLM-facing class, the stats plumbing and the worker
 serving process load facts into the worker's store while the engine runs.
 
 A request carries only ids (`InjectionParams` in `SamplingParams.extra_args["kv_transfer_params"]`); the KV
-never crosses a process boundary per request.
+never crosses a process boundary per request. A request with `fetch` set is loaded asynchronously: the worker
+reads the facts its store lacks from the cluster tier (Mooncake Store) itself, on a loader thread, while vLLM
+keeps the request outside the batch (connector_scheduler.py's docstring).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 CONNECTOR_NAME = "InferScaleConnector"
@@ -142,7 +146,13 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.worker_side.load(forward_context, meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous and complete in start_load_kv
+        return  # synchronous loads complete in start_load_kv; asynchronous ones are written before get_finished
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads that arrived (written) or failed (vLLM computes the request instead); a failed one
+        is in both sets, as vLLM asks."""
+        done, failed = self.worker_side.finished_loads(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -154,6 +164,10 @@ class InferScaleConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks()
 
+    def shutdown(self):
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self.worker_side or self.scheduler_side
         data = side.take_stats()
@@ -161,10 +175,15 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ---- scheduler role
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens), False
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        if connector_output.failed_recving:
+            self.scheduler_side.loads_failed(connector_output.failed_recving)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        self.scheduler_side.update_state_after_alloc(request, num_external_tokens)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self.scheduler_side.update_state_after_alloc(request, list(block_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)
@@ -218,6 +237,15 @@ class InjectionWorkerExtension:
     def inferscale_list(self) -> dict[str, list[str]]:
         """Every user's kv_ids in the worker store: what a replica finds on its disk tier at start."""
         return worker_connector().listed()
+
+    def inferscale_prefetch(self, user_id: str, kv_ids: list[str]) -> int:
+        """Load these facts of the user from the cluster tier in the worker's background (ids only cross)."""
+        return worker_connector().prefetch(user_id, kv_ids)
+
+    def inferscale_take_missing(self) -> dict[str, list[str]]:
+        """The kv_ids that asynchronous loads found in no tier since the last call, per user (drained): the
+        serving process queues one re-encode of each."""
+        return worker_connector().take_missing()
 
     def inferscale_stats(self) -> dict[str, Any]:
         """Cumulative counters and resident bytes of this worker."""

@@ -1,5 +1,15 @@
 """Scheduler half of InferScaleConnector: decide how many of a request's prompt tokens are injected, and tell
-the worker which positions to write into which blocks. Holds no KV; runs in the scheduler's process."""
+the worker which positions to write into which blocks. Holds no KV; runs in the scheduler's process.
+
+Two ways a grant is loaded:
+  - synchronously (the default): the worker writes the blocks before the forward pass of the step that schedules
+    the request; its facts must be in the worker store by then;
+  - asynchronously (`InjectionParams.fetch`): `get_num_new_matched_tokens` answers `(n, True)`, vLLM allocates the
+    blocks and parks the request in WAITING_FOR_REMOTE_KVS; the LoadSpec goes to the worker in the metadata of the
+    same step, the worker reads what its store lacks from the cluster tier on a loader thread and reports the
+    request in `get_finished` once the blocks are written (or failed: vLLM recomputes them). Other requests keep
+    stepping meanwhile: the scheduler never waits for KV.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -30,9 +40,16 @@ class SchedulerSide:
             raise ValueError(
                 f"InferScaleConnector supports models with one KV cache group (full attention in every layer); "
                 f"this model has {len(kv_cache_config.kv_cache_groups)}")
-        # Requests granted an injection by update_state_after_alloc, until build_connector_meta hands them
-        # to the worker: req_id -> (params, number of tokens to load).
+        # Requests granted a synchronous injection by update_state_after_alloc, until build_connector_meta hands
+        # them to the worker: req_id -> (params, number of tokens to load).
         self._pending: dict[str, tuple[InjectionParams, int]] = {}
+        # Asynchronous loads allocated this step (their blocks are known at allocation, and the request is not
+        # among the step's scheduled ones): handed to the worker by the next build_connector_meta.
+        self._async: list[LoadSpec] = []
+        # Requests whose asynchronous load failed (the worker's failed_recving). vLLM then computes the request
+        # from position 0 and asks the connector again: it gets nothing (a new grant would fetch, fail and be
+        # asked again, forever). After a preemption a request is granted again as usual.
+        self._load_failed: set[str] = set()
         self._stats: dict[str, int] = {}
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -51,14 +68,22 @@ class SchedulerSide:
             self._count("requests_invalid")
             return None
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
-        """Memory tokens to inject beyond the local prefix-cache hit `num_computed_tokens` (block aligned).
-        Called again for a request that could not be scheduled yet, and after a preemption; side-effect free
-        apart from counters."""
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Memory tokens to inject beyond the local prefix-cache hit `num_computed_tokens` (block aligned), and
+        whether they are loaded asynchronously (the request asked the worker to fetch its facts). Called again
+        for a request that could not be scheduled yet, and after a preemption; side-effect free apart from
+        counters."""
         params = self._params(request)
         if params is None:
-            return 0
+            return 0, False
         self._count("requests_checked")
+        if request.request_id in self._load_failed:
+            return 0, False
+        n = max(self._injectable(request, params) - num_computed_tokens, 0)
+        return n, bool(n and params.fetch)
+
+    def _injectable(self, request: "Request", params: InjectionParams) -> int:
+        """Prompt tokens the connector provides (from position 0), 0 when the request's memory does not match."""
         prompt = request.prompt_token_ids or []
         m = params.memory_len
         # Inject only a memory this prompt really starts with: the KV written must be the KV of these tokens.
@@ -73,21 +98,32 @@ class SchedulerSide:
             return 0
         recompute = recomputed_suffix(params.chunk_lens or (), self.recompute_tokens, self.recompute_facts,
                                       self.recompute_facts_max_k)
-        return max(injectable_tokens(len(prompt), m, recompute) - num_computed_tokens, 0)
+        return injectable_tokens(len(prompt), m, recompute)
 
-    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
-            params = self._params(request)
-            assert params is not None  # we only granted tokens to requests with valid parameters
-            self._pending[request.request_id] = (params, num_external_tokens)
-        else:
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        """`block_ids`: the request's blocks (group 0) after this allocation, local prefix-cache hits first."""
+        if num_external_tokens <= 0:
             self._pending.pop(request.request_id, None)
+            return
+        params = self._params(request)
+        assert params is not None  # we only granted tokens to requests with valid parameters
+        if not params.fetch:
+            self._pending[request.request_id] = (params, num_external_tokens)
+            return
+        # Asynchronous: the grant ends where the injectable memory ends; it starts after the local hit.
+        end = self._injectable(request, params)
+        self._async.append(LoadSpec(req_id=request.request_id, user_id=params.user_id, kv_ids=params.kv_ids,
+                                    memory_len=params.memory_len, memory_hash=params.memory_hash,
+                                    block_ids=list(block_ids), start=end - num_external_tokens, end=end,
+                                    fetch=True))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> InjectionMetadata:
         """Positions [num_computed - n, num_computed) of each granted request, where num_computed counts the
         local hit plus the n injected tokens. Requests resumed after a preemption arrive among the cached
         requests with their whole block list."""
         meta = InjectionMetadata()
+        meta.loads.extend(self._async)
+        self._async = []
         for req in scheduler_output.scheduled_new_reqs:
             if req.req_id in self._pending:
                 meta.loads.append(self._load(req.req_id, req.block_ids[0], req.num_computed_tokens))
@@ -110,3 +146,8 @@ class SchedulerSide:
 
     def request_finished(self, request: "Request") -> None:
         self._pending.pop(request.request_id, None)
+        self._load_failed.discard(request.request_id)
+
+    def loads_failed(self, req_ids) -> None:
+        """The worker's failed asynchronous loads of the last step (vLLM's update_connector_output)."""
+        self._load_failed.update(req_ids)

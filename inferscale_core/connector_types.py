@@ -79,6 +79,10 @@ class InjectionParams:
     memory_hash: str  # memory_hash(prompt[:m])
     # Tokens of each chunk of kv_ids, in order (they sum to m): the fact boundaries `recompute_facts` needs.
     chunk_lens: tuple[int, ...] | None = None
+    # The worker reads the facts its store lacks from its cluster tier (Mooncake Store) itself, on a loader
+    # thread, while the request waits outside the batch (vLLM's asynchronous load): set by a caller that does
+    # not know whether the worker holds them. Unset: the facts must be in the worker store when it is scheduled.
+    fetch: bool = False
 
     def __post_init__(self):
         check_id("user_id", self.user_id)
@@ -101,12 +105,16 @@ class InjectionParams:
             if bad or sum(lens) != self.memory_len:
                 raise ValueError(f"chunk_lens must be ints >= 0 summing to memory_len {self.memory_len}, "
                                  f"got {lens!r}")
+        if not isinstance(self.fetch, bool):
+            raise ValueError(f"fetch must be a bool, got {self.fetch!r}")
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
         p = {"user_id": self.user_id, "kv_ids": list(self.kv_ids), "memory_len": self.memory_len,
              "memory_hash": self.memory_hash}
         if self.chunk_lens is not None:
             p["chunk_lens"] = list(self.chunk_lens)
+        if self.fetch:
+            p["fetch"] = True
         return {PARAMS_KEY: p}
 
     @classmethod
@@ -128,7 +136,7 @@ class InjectionParams:
             if not isinstance(chunk_lens, (list, tuple)):
                 raise ValueError("chunk_lens must be a list of token counts")
             chunk_lens = tuple(chunk_lens)
-        return cls(p["user_id"], tuple(kv_ids), p["memory_len"], p["memory_hash"], chunk_lens)
+        return cls(p["user_id"], tuple(kv_ids), p["memory_len"], p["memory_hash"], chunk_lens, p.get("fetch", False))
 
 
 def pack_fact(fact) -> bytes:
@@ -217,6 +225,9 @@ class LoadSpec:
     block_ids: list[int]  # the request's blocks for positions 0.. (group 0)
     start: int
     end: int
+    # Asynchronous: the worker reads missing facts from its cluster tier on a loader thread, writes the blocks
+    # when they have arrived and reports the request in get_finished (the request waits outside the batch).
+    fetch: bool = False
 
 
 @dataclass
@@ -241,6 +252,13 @@ WORKER_COUNTERS = {
     "store_hits_device": "Facts served from the device tier of the worker's fact store",
     "store_hits_host": "Facts served from the host tier of the worker's fact store",
     "store_hits_disk": "Facts served from the disk tier of the worker's fact store",
+    "async_loads": "Requests whose memory the worker loaded asynchronously (the request waited outside the batch)",
+    "fetched_facts": "Facts the worker read from the cluster tier (Mooncake Store) itself for a request",
+    "fetched_bytes": "KV bytes the worker read from the cluster tier itself",
+    "fetch_misses": "Facts found neither in the worker store nor in the cluster tier (recomputed, re-encode asked)",
+    "fetch_unreadable": "Facts listed in the cluster tier on a segment that could not be read (recomputed)",
+    "fetch_seconds": "Time the worker's loader threads spent reading facts from the cluster tier",
+    "rpc_put_bytes": "KV bytes that reached the worker store through the engine core's RPC channel (inferscale_put)",
 }
 COUNTERS = {**SCHEDULER_COUNTERS, **WORKER_COUNTERS}
 GAUGES = {

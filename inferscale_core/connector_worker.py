@@ -21,11 +21,24 @@ Memory on an accelerator: the fact store's device tier has a byte budget (`devic
 derived from the memory vLLM leaves free, see `device_budget`); facts beyond it spill to pinned host memory.
 An allocation failure while injecting never reaches vLLM: that request's blocks are reported as failed loads
 and vLLM recomputes them (plain prefill for those tokens).
+
+Asynchronous loads (`LoadSpec.fetch`, a request with `InjectionParams.fetch`): the worker has a Mooncake Store
+client of its own (`cluster_store` + `kv_fingerprint` in kv_connector_extra_config, the engine replica's cluster
+tier under the encoder pool's fingerprint). `start_load_kv` hands each such request to a loader thread, which
+reads the facts the store lacks from the cluster tier into the store (the read, its unpacking and the dtype
+conversion run there, outside vLLM's step); `get_finished` writes the blocks of every load that has arrived, on
+the step's thread as a synchronous load is written, and reports the request to vLLM, which schedules it in the
+next step. A fact found in no tier fails the request's blocks (vLLM recomputes them with the query: slower, never
+wrong) and is listed for `take_missing`, so the serving process queues one re-encode. The KV of a request never
+passes through the engine core's RPC channel (`rpc_put_bytes` counts what still does: the prefix chunk, and
+facts of a service without a cluster tier).
 """
 from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,7 +60,9 @@ logger = init_logger(__name__)
 
 # kv_connector_extra_config keys the worker reads (all optional).
 WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "disk_budget_bytes", "max_fact_tokens",
-                  "inject_group_tokens")
+                  "inject_group_tokens", "cluster_store", "kv_fingerprint", "fetch_threads")
+# Loader threads reading the cluster tier for asynchronous loads (Mooncake's get releases the GIL while it waits).
+FETCH_THREADS = 2
 # Read by the scheduler side (connector_scheduler.py); accepted here so one extra_config serves both sides.
 SCHEDULER_OPTIONS = ("recompute_tokens", "recompute_facts", "recompute_facts_max_k")
 
@@ -106,6 +121,16 @@ class LoadError(InferScaleError):
     pass
 
 
+@dataclass
+class FetchResult:
+    """What one loader-thread read found: the user's kv_ids in no tier (of which `unreadable`: listed in the
+    cluster tier on a segment that cannot be read), and the counters to add on the step's thread."""
+    user_id: str
+    missing: list[str]
+    unreadable: list[str]
+    counts: dict[str, float]
+
+
 class WorkerSide:
     def __init__(self, vllm_config: "VllmConfig", extra_config: dict[str, Any]):
         if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
@@ -118,6 +143,10 @@ class WorkerSide:
         self.inject_group_tokens = int(extra_config.get("inject_group_tokens", INJECT_GROUP_TOKENS))
         if self.inject_group_tokens < 1:
             raise ValueError(f"inject_group_tokens must be >= 1, got {self.inject_group_tokens}")
+        self.fetch_threads = extra_config.get("fetch_threads", FETCH_THREADS)
+        if isinstance(self.fetch_threads, bool) or not isinstance(self.fetch_threads, int) or self.fetch_threads < 1:
+            raise ValueError(f"fetch_threads must be an integer >= 1, got {self.fetch_threads!r}")
+        self.cluster_config = cluster_config_option(extra_config)  # checked here: a mistake stops the start
         self.block_size = vllm_config.cache_config.block_size
         # K and V are kept and rotated in the model's dtype; the cache may hold another (fp8: uint8 storage).
         self.kv_dtype = vllm_config.model_config.dtype
@@ -137,6 +166,18 @@ class WorkerSide:
         self.all_layers: AllLayersCache | None = None
         self._all_layers_checked = False
         self._failed_blocks: set[int] = set()
+        self._failed_loads: set[str] = set()  # asynchronous loads that failed, by request id
+        # Asynchronous loads: the cluster tier's client and the loader threads (made in register_kv_caches, in the
+        # worker's process), the loads in flight, those whose request finished meanwhile (aborted: reported,
+        # never written), the facts found nowhere (take_missing), and the last step's forward context (the
+        # writes of get_finished go through the attention layers it holds).
+        self.cluster = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._fetching: dict[str, tuple[LoadSpec, Future]] = {}
+        self._aborted: set[str] = set()
+        self._missing: dict[str, set[str]] = {}
+        self._forward_context: "ForwardContext | None" = None
+        self._prefetching: list[Future] = []  # prefetch() loads not settled yet
         self._step: dict[str, float] = {}  # counters since the last take_stats
         self._totals: dict[str, float] = {k: 0 for k in WORKER_COUNTERS}
         self._last_resident: dict[str, int] = {}
@@ -165,9 +206,16 @@ class WorkerSide:
             max_fact_tokens=int(opts.get("max_fact_tokens", 1024)),
             device_budget_bytes=self.device_budget_bytes, host_budget_bytes=opts.get("host_budget_bytes"),
             disk_budget_bytes=opts.get("disk_budget_bytes"))
-        logger.info("InferScale worker: %d layers on %s (facts in %s, cache %s), block size %d, device budget %s",
-                    len(kv_caches), self.device, self.kv_dtype, self.cache_dtype, self.block_size,
-                    "none" if self.device_budget_bytes is None else f"{self.device_budget_bytes} B")
+        if self.cluster_config is not None:
+            from .cluster_store import ClusterStore
+
+            self.cluster = ClusterStore(self.cluster_config, self.extra_config["kv_fingerprint"])
+            self.cluster.available  # noqa: B018 - connects in the background; a load before that is a miss
+        self._loader = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="inferscale-fetch")
+        logger.info("InferScale worker: %d layers on %s (facts in %s, cache %s), block size %d, device budget %s, "
+                    "cluster tier %s", len(kv_caches), self.device, self.kv_dtype, self.cache_dtype, self.block_size,
+                    "none" if self.device_budget_bytes is None else f"{self.device_budget_bytes} B",
+                    self.cluster_config.master if self.cluster_config is not None else "none")
 
     def _require_store(self) -> FactStore:
         if self.store is None:
@@ -187,16 +235,20 @@ class WorkerSide:
                 raise ValueError("each fact must be (kv_id, pack_fact(fact))")
             kv_id, blob = item
             check_id("kv_id", kv_id)
-            fact = unpack_fact(blob)
-            fact = EncodedFact(fact.token_ids, fact.k_pre.to(self.kv_dtype), fact.v.to(self.kv_dtype))
-            fact.validate(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
-                          max_tokens=store.max_fact_tokens)
-            converted.append((kv_id, fact))
+            converted.append((kv_id, self._fitting(unpack_fact(blob), store)))
         nbytes = 0
         for kv_id, fact in converted:
             store.put(user_id, kv_id, fact)
             nbytes += fact.nbytes
+        self._count("rpc_put_bytes", nbytes)
         return nbytes
+
+    def _fitting(self, fact: EncodedFact, store: FactStore) -> EncodedFact:
+        """The fact in the model's dtype, checked against the model's shape (ValueError naming the mismatch)."""
+        fact = EncodedFact(fact.token_ids, fact.k_pre.to(self.kv_dtype), fact.v.to(self.kv_dtype))
+        fact.validate(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim,
+                      max_tokens=store.max_fact_tokens)
+        return fact
 
     def delete(self, user_id: str, kv_ids: list[str] | None) -> int:
         store = self._require_store()
@@ -232,21 +284,43 @@ class WorkerSide:
     # ------------------------------------------------------------------ injection
 
     def load(self, forward_context: "ForwardContext", meta: InjectionMetadata) -> None:
+        """Writes this step's synchronous loads; hands its asynchronous ones to the loader threads."""
+        self._forward_context = forward_context
         if not meta.loads:
             return
         t0 = time.perf_counter()
         store = self._require_store()
+        self._check_all_layers(forward_context)
+        for spec in meta.loads:
+            if spec.fetch:
+                self._count("async_loads")
+                self._fetching[spec.req_id] = (spec, self._loader.submit(self._fetch, spec.user_id,
+                                                                         list(spec.kv_ids[1:])))
+        self._inject(forward_context, store, [spec for spec in meta.loads if not spec.fetch])
+        self._count("injection_seconds", time.perf_counter() - t0)
+
+    def _check_all_layers(self, forward_context: "ForwardContext") -> None:
         if not self._all_layers_checked:
             self.all_layers = AllLayersCache.of(self.kv_caches, self.layer_index, forward_context, self.kv_dtype)
             self._all_layers_checked = True
             logger.info("InferScale worker: %s", "one cache write for all layers" if self.all_layers is not None
                         else "one cache write per layer")
+
+    def _inject(self, forward_context: "ForwardContext", store: FactStore, specs: list[LoadSpec]) -> None:
+        """Gathers each request's chunks from the store and writes them into its blocks, in groups; a request
+        whose chunks cannot be gathered is a failed load (recomputed)."""
         group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         group_tokens = 0
-        for spec in meta.loads:
+        for spec in specs:
             try:
                 pieces, tiers = self._gather(store, spec)
-            except (KeyError, ValueError, LoadError, FileNotFoundError) as e:
+            except KeyError as e:  # a fact the caller took for resident is not: listed, so its books learn it
+                absent = [kv for kv in spec.kv_ids[1:] if not store.contains(spec.user_id, kv)]
+                if absent:
+                    self._missing.setdefault(spec.user_id, set()).update(absent)
+                self._fail([spec], e)
+                continue
+            except (ValueError, LoadError, FileNotFoundError) as e:
                 self._fail([spec], e)
                 continue
             except RuntimeError as e:  # torch.OutOfMemoryError included: promoting a fact to the device
@@ -263,15 +337,134 @@ class WorkerSide:
             group_tokens += spec.end - spec.start
         if group:
             self._write(forward_context, group)
-        self._count("injection_seconds", time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ asynchronous loads
+
+    def _fetch(self, user_id: str, kv_ids: list[str]) -> "FetchResult":
+        """On a loader thread: puts into the store the facts it lacks that the cluster tier holds. The prefix
+        chunk is always in the store; counters go back with the result (they are kept on the step's thread)."""
+        store = self._require_store()
+        need = [kv for kv in kv_ids if not store.contains(user_id, kv)]
+        if not need or self.cluster is None:
+            return FetchResult(user_id, need, [], {})
+        t0 = time.perf_counter()
+        got = self.cluster.read(user_id, need)
+        missing, unreadable = [], []
+        nbytes = 0
+        for kv, fact, unread in zip(need, got.facts, got.unreadable):
+            if fact is None:
+                missing.append(kv)
+                if unread:  # listed on a dead node's segment: read again later, not re-encoded
+                    unreadable.append(kv)
+                continue
+            try:
+                fact = self._fitting(fact, store)
+                store.put(user_id, kv, fact)  # a copy: the read's bytes are Mooncake's buffer
+            except ValueError as e:  # a shape or budget the store refuses: a miss, computed by vLLM
+                logger.warning("InferScale: the cluster object of %s cannot be stored: %s", kv, e)
+                missing.append(kv)
+                continue
+            nbytes += fact.nbytes
+        counts = {"fetched_facts": len(need) - len(missing), "fetched_bytes": nbytes,
+                  "fetch_unreadable": len(unreadable), "fetch_seconds": time.perf_counter() - t0}
+        return FetchResult(user_id, missing, unreadable, counts)
+
+    def _settle(self, result: "FetchResult") -> None:
+        """A load's counters and its facts found nowhere (for take_missing), on the step's thread."""
+        for key, n in result.counts.items():
+            self._count(key, n)
+        found_nowhere = [kv for kv in result.missing if kv not in result.unreadable]
+        self._count("fetch_misses", len(found_nowhere))
+        if found_nowhere:
+            self._missing.setdefault(result.user_id, set()).update(found_nowhere)
+
+    def prefetch(self, user_id: str, kv_ids: list[str]) -> int:
+        """Loads these facts of the user from the cluster tier in the background (warming a replica); returns how
+        many were asked for. Their counters and misses are settled with the next step or take_missing."""
+        check_id("user_id", user_id)
+        ids = [check_id("kv_id", kv) for kv in kv_ids]
+        self._require_store()
+        if ids:
+            self._prefetching.append(self._loader.submit(self._fetch, user_id, ids))
+        return len(ids)
+
+    def _settle_prefetches(self) -> None:
+        still = []
+        for fut in self._prefetching:
+            if not fut.done():
+                still.append(fut)
+                continue
+            try:
+                self._settle(fut.result())
+            except Exception:  # noqa: BLE001 - a warm-up that failed: requests load what they need
+                logger.exception("InferScale: a prefetch failed")
+        self._prefetching = still
+
+    def finished_loads(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM's transfer results, receiving side: writes the blocks of every asynchronous load that has arrived;
+        returns the requests whose load ended (vLLM schedules them next step) and, among them, those whose load
+        failed (vLLM computes them from position 0). A request that finished meanwhile (aborted) is returned
+        without a write: vLLM keeps its blocks until then. Runs every step, on the step's thread."""
+        if self._prefetching:
+            self._settle_prefetches()
+        self._aborted.update(r for r in finished_req_ids if r in self._fetching)
+        done = [r for r, (_, fut) in self._fetching.items() if fut.done()]
+        if not done:
+            return set(), set()
+        t0 = time.perf_counter()
+        store = self._require_store()
+        ready: list[LoadSpec] = []
+        for r in done:
+            spec, fut = self._fetching.pop(r)
+            try:
+                result = fut.result()
+            except Exception as e:  # noqa: BLE001 - the loader's failure is this request's failed load
+                logger.exception("InferScale: loading request %s failed", r)
+                if r not in self._aborted:
+                    self._fail([spec], e)
+                self._aborted.discard(r)
+                continue
+            self._settle(result)
+            if r in self._aborted:  # finished meanwhile: its blocks are vLLM's again once it is reported
+                self._aborted.discard(r)
+                continue
+            if result.missing:
+                # A partial load would need the memory's hash up to the first missing fact: the whole grant is
+                # recomputed instead (correct, slower; rare).
+                self._fail([spec], LoadError(f"{len(result.missing)} of the request's {len(spec.kv_ids) - 1} "
+                                             "facts are in no tier"))
+                continue
+            ready.append(spec)
+        if ready:
+            self._check_all_layers(self._forward_context)
+            self._inject(self._forward_context, store, ready)
+            self._count("injection_seconds", time.perf_counter() - t0)
+        failed, self._failed_loads = self._failed_loads, set()
+        return set(done), failed
+
+    def take_missing(self) -> dict[str, list[str]]:
+        self._settle_prefetches()
+        missing, self._missing = self._missing, {}
+        return {u: sorted(kvs) for u, kvs in missing.items()}
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+        if self.cluster is not None:
+            self.cluster.close()
 
     def _fail(self, specs: list[LoadSpec], err: BaseException, oom: bool = False) -> None:
-        """Report the requests' blocks as failed loads: vLLM recomputes them (kv_load_failure_policy=
-        "recompute"): slower, never wrong, and the engine keeps running."""
+        """Report the requests' loads as failed: vLLM recomputes them (kv_load_failure_policy="recompute"):
+        slower, never wrong, and the engine keeps running. A synchronous load is reported by its blocks, an
+        asynchronous one as a whole (failed_recving: vLLM computes it from position 0 and the scheduler side
+        grants it nothing more)."""
         for spec in specs:
             logger.warning("InferScale: request %s not injected%s: %s", spec.req_id,
                            " (out of memory)" if oom else "", err)
-            self._failed_blocks.update(self._blocks_of(spec))
+            if spec.fetch:
+                self._failed_loads.add(spec.req_id)
+            else:
+                self._failed_blocks.update(self._blocks_of(spec))
             self._count("load_failures")
             if oom:
                 self._count("load_failures_oom")
@@ -399,6 +592,23 @@ class WorkerSide:
             out["num_facts"] = s["num_facts"]
             out["num_users"] = len([u for u in self.store.users() if u != SHARED_USER_ID])
         return out
+
+
+def cluster_config_option(extra_config: dict):
+    """kv_connector_extra_config["cluster_store"] (ClusterConfig fields; absent or empty: no cluster tier) with
+    "kv_fingerprint" (the encoder pool's, which names the objects), checked; the worker's client contributes
+    no segment (it only reads)."""
+    from .cluster_store import ClusterConfig
+
+    d = extra_config.get("cluster_store")
+    if not d:
+        return None
+    if not isinstance(d, dict):
+        raise ValueError(f"cluster_store must be a dict of ClusterConfig fields, got {type(d).__name__}")
+    fp = extra_config.get("kv_fingerprint")
+    if not isinstance(fp, str) or not fp:
+        raise ValueError("cluster_store needs kv_fingerprint (the encoder pool's fingerprint: it names the objects)")
+    return ClusterConfig.from_dict({**d, "segment_bytes": 0})
 
 
 def rotary_table(hf_config, spec: ModelSpec, max_model_len: int, device: torch.device,

@@ -137,6 +137,22 @@ class AsyncInjectingEngine:
     async def preload(self, user_id: str) -> int:
         return await self._rpc("inferscale_preload", user_id)
 
+    async def prefetch(self, user_id: str, kv_ids: Sequence[str]) -> int:
+        """The worker loads these facts from the cluster tier in its background; returns how many it was asked."""
+        ids = [check_id("kv_id", f) for f in kv_ids]
+        return await self._rpc("inferscale_prefetch", check_id("user_id", user_id), ids) if ids else 0
+
+    async def take_missing(self) -> dict[str, list[str]]:
+        """kv_ids that the worker's loads found in no tier since the last call, per user (ids only)."""
+        return await self._rpc("inferscale_take_missing")
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes the worker store keeps per token of a fact (every layer's K and V, the model's dtype)."""
+        from .model_spec import ModelSpec
+
+        mc = self._started().model_config
+        return ModelSpec.from_config(mc.hf_text_config).kv_bytes(1, mc.dtype)
+
     # ---- generation
     def prepare_facts(self, q: Query, fact_ids: Sequence[str], texts: Sequence[str], versions: Sequence[int],
                       kv_ids: Sequence[str] | None = None) -> Prepared:

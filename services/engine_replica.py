@@ -12,17 +12,19 @@ user (it runs under one lock per replica, so it must stay short); the user's fac
 itself, under that user's own lock, so a cold user with many facts never holds up another user.
 
 Syncing a user reads the registry's list of the user's servable facts, versions and texts (one read of the
-version counter when nothing moved since the last sync); it moves no KV. KV is fetched per request, for the
-facts the request names (the retrieval's top-k), before the request is handed to vLLM (never inside its step):
-  1. facts the worker store holds (memory, or its disk tier `kv_dir` after a restart) are used as they are,
-  2. with a cluster KV tier (`cluster_store`: Mooncake Store, inferscale_core/cluster_store.py) the rest is
-     read from it and put into the worker store; a fact missing there too (evicted, never written, Mooncake
-     down) is computed by vLLM with the query (the connector's failed-load path: slower, never wrong) and ONE
-     re-encode is queued in the background, which writes it to the cluster tier and this worker store,
-  3. without a cluster tier the rest is encoded by the encoder pool now, from the registry's text and window.
-The puts of steps 2 and 3 are sent, not awaited, before the request (`_put(ahead=True)`): vLLM's engine core runs
-its input in the order sent, so the put has run when the request is added, and the request does not wait a step
-of the engine's loop for the put's reply.
+version counter when nothing moved since the last sync); it moves no KV. Per request, for the facts it names
+(the retrieval's top-k):
+  1. facts this replica put or had loaded into its worker store (`ResidentKV`) are used as they are,
+  2. with a cluster KV tier (`cluster_store`: Mooncake Store, inferscale_core/cluster_store.py) the request goes
+     to vLLM with `fetch` set: the connector's worker reads what its store lacks (its memory and disk tiers, then
+     the cluster tier, with a Mooncake client of its own) on a loader thread while vLLM keeps the request outside
+     the batch, and writes the blocks when the KV has arrived. No KV passes through this process or the engine
+     core's RPC channel. A fact found in no tier (evicted, never written, Mooncake down) is computed by vLLM
+     with the query (the connector's failed-load path: slower, never wrong); the worker lists it, and this
+     replica (`requeue_missing`, every watch round) queues ONE re-encode, which writes it to the cluster tier,
+  3. without a cluster tier the rest is encoded by the encoder pool now, from the registry's text and window,
+     and put into the worker store; the put is sent, not awaited, before the request (`_put(ahead=True)`): vLLM's
+     engine core runs its input in the order sent, so the put has run when the request is added.
 Facts are stored under `kv_id(fact_id, version)` in every tier, so KV is used only for the exact version the
 registry names; an update or a delete removes the older versions (from the cluster tier too).
 
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -392,11 +395,13 @@ class ReplicaCore:
         self._pruned: dict[str, int] = {}   # user -> user_version the watch last dropped moved facts for
         self._user_locks: dict[str, asyncio.Lock] = {}
         self._loaded: set[str] = set()  # users _hold registered (outside Serve)
-        self.counters = {"facts_from_disk": 0, "facts_from_cluster": 0, "facts_encoded": 0, "facts_recomputed": 0,
+        # facts_from_cluster and facts_unreadable (cluster-tier objects that exist but could not be read: computed)
+        # are the worker's own counts (it reads the cluster tier); `stats` reports them beside these.
+        self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
                          "facts_dropped_by_watch": 0, "facts_evicted": 0, "facts_stale_pushes": 0,
-                         "tombstones_applied": 0, "facts_put_failed": 0,
-                         "facts_unreadable": 0}  # cluster-tier objects that exist but could not be read (computed)
+                         "tombstones_applied": 0, "facts_put_failed": 0}
+        self._bytes_per_token: int | None = None  # the worker store's KV bytes per token (asked once)
         self._tomb_cursor: str | None = None
         self._tasks: set[asyncio.Task] = set()  # background work (re-encodes, puts settling)
 
@@ -447,11 +452,12 @@ class ReplicaCore:
             await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
             return held
 
-    async def _fetch_kv(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> dict[str, float]:
-        """Makes the worker store hold these facts' KV where it can, before the request goes to vLLM: worker
-        store (memory or disk), then the cluster tier, then (no cluster tier) the encoder now. With a cluster
-        tier a fact found nowhere is left to vLLM to compute, and one re-encode is queued. Returns the time of
-        each step it took, in ms (`kv_fetch_*` hops of the answer's timings)."""
+    async def _fetch_kv(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> tuple[dict[str, float], list[str]]:
+        """Makes these facts' KV reachable for the request. Facts this replica knows the worker store holds are
+        used as they are. With a cluster tier the others are left to the worker, which reads them itself when
+        the request arrives (returned: the kv_ids it will load; the request is sent with `fetch`); without one
+        they are encoded now and put into the worker store (after a look at its disk tier). Returns the time of
+        each step taken, in ms (`kv_fetch_*` hops of the answer's timings), and the kv_ids left to the worker."""
         steps: dict[str, float] = {}
         t = time.perf_counter()
 
@@ -466,7 +472,13 @@ class ReplicaCore:
             self.resident.touch(user_id, [kv_id(f, h.version) for f, h in facts])
             todo = [(f, h) for f, h in facts if not self.resident.has(user_id, kv_id(f, h.version))]
             if not todo:
-                return steps
+                return steps, []
+            if self.cluster is not None:
+                # The worker looks in its own tiers (memory, disk) and then the cluster tier: nothing to ask it
+                # or move from here.
+                kvs = [kv_id(f, h.version) for f, h in todo]
+                self._maybe_on_disk.get(user_id, set()).difference_update(kvs)
+                return steps, kvs
             maybe = self._maybe_on_disk.get(user_id, set())
             ask = [kv_id(f, h.version) for f, h in todo if kv_id(f, h.version) in maybe]
             if ask:  # the disk tier may have them: the worker store says which it still holds
@@ -477,25 +489,44 @@ class ReplicaCore:
                 step("kv_fetch_disk_check")
                 todo = [(f, h) for f, h in todo if kv_id(f, h.version) not in present]
                 if not todo:
-                    return steps
-            if self.cluster is None:
-                await self._encode_and_put(user_id, todo)
-                step("kv_fetch_encode")
-                return steps
-            got = await asyncio.to_thread(self.cluster.read, user_id, [kv_id(f, h.version) for f, h in todo])
-            step("kv_fetch_read")
-            hits = [(f, h, enc) for (f, h), enc in zip(todo, got.facts) if enc is not None]
-            if hits:
-                await self._put(user_id, [(f, h.version) for f, h, _ in hits], [enc for _, _, enc in hits], ahead=True)
-                step("kv_fetch_put")
-            self.counters["facts_from_cluster"] += len(hits)
-            self.counters["facts_recomputed"] += len(todo) - len(hits)
-            # An object that exists but could not be read (its copy on a node that just died, until the master
-            # drops that segment) is read again by the next request, not re-encoded.
-            self.counters["facts_unreadable"] += sum(got.unreadable)
-            self._queue_reencode(user_id, [fh for fh, enc, unread in zip(todo, got.facts, got.unreadable)
-                                           if enc is None and not unread])
-            return steps
+                    return steps, []
+            await self._encode_and_put(user_id, todo)
+            step("kv_fetch_encode")
+            return steps, []
+
+    def _book_fetched(self, user_id: str, params, kvs: list[str]) -> None:
+        """Counts the facts the worker loads for this request as resident (their bytes from their token counts),
+        so later requests use them as they are; the least recently used leave the worker store in the
+        background. A fact the load finds nowhere leaves the books again (`requeue_missing`)."""
+        if not kvs or params is None:
+            return
+        if self._bytes_per_token is None:
+            self._bytes_per_token = self.engine.kv_bytes_per_token()
+        tokens = dict(zip(params.kv_ids, params.chunk_lens or ()))
+        evicted = self.resident.add(user_id, [(kv, tokens[kv] * self._bytes_per_token if kv in tokens else None)
+                                              for kv in kvs])
+        if evicted:
+            self._background(self._evict(evicted))
+
+    async def requeue_missing(self) -> int:
+        """Facts the worker's loads found in no tier (evicted from the cluster tier, never written, Mooncake away)
+        leave the books, and ONE re-encode of each still-held version is queued (it writes the cluster tier; the
+        next request that names the fact loads it). Runs every watch round and before `stats`; returns how many."""
+        missing = await self.engine.take_missing()
+        n = 0
+        for user_id, kvs in missing.items():
+            self.resident.discard(user_id, kvs)
+            n += len(kvs)
+            held = self._held.get(user_id, {})
+            todo = []
+            for kv in kvs:
+                f, _, v = kv.rpartition("@v")
+                h = held.get(f)
+                if h is not None and kv_id(f, h.version) == kv:
+                    todo.append((f, h))
+            self._queue_reencode(user_id, todo)
+        self.counters["facts_recomputed"] += n
+        return n
 
     def _queue_reencode(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
         """One background re-encode per fact version, however many requests miss it meanwhile."""
@@ -519,16 +550,13 @@ class ReplicaCore:
         self._background(run())
 
     async def _encode_and_put(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> None:
-        """Encodes facts from the registry's text and window (the pool writes them to the cluster tier when there
-        is one) and puts them into the worker store. Call under the user's lock."""
+        """Encodes facts from the registry's text and window. With a cluster tier the pool writes them there
+        (StoredKV) and the worker loads them when a request names them; without one they are put into the worker
+        store. Call under the user's lock."""
         encoded = await self.encoder.encode_for.remote(
             user_id, [(f, h.version, h.text, list(h.window)) for f, h in facts])
         fresh = await self._current(user_id, [(f, h.version) for f, h in facts])
         facts, encoded = [fh for fh, ok in zip(facts, fresh) if ok], [e for e, ok in zip(encoded, fresh) if ok]
-        stored = [(f, h) for (f, h), e in zip(facts, encoded) if isinstance(e, StoredKV)]
-        from_cluster = await asyncio.to_thread(self.cluster.get_many, user_id, [kv_id(f, h.version) for f, h in stored]
-                                               ) if stored else []
-        kv = dict(zip([f for f, _ in stored], from_cluster))
         good = []
         for (f, h), e in zip(facts, encoded):
             if isinstance(e, EncodeFailure) and e.transient:  # the encoder failed, not the fact: not served this
@@ -540,8 +568,7 @@ class ReplicaCore:
                 self._held.get(user_id, {}).pop(f, None)
                 self.counters["facts_unservable"] += 1
             elif isinstance(e, StoredKV):
-                if kv.get(f) is not None:  # else: gone again at once (evicted): the next request retries
-                    good.append((f, h.version, kv[f]))
+                pass  # in the cluster tier: the worker loads it for the next request that names it
             else:
                 good.append((f, h.version, e))
         if good:
@@ -663,6 +690,10 @@ class ReplicaCore:
                 log.warning("watch of held users failed: %s", e)
 
     async def _watch_once(self) -> None:
+        try:
+            await self.requeue_missing()
+        except Exception as e:  # noqa: BLE001 - the engine is check_health's business; the next round asks again
+            log.warning("asking the worker for facts it found nowhere failed: %s", e)
         await self._apply_tombstones()
         users = list(self._synced)
         if not users:
@@ -799,9 +830,9 @@ class ReplicaCore:
             # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped.
             # Both modes serve the same facts (an A/B of injection).
             facts = [(f, held[f]) for f in fact_ids if f in held]
-            fetch_steps = {}
+            fetch_steps, fetched = {}, []
             if mode == Mode.KV:
-                fetch_steps = await self._fetch_kv(user_id, facts)
+                fetch_steps, fetched = await self._fetch_kv(user_id, facts)
                 # A fact the encoder just found it cannot encode (stored by an older version) is no longer held:
                 # left out, as the sync used to leave it out before the request.
                 facts = [(f, h) for f, h in facts if held.get(f) == h]
@@ -821,6 +852,9 @@ class ReplicaCore:
                                             [kv_id(f, h.version) for f, h in facts])
             except ValueError as e:  # the chat template refused the conversation
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            if fetched and p.params is not None:  # the worker loads these itself, asynchronously
+                p.params = dataclasses.replace(p.params, fetch=True)
+                self._book_fetched(user_id, p.params, fetched)
             if len(p.prompt_ids) >= self.max_model_len:
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"the prompt is {len(p.prompt_ids)} tokens (memory, conversation and query); the "
@@ -915,7 +949,10 @@ class ReplicaCore:
         their k). Returns this replica's id."""
         await self._hold(check_id("user_id", user_id))
         held = await self._sync(user_id)
-        await self._fetch_kv(user_id, list(held.items()))
+        _, fetched = await self._fetch_kv(user_id, list(held.items()))
+        if fetched:  # the worker reads them from the cluster tier in the background (ids only cross)
+            await self.engine.prefetch(user_id, fetched)
+            self.resident.add(user_id, [(kv, None) for kv in fetched])
         return self.replica_id
 
     async def holds(self, user_id: str, facts: list[tuple[str, int]], with_replica: bool = False):
@@ -926,14 +963,20 @@ class ReplicaCore:
 
     # ------------------------------------------------------------------------------ observability
     async def stats(self) -> dict:
-        """This replica's counters, the users it holds, and the engine's (vLLM + worker store) metrics."""
+        """This replica's counters, the users it holds, and the engine's (vLLM + worker store) metrics; the facts
+        the worker found nowhere are re-queued first, so `facts_recomputed` counts them."""
+        await self.requeue_missing()
+        engine = await self.engine.metrics()
+        worker = engine.get("worker") or {}
+        loads = {"facts_from_cluster": int(worker.get("fetched_facts", 0)),
+                 "facts_unreadable": int(worker.get("fetch_unreadable", 0))}
         return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir, "slot": replica_slot(),
                 "serve_replica_id": serve_replica_id(), "engine_cpus": self.engine_cpus,
-                "users": sorted(self._held), **self.counters, "admission": self.admission.stats(),
+                "users": sorted(self._held), **self.counters, **loads, "admission": self.admission.stats(),
                 "cluster": dict(self.cluster.counters) if self.cluster is not None else None,
                 "resident": {"facts": self.resident.count(), "bytes": self.resident.bytes,
                              "budget_bytes": self.resident.budget_bytes},
-                "engine": await self.engine.metrics()}
+                "engine": engine}
 
     async def health(self) -> str:
         await self.engine.has_encoded("__health__", ["probe"])  # a round trip to the engine's worker
@@ -960,11 +1003,16 @@ class EngineReplica(ReplicaCore):
             if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
                 options["disk_budget_bytes"] = default_disk_budget_bytes(disk_dir)
         self.engine_cpus = bind_engine_cpus(config.engine_cpu_cores)
+        # The cluster KV tier, under the encoder pool's fingerprint (the pool defines how facts are encoded): the
+        # connector's worker reads it (a client of its own); this process only removes from it.
+        cluster_config = config.cluster
+        fingerprint = await encoder.fingerprint.remote() if cluster_config else None
+        if cluster_config:
+            options["cluster_store"] = dataclasses.asdict(cluster_config)
+            options["kv_fingerprint"] = fingerprint
         # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
         engine = await (build_engine or start_engine)(config, await encoder.prefix.remote(), options)
-        # The cluster KV tier, under the encoder pool's fingerprint (the pool defines how facts are encoded).
-        cluster_config = config.cluster
-        cluster = ClusterStore(cluster_config, await encoder.fingerprint.remote()) if cluster_config else None
+        cluster = ClusterStore(cluster_config, fingerprint) if cluster_config else None
         super().__init__(config, engine, encoder, open_registry(config.registry_url), cluster, disk_dir,
                          EngineMetrics(), options.get("disk_budget_bytes"))
         await self.start()

@@ -1,12 +1,15 @@
-"""The engine replica's logic (services/engine_replica.py ReplicaCore) without vLLM and without Ray: tier order
-per request (worker store -> cluster tier -> miss), its counters, a miss computed by vLLM with one re-encode
-queued, updates and deletes reaching every tier, tombstones a replica that was down applies at start.
+"""The engine replica's logic (services/engine_replica.py ReplicaCore) without vLLM and without Ray: what a request
+leaves to the worker (its facts not known resident, loaded by the worker from the cluster tier), its counters, a
+miss computed by vLLM with one re-encode queued, updates and deletes reaching every tier, tombstones a replica
+that was down applies at start.
 
 Real parts: the encoder (EncoderCore over a FactEncoder on a tiny random Llama with SmolLM2's tokenizer: real
 pre-RoPE KV, milliseconds per fact), the registry (EmbeddedRegistry, the one `inferscale serve` uses without
 Redis) and the cluster tier (a Mooncake Store on loopback). The engine is `DictEngine`: AsyncInjectingEngine's
-interface over a dict, standing in for vLLM and its worker store (the injection itself is tested against real
-vLLM in test_connector*.py and through the service in test_kv_tier_service.py). Seconds, not minutes.
+interface over a dict, standing in for vLLM and its worker store, which loads a `fetch` request's missing facts
+from the cluster tier as the connector's worker does (the injection and the worker's asynchronous load are tested
+against real vLLM in test_connector*.py, and through the service in test_kv_tier_service.py). Seconds, not
+minutes.
 """
 from __future__ import annotations
 
@@ -26,18 +29,51 @@ FACTS = {"f1": "Alice has a cat named Tom.", "f2": "Alice moved to Lisbon in 202
 
 class DictEngine:
     """The serving engine's interface (AsyncInjectingEngine: the worker store's put/has/delete, request
-    preparation, streaming) over a dict instead of vLLM. Requests are prepared by the real RequestCore; a streamed
-    answer reports the memory as injected when every chunk it names is in the store at that moment, else
+    preparation, streaming) over a dict instead of vLLM. Requests are prepared by the real RequestCore. A request
+    with `fetch` set has the facts the store lacks read from `cluster` first, as the connector's worker does
+    (counted as `fetched_facts`; one found nowhere is listed for take_missing, one listed but unreadable is not);
+    a streamed answer reports the memory as injected when every chunk it names is in the store then, else
     prefilled (vLLM's failed-load recompute)."""
 
-    def __init__(self, template, prefix, capacity_tokens: int = 8192):
+    def __init__(self, template, prefix, capacity_tokens: int = 8192, cluster=None):
         from inferscale_core.requests import RequestCore
 
         self.core = RequestCore(template, prefix)
+        self.prefix = prefix
         self.store = {("__inferscale_shared__", self.core.prefix_id): prefix}
         self.capacity_tokens = capacity_tokens
+        self.cluster = cluster
         self.puts = 0  # calls that put KV
         self.asked: list[list[str]] = []  # the kv_ids of each has_encoded call (an RPC into vLLM's step loop)
+        self.worker = {"fetched_facts": 0, "fetch_unreadable": 0}
+        self.missing: dict[str, set[str]] = {}
+
+    def kv_bytes_per_token(self) -> int:
+        return self.prefix.nbytes // self.prefix.num_tokens
+
+    async def _fetch(self, user_id, kv_ids) -> bool:
+        """The worker's load: True when every fact is in the store afterwards."""
+        need = [kv for kv in kv_ids if (user_id, kv) not in self.store]
+        if not need:
+            return True
+        got = await asyncio.to_thread(self.cluster.read, user_id, need)
+        for kv, fact, unread in zip(need, got.facts, got.unreadable):
+            if fact is not None:
+                self.store[(user_id, kv)] = fact
+                self.worker["fetched_facts"] += 1
+            elif unread:
+                self.worker["fetch_unreadable"] += 1
+            else:
+                self.missing.setdefault(user_id, set()).add(kv)
+        return all(fact is not None for fact in got.facts)
+
+    async def prefetch(self, user_id, kv_ids) -> int:
+        await self._fetch(user_id, kv_ids)
+        return len(kv_ids)
+
+    async def take_missing(self) -> dict[str, list[str]]:
+        missing, self.missing = self.missing, {}
+        return {u: sorted(kvs) for u, kvs in missing.items()}
 
     def kv_cache_tokens(self) -> int:
         return self.capacity_tokens
@@ -84,6 +120,8 @@ class DictEngine:
     async def stream(self, p, sampling_params=None):
         from inferscale_core.requests import Answer
 
+        if p.params is not None and p.params.fetch:
+            await self._fetch(p.query.user_id, list(p.params.kv_ids[1:]))
         injected = p.params is not None and all(
             (owner, kv) in self.store
             for owner, kv in [("__inferscale_shared__", p.params.kv_ids[0])]
@@ -95,7 +133,7 @@ class DictEngine:
                          retrieve_s=p.retrieve_s, ttft_s=0.001, finish_reason="stop")
 
     async def metrics(self) -> dict:
-        return {"worker": {"num_facts": len(self.store)}}
+        return {"worker": {"num_facts": len(self.store), **self.worker}}
 
     def shutdown(self) -> None:
         pass
@@ -131,12 +169,12 @@ def make_core(parts, registry, cluster=True, disk_dir=None, engine=None, **confi
     from inferscale_server.encoder_pool import EncoderCore
     from inferscale_server.engine_replica import EngineReplicaConfig, ReplicaCore
 
-    engine = engine or DictEngine(parts.fe.template, parts.fe.prefix())
     if cluster is True:
         cluster, encoder = parts.cluster, parts.encoder
     else:
         cluster = cluster or None
         encoder = EncoderCore(parts.fe, cluster)
+    engine = engine or DictEngine(parts.fe.template, parts.fe.prefix(), cluster=cluster)
     return ReplicaCore(EngineReplicaConfig(**config), engine, handle(encoder), registry, cluster, disk_dir)
 
 
@@ -174,6 +212,11 @@ async def gone(parts, user: str, kv: str, timeout_s: float = 20.0) -> bool:
         if parts.raw.is_exist(key) == 0:
             return True
     return False
+
+
+async def counts(core) -> dict:
+    """The replica's counters as `stats` reports them (the worker's loads included, its misses re-queued)."""
+    return await core.stats()
 
 
 async def answer(core, user: str, fact_ids: list[str], mode=Mode.KV):
@@ -252,23 +295,25 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
         # With a cluster tier the write moved no KV into the writer's engine: the pool wrote the objects.
         assert writer.engine.kvs(USER) == set() and writer.engine.puts == 0
 
-        # A replica that never saw the user: the k facts a request names come from the cluster tier, once.
+        # A replica that never saw the user: the worker loads the k facts a request names from the cluster tier,
+        # once; this replica reads and puts nothing (no KV crosses it).
         core = await started(parts, registry)
         final = await answer(core, USER, ["f2", "f1"])
         assert final.fact_ids == ["f2", "f1"]
-        assert core.counters["facts_from_cluster"] == 2 and core.counters["facts_encoded"] == 0
+        c = await counts(core)
+        assert c["facts_from_cluster"] == 2 and c["facts_encoded"] == 0 and core.engine.puts == 0
         assert core.engine.kvs(USER) == {kv_id("f1", 1), kv_id("f2", 1)}  # the request's k, not the whole user
         assert final.prefilled_tokens < final.prompt_tokens  # injected
-        assert set(final.timings_ms) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft", "kv_fetch_lock",
-                                         "kv_fetch_read", "kv_fetch_put"}
-        # No disk tier: nothing to ask the worker store, so no call into its step loop before the read.
-        assert "kv_fetch_disk_check" not in final.timings_ms and core.engine.asked == []
+        assert set(final.timings_ms) >= {"user_sync", "kv_fetch", "admission_wait", "engine_ttft", "kv_fetch_lock"}
+        assert not {"kv_fetch_read", "kv_fetch_put", "kv_fetch_disk_check"} & set(final.timings_ms)
+        assert core.engine.asked == []  # nothing asked of the worker store before the request
         steps = sum(v for key, v in final.timings_ms.items() if key.startswith("kv_fetch_"))
         assert steps <= final.timings_ms["kv_fetch"] + 0.01  # the steps of the fetch, not beside it
 
         # Again: the worker store has them, nothing is read; a third fact comes from the cluster tier.
         await answer(core, USER, ["f2", "f1", "f3"])
-        assert core.counters["facts_from_cluster"] == 3 and core.counters["facts_encoded"] == 0
+        c = await counts(core)
+        assert c["facts_from_cluster"] == 3 and c["facts_encoded"] == 0
         assert core.resident.count() == 3 and core.resident.bytes == sum(
             parts.cluster.get_many(USER, [kv_id(f, 1)])[0].nbytes for f in FACTS)
 
@@ -299,16 +344,20 @@ def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
         # Answered all the same (whether vLLM computed a fact or the re-encode landed before its load is a race,
         # as in vLLM); the first request found neither fact anywhere.
         assert first.fact_ids == ["b1", "b2"] and second.fact_ids == ["b2", "b1"]
-        assert core.counters["facts_recomputed"] >= 2 and core.counters["facts_from_cluster"] == 0
+        assert first.prefilled_tokens == first.prompt_tokens
+        c = await counts(core)  # the worker's misses re-queued: one re-encode per fact
+        assert c["facts_recomputed"] == 2 and c["facts_from_cluster"] == 0
+        assert core.resident.count() == 0  # not counted resident: the next request asks the worker to load
         for _ in range(200):  # the background re-encode (milliseconds with the tiny model)
             if core.counters["facts_encoded"] >= 2 and not core._reencoding:
                 break
             await asyncio.sleep(0.02)
         assert core.counters["facts_encoded"] == 2  # not 4: a fact already queued is not queued again
-        assert core.engine.kvs(user) == {kv_id("b1", 1), kv_id("b2", 1)}
+        assert core.engine.puts == 0  # written to the cluster tier, not through this replica
         assert all(e is not None for e in parts.cluster.get_many(user, [kv_id("b1", 1), kv_id("b2", 1)]))
         third = await answer(core, user, ["b1", "b2"])
-        assert third.prefilled_tokens < third.prompt_tokens  # injected now
+        assert third.prefilled_tokens < third.prompt_tokens  # injected now, loaded by the worker
+        assert core.engine.kvs(user) == {kv_id("b1", 1), kv_id("b2", 1)}
 
     run(go())
 
@@ -326,17 +375,19 @@ class FailingPuts(DictEngine):
 
 
 def test_a_put_sent_ahead_of_its_request_that_fails_is_computed_then_fetched_again(parts):
-    """The fetch sends the put and lets the request go (AsyncInjectingEngine.send_put); a put that fails is
-    settled in the background: counted, forgotten here, the request computes the facts, the next fetches them."""
+    """Without a cluster tier the replica encodes a request's missing facts, sends the put and lets the request go
+    (AsyncInjectingEngine.send_put); a put that fails is settled in the background: counted, forgotten here, the
+    request computes the facts, the next encodes and puts them again."""
     from inferscale_server.registry import open_registry
 
     registry = open_registry(None)
     user = "fiona"
 
     async def go():
+        writer = await started(parts, registry, cluster=False)
+        await add(parts, registry, writer, user, {"p1": "Fiona plays the cello.", "p2": "Fiona lives in Porto."})
         engine = FailingPuts(parts.fe.template, parts.fe.prefix())
-        core = await started(parts, registry, engine=engine)
-        await add(parts, registry, core, user, {"p1": "Fiona plays the cello.", "p2": "Fiona lives in Porto."})
+        core = await started(parts, registry, engine=engine, cluster=False)  # never saw the user
         engine.fail = 1
         first = await answer(core, user, ["p1", "p2"])
         for _ in range(100):
@@ -346,7 +397,7 @@ def test_a_put_sent_ahead_of_its_request_that_fails_is_computed_then_fetched_aga
         assert first.fact_ids == ["p1", "p2"] and first.prefilled_tokens == first.prompt_tokens  # computed
         assert core.counters["facts_put_failed"] == 2 and core.resident.count() == 0
         second = await answer(core, user, ["p1", "p2"])
-        assert second.prefilled_tokens < second.prompt_tokens and core.counters["facts_from_cluster"] == 4
+        assert second.prefilled_tokens < second.prompt_tokens and core.counters["facts_encoded"] == 4
 
     run(go())
 
@@ -438,9 +489,10 @@ def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path
 
 
 def test_the_worker_store_is_asked_only_about_facts_its_disk_tier_may_hold(parts, tmp_path):
-    """A request's cold facts cost one call into the engine core's step loop (the put), not two: the replica asks
-    the worker store which facts it holds only for those its disk tier listed at start or kept for a user the
-    replica unloaded; every other fact not counted as resident is read from the cluster tier at once."""
+    """Without a cluster tier a request's cold facts are encoded by the replica: it asks the worker store (a call
+    into the engine core's step loop) which of them it holds only for those its disk tier listed at start or kept
+    for a user the replica unloaded. With a cluster tier it never asks: the worker looks in its own tiers, disk
+    included, before the cluster tier."""
     from inferscale_server.registry import open_registry
 
     registry = open_registry(None)
@@ -448,35 +500,48 @@ def test_the_worker_store_is_asked_only_about_facts_its_disk_tier_may_hold(parts
     facts = {"h1": "Hana repairs clocks.", "h2": "Hana lives in Kyoto.", "h3": "Hana has two cats.",
              "h4": "Hana swims at dawn."}
 
+    for folder in ("local", "clustered"):
+        (tmp_path / folder).mkdir()
+
     async def go():
-        core = await started(parts, registry, disk_dir=str(tmp_path))
+        core = await started(parts, registry, disk_dir=str(tmp_path / "local"), cluster=False)
         await add(parts, registry, core, user, facts)
-        await answer(core, user, ["h1", "h2"])
         engine = core.engine  # the worker store with its disk tier outlives the replica (the slot's folder)
+        await engine.delete_encoded(user, [kv_id("h3", 1), kv_id("h4", 1)])  # the disk tier's budget dropped them
         assert engine.asked == [] and engine.kvs(user) == {kv_id("h1", 1), kv_id("h2", 1)}
 
         # Restarted over the same disk tier: asked once, about the listed facts the request names, not about h3.
-        restarted = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
+        restarted = await started(parts, registry, disk_dir=str(tmp_path / "local"), engine=engine, cluster=False)
+        restarted._maybe_on_disk[user].add(kv_id("h3", 1))  # listed at start, dropped since
         final = await answer(restarted, user, ["h3", "h2", "h1"])
-        assert engine.asked == [[kv_id("h2", 1), kv_id("h1", 1)]]
-        assert restarted.counters["facts_from_disk"] == 2 and restarted.counters["facts_from_cluster"] == 1
+        assert engine.asked == [[kv_id("h3", 1), kv_id("h2", 1), kv_id("h1", 1)]]
+        assert restarted.counters["facts_from_disk"] == 2 and restarted.counters["facts_encoded"] == 1
         assert "kv_fetch_disk_check" in final.timings_ms and final.prefilled_tokens < final.prompt_tokens
         final = await answer(restarted, user, ["h4", "h1"])  # h1 counted now, h4 never listed: no call
         assert len(engine.asked) == 1 and "kv_fetch_disk_check" not in final.timings_ms
-        assert restarted.counters["facts_from_cluster"] == 2
+        assert restarted.counters["facts_encoded"] == 2
 
         # Unloaded (Serve's LRU): the disk tier keeps its facts. Meanwhile its budget drops one (h3). A reload
-        # asks about the facts it kept; the one gone is read from the cluster tier, not assumed present.
+        # asks about the facts it kept; the one gone is encoded again, not assumed present.
         await restarted._unload(user)
         await engine.delete_encoded(user, [kv_id("h3", 1)])
         final = await answer(restarted, user, ["h3", "h1"])
-        assert engine.asked[-1] == [kv_id("h3", 1), kv_id("h1", 1)]
-        assert restarted.counters["facts_from_disk"] == 3 and restarted.counters["facts_from_cluster"] == 3
+        assert sorted(engine.asked[-1]) == [kv_id("h1", 1), kv_id("h3", 1)]
+        assert restarted.counters["facts_from_disk"] == 3 and restarted.counters["facts_encoded"] == 3
         assert engine.kvs(user) >= {kv_id("h1", 1), kv_id("h3", 1)} and final.prefilled_tokens < final.prompt_tokens
 
         # DeleteUser forgets what the disk tier had of the user: nothing left to ask about.
         await restarted.forget_user(user)
         assert user not in restarted._maybe_on_disk and engine.kvs(user) == set()
+
+        # With a cluster tier: never asked; what the worker store kept is not read again.
+        other = "hugo"
+        clustered = await started(parts, registry, disk_dir=str(tmp_path / "clustered"))
+        await add(parts, registry, clustered, other, {"u1": "Hugo bakes bread.", "u2": "Hugo rows."})
+        await answer(clustered, other, ["u1", "u2"])
+        again = await started(parts, registry, disk_dir=str(tmp_path / "clustered"), engine=clustered.engine)
+        await answer(again, other, ["u2", "u1"])
+        assert clustered.engine.asked == [] and (await counts(again))["facts_from_cluster"] == 2  # once, in all
 
     run(go())
 
@@ -508,7 +573,7 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
         reader = await started(parts, registry, cluster=store)  # never saw the user: reads the cluster tier
         first = await answer(reader, user, ids)
         assert time.monotonic() - killed < ttl_s, "too slow to see the dead segment's window"
-        c = reader.counters
+        c = await counts(reader)
         assert c["facts_unreadable"] >= 1 and c["facts_from_cluster"] + c["facts_unreadable"] == len(ids), c
         assert c["facts_encoded"] == 0 and not reader._reencoding, c  # computed for this request, not re-encoded
         assert first.prefilled_tokens == first.prompt_tokens  # vLLM computed the memory
@@ -521,12 +586,14 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
         assert not any(gone.unreadable) and 1 <= len(lost) < len(ids), gone.unreadable
         later = await started(parts, registry, cluster=store)
         await answer(later, user, ids)
+        await later.requeue_missing()  # what the watch does every round
         for _ in range(200):  # the background re-encode of what was only on the dead segment
             if later.counters["facts_encoded"] >= len(lost) and not later._reencoding:
                 break
             await asyncio.sleep(0.02)
-        assert later.counters["facts_encoded"] == len(lost) and later.counters["facts_unreadable"] == 0
-        assert later.counters["facts_from_cluster"] == len(ids) - len(lost)
+        c = await counts(later)
+        assert c["facts_encoded"] == len(lost) and c["facts_unreadable"] == 0
+        assert c["facts_from_cluster"] == len(ids) - len(lost)
         assert all(f is not None for f in store.get_many(user, [kv_id(f, 1) for f in ids]))  # written again
 
     with local_mooncake(segment_bytes=64 << 20, client_ttl_s=ttl_s) as mc:
