@@ -4,7 +4,7 @@ module: EngineReplica autoscales between 1 and 2 replicas (a second one only und
 test), each with a disk tier in its slot's folder, two users per replica (Serve's LRU). In order:
 
   facts are written by the encoder pool to the cluster tier (the bytes are there, under the fingerprint) and the
-  first answer reads its k facts from it -> the engine replica is killed (and its disk lost): the new one serves
+  first answer's k facts are read from it by the connector's worker (no KV through the engine core's RPC channel) -> the engine replica is killed (and its disk lost): the new one serves
   the user from the cluster tier with 0 facts re-encoded and the same greedy text -> an update and DeleteUser
   remove the objects and the files (the bytes) -> concurrent updates of one fact: only the registry's last text
   is injected, no older version is left anywhere -> KV under another fingerprint (another dtype) is a miss,
@@ -143,8 +143,11 @@ def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, m
     after = engine_stats("alice")
     assert "Pixel" in text and final.prefilled_tokens < final.prompt_tokens  # injected, not prefilled
     assert after["facts_from_cluster"] - before["facts_from_cluster"] == 3  # the k it needed, not all 5
-    # The put is sent, not awaited, before the request (AsyncInjectingEngine.send_put): the engine core ran it
-    # first, so the request's load found every fact (a put behind the request would be a failed load).
+    # The connector's worker read them itself (an asynchronous load inside vLLM): no failed load, and no KV byte
+    # came through the engine core's RPC channel or this replica.
+    worker, worker_before = after["engine"]["worker"], before["engine"]["worker"]
+    assert worker["async_loads"] - worker_before["async_loads"] == 1
+    assert worker["rpc_put_bytes"] == worker_before["rpc_put_bytes"]
     assert injections("alice")[1] == failed_before and after["facts_put_failed"] == 0
     assert after["facts_encoded"] == 0 and after["facts_recomputed"] == 0
     service.answers["alice"] = text
@@ -161,7 +164,7 @@ def test_a_restarted_replica_serves_from_the_cluster_tier_without_encoding(servi
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     new = engine_stats("alice")
     assert new["pid"] != old["pid"] and new["slot"] == old["slot"] and new["facts_from_disk"] == 0
-    assert new["engine"]["worker"]["load_failures"] == 0  # the puts sent ahead ran before the request
+    assert new["engine"]["worker"]["load_failures"] == 0  # the worker's load found every fact
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0 and new["facts_from_cluster"] == 3
     assert _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)["puts"] == encoder_before["puts"]
     assert text == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
