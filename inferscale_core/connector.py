@@ -242,9 +242,9 @@ class InjectionWorkerExtension:
         """Load these facts of the user from the cluster tier in the worker's background (ids only cross)."""
         return worker_connector().prefetch(user_id, kv_ids)
 
-    def inferscale_take_missing(self) -> dict[str, list[str]]:
-        """The kv_ids that asynchronous loads found in no tier since the last call, per user (drained): the
-        serving process queues one re-encode of each."""
+    def inferscale_take_missing(self) -> dict[str, dict[str, list[str]]]:
+        """Since the last call (drained): {"missing": user -> kv_ids found in no tier (the serving process queues
+        one re-encode of each), "absent": user -> kv_ids not in the worker store that may be elsewhere}."""
         return worker_connector().take_missing()
 
     def inferscale_stats(self) -> dict[str, Any]:

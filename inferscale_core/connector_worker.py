@@ -176,6 +176,7 @@ class WorkerSide:
         self._fetching: dict[str, tuple[LoadSpec, Future]] = {}
         self._aborted: set[str] = set()
         self._missing: dict[str, set[str]] = {}
+        self._absent: dict[str, set[str]] = {}
         self._forward_context: "ForwardContext | None" = None
         self._prefetching: list[Future] = []  # prefetch() loads not settled yet
         self._step: dict[str, float] = {}  # counters since the last take_stats
@@ -317,7 +318,7 @@ class WorkerSide:
             except KeyError as e:  # a fact the caller took for resident is not: listed, so its books learn it
                 absent = [kv for kv in spec.kv_ids[1:] if not store.contains(spec.user_id, kv)]
                 if absent:
-                    self._missing.setdefault(spec.user_id, set()).update(absent)
+                    self._absent.setdefault(spec.user_id, set()).update(absent)
                 self._fail([spec], e)
                 continue
             except (ValueError, LoadError, FileNotFoundError) as e:
@@ -377,6 +378,8 @@ class WorkerSide:
         self._count("fetch_misses", len(found_nowhere))
         if found_nowhere:
             self._missing.setdefault(result.user_id, set()).update(found_nowhere)
+        if result.unreadable:
+            self._absent.setdefault(result.user_id, set()).update(result.unreadable)
 
     def prefetch(self, user_id: str, kv_ids: list[str]) -> int:
         """Loads these facts of the user from the cluster tier in the background (warming a replica); returns how
@@ -442,10 +445,15 @@ class WorkerSide:
         failed, self._failed_loads = self._failed_loads, set()
         return set(done), failed
 
-    def take_missing(self) -> dict[str, list[str]]:
+    def take_missing(self) -> dict[str, dict[str, list[str]]]:
+        """Drained since the last call, per user: "missing", the kv_ids found in no tier (to re-encode once), and
+        "absent", those not in the store that may be elsewhere (listed in the cluster tier on a segment that
+        could not be read; taken for resident by the caller but gone): its books must not count them."""
         self._settle_prefetches()
         missing, self._missing = self._missing, {}
-        return {u: sorted(kvs) for u, kvs in missing.items()}
+        absent, self._absent = self._absent, {}
+        return {"missing": {u: sorted(kvs) for u, kvs in missing.items()},
+                "absent": {u: sorted(kvs) for u, kvs in absent.items()}}
 
     def shutdown(self) -> None:
         if self._loader is not None:

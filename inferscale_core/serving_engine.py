@@ -142,8 +142,9 @@ class AsyncInjectingEngine:
         ids = [check_id("kv_id", f) for f in kv_ids]
         return await self._rpc("inferscale_prefetch", check_id("user_id", user_id), ids) if ids else 0
 
-    async def take_missing(self) -> dict[str, list[str]]:
-        """kv_ids that the worker's loads found in no tier since the last call, per user (ids only)."""
+    async def take_missing(self) -> dict[str, dict[str, list[str]]]:
+        """What the worker found lacking since the last call: {"missing": user -> kv_ids in no tier, "absent":
+        user -> kv_ids not in its store that may be elsewhere} (ids only)."""
         return await self._rpc("inferscale_take_missing")
 
     def kv_bytes_per_token(self) -> int:

@@ -511,10 +511,14 @@ class ReplicaCore:
     async def requeue_missing(self) -> int:
         """Facts the worker's loads found in no tier (evicted from the cluster tier, never written, Mooncake away)
         leave the books, and ONE re-encode of each still-held version is queued (it writes the cluster tier; the
-        next request that names the fact loads it). Runs every watch round and before `stats`; returns how many."""
-        missing = await self.engine.take_missing()
+        next request that names the fact loads it). Facts it found absent from its store but maybe elsewhere (a
+        copy on a dead node's segment, until the master drops it) only leave the books: the next request asks
+        the worker to load them again. Runs every watch round and before `stats`; returns how many were missing."""
+        lacking = await self.engine.take_missing()
+        for user_id, kvs in lacking.get("absent", {}).items():
+            self.resident.discard(user_id, kvs)
         n = 0
-        for user_id, kvs in missing.items():
+        for user_id, kvs in lacking.get("missing", {}).items():
             self.resident.discard(user_id, kvs)
             n += len(kvs)
             held = self._held.get(user_id, {})

@@ -148,8 +148,9 @@ def test_a_fact_in_no_tier_is_recomputed_and_listed_once_for_reencode(setup):
     assert_same(out, ref)  # vLLM computed the memory with the query: the prompt's answer exactly
     assert after["load_failures"] - before["load_failures"] == 1
     assert after["fetch_misses"] - before["fetch_misses"] == 1
-    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {"gap": [FIDS[2]]}
-    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {}  # drained: one re-encode, not one per call
+    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {"missing": {"gap": [FIDS[2]]}, "absent": {}}
+    # Drained: one re-encode, not one per call.
+    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {"missing": {}, "absent": {}}
 
 
 def test_master_killed_mid_load_is_recomputed(setup):  # last: kills the module's Mooncake master
@@ -176,4 +177,4 @@ def test_master_killed_mid_load_is_recomputed(setup):  # last: kills the module'
     after = h.worker_stats()
     assert_same(out, ref)
     assert after["load_failures"] - before["load_failures"] == 1
-    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {"kill": sorted(FIDS)}
+    assert h.llm.collective_rpc("inferscale_take_missing")[0]["missing"] == {"kill": sorted(FIDS)}

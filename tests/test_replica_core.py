@@ -47,6 +47,7 @@ class DictEngine:
         self.asked: list[list[str]] = []  # the kv_ids of each has_encoded call (an RPC into vLLM's step loop)
         self.worker = {"fetched_facts": 0, "fetch_unreadable": 0}
         self.missing: dict[str, set[str]] = {}
+        self.absent: dict[str, set[str]] = {}
 
     def kv_bytes_per_token(self) -> int:
         return self.prefix.nbytes // self.prefix.num_tokens
@@ -63,6 +64,7 @@ class DictEngine:
                 self.worker["fetched_facts"] += 1
             elif unread:
                 self.worker["fetch_unreadable"] += 1
+                self.absent.setdefault(user_id, set()).add(kv)
             else:
                 self.missing.setdefault(user_id, set()).add(kv)
         return all(fact is not None for fact in got.facts)
@@ -71,9 +73,11 @@ class DictEngine:
         await self._fetch(user_id, kv_ids)
         return len(kv_ids)
 
-    async def take_missing(self) -> dict[str, list[str]]:
+    async def take_missing(self) -> dict[str, dict[str, list[str]]]:
         missing, self.missing = self.missing, {}
-        return {u: sorted(kvs) for u, kvs in missing.items()}
+        absent, self.absent = self.absent, {}
+        return {"missing": {u: sorted(kvs) for u, kvs in missing.items()},
+                "absent": {u: sorted(kvs) for u, kvs in absent.items()}}
 
     def kv_cache_tokens(self) -> int:
         return self.capacity_tokens
@@ -576,6 +580,7 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
         c = await counts(reader)
         assert c["facts_unreadable"] >= 1 and c["facts_from_cluster"] + c["facts_unreadable"] == len(ids), c
         assert c["facts_encoded"] == 0 and not reader._reencoding, c  # computed for this request, not re-encoded
+        assert reader.resident.count() == c["facts_from_cluster"]  # the unreadable ones are not counted resident
         assert first.prefilled_tokens == first.prompt_tokens  # vLLM computed the memory
         for _ in range(int(4 * ttl_s / 0.25)):  # until the master drops the dead segment
             gone = await asyncio.to_thread(store.read, user, [kv_id(f, 1) for f in ids])
