@@ -53,6 +53,8 @@ def parse_args(argv=None):
     add_recompute_arguments(ap)
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="memory sizes k, comma-separated (default 5,10,20,50)")
     ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="vLLM's context (default: the model's own, 8,192 for SmolLM2: room for k=200)")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
     require_data_path(args.data)
@@ -90,10 +92,10 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     memory = Memory(args.model, dtype=dtype)
-    engine = InjectingEngine(memory, args.model, dtype=dtype, max_model_len=4096, enable_prefix_caching=True,
+    engine = InjectingEngine(memory, args.model, dtype=dtype, max_model_len=args.max_model_len,
+                             enable_prefix_caching=True,
                              store_options={"recompute_tokens": args.recompute_tokens,
                                             "recompute_facts": args.recompute_facts,
-              "recompute_facts_max_k": args.recompute_facts_max_k,
                                             "recompute_facts_max_k": args.recompute_facts_max_k})
     t_engine = time.perf_counter() - t0
     chosen = conv.facts[:max_facts]

@@ -31,11 +31,11 @@ class AsyncInjectingEngine:
     AsyncMemoryEngine adds an in-process Memory (tests, benchmarks)."""
 
     def __init__(self, model_path=None, *, prefix: EncodedFact, instruction: str = DEFAULT_INSTRUCTION,
-                 dtype: torch.dtype | None = None, block_size: int = 32, max_model_len: int = 4096,
+                 dtype: torch.dtype | None = None, block_size: int = 32, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, store_options: dict | None = None,
                  stat_loggers: list | None = None, **engine_overrides):
         """`stat_loggers`: vLLM stat logger factories (AsyncLLM's); e.g. services/metrics.py:vllm_stat_loggers()
-        exports vLLM's own metrics through Ray's metrics agent."""
+        exports vLLM's own metrics through Ray's metrics agent. `max_model_len` None: the model's own context."""
         from transformers import AutoTokenizer
 
         path = model_folder(model_path)
@@ -43,7 +43,7 @@ class AsyncInjectingEngine:
                     dtype, block_size, max_model_len, enable_prefix_caching, store_options, stat_loggers,
                     engine_overrides)
 
-    def _setup(self, core: RequestCore, path: str, dtype, block_size: int, max_model_len: int,
+    def _setup(self, core: RequestCore, path: str, dtype, block_size: int, max_model_len: int | None,
                enable_prefix_caching: bool, store_options: dict | None, stat_loggers: list | None,
                engine_overrides: dict) -> None:
         check_vllm_version()
@@ -61,6 +61,10 @@ class AsyncInjectingEngine:
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=self.stat_loggers)
         await self._rpc("inferscale_put", SHARED_USER_ID, self.core.prefix_payload())
         return self
+
+    def max_model_len(self) -> int:
+        """The longest prompt + answer in tokens, as vLLM resolved it (known once started)."""
+        return int(self._started().model_config.max_model_len)
 
     def kv_cache_tokens(self) -> int:
         """Tokens vLLM's KV cache holds for requests: its blocks less the null block vLLM keeps (known once

@@ -142,7 +142,7 @@ class ServiceConfig:
     registry_url: str | None = None     # None: an in-memory registry in a named Ray actor (lives as long as Ray)
     dtype: str = "float32"
     block_size: int = 32
-    max_model_len: int = 4096
+    max_model_len: int | None = None     # None: the model's own context (8,192 for SmolLM2)
     http_port: int = 8000
     grpc_port: int = 9000
     limits: dict = field(default_factory=dict)  # overrides of api.Limits
@@ -231,7 +231,7 @@ class ServiceConfig:
                                         num_cpus=float(v["numCpus"]), num_gpus=float(v["numGpus"]))
         return cls(model_path=values["model"]["path"], embedder_path=values["model"].get("embedderPath"),
                    registry_url=registry_url_for(values, release), dtype=values["model"]["dtype"],
-                   block_size=int(values["model"]["blockSize"]), max_model_len=int(values["model"]["maxModelLen"]),
+                   block_size=int(values["model"]["blockSize"]), max_model_len=int(values["model"]["maxModelLen"]) if values["model"].get("maxModelLen") else None,
                    http_port=int(values["ports"]["http"]), grpc_port=int(values["ports"]["grpc"]),
                    limits=dict(values.get("limits") or {}),
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),

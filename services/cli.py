@@ -50,7 +50,9 @@ def add_commands(sub) -> None:
     p.add_argument("--mooncake-metadata", default=None, metavar="URL",
                    help="a metadata server's URL, for a master started with one (default: none, segment "
                         "descriptors are exchanged peer to peer: Mooncake's P2PHANDSHAKE)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + answer in tokens (default: the model's own context, 8,192 for SmolLM2: a "
+                        "memory of up to ~200 facts)")
     p.add_argument("--kv-cache-gib", type=_positive_int, default=None,
                    help="vLLM's KV cache on a CPU machine, GiB (default: an eighth of the machine's memory, at least 1; "
                         "else $VLLM_CPU_KVCACHE_SPACE if set)")

@@ -320,7 +320,9 @@ class EngineReplicaConfig:
     model_path: str | None = None  # None: the packaged SmolLM2-135M-Instruct
     dtype: str = "float32"
     block_size: int = 32
-    max_model_len: int = 4096
+    # Tokens of the longest prompt + answer; None: the model's own context (max_position_embeddings: 8,192 for
+    # SmolLM2, so a memory of k=200 facts fits). vLLM's KV cache must hold at least one such sequence.
+    max_model_len: int | None = None
     kv_dir: str | None = None  # the worker store's disk tier (node-local); None: none
     store_options: dict = field(default_factory=dict)  # the worker store's byte budgets
     engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args
@@ -337,7 +339,8 @@ class EngineReplicaConfig:
 
         dtype_of(self.dtype)  # names the dtypes there are
         positive_int("block_size", self.block_size)
-        positive_int("max_model_len", self.max_model_len)
+        if self.max_model_len is not None:
+            positive_int("max_model_len", self.max_model_len)
         for name in ("store_options", "engine_overrides", "cluster_store"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
@@ -374,7 +377,7 @@ class ReplicaCore:
         self.engine, self.encoder, self.registry, self.cluster = engine, encoder, registry, cluster
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.disk_dir = disk_dir
-        self.max_model_len = config.max_model_len
+        self.max_model_len = engine.max_model_len()  # as vLLM resolved it (the model's own when not given)
         self.admission = Admission(engine.kv_cache_tokens(), config.admission_queue_factor)
         log.info("engine replica %s: KV cache of %d tokens, admitting up to %d tokens in flight", self.replica_id,
                  self.admission.capacity_tokens, self.admission.limit_tokens)

@@ -30,7 +30,9 @@ def setup(tmp_path_factory, mooncake):  # noqa: F811
 
     folder = build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
     options = {"inject_group_tokens": 128, "cluster_store": mooncake.config, "kv_fingerprint": FP}
-    h = open_harness(folder, kv_transfer_config=kv_transfer_config(options))
+    # A KV cache of 24 blocks (768 tokens): one or two requests fit; six long ones get preempted.
+    h = open_harness(folder, kv_transfer_config=kv_transfer_config(options), num_gpu_blocks_override=24,
+                     max_model_len=512)
     writer = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP)  # the encoder pool's side of the tier
     assert writer.wait_available(60) and h.worker.cluster.wait_available(60)
     yield h, writer, mooncake
@@ -92,6 +94,31 @@ def test_a_prefix_cache_hit_on_part_of_the_memory_loads_only_the_rest(setup):
     assert after["async_loads"] - before["async_loads"] == 1
     assert_same(first, ref)
     assert_same(second, ref)
+
+
+def test_requests_loaded_asynchronously_and_then_preempted_are_injected_again(setup):
+    """Six cold users at once in a cache of 24 blocks: each request's load is asynchronous, vLLM preempts some
+    while they decode and resumes them later (granted again: their facts are in the worker store by then); every
+    answer is the prompt's."""
+    h, writer, _ = setup
+    requests, refs = [], []
+    for r in range(6):
+        chunks, query = layout(700 + 10 * r)
+        in_cluster(h, writer, f"pre{r}", f"prefix-pre{r}", chunks)
+        requests.append(fetching(f"pre{r}", f"prefix-pre{r}", chunks, query, max_tokens=96))
+        (ref,) = h.run(h.plain([t for c in chunks for t in c] + query, max_tokens=96))
+        refs.append(ref)
+    preempted = {m.name: m.value for m in h.llm.get_metrics() if m.name == "vllm:num_preemptions"}
+    before = h.worker_stats()
+    outs = h.run(*requests)
+    after = h.worker_stats()
+    preemptions = {m.name: m.value for m in h.llm.get_metrics() if m.name == "vllm:num_preemptions"}
+    assert preemptions["vllm:num_preemptions"] > preempted.get("vllm:num_preemptions", 0)  # really preempted
+    assert after["async_loads"] - before["async_loads"] >= 6
+    assert after["injected_requests"] - before["injected_requests"] > 6  # resumed requests injected again
+    assert after["load_failures"] == before["load_failures"]
+    for out, ref in zip(outs, refs):
+        assert_same(out, ref)
 
 
 def slow_reads(worker, user: str, release: threading.Event):

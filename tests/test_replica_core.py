@@ -82,6 +82,9 @@ class DictEngine:
     def kv_cache_tokens(self) -> int:
         return self.capacity_tokens
 
+    def max_model_len(self) -> int:
+        return 4096
+
     async def put_encoded(self, user_id, items) -> int:
         self.core.encoded_payloads(items)  # the real checks of ids and types
         self.puts += 1

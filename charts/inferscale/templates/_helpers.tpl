@@ -37,7 +37,7 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "registry_url" (include "inferscale.registryUrl" .) -}}
 {{- $_ := set $args "dtype" .Values.model.dtype -}}
 {{- $_ := set $args "block_size" (int .Values.model.blockSize) -}}
-{{- $_ := set $args "max_model_len" (int .Values.model.maxModelLen) -}}
+{{- $_ := set $args "max_model_len" (ternary (int .Values.model.maxModelLen) nil (not (empty .Values.model.maxModelLen))) -}}
 {{- $_ := set $args "limits" (.Values.limits | default dict) -}}
 {{- $_ := set $args "engine_overrides" (.Values.model.engineOverrides | default dict) -}}
 {{- $_ := set $args "admission_queue_factor" (float64 .Values.model.admissionQueueFactor) -}}
