@@ -449,3 +449,16 @@ def test_redis_with_a_password(redis_password_url, monkeypatch):
     monkeypatch.setenv(PASSWORD_ENV, password)
     assert RedisRegistry(no_password, prefix=reg.prefix).get("u", f.fact_id).text == "behind a password"
     assert password not in redacted(redis_password_url) and ":***@" in redacted(redis_password_url)
+
+
+def test_a_password_that_looks_like_an_option_still_starts_the_server():
+    """secrets.token_urlsafe may begin a password with "--"; on redis-server's command line that is read as the
+    next option and the server exits (seen once in a full run): the password goes in a config file instead."""
+    import redis
+
+    from inferscale_server.registry.local_redis import local_redis_server
+
+    with local_redis_server("--requirepass-lookalike") as url:
+        assert redis.Redis.from_url(url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url.replace("--requirepass-lookalike", "wrong")).ping()

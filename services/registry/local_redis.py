@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 
 class RedisServerMissing(RuntimeError):
@@ -36,7 +37,12 @@ def local_redis_server(password: str | None = None, start_timeout_s: float = 10.
     workdir = tempfile.mkdtemp(prefix="inferscale-redis-")
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir]
     if password:
-        args += ["--requirepass", password]
+        # In a config file, not on the command line: a password that starts with "--" (secrets.token_urlsafe
+        # gives one now and then) would be read as the next option, and redis-server would exit.
+        conf = Path(workdir) / "password.conf"
+        conf.write_text(f'requirepass "{password}"\n')
+        conf.chmod(0o600)
+        args.insert(1, str(conf))
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"redis://:{password}@127.0.0.1:{port}/0" if password else f"redis://127.0.0.1:{port}/0"
     try:
