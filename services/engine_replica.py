@@ -506,8 +506,12 @@ class ReplicaCore:
         if self._bytes_per_token is None:
             self._bytes_per_token = self.engine.kv_bytes_per_token()
         tokens = dict(zip(params.kv_ids, params.chunk_lens or ()))
-        evicted = self.resident.add(user_id, [(kv, tokens[kv] * self._bytes_per_token if kv in tokens else None)
-                                              for kv in kvs])
+        self._book(user_id, [(kv, tokens[kv] * self._bytes_per_token if kv in tokens else None) for kv in kvs])
+
+    def _book(self, user_id: str, items: list[tuple[str, int | None]]) -> None:
+        """Counts `(kv_id, bytes or None)` the worker loads as resident; what the budget pushes out leaves the
+        worker store in the background."""
+        evicted = self.resident.add(user_id, items)
         if evicted:
             self._background(self._evict(evicted))
 
@@ -527,9 +531,9 @@ class ReplicaCore:
             held = self._held.get(user_id, {})
             todo = []
             for kv in kvs:
-                f, _, v = kv.rpartition("@v")
+                f = kv.rpartition("@v")[0]
                 h = held.get(f)
-                if h is not None and kv_id(f, h.version) == kv:
+                if h is not None and kv_id(f, h.version) == kv:  # the version still held, not an older one
                     todo.append((f, h))
             self._queue_reencode(user_id, todo)
         self.counters["facts_recomputed"] += n
@@ -959,7 +963,7 @@ class ReplicaCore:
         _, fetched = await self._fetch_kv(user_id, list(held.items()))
         if fetched:  # the worker reads them from the cluster tier in the background (ids only cross)
             await self.engine.prefetch(user_id, fetched)
-            self.resident.add(user_id, [(kv, None) for kv in fetched])
+            self._book(user_id, [(kv, None) for kv in fetched])
         return self.replica_id
 
     async def holds(self, user_id: str, facts: list[tuple[str, int]], with_replica: bool = False):
