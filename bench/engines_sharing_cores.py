@@ -3,7 +3,7 @@
 vLLM's CPU engine runs each layer as OpenMP parallel regions ending in a barrier, with one thread pinned per
 core it is given (VLLM_CPU_OMP_THREADS_BIND). Two engines given the same cores preempt each other's threads
 inside those regions. This script measures what that costs and what `engine_cpu_cores` (services/
-engine_replica.py bind_engine_cpus: each replica its own run of cores by node-local rank) gives back. In one run:
+engine_replica/placement.py bind_engine_cpus: each replica its own run of cores by node-local rank) gives back. In one run:
 
   one      one engine bound to every usable core, all requests
   shared   E engines, each with a thread per usable core (what engine replicas did before engine_cpu_cores)

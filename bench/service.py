@@ -88,7 +88,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default=None, help="HF model folder (default: the packaged SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's own context (8,192: k=200 fits)")
     ap.add_argument("--engine-replicas", type=int, default=1, help="EngineReplica replicas (fixed)")
     ap.add_argument("--engine-cpu-cores", type=int, default=None,
                     help="cores each engine replica's vLLM binds to (ServiceConfig.engine_cpu_cores; 0: all, "
@@ -441,7 +441,7 @@ def run_client(client: Path, plan: dict, expect: int, label: str, deadline: floa
 # ------------------------------------------------------------------------------------------ engine level
 def merged_disk_tier(kv_dir: Path, out: Path) -> Path | None:
     """One folder with every user folder the service's engine replicas wrote (`{kv_dir}/inferscale/
-    EngineReplica/slot-*/<user>`, services/engine_replica.py:replica_disk_dir), as links: the engine here reads
+    EngineReplica/slot-*/<user>`, services/engine_replica/placement.py:replica_disk_dir), as links: the engine here reads
     the very KV bytes the service injected."""
     slots = sorted((kv_dir / "inferscale" / "EngineReplica").glob("slot-*"))
     if not slots:

@@ -165,9 +165,27 @@ async def run_cell(plan: dict, cell: dict, channels: Channels, http_clients: dic
     emit({"type": "cell", "cell": cell["id"], "wall_s": time.perf_counter() - t_cell})
 
 
+ADD_RETRIES = 3  # an AddFacts answered UNAVAILABLE (a backend busy past its timeout: nothing was stored) is sent again
+
+
 async def add_users(plan: dict, channels: Channels) -> None:
-    """Each user's facts in one AddFacts call; a few users at a time (the encoder batches them)."""
-    sem = asyncio.Semaphore(plan.get("parallel", 4))
+    """Each user's facts in AddFacts calls of at most `add_chunk` facts (default 10: a fact's window is the user's
+    latest facts, so later calls are encoded behind earlier ones, as facts added over time are), `add_parallel`
+    users at a time (default 2: each call's facts are one encoder batch, and on a 2-core machine beside the engines
+    more at once only queue at the encoder past the gateway's backend timeout). A call answered UNAVAILABLE stored
+    nothing and is sent again, at most ADD_RETRIES times."""
+    sem = asyncio.Semaphore(plan.get("add_parallel", 2))
+    chunk = max(1, int(plan.get("add_chunk", 10)))
+
+    async def call(stub, u: dict, texts: list[str]):
+        req = memory_pb2.AddFactsRequest(user_id=u["user_id"], facts=[memory_pb2.FactInput(text=t) for t in texts])
+        for attempt in range(ADD_RETRIES + 1):
+            try:
+                return await stub.AddFacts(req, metadata=metadata(u["token"]), timeout=plan["timeout_s"])
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == ADD_RETRIES or time.time() > plan["deadline"]:
+                    raise
+                await asyncio.sleep(2.0 * (attempt + 1))
 
     async def one(u: dict) -> None:
         async with sem:
@@ -175,13 +193,13 @@ async def add_users(plan: dict, channels: Channels) -> None:
                 emit({"type": "added", "user_id": u["user_id"], "status": "NOT_SENT_DEADLINE"})
                 return
             stub = await channels.stub(u["user_id"])
-            req = memory_pb2.AddFactsRequest(user_id=u["user_id"],
-                                             facts=[memory_pb2.FactInput(text=t) for t in u["facts"]])
-            t0 = time.perf_counter()
+            t0, ids = time.perf_counter(), []
             try:
-                resp = await stub.AddFacts(req, metadata=metadata(u["token"]), timeout=plan["timeout_s"])
+                for i in range(0, len(u["facts"]), chunk):
+                    resp = await call(stub, u, u["facts"][i:i + chunk])
+                    ids += [f.fact_id for f in resp.facts]
                 emit({"type": "added", "user_id": u["user_id"], "status": "OK", "seconds": time.perf_counter() - t0,
-                      "fact_ids": [f.fact_id for f in resp.facts]})
+                      "fact_ids": ids})
             except grpc.aio.AioRpcError as e:
                 emit({"type": "added", "user_id": u["user_id"], "status": e.code().name,
                       "error": (e.details() or "")[:300]})

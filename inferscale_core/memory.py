@@ -29,7 +29,7 @@ from .template import DEFAULT_INSTRUCTION, PromptTemplate
 from .types import SHARED_USER_ID
 
 PREFIX_FACT = "prefix"
-MAX_K = 100
+MAX_K = 200  # Mem0 retrieves up to 200 facts per query
 
 
 @dataclass

@@ -182,6 +182,28 @@ class AsyncInjectingEngine:
             final = out
         yield "", self.core.answer(p, final, ttft)
 
+    def generate(self, p: Prepared, sampling_params) -> AsyncIterator[Any]:
+        """vLLM's own RequestOutputs for a prepared request (every choice of an n > 1 request, logprobs): what an
+        OpenAI chat request streams."""
+        return self._started().generate(p.prompt(), p.sampling(sampling_params), request_id=uuid.uuid4().hex)
+
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config sampling fields (vLLM's defaults for requests that leave them out)."""
+        return self._started().model_config.get_diff_sampling_param()
+
+    def tokenizer(self):
+        return self.core.template.tokenizer
+
+    def chat_prompt_len(self, messages: Sequence[dict]) -> int:
+        """Tokens of plain chat's prompt for these messages (the model's chat template)."""
+        return len(self.core.chat_prompt(messages)["prompt_token_ids"])
+
+    async def check_health(self) -> None:
+        """Raises once vLLM has seen its engine core die (EngineDeadError), or when never started."""
+        if self.engine is None:
+            raise RuntimeError("the vLLM engine is not running")
+        await self.engine.check_health()
+
     async def chat(self, messages: Sequence[dict], sampling_params=None) -> tuple[str, int, int]:
         """Plain chat generation without memory (e.g. Mem0's fact extraction with the serving model);
         returns (text, prompt tokens, completion tokens)."""

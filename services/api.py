@@ -46,7 +46,7 @@ class Limits:
     max_bytes_per_user: int = 64 << 20     # text + metadata + window of all the user's facts (UTF-8)
     max_kv_bytes_per_user: int = 16 << 30  # KV of all the user's facts (tokens x the model's KV bytes per token)
     default_k: int = 5
-    max_k: int = 64
+    max_k: int = 200  # Mem0 retrieves up to 200 facts per query (~7K tokens): the size KV injection is for
     default_max_tokens: int = 256
     max_max_tokens: int = 4096
     default_page_size: int = 100

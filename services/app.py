@@ -158,7 +158,7 @@ class ServiceConfig:
     # ...). Empty: none, each engine replica's own tiers only (a moved user's facts are encoded again).
     cluster_store: dict = field(default_factory=dict)
     # On a CPU node with several engine replicas: cores each replica's vLLM binds to, disjoint by the replica's
-    # node-local rank (services/engine_replica.py bind_engine_cpus). 0: every core (one engine per node).
+    # node-local rank (services/engine_replica/placement.py bind_engine_cpus). 0: every core (one engine per node).
     engine_cpu_cores: int = 0
     # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
     # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.
@@ -193,7 +193,7 @@ class ServiceConfig:
         return RetrievalConfig(registry_url=registry_url, embedder_path=self.embedder_path)
 
     def engine_replica_config(self, registry_url: str):
-        """The EngineReplica's config (services/engine_replica.py: checked when made)."""
+        """The EngineReplica's config (services/engine_replica/config.py: checked when made)."""
         from .engine_replica import EngineReplicaConfig
 
         return EngineReplicaConfig(registry_url=registry_url, model_path=self.model_path, dtype=self.dtype,

@@ -1,8 +1,51 @@
-"""Typed messages between deployments: what the engine replica streams for an answer, through the gateway, to
-the front doors (gRPC AnswerChunk, OpenAI chat). Plain frozen dataclasses: Ray pickles them across processes."""
+"""Typed messages between deployments: what the gateway asks of an engine replica (writes, deletes, answers) and
+what the engine replica streams back for an answer, through the gateway, to the front doors (gRPC AnswerChunk,
+OpenAI chat). Plain frozen dataclasses: Ray pickles them across processes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from inferscale_core.types import Mode
+
+
+@dataclass(frozen=True)
+class FactRef:
+    """A fact at a version: a deleted fact's last version (every version up to it goes)."""
+    fact_id: str
+    version: int
+
+
+@dataclass(frozen=True)
+class FactWrite:
+    """A fact the registry just stored, at its version, with its text (prompt mode needs it)."""
+    fact_id: str
+    version: int
+    text: str
+
+
+@dataclass(frozen=True)
+class OpenAIChat:
+    """The parts of an OpenAI chat request the HTTP front door checked (services/openai_params.py): its sampling
+    fields (they replace max_tokens and temperature), its turns with the question at `question_index`, its tools.
+    An answer to it streams pieces with the choice `index` and OpenAI `logprobs`, and ends with `choices`."""
+    sampling: dict = field(default_factory=dict)
+    messages: list[dict] = field(default_factory=list)
+    question_index: int = 0
+    tools: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AnswerRequest:
+    """An answer for `user_id` from the facts retrieval named (`fact_ids`, in prompt order). `conversation`: system
+    messages and earlier turns, after the memory in the chat template; `openai`: an OpenAI chat request's parts."""
+    user_id: str
+    query: str
+    fact_ids: list[str]
+    max_tokens: int
+    temperature: float
+    mode: Mode
+    conversation: list[dict] | None = None
+    openai: OpenAIChat | None = None
 
 
 @dataclass(frozen=True)

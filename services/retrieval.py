@@ -25,7 +25,7 @@ from inferscale_core.errors import UnknownUserError
 from inferscale_core.index import VectorIndex
 
 from .registry import Registry
-from .user_sync import user_changes
+from .user_sync import UserBook
 
 MAX_USERS = int(os.environ.get("INFERSCALE_RETRIEVAL_MAX_USERS", "1024"))
 
@@ -106,8 +106,7 @@ class RetrievalCore:
         self._locks: dict[str, threading.RLock] = {}    # user -> the lock of its sync state and index rows
         self._embed_lock = threading.Lock()
         self.queries = QueryBatcher(self._embed)
-        self._synced: dict[str, int] = {}              # user -> registry user_version last synced
-        self._versions: dict[str, dict[str, int]] = {}  # user -> fact_id -> fact version indexed
+        self.book: UserBook[int] = UserBook(int)       # user -> fact_id -> fact version indexed; versions synced
 
     def _lock(self, user_id: str) -> threading.RLock:
         with self._locks_guard:
@@ -121,13 +120,12 @@ class RetrievalCore:
     def ensure(self, user_id: str) -> int:
         """Bring the user's index up to the registry's state; returns the number of facts indexed."""
         with self._lock(user_id):
-            have = self._versions.setdefault(user_id, {})
-            changes = user_changes(self.registry, user_id, self._synced.get(user_id), have)
+            changes = self.book.changes(self.registry, user_id)
             if changes is not None:
                 for fid in changes.gone:
                     self._drop(user_id, fid)
                 self._add_records(user_id, changes.fresh)
-                self._synced[user_id] = changes.version
+                self.book.synced[user_id] = changes.version
             return self.index.size(user_id)
 
     def _add_records(self, user_id: str, recs) -> None:
@@ -147,12 +145,12 @@ class RetrievalCore:
             rows.append(embs)
             ids += [r.fact_id for r in fresh]
         self.index.add_many(user_id, ids, torch.cat(rows).to(torch.float32))
-        versions = self._versions.setdefault(user_id, {})
+        versions = self.book.of(user_id)
         for r in reuse + fresh:
             versions[r.fact_id] = r.version
 
     def _drop(self, user_id: str, fact_id: str) -> None:
-        self._versions.get(user_id, {}).pop(fact_id, None)
+        self.book.facts.get(user_id, {}).pop(fact_id, None)
         if self.index.contains(user_id, fact_id):
             self.index.remove(user_id, fact_id)
 
@@ -174,8 +172,7 @@ class RetrievalCore:
     def unload(self, user_id: str) -> None:
         """Drop the user's index from memory (LRU eviction or DeleteUser); the registry keeps everything."""
         with self._lock(user_id):
-            self._synced.pop(user_id, None)
-            self._versions.pop(user_id, None)
+            self.book.forget(user_id)
             try:
                 self.index.remove_user(user_id)
             except UnknownUserError:
@@ -202,7 +199,7 @@ class RetrievalCore:
             return [(f, float(s)) for f, s in self.index.search(user_id, q, k)]
 
     def users(self) -> list[str]:
-        return list(self._synced)
+        return self.book.users()
 
 
 class _LoadedUser:

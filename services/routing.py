@@ -7,7 +7,7 @@ likely that the replica it picks already holds the user:
   1. Home: every user has a home replica, the winner of a rendezvous hash of (user, replica slot). The slot is
      Serve's rank of the replica within the deployment (0, 1, ...): a replica that dies is replaced under the
      same rank, so a restart keeps every user's home (and, with a disk tier, the slot's folder,
-     engine_replica.replica_disk_dir), unlike Serve's replica ids, which are new on every start. Every router
+     engine_replica/placement.py replica_disk_dir), unlike Serve's replica ids, which are new on every start. Every router
      (each gateway replica's handles, a driver's handle) computes the same home without talking to the
      others; adding a replica moves only the users it wins, losing one moves only its users.
   2. Soft: a home that reports `move_at` or more requests in flight (the replica's own count, all routers'

@@ -197,12 +197,12 @@ def test_another_users_fact_is_not_found(stub):
     assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=bob)).facts) == 0
 
 
-@pytest.mark.parametrize("k", [-1, 65, 1000])
+@pytest.mark.parametrize("k", [-1, 201, 1000])
 def test_k_out_of_range_is_invalid_argument(stub, k):
     code, details = refused(lambda: stub.Search(pb2.SearchRequest(user_id="u", query="q", k=k)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 64]" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 200]" in details
     code, details = refused(lambda: list(stub.Answer(pb2.AnswerRequest(user_id="u", query="q", k=k))))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 64]" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k must be in [1, 200]" in details
 
 
 def test_other_ranges_and_enums_are_invalid_argument(stub):
@@ -369,7 +369,7 @@ def test_page_tokens_are_opaque_and_bound_to_the_listing(stub, registry):
 def test_every_error_carries_google_rpc_details(stub):
     uid = _user()
     cases = [  # (call, code, reason, BadRequest field or None)
-        (lambda: stub.Search(pb2.SearchRequest(user_id=uid, query="q", k=65)), "INVALID_ARGUMENT", "INVALID_ARGUMENT", "k"),
+        (lambda: stub.Search(pb2.SearchRequest(user_id=uid, query="q", k=201)), "INVALID_ARGUMENT", "INVALID_ARGUMENT", "k"),
         (lambda: stub.GetMemory(pb2.GetMemoryRequest(user_id="a/b", fact_id="f")), "INVALID_ARGUMENT",
          "INVALID_ARGUMENT", "user_id"),
         (lambda: list(stub.Answer(pb2.AnswerRequest(user_id=uid, query="q", temperature=3.0))), "INVALID_ARGUMENT",

@@ -197,7 +197,7 @@ def test_bad_input_is_a_clear_400(server, jwt_secret):  # noqa: F811
         (lambda: c.get_all(filters={"created_at": {"gte": "last week"}}), "ISO-8601"),
         (lambda: c.get_all(filters={"categories": {"in": ["food"]}}), "'categories' is not supported"),
         (lambda: c.get_all(page=0), "page must be an integer"),
-        (lambda: c.search("tea", top_k=0), "top_k must be in [1, 64]"),
+        (lambda: c.search("tea", top_k=0), "top_k must be in [1, 200]"),
         (lambda: c.search("tea", rerank=True), "rerank"),
         (lambda: c.update("f" * 8), None),  # the client itself refuses an empty update
         (lambda: c.update("f" * 8, text="x", timestamp=5), "`timestamp` is not supported"),

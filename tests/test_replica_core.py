@@ -20,6 +20,7 @@ import pytest
 
 from inferscale_core.connector_types import injectable_tokens
 from inferscale_core.types import Mode, kv_id
+from inferscale_server.messages import AnswerRequest, FactRef, FactWrite
 from mooncake_fixture import mooncake  # noqa: F401
 from test_kv_tier import raw_client
 
@@ -139,8 +140,26 @@ class DictEngine:
                          prompt_len=len(p.prompt_ids), memory_len=p.memory_len, num_cached_tokens=cached,
                          retrieve_s=p.retrieve_s, ttft_s=0.001, finish_reason="stop")
 
+    def generate(self, p, sampling_params):
+        raise NotImplementedError("DictEngine streams answers only (`stream`); OpenAI chat needs vLLM")
+
+    async def chat(self, messages, sampling_params=None) -> tuple[str, int, int]:
+        return "ok", self.chat_prompt_len(messages), 1
+
+    def chat_prompt_len(self, messages) -> int:
+        return len(self.core.chat_prompt(messages)["prompt_token_ids"])
+
+    def sampling_defaults(self) -> dict:
+        return {}
+
+    def tokenizer(self):
+        return self.core.template.tokenizer
+
     async def metrics(self) -> dict:
         return {"worker": {"num_facts": len(self.store), **self.worker}}
+
+    async def check_health(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         pass
@@ -204,7 +223,7 @@ async def add(parts, registry, core, user: str, facts: dict[str, str]) -> list:
     recs = registry.create(user, [NewFact(text=t, fact_id=f) for f, t in facts.items()])
     encoded = await core.encoder.encode_for.remote(user, [(r.fact_id, r.version, r.text, list(r.window))
                                                           for r in recs])  # the pool the replica calls
-    await core.put_facts(user, [(r.fact_id, r.version, r.text) for r in recs], encoded)
+    await core.put_facts(user, [FactWrite(r.fact_id, r.version, r.text) for r in recs], encoded)
     return recs
 
 
@@ -230,9 +249,41 @@ async def answer(core, user: str, fact_ids: list[str], mode=Mode.KV):
     """The AnswerEnd of a streamed answer (services/messages.py)."""
     from inferscale_server.messages import AnswerEnd, AnswerPiece
 
-    pieces = [p async for p in core.answer(user, "Where does Alice live?", fact_ids, 4, 0.0, mode)]
+    pieces = [p async for p in core.answer(AnswerRequest(user, "Where does Alice live?", fact_ids, 4, 0.0, mode))]
     assert pieces[0] == AnswerPiece("ok") and isinstance(pieces[-1], AnswerEnd)
     return pieces[-1]
+
+
+def protocol_mismatches(cls, protocol) -> list[str]:
+    """Where `cls` does not implement `protocol`: a member missing, sync where the protocol is async (or the other
+    way), or parameters named differently."""
+    import inspect
+
+    out = []
+    for name, want in vars(protocol).items():
+        if name.startswith("_") or not callable(want):
+            continue
+        have = getattr(cls, name, None)
+        if have is None:
+            out.append(f"{name}: missing")
+            continue
+        if inspect.iscoroutinefunction(want) != inspect.iscoroutinefunction(have):
+            out.append(f"{name}: async in one, not the other")
+        params = [list(inspect.signature(f).parameters) for f in (want, have)]
+        if params[0] != params[1]:
+            out.append(f"{name}: parameters {params[1]}, the protocol's {params[0]}")
+    return out
+
+
+def test_the_engine_double_and_vllms_engine_both_implement_the_protocol():
+    """ReplicaCore asks its engine only what ServingEngine declares: the test double is checked against it, and
+    so is the real engine (AsyncInjectingEngine), so a method added to one and not the other fails here."""
+    from inferscale_core.serving_engine import AsyncInjectingEngine
+    from inferscale_server.engine_replica import ServingEngine
+
+    assert protocol_mismatches(DictEngine, ServingEngine) == []
+    assert protocol_mismatches(AsyncInjectingEngine, ServingEngine) == []
+    assert protocol_mismatches(type("Half", (), {"max_model_len": lambda self: 1}), ServingEngine)  # can fail
 
 
 def test_config_is_checked_once_when_made():
@@ -356,7 +407,7 @@ def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
         assert c["facts_recomputed"] == 2 and c["facts_from_cluster"] == 0
         assert core.resident.count() == 0  # not counted resident: the next request asks the worker to load
         for _ in range(200):  # the background re-encode (milliseconds with the tiny model)
-            if core.counters["facts_encoded"] >= 2 and not core._reencoding:
+            if core.counters["facts_encoded"] >= 2 and not core.kv.reencoding:
                 break
             await asyncio.sleep(0.02)
         assert core.counters["facts_encoded"] == 2  # not 4: a fact already queued is not queued again
@@ -398,7 +449,7 @@ def test_a_put_sent_ahead_of_its_request_that_fails_is_computed_then_fetched_aga
         engine.fail = 1
         first = await answer(core, user, ["p1", "p2"])
         for _ in range(100):
-            if not core._tasks:
+            if not core.background.tasks:
                 break
             await asyncio.sleep(0.01)
         assert first.fact_ids == ["p1", "p2"] and first.prefilled_tokens == first.prompt_tokens  # computed
@@ -421,12 +472,38 @@ def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
         recs = registry.create("carol", [NewFact(text="Carol speaks Estonian.", fact_id="c1")])
         # Without a cluster tier the pool answers the EncodedFact itself and the replica puts it now.
         plain = await asyncio.to_thread(parts.fe.encode, [(recs[0].text, [])])
-        await writer.put_facts("carol", [("c1", 1, recs[0].text)], plain)
+        await writer.put_facts("carol", [FactWrite("c1", 1, recs[0].text)], plain)
         assert writer.engine.kvs("carol") == {kv_id("c1", 1)}
         other = await started(parts, registry, cluster=False)  # never saw carol: encodes during the request
         final = await answer(other, "carol", ["c1"])
         assert other.counters["facts_encoded"] == 1 and other.counters["facts_recomputed"] == 0
         assert final.prefilled_tokens < final.prompt_tokens
+
+    run(go())
+
+
+def test_a_delete_whose_push_was_lost_is_applied_by_the_next_watch_round(parts):
+    """Deletes have one path, the registry's tombstone log: a replica that never got the gateway's push (it was
+    routed elsewhere, or the push failed) removes the fact from its books, its worker store and the cluster tier
+    at its next watch round; a push only makes it read the log now."""
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "iris"
+
+    async def go():
+        core = await started(parts, registry)
+        await add(parts, registry, core, user, {"i1": "Iris keeps bees.", "i2": "Iris sails."})
+        await answer(core, user, ["i1", "i2"])
+        assert core.engine.kvs(user) == {kv_id("i1", 1), kv_id("i2", 1)}
+        registry.delete(user, "i1")  # no push reaches this replica
+        await core.watch_once()
+        assert core.engine.kvs(user) == {kv_id("i2", 1)} and "i1" not in core.books.held(user)
+        assert core.counters["tombstones_applied"] == 1 and await gone(parts, user, kv_id("i1", 1))
+        assert await core.forget(user, [FactRef("i1", 1)]) == 0  # a late push finds the log applied
+        registry.delete(user, "i2")
+        assert await core.forget(user, [FactRef("i2", 1)]) == 1 and core.engine.kvs(user) == set()
+        assert (await answer(core, user, ["i1", "i2"])).fact_ids == []
 
     run(go())
 
@@ -447,14 +524,14 @@ def test_update_and_delete_reach_every_tier(parts):
         # request's sync drops version 1 from the worker store and serves version 2.
         rec = registry.update(user, "d1", text="Dave runs ultramarathons.")
         encoded = await parts.encoder.encode_for(user, [("d1", rec.version, rec.text, [])])
-        await core.put_facts(user, [("d1", rec.version, rec.text)], encoded)
+        await core.put_facts(user, [FactWrite("d1", rec.version, rec.text)], encoded)
         await answer(core, user, ["d1"])
         assert core.engine.kvs(user) == {kv_id("d1", 2), kv_id("d2", 1)}
         assert await gone(parts, user, kv_id("d1", 1))
 
         # A delete: forget removes every version from the worker store and the cluster tier.
         registry.delete(user, "d2")
-        await core.forget(user, [("d2", 1)])
+        await core.forget(user, [FactRef("d2", 1)])
         assert core.engine.kvs(user) == {kv_id("d1", 2)}
         assert await gone(parts, user, kv_id("d2", 1))
         final = await answer(core, user, ["d1", "d2"])  # retrieval may still name it: left out
@@ -519,7 +596,7 @@ def test_the_worker_store_is_asked_only_about_facts_its_disk_tier_may_hold(parts
 
         # Restarted over the same disk tier: asked once, about the listed facts the request names, not about h3.
         restarted = await started(parts, registry, disk_dir=str(tmp_path / "local"), engine=engine, cluster=False)
-        restarted._maybe_on_disk[user].add(kv_id("h3", 1))  # listed at start, dropped since
+        restarted.books.maybe_on_disk[user].add(kv_id("h3", 1))  # listed at start, dropped since
         final = await answer(restarted, user, ["h3", "h2", "h1"])
         assert engine.asked == [[kv_id("h3", 1), kv_id("h2", 1), kv_id("h1", 1)]]
         assert restarted.counters["facts_from_disk"] == 2 and restarted.counters["facts_encoded"] == 1
@@ -530,7 +607,7 @@ def test_the_worker_store_is_asked_only_about_facts_its_disk_tier_may_hold(parts
 
         # Unloaded (Serve's LRU): the disk tier keeps its facts. Meanwhile its budget drops one (h3). A reload
         # asks about the facts it kept; the one gone is encoded again, not assumed present.
-        await restarted._unload(user)
+        await restarted.unload(user)
         await engine.delete_encoded(user, [kv_id("h3", 1)])
         final = await answer(restarted, user, ["h3", "h1"])
         assert sorted(engine.asked[-1]) == [kv_id("h1", 1), kv_id("h3", 1)]
@@ -538,8 +615,9 @@ def test_the_worker_store_is_asked_only_about_facts_its_disk_tier_may_hold(parts
         assert engine.kvs(user) >= {kv_id("h1", 1), kv_id("h3", 1)} and final.prefilled_tokens < final.prompt_tokens
 
         # DeleteUser forgets what the disk tier had of the user: nothing left to ask about.
+        registry.delete_user(user)
         await restarted.forget_user(user)
-        assert user not in restarted._maybe_on_disk and engine.kvs(user) == set()
+        assert user not in restarted.books.maybe_on_disk and engine.kvs(user) == set()
 
         # With a cluster tier: never asked; what the worker store kept is not read again.
         other = "hugo"
@@ -582,7 +660,7 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
         assert time.monotonic() - killed < ttl_s, "too slow to see the dead segment's window"
         c = await counts(reader)
         assert c["facts_unreadable"] >= 1 and c["facts_from_cluster"] + c["facts_unreadable"] == len(ids), c
-        assert c["facts_encoded"] == 0 and not reader._reencoding, c  # computed for this request, not re-encoded
+        assert c["facts_encoded"] == 0 and not reader.kv.reencoding, c  # computed for this request, not re-encoded
         assert reader.resident.count() == c["facts_from_cluster"]  # the unreadable ones are not counted resident
         assert first.prefilled_tokens == first.prompt_tokens  # vLLM computed the memory
         for _ in range(int(4 * ttl_s / 0.25)):  # until the master drops the dead segment
@@ -594,9 +672,9 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
         assert not any(gone.unreadable) and 1 <= len(lost) < len(ids), gone.unreadable
         later = await started(parts, registry, cluster=store)
         await answer(later, user, ids)
-        await later.requeue_missing()  # what the watch does every round
+        await later.kv.requeue_missing()  # what the watch does every round
         for _ in range(200):  # the background re-encode of what was only on the dead segment
-            if later.counters["facts_encoded"] >= len(lost) and not later._reencoding:
+            if later.counters["facts_encoded"] >= len(lost) and not later.kv.reencoding:
                 break
             await asyncio.sleep(0.02)
         c = await counts(later)

@@ -29,7 +29,7 @@ from inferscale_core.types import Mode
 from .. import api, filters
 from ..api import ApiError, Limits, pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
-from ..messages import AnswerEnd, AnswerPiece
+from ..messages import AnswerEnd, AnswerPiece, OpenAIChat
 from ..registry import FactRecord, NewFact, Registry, VersionConflictError
 
 log = logging.getLogger("inferscale.gateway")
@@ -50,11 +50,11 @@ class Backends(Protocol):
     async def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]: ...
 
     def answer(self, user_id: str, query: str, k: int, max_tokens: int, temperature: float,
-               mode: Mode, conversation: list[dict] | None = None, openai: dict | None = None
+               mode: Mode, conversation: list[dict] | None = None, openai: OpenAIChat | None = None
                ) -> AsyncIterator[AnswerPiece | AnswerEnd]:
         """Yields AnswerPiece messages, then one AnswerEnd (services/messages.py).
         `conversation`: system messages and earlier turns, put after the memory in the chat template.
-        `openai`: an OpenAI chat request's parts (EngineReplica.answer in services/engine_replica.py)."""
+        `openai`: an OpenAI chat request's parts (services/messages.py OpenAIChat)."""
 
     async def forget(self, user_id: str, facts: list[tuple[str, int]]) -> None:
         """Deleted facts `(fact_id, last version)`: out of the indices and every KV store."""
@@ -392,10 +392,10 @@ class GatewayCore:
             else:
                 yield pb2.AnswerChunk(text=piece.text)
 
-    async def answer_pieces(self, raw, caller: Principal, openai: dict | None = None):
+    async def answer_pieces(self, raw, caller: Principal, openai: OpenAIChat | None = None):
         """Answer's validation and stream, as the engine replica's messages (AnswerPiece..., AnswerEnd).
-        `openai`: the parts of an OpenAI chat request the HTTP front door checked (services/engine_replica.py
-        EngineReplica.answer); its question may be as long as any message, and its sampling replaces max_tokens
+        `openai`: the parts of an OpenAI chat request the HTTP front door checked (services/messages.py
+        OpenAIChat); its question may be as long as any message, and its sampling replaces max_tokens
         and temperature."""
         req = api.parse("Answer", raw, self.limits)
         uid = self._owner(caller, "Answer", req.user_id)

@@ -20,7 +20,7 @@ from .. import api
 from ..admission import EngineAtCapacity
 from ..api import ApiError, Limits, pb2
 from ..auth import Principal
-from ..messages import AnswerEnd, AnswerPiece, Choice
+from ..messages import AnswerEnd, AnswerPiece, Choice, OpenAIChat
 from ..openai_params import SAMPLING_FIELDS
 
 HTTP_STATUS = {
@@ -99,9 +99,9 @@ class ModelNotFound(ApiError):
 @dataclass
 class ChatCall:
     """An OpenAI chat request as InferScale runs it: the Answer request (user, question, k, mode) and the parts
-    the engine replica turns into vLLM's request (services/engine_replica.py EngineReplica.answer)."""
+    the engine replica turns into vLLM's request (services/messages.py OpenAIChat)."""
     answer: pb2.AnswerRequest
-    openai: dict
+    openai: OpenAIChat
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
     model: str
@@ -448,7 +448,7 @@ def chat_call(body: bytes, caller: Principal, auth_enabled: bool, limits: Limits
     sampling = {name: data[name] for name in SAMPLING_FIELDS if data.get(name) is not None}
     req = pb2.AnswerRequest(user_id=_memory_owner(data, caller, auth_enabled), query=turns[at]["content"], k=k,
                             mode=mode[:64])
-    return ChatCall(req, {"sampling": sampling, "messages": turns, "question_index": at, "tools": tools or []},
+    return ChatCall(req, OpenAIChat(sampling=sampling, messages=turns, question_index=at, tools=tools or []),
                     stream, include_usage, model or served[0], _forced_tool(data))
 
 

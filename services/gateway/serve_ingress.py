@@ -12,7 +12,7 @@ import grpc
 
 from ..api import Limits, caller_deadline, time_left, to_api_error, within_deadline, wire_mode
 from ..auth import AuthConfig, Authenticator
-from ..messages import AnswerEnd
+from ..messages import AnswerEnd, AnswerRequest, FactRef, FactWrite
 from ..proxy_setup import DEADLINE_ATTR
 from .core import GatewayCore
 from .grpc_front import health_check, health_watch, metadata_value, status_of
@@ -54,8 +54,8 @@ class ServeBackends:
         # tensors, which the engine replica reads from the object store. KV never comes here.
         encoded = self.encoder.encode_for.remote(
             user_id, [(r.fact_id, r.version, r.text, list(r.window)) for r in records])
-        placed = self._e(user_id).put_facts.remote(user_id, [(r.fact_id, r.version, r.text) for r in records],
-                                                   encoded)
+        placed = self._e(user_id).put_facts.remote(user_id, [FactWrite(r.fact_id, r.version, r.text)
+                                                             for r in records], encoded)
         await within_deadline(asyncio.gather(indexed, placed), self.timeout_s)
 
     async def search(self, user_id, query, k):
@@ -70,12 +70,11 @@ class ServeBackends:
         t0, first = time.perf_counter(), True
         hits = await self.search(user_id, query, k)  # the query alone is searched, not the conversation
         retrieval_ms = (time.perf_counter() - t0) * 1000
-        fact_ids = serving_order(hits)  # most relevant last, next to the query
+        request = AnswerRequest(user_id, query, serving_order(hits), max_tokens, temperature, mode, conversation,
+                                openai)  # the facts in serving order: most relevant last, next to the query
         for attempt in range(ANSWER_RETRIES + 1):
             try:
-                async for piece in self._e(user_id, stream=True).answer.remote(user_id, query, fact_ids, max_tokens,
-                                                                               temperature, mode, conversation,
-                                                                               openai):
+                async for piece in self._e(user_id, stream=True).answer.remote(request):
                     if first:  # q2ft: query in -> first token out, retrieval included
                         first_ms = (time.perf_counter() - t0) * 1000
                         if self.metrics is not None:
@@ -96,7 +95,7 @@ class ServeBackends:
 
     async def forget(self, user_id, facts):
         await asyncio.gather(self._r(user_id).forget.remote(user_id, [f for f, _ in facts]),
-                             self._e(user_id).forget.remote(user_id, facts))
+                             self._e(user_id).forget.remote(user_id, [FactRef(f, v) for f, v in facts]))
 
     async def forget_user(self, user_id):
         await asyncio.gather(self._r(user_id).forget_user.remote(user_id),

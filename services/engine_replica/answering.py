@@ -1,0 +1,114 @@
+"""Answering on one engine replica: a prepared request admitted against the KV cache (services/admission.py) and
+streamed from the engine as AnswerPiece messages and one AnswerEnd (services/messages.py), for the gRPC Answer and
+for OpenAI chat (n choices, logprobs, stop, structured outputs, forced tool calls); plain chat without memory
+(Mem0's extraction step). The facts are the caller's business (core.py syncs them and makes their KV reachable)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import grpc
+
+from ..admission import Admission
+from ..api import ApiError, wire_mode
+from ..messages import AnswerEnd, AnswerPiece, AnswerRequest, Choice
+from .engine import ServingEngine, engine_timings, ms
+
+
+class Answering:
+    def __init__(self, engine: ServingEngine, admission: Admission, metrics):
+        self.engine, self.admission, self.metrics = engine, admission, metrics
+        self.max_model_len = engine.max_model_len()  # as vLLM resolved it (the model's own when not given)
+
+    def check_fits(self, prompt_len: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"the prompt is {prompt_len} tokens (memory, conversation and query); the model's "
+                           f"context is {self.max_model_len} tokens: send fewer or shorter messages")
+
+    async def stream(self, p, req: AnswerRequest, t_in: float,
+                     hops: dict[str, float]) -> AsyncIterator[AnswerPiece | AnswerEnd]:
+        """The answer to prepared request `p`; `hops`: the replica's timings so far (AnswerEnd.timings_ms)."""
+        from vllm import SamplingParams
+
+        self.check_fits(len(p.prompt_ids))
+        if req.openai is not None:
+            async for piece in self._stream_openai(p, req, t_in, hops):
+                yield piece
+            return
+        sp = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens)
+        with self.admission.admit(min(len(p.prompt_ids) + req.max_tokens, self.max_model_len)):
+            t_submit = time.perf_counter()
+            async for text, ans in self.engine.stream(p, sp):
+                if ans is None:
+                    yield AnswerPiece(text)
+                    continue
+                if ans.ttft_s is not None:
+                    self.metrics.ttft.observe(ans.ttft_s, tags={"mode": wire_mode(req.mode)})
+                yield AnswerEnd(fact_ids=list(ans.fact_ids), ttft_ms=(ans.ttft_s or 0.0) * 1000,
+                                prompt_tokens=ans.prompt_len, prefilled_tokens=ans.prompt_len - ans.num_cached_tokens,
+                                completion_tokens=len(ans.token_ids), finish_reason=ans.finish_reason or "stop",
+                                timings_ms={**hops, "admission_wait": ms(t_submit - t_in), **engine_timings(ans)})
+
+    async def _stream_openai(self, p, req: AnswerRequest, t_in: float, hops: dict[str, float]):
+        """An OpenAI chat request's answer: vLLM's SamplingParams from the request (n choices, logprobs, stop,
+        structured outputs, forced tool calls), streamed by choice."""
+        from ..openai_params import logprobs_content, request, tool_calls
+
+        chat = req.openai
+        oai = request(chat.sampling or {}, len(p.prompt_ids), self.max_model_len, self.engine.sampling_defaults())
+        sp, n = oai.sampling, oai.sampling.n
+        tokenizer = self.engine.tokenizer()
+        texts, counts, finish = [""] * n, [0] * n, [None] * n
+        with self.admission.admit(min(len(p.prompt_ids) + n * sp.max_tokens, n * self.max_model_len)):
+            t_submit = time.perf_counter()
+            ttft, final = None, None
+            try:
+                async for out in self.engine.generate(p, sp):
+                    final = out
+                    for c in out.outputs:
+                        if ttft is None and c.token_ids:
+                            ttft = time.perf_counter() - t_submit
+                        logprobs = (logprobs_content(c.token_ids, c.logprobs, oai.top_logprobs, tokenizer)
+                                    if oai.top_logprobs is not None and c.logprobs else None)
+                        texts[c.index] += c.text
+                        counts[c.index] += len(c.token_ids)
+                        finish[c.index] = c.finish_reason or finish[c.index]
+                        if c.text or logprobs is not None:
+                            yield AnswerPiece(c.text, c.index, logprobs)
+            except ValueError as e:  # vLLM's input checks (e.g. more logprobs than the engine's max_logprobs)
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0][:500]) from None
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft, tags={"mode": wire_mode(req.mode)})
+        choices = []
+        for i in range(n):
+            reason = finish[i] or "stop"
+            calls = tool_calls(texts[i], oai.tool_choice) if oai.tool_choice is not None else None
+            if calls is not None and oai.tool_choice == "required":
+                reason = "tool_calls"
+            choices.append(Choice(i, reason, counts[i], calls))
+        stats = SimpleNamespace(ttft_s=ttft, engine_stats=getattr(final, "metrics", None))  # engine_timings' view
+        yield AnswerEnd(fact_ids=list(p.fact_ids), ttft_ms=(ttft or 0.0) * 1000, prompt_tokens=len(p.prompt_ids),
+                        prefilled_tokens=len(p.prompt_ids) - ((final.num_cached_tokens or 0) if final else 0),
+                        completion_tokens=sum(counts), finish_reason=choices[0].finish_reason, choices=choices,
+                        max_tokens=sp.max_tokens,
+                        timings_ms={**hops, "admission_wait": ms(t_submit - t_in), **engine_timings(stats)})
+
+    async def chat(self, messages: list[dict], max_tokens: int, temperature: float, structured: dict | None) -> str:
+        """Plain chat generation with the serving model, no memory. `structured`: the fields of vLLM's
+        StructuredOutputsParams (json_object, json, regex, ...). Admitted like answers: it shares the KV cache."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputsParams(**structured) if structured else None)
+        prompt_len = await asyncio.to_thread(self.engine.chat_prompt_len, messages)
+        with self.admission.admit(min(prompt_len + max_tokens, self.max_model_len)):
+            text, _, _ = await self.engine.chat(messages, sp)
+        return text
+
+    async def chat_room(self, messages: list[dict]) -> int:
+        """Tokens left in the context after these messages (negative when they do not fit)."""
+        return self.max_model_len - await asyncio.to_thread(self.engine.chat_prompt_len, messages)

@@ -1,0 +1,107 @@
+"""What an engine replica records of its users: the facts it serves them from (`UserBooks`: per user, the registry's
+servable facts at the last sync, the locks that order a user's work) and the KV it keeps in its worker store
+(`ResidentKV`: least recently used first, under a byte budget). Only bookkeeping: no I/O here."""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..user_sync import UserBook
+
+
+@dataclass(frozen=True)
+class HeldFact:
+    """A servable fact of a held user, as the registry had it at the last sync: its version, its text (prompt
+    mode needs it) and its window (a re-encode needs it)."""
+    version: int
+    text: str
+    window: tuple[str, ...] = ()
+
+
+class UserBooks:
+    """Per user: its servable facts and the registry version they were synced at (`book`, the record the retrieval
+    replica keeps too), the kv_ids a disk tier may still hold of it, and the
+    lock that orders its syncs, loads and deletes. A user is held from its first write or request until it is
+    unloaded or deleted (`forget`)."""
+
+    def __init__(self):
+        self.book: UserBook[HeldFact] = UserBook(lambda h: h.version)
+        # kv_ids the worker store may hold that ResidentKV does not count: its disk tier's files at start and what a
+        # disk tier keeps of users this replica unloaded. A request asks the engine core about these only (one
+        # RPC into its step loop); any other fact not counted resident is known to be absent.
+        self.maybe_on_disk: dict[str, set[str]] = {}
+        self.loaded: set[str] = set()  # users registered here (outside Serve: Serve's loader keeps its own)
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, user_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(user_id, asyncio.Lock())
+
+    def held(self, user_id: str) -> dict[str, HeldFact]:
+        """The user's servable facts (an empty record for a user not synced yet)."""
+        return self.book.of(user_id)
+
+    def is_held(self, user_id: str) -> bool:
+        return user_id in self.book.facts
+
+    def held_users(self) -> list[str]:
+        return sorted(self.book.facts)
+
+    def synced_users(self) -> list[str]:
+        return self.book.users()
+
+    def forget(self, user_id: str) -> None:
+        """Every record of the user goes (its lock stays: a task may be waiting on it)."""
+        self.book.forget(user_id)
+        self.maybe_on_disk.pop(user_id, None)
+
+
+class ResidentKV:
+    """The facts this replica put into its worker store, least recently used first, and their KV bytes. Over
+    `budget_bytes` the least recently used leave (the caller deletes them from the worker store); a fact found
+    in the worker store's disk tier, whose size is not known here, counts as the average fact."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"the KV budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._lru: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.bytes = 0
+
+    def has(self, user_id: str, kv: str) -> bool:
+        return (user_id, kv) in self._lru
+
+    def touch(self, user_id: str, kvs: list[str]) -> None:
+        for kv in kvs:
+            if (user_id, kv) in self._lru:
+                self._lru.move_to_end((user_id, kv))
+
+    def add(self, user_id: str, items: list[tuple[str, int | None]]) -> list[tuple[str, str]]:
+        """Records `(kv_id, bytes or None)`; returns the (user, kv_id) to evict, never one of these."""
+        for kv, nbytes in items:
+            if nbytes is None:
+                nbytes = self.bytes // len(self._lru) if self._lru else 0
+            self.bytes += nbytes - self._lru.pop((user_id, kv), 0)
+            self._lru[(user_id, kv)] = nbytes
+        keep = {(user_id, kv) for kv, _ in items}
+        out = []
+        for key in list(self._lru):
+            if self.bytes <= self.budget_bytes:
+                break
+            if key not in keep:
+                self.bytes -= self._lru.pop(key)
+                out.append(key)
+        return out
+
+    def discard(self, user_id: str, kvs) -> None:
+        for kv in kvs:
+            self.bytes -= self._lru.pop((user_id, kv), 0)
+
+    def kvs_of(self, user_id: str) -> list[str]:
+        return [kv for u, kv in self._lru if u == user_id]
+
+    def drop_user(self, user_id: str) -> None:
+        self.discard(user_id, self.kvs_of(user_id))
+
+    def count(self) -> int:
+        return len(self._lru)

@@ -1,0 +1,90 @@
+"""Deletes and updates reaching an engine replica's KV, by one path: the registry's tombstone log.
+
+The registry writes a tombstone in the same atomic step as every delete, update and DeleteUser (services/registry:
+user, fact, the last version to remove, whether the fact is gone). Each replica reads the log from its cursor and
+removes what a tombstone names from its books, its worker store (memory and disk: held users, users it unloaded,
+users it held before a restart) and, for deletes, the cluster tier (every replica does: one that was down at the
+time may be the only one left). It reads the log:
+  - at start, from where this slot's last replica stopped (the cursor is saved on the disk tier, beside the files
+    it covers), before any request;
+  - every watch round (services/engine_replica/core.py);
+  - when the gateway pushes a delete to the replica that serves the user (`apply` now: the push is only a hint
+    that the log moved, so a lost push costs a watch round, never a fact).
+A request's own sync (books.UserBooks) drops a held fact whose version moved, should its tombstone be late."""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from inferscale_core.types import kv_id
+
+from .books import ResidentKV, UserBooks
+from .engine import ServingEngine
+
+TOMBSTONE_CURSOR = "tombstones.cursor"  # in the replica's disk folder: how far it applied the registry's tombstones
+
+
+class Deletions:
+    def __init__(self, engine: ServingEngine, registry, cluster, books: UserBooks, resident: ResidentKV,
+                 counters: dict, disk_dir: str | None):
+        self.engine, self.registry, self.cluster = engine, registry, cluster
+        self.books, self.resident, self.counters, self.disk_dir = books, resident, counters, disk_dir
+        self._cursor: str | None = None
+        self._reading = asyncio.Lock()  # one reader of the log at a time: a tombstone is applied once
+
+    async def start(self) -> None:
+        """From the cursor this slot saved, else (no disk tier, a new slot) from the log's end: this replica holds
+        nothing older. Applies what it finds."""
+        self._cursor = self._saved_cursor() or (await asyncio.to_thread(self.registry.tombstones_after, None))[1]
+        await asyncio.to_thread(self._save_cursor)
+        await self.apply()
+
+    async def apply(self) -> int:
+        """Applies every tombstone written since the cursor; returns how many."""
+        applied = 0
+        async with self._reading:
+            while True:
+                tombs, cursor = await asyncio.to_thread(self.registry.tombstones_after, self._cursor)
+                for t in tombs:
+                    await self._bury(t)
+                self._cursor = cursor
+                if not tombs:
+                    break
+                applied += len(tombs)
+                await asyncio.to_thread(self._save_cursor)
+        self.counters["tombstones_applied"] += applied
+        return applied
+
+    async def _bury(self, t) -> None:
+        async with self.books.lock(t.user_id):
+            if not t.fact_id:  # DeleteUser
+                self.forget_user_books(t.user_id)
+                await self.engine.delete_encoded(t.user_id, None)
+                if self.cluster is not None:
+                    await asyncio.to_thread(self.cluster.remove_user, t.user_id)
+                return
+            ids = [kv_id(t.fact_id, v) for v in range(1, t.upto + 1)]
+            held = self.books.book.facts.get(t.user_id, {})
+            if t.fact_id in held and held[t.fact_id].version <= t.upto:  # the next request re-syncs the user
+                del held[t.fact_id]
+                self.books.book.synced.pop(t.user_id, None)
+            self.resident.discard(t.user_id, ids)
+            await self.engine.delete_encoded(t.user_id, ids)
+            if t.gone and self.cluster is not None:  # an update's older versions: the encoder pool removes them
+                await asyncio.to_thread(self.cluster.remove_versions, t.user_id, t.fact_id)
+
+    def forget_user_books(self, user_id: str) -> None:
+        self.books.forget(user_id)
+        self.resident.drop_user(user_id)
+
+    def _saved_cursor(self) -> str | None:
+        path = Path(self.disk_dir) / TOMBSTONE_CURSOR if self.disk_dir else None
+        return path.read_text().strip() or None if path is not None and path.is_file() else None
+
+    def _save_cursor(self) -> None:
+        if self.disk_dir:
+            path = Path(self.disk_dir) / TOMBSTONE_CURSOR
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(self._cursor)
+            os.replace(tmp, path)

@@ -1,0 +1,87 @@
+"""Where an engine replica sits: its Serve slot and ids (services/routing.py routes users by the slot), the cores
+its vLLM binds to when replicas share a node, its node-local disk folder, and the handle Serve's multiplexed
+loader keeps for each user held here. Outside Serve (a direct test) every lookup has a one-replica answer."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+
+from ray import serve
+
+log = logging.getLogger("inferscale.engine_replica")
+
+
+def replica_slot() -> int:
+    """Serve's rank of this replica in its deployment: a replacement for a dead replica gets its rank, so the
+    slot survives restarts (services/routing.py routes users by it); 0 outside Serve."""
+    try:
+        return int(serve.get_replica_context().rank.rank)
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test)
+        return 0
+
+
+def serve_replica_id() -> str | None:
+    """Serve's id of this replica (its actor's name ends with it); None outside Serve."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test)
+        return None
+
+
+def replica_local_rank() -> int:
+    """Serve's rank of this replica among the deployment's replicas on its node; 0 outside Serve."""
+    try:
+        return int(serve.get_replica_context().rank.local_rank)
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test)
+        return 0
+
+
+def bind_engine_cpus(cores_per_engine: int) -> list[int] | None:
+    """Before vLLM starts (its engine core process inherits the environment): bind its compute threads to this
+    replica's own cores when replicas share the node; None, environment untouched, otherwise."""
+    from inferscale_core.vllm_env import engine_bind_env, engine_cpus, usable_cpus
+
+    cpus = usable_cpus()
+    mine = engine_cpus(cores_per_engine, replica_local_rank(), cpus)
+    if mine is None:
+        if cores_per_engine:
+            log.warning("engine_cpu_cores=%d: no free run of cores for node-local rank %d on cores %s; this "
+                        "replica's vLLM uses all of them, shared", cores_per_engine, replica_local_rank(), cpus)
+        return None
+    os.environ.update(engine_bind_env(mine))
+    return mine
+
+
+def replica_disk_dir(kv_dir: str | None) -> str | None:
+    """`{kv_dir}/{app}/{deployment}/slot-{local rank}`: stable across restarts of the replica in that slot,
+    so a restarted replica finds its predecessor's files, and never shared by two live replicas."""
+    if not kv_dir:
+        return None
+    try:
+        ctx = serve.get_replica_context()
+        app, dep, slot = ctx.app_name, ctx.deployment, ctx.rank.local_rank
+    except Exception:  # noqa: BLE001 - outside Serve (a direct test): one slot
+        app, dep, slot = "local", "EngineReplica", 0
+    path = Path(kv_dir).expanduser() / app / dep / f"slot-{slot}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+class HeldUser:
+    """What the multiplexed loader hands Serve. Serve calls __del__ when it evicts the user (LRU), in a thread;
+    Python calls it again when the object dies, hence the flag. `unload(user_id)` runs on the replica's loop."""
+
+    def __init__(self, unload: Callable[[str], Coroutine], user_id: str, loop: asyncio.AbstractEventLoop):
+        self.unload, self.user_id, self.loop, self.released = unload, user_id, loop, False
+
+    def __del__(self):
+        if self.released:
+            return
+        self.released = True
+        try:  # Serve runs this in a thread: hand the unload to the replica's loop
+            asyncio.run_coroutine_threadsafe(self.unload(self.user_id), self.loop)
+        except RuntimeError:  # the loop is closed: the replica is going away anyway
+            pass
