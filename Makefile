@@ -3,9 +3,12 @@
 VENV = $(shell bash scripts/bootstrap.sh | tail -n 1)
 CHECK = [ -x "$$venv/bin/python" ] || { echo "make: scripts/bootstrap.sh failed (its message is above)" >&2; exit 1; }
 
-.PHONY: demo test
+.PHONY: demo test lint
 demo:  # the engine's own log lines go to ~/.cache/inferscale/demo.log (`inferscale demo --log-file`)
 	@venv=$(VENV); $(CHECK); HF_HUB_OFFLINE=1 $$venv/bin/inferscale demo
 
 test:
 	@venv=$(VENV); $(CHECK); bash scripts/run_tests.sh $$venv
+
+lint:  # the gate .ci/run runs before the tests: ruff with the rules in pyproject.toml [tool.ruff]
+	@venv=$(VENV); $(CHECK); $$venv/bin/ruff check --no-cache .

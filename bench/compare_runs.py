@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.eval.stats import paired_bootstrap  # noqa: E402
+from bench.eval.stats import paired_bootstrap
 
 
 def accuracy_records(folders: str | Path) -> dict[tuple[str, str, int], dict]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
+from inferscale_core.vllm_env import set_vllm_cpu_env
 
 set_vllm_cpu_env(2)  # before vLLM is imported
 
@@ -70,10 +70,10 @@ def main(argv=None) -> dict:
     import torch
     from vllm import SamplingParams
 
-    from inferscale_core.engine import InjectingEngine
-    from inferscale_core.requests import Query
     from bench.eval.locomo import load_locomo
+    from inferscale_core.engine import InjectingEngine
     from inferscale_core.memory import Memory
+    from inferscale_core.requests import Query
 
     convs = {c.sample_id: c for c in load_locomo(args.data)}
     missing = [u for u in args.users if u not in convs]

@@ -234,7 +234,7 @@ def bench_bandwidth(model, facts, query_ids, a, label: str) -> list[dict]:
             row.update(h2d_pinned_ms=h2d["median_ms"], h2d_pinned_GBps=nbytes / h2d["median_ms"] / 1e6)
             del host
         rows.append(row)
-        del src, dst
+        src = dst = None  # frees the device buffers before the next size
     return rows
 
 
@@ -258,7 +258,7 @@ def bench_index(a, label: str) -> list[dict]:
             rows.append({"device": label, "facts": n, "batch": batch, "dim": a.index_dim, "top_k": a.top_k,
                          "latency_ms": r["median_ms"], "per_query_us": r["median_ms"] * 1e3 / batch,
                          "build_s": build_s, "timing": r})
-        del index
+        index = None  # frees the device matrix before the next size
     return rows
 
 

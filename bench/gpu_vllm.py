@@ -137,9 +137,9 @@ def copy_times(nbytes: int, device, sync, warmup: int, repeats: int) -> tuple[fl
 
 def run(a: argparse.Namespace, folder: Path) -> dict:
     import torch
+    from gpu import device_label
     from vllm import SamplingParams
 
-    from gpu import device_label
     from inferscale_core.connector import SHARED_USER_ID, InjectionParams, memory_hash, pack_fact, worker_connector
     from inferscale_core.model_spec import ModelSpec
 

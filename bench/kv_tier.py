@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from inferscale_core.cluster_store import ClusterConfig, ClusterStore, pack, unpack  # noqa: E402
-from inferscale_core.types import EncodedFact  # noqa: E402
-from inferscale_server.registry.local_mooncake import local_mooncake  # noqa: E402
+from inferscale_core.cluster_store import ClusterConfig, ClusterStore, pack, unpack
+from inferscale_core.types import EncodedFact
+from inferscale_server.registry.local_mooncake import local_mooncake
 
 LAYERS, HEADS, DIM, TOKENS = 30, 3, 64, 25
 

@@ -43,13 +43,22 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from tqdm import tqdm
 
-from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_TOKENS, add_recompute_arguments, default_windows
 from bench.eval import report
-from bench.eval.locomo import (CATEGORY_NAMES, Conversation, Question, answerable, default_data_path,
-                                         load_locomo, require_data_path, session_facts, window_turns)
+from bench.eval.locomo import (
+    CATEGORY_NAMES,
+    Conversation,
+    Question,
+    answerable,
+    default_data_path,
+    load_locomo,
+    require_data_path,
+    session_facts,
+    window_turns,
+)
 from bench.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
 from bench.eval.stats import by_category, group_by, paired_bootstrap, summarize
 from inferscale_core.compose import SERVING_ORDERS
+from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_TOKENS, add_recompute_arguments, default_windows
 from inferscale_core.template import PromptTemplate
 
 MODES = ("kv", "pi")
@@ -125,9 +134,9 @@ class EngineBackend:
             import torch
 
             from inferscale_core.engine import InjectingEngine
+            from inferscale_core.memory import Memory
             from inferscale_core.requests import Query
             from inferscale_core.vllm_setup import default_sampling
-            from inferscale_core.memory import Memory
         except ImportError as e:
             raise BackendUnavailableError(
                 "the LoCoMo runner needs inferscale_core.engine.InjectingEngine (the vLLM KV-injection "

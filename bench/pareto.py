@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pool_reports  # noqa: E402
+import pool_reports
 
 _RATIO = re.compile(r"TTFT\(PI,k=50\)/TTFT\(KV,k=50\) = (\d+(?:\.\d+)?)x")
 _CONVERSATIONS = re.compile(r"conversations ([^;]+);")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
+from inferscale_core.vllm_env import set_vllm_cpu_env
 
 set_vllm_cpu_env(4)  # before vLLM is imported
 
@@ -84,10 +84,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)  # a bad --data is named before torch and vLLM are imported (seconds)
     import torch
 
-    from inferscale_core.engine import InjectingEngine
-    from inferscale_core.vllm_setup import default_sampling
     from bench.eval.locomo import load_locomo
+    from inferscale_core.engine import InjectingEngine
     from inferscale_core.memory import Memory
+    from inferscale_core.vllm_setup import default_sampling
 
     convs = load_locomo(args.data)
     turns = [t.render() for c in convs for t in c.turns]

@@ -35,8 +35,8 @@ def _rel(a, b) -> float:
 def imprint(sample_id: str, n_facts: int, data: str) -> dict:
     import torch
 
-    from inferscale_core.defaults import NEIGHBOUR_WINDOW, default_windows
     from bench.eval.locomo import load_locomo, session_facts
+    from inferscale_core.defaults import NEIGHBOUR_WINDOW, default_windows
     from inferscale_core.memory import Memory
 
     conv = next(c for c in load_locomo(data) if c.sample_id == sample_id)

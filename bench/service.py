@@ -129,8 +129,8 @@ def parse_args(argv=None):
     problems = []
     if not args.user_counts or min(args.user_counts) < 1:
         problems.append("--users must be positive integers")
-    if not args.k_values or not all(1 <= k <= 64 for k in args.k_values):
-        problems.append("--ks must be in 1..64")
+    if not args.k_values or not all(1 <= k <= 200 for k in args.k_values):
+        problems.append("--ks must be in 1..200 (the API's k)")
     if not set(args.mode_list) <= set(MODES) or not args.mode_list:
         problems.append(f"--modes must be a subset of {','.join(MODES)}")
     if args.facts_per_user < max(args.k_values, default=1):

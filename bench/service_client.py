@@ -20,8 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the modules compiled next to this file
 
-import grpc  # noqa: E402
-from inferscale.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
+import grpc
+from inferscale.v1 import memory_pb2, memory_pb2_grpc
 
 # Per-hop timings arrive in the final chunk once the proto has the field (read it when it is there).
 HAS_TIMINGS = "timings_ms" in memory_pb2.AnswerChunk.DESCRIPTOR.fields_by_name

@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.eval import serving  # noqa: E402
-from inferscale_core.store import FactStore, host_copy  # noqa: E402
-from inferscale_core.types import EncodedFact  # noqa: E402
+from bench.eval import serving
+from inferscale_core.store import FactStore, host_copy
+from inferscale_core.types import EncodedFact
 
 LAYERS, HEADS, DIM, TOKENS = 30, 3, 64, 25
 

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inferscale_core.defaults import add_recompute_arguments  # noqa: E402
-from inferscale_core.vllm_env import set_vllm_cpu_env  # noqa: E402
+from inferscale_core.defaults import add_recompute_arguments
+from inferscale_core.vllm_env import set_vllm_cpu_env
 
 set_vllm_cpu_env(kv_cache_gib=2)  # before vLLM is imported
 
@@ -65,13 +65,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)  # a bad --data is named before torch and vLLM are imported (seconds)
     import torch
 
-    from inferscale_core.engine import InjectingEngine
-    from inferscale_core.vllm_setup import default_sampling
-    from bench.eval.serving import prepare_fixed
     from bench.eval.locomo import answerable, load_locomo
-    from inferscale_core.memory import Memory
-
+    from bench.eval.serving import prepare_fixed
     from bench.service import cpu_description, cpu_line  # lscpu's model and flags
+    from inferscale_core.engine import InjectingEngine
+    from inferscale_core.memory import Memory
+    from inferscale_core.vllm_setup import default_sampling
 
     ks = (5, 20) if args.quick else tuple(int(k) for k in args.ks.split(","))
     n_questions = 3 if args.quick else args.questions

@@ -80,8 +80,8 @@ def _demo(args, out) -> int:
 
     from .defaults import NEIGHBOUR_WINDOW, default_windows, serving_store_options
     from .engine import InjectingEngine
-    from .vllm_setup import default_sampling
     from .types import Mode
+    from .vllm_setup import default_sampling
 
     dtype = getattr(torch, args.dtype)
     options = serving_store_options({} if args.recompute_tokens is None

@@ -20,21 +20,37 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-# connector_types first: it checks the vLLM version before anything of vLLM's connector API is imported.
-from .connector_types import (  # noqa: F401 - re-exported: the connector's public names
-    COUNTERS, GAUGES, PARAMS_KEY, SCHEDULER_COUNTERS, SHARED_USER_ID, SUPPORTED_VLLM, WORKER_COUNTERS,
-    InjectionMetadata, InjectionParams, LoadSpec, UnsupportedVLLMError, cache_salt, check_vllm_version,
-    injectable_tokens, memory_hash, pack_fact, recompute_tokens_option, unpack_fact)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
+)
+
+# connector_types first: it checks the vLLM version before anything of vLLM's connector API is imported.
+from .connector_types import (  # re-exported: the connector's public names
+    COUNTERS,
+    GAUGES,
+    PARAMS_KEY,
+    SCHEDULER_COUNTERS,
+    SHARED_USER_ID,
+    SUPPORTED_VLLM,
+    WORKER_COUNTERS,
+    InjectionMetadata,
+    InjectionParams,
+    LoadSpec,
+    UnsupportedVLLMError,
+    cache_salt,
+    check_vllm_version,
+    injectable_tokens,
+    memory_hash,
+    pack_fact,
+    recompute_tokens_option,
+    unpack_fact,
 )
 
 if TYPE_CHECKING:

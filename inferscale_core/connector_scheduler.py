@@ -16,9 +16,17 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from .connector_types import (InjectionMetadata, InjectionParams, LoadSpec, injectable_tokens, memory_hash,
-                              recompute_facts_max_k_option, recompute_facts_option, recompute_tokens_option,
-                              recomputed_suffix)
+from .connector_types import (
+    InjectionMetadata,
+    InjectionParams,
+    LoadSpec,
+    injectable_tokens,
+    memory_hash,
+    recompute_facts_max_k_option,
+    recompute_facts_option,
+    recompute_tokens_option,
+    recomputed_suffix,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

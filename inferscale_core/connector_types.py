@@ -158,7 +158,7 @@ def unpack_fact(blob: bytes):
     try:
         t = load(bytes(blob))
         return EncodedFact(t["token_ids"], t["k_pre"], t["v"])
-    except Exception as e:  # safetensors raises several types for foreign bytes
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for foreign bytes
         raise ValueError(f"not a packed fact: {e}") from None
 
 

@@ -112,7 +112,7 @@ def free_device_memory(device: torch.device, utilization: float) -> int | None:
     try:
         free, total = torch.accelerator.get_memory_info(device)
         reserved = torch.accelerator.memory_reserved(device)
-    except Exception:  # no accelerator API for this device type
+    except Exception:  # noqa: BLE001 - no accelerator API for this device type
         return None
     return memory_outside_vllm(int(free), int(total), int(reserved), utilization)
 
@@ -399,7 +399,7 @@ class WorkerSide:
                 continue
             try:
                 self._settle(fut.result())
-            except Exception:  # noqa: BLE001 - a warm-up that failed: requests load what they need
+            except Exception:  # a warm-up that failed: requests load what they need
                 logger.exception("InferScale: a prefetch failed")
         self._prefetching = still
 
@@ -421,7 +421,7 @@ class WorkerSide:
             spec, fut = self._fetching.pop(r)
             try:
                 result = fut.result()
-            except Exception as e:  # noqa: BLE001 - the loader's failure is this request's failed load
+            except Exception as e:  # the loader's failure is this request's failed load
                 logger.exception("InferScale: loading request %s failed", r)
                 if r not in self._aborted:
                     self._fail([spec], e)

@@ -108,7 +108,7 @@ class PreRopeEncoder:
 
     @torch.no_grad()
     def _forward(self, batch: list[tuple[list[int], list[int]]]) -> list[EncodedFact]:
-        spec, dev = self.spec, self.device
+        dev = self.device
         seqs = [ctx + fact for ctx, fact in batch]
         # The width is rounded up to a multiple of WIDTH_MULTIPLE: on CPUs whose kernels do not pick another
         # summation order by row count (AVX-512 without AMX), that kept a fact's KV the same in any batch; an

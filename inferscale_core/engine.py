@@ -29,6 +29,7 @@ from .serving_engine import AsyncInjectingEngine
 from .types import SHARED_USER_ID, Mode, kv_id
 from .vllm_setup import default_dtype, default_sampling, engine_kwargs, model_folder, shutdown_llm, vllm_metrics
 
+
 class MemoryCore(RequestCore):
     """A RequestCore over an in-process Memory: keeps the worker store in step with Memory (one encoding per
     context-window size w, keyed `kv_id(fact_id, version, w)`) and retrieves the facts of a request itself."""

@@ -39,7 +39,7 @@ class PromptTemplate:
             try:
                 text = self._render_with_system()
                 self.system_role = True
-            except Exception:  # templates without a system role: memory goes first in the user turn
+            except Exception:  # noqa: BLE001 - templates without a system role: memory goes first in the user turn
                 text = tok.apply_chat_template(
                     [{"role": "user", "content": self.instruction + _MEMORY_MARK + "\n" + _QUESTION_MARK}],
                     tokenize=False, add_generation_prompt=True)
@@ -140,7 +140,7 @@ class PromptTemplate:
                           after: Sequence[dict] = ()) -> tuple[str, str, str]:
         try:
             head, middle, tail = _cut(self._render_with_system(conversation, tools, after))
-        except Exception as e:  # the template's own refusal (e.g. roles that must alternate)
+        except Exception as e:  # noqa: BLE001 - the template's own refusal (e.g. roles that must alternate)
             raise ValueError(f"the model's chat template refused the conversation: {str(e)[:200]}") from None
         if head != self._head:  # the memory's KV was encoded after this head: it must not move
             raise ValueError("the model's chat template renders the memory differently with earlier turns"

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 
+from inferscale_client import codegen
 from inferscale_core.errors import InvalidIdError, UnknownFactError, UnknownUserError, check_id
 from inferscale_core.types import Mode
 
-from inferscale_client import codegen
 from .registry import DuplicateFactError, FactRecord, Quota, QuotaExceededError, VersionConflictError
 
 pb2, pb2_grpc = codegen.load()

@@ -24,6 +24,7 @@ import yaml
 
 from .api import SERVICER_FUNCTION, Limits
 from .gateway.core import WATCH_STREAMS_MAX
+
 # TRANSPORT_MAX_MESSAGE_BYTES: a gRPC message or an HTTP body; one request: Limits (1 MiB)
 from .proxy_setup import GRPC_HOST_ENV, TRANSPORT_MAX_MESSAGE_BYTES
 from .registry import ACTOR_SCHEME

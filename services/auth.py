@@ -132,7 +132,7 @@ class Authenticator:
     """Verifies bearer tokens and decides whether a caller may act for a user."""
 
     def __init__(self, cfg: AuthConfig | None = None):
-        import jwt
+        import jwt  # noqa: F401 - PyJWT missing fails here, at start, not at the first request
 
         self.cfg = cfg = cfg or AuthConfig()
         self.enabled = not cfg.insecure_no_auth

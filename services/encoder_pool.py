@@ -172,14 +172,14 @@ class FactEncoder:
             encoded = self.encoder.encode_batch([self._prepared(*items[i]) for i in todo], progress=False)
             for i, enc in zip(todo, encoded):
                 out[i] = enc.to("cpu")
-        except Exception:  # noqa: BLE001 - one item broke the batch: encode one by one to find it
+        except Exception:  # one item broke the batch: encode one by one to find it
             log.exception("batch of %d facts failed to encode; retrying one by one", len(todo))
             for i in todo:
                 for attempt in range(1 + TRANSIENT_RETRIES):
                     try:
                         out[i] = self.encoder.encode_batch([self._prepared(*items[i])], progress=False)[0].to("cpu")
                         break
-                    except Exception as e:  # noqa: BLE001 - reported per fact, transient: checked before
+                    except Exception as e:  # reported per fact, transient: checked before
                         log.exception("fact failed to encode (attempt %d of %d)", attempt + 1, 1 + TRANSIENT_RETRIES)
                         # problem() passed, so the fact is within every limit: the failure is the encoder's
                         out[i] = EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})",

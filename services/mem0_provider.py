@@ -230,10 +230,11 @@ class Mem0Extractor:
 
     def __init__(self, sink: FactSink, embedder_path: str | None = None, max_tokens: int = 256):
         check_mem0_version()
-        from inferscale_core.embedder import default_model_path
         from mem0 import Memory
         from mem0.configs.base import MemoryConfig
         from qdrant_client import QdrantClient
+
+        from inferscale_core.embedder import default_model_path
 
         path = str(embedder_path or default_model_path())
         config = MemoryConfig(

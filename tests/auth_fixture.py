@@ -1,7 +1,8 @@
 """Test helpers for authenticated calls: a fresh HS256 secret in a file, tokens signed with it, and a gRPC
-channel interceptor that sends a token with every call.
+channel interceptor that sends a token with every call. A pytest plugin (tests/conftest.py): the fixtures
+`jwt_secret` and `admin_token` are asked for by name; the helpers are imported:
 
-    from auth_fixture import jwt_secret, token_channel  # noqa: F401
+    from auth_fixture import token_channel, token_for
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A real Mooncake Store (mooncake_master + one segment-holding mooncake_client) on free loopback ports for one
-test module, stopped afterwards. Import with `from mooncake_fixture import mooncake  # noqa: F401`; the fixture
+test module, stopped afterwards. A pytest plugin (tests/conftest.py): ask for `mooncake` by name; the fixture
 yields inferscale_server.registry.local_mooncake.LocalMooncake (`.config` is a ServiceConfig's cluster_store)."""
 from __future__ import annotations
 

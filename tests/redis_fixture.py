@@ -1,6 +1,6 @@
 """A real redis-server on a free loopback port for one test module (no persistence), stopped afterwards.
 
-Import the fixture into a test module with `from redis_fixture import redis_url  # noqa: F401`;
+A pytest plugin (tests/conftest.py): ask for `redis_url` by name;
 `redis_password_url` is one started with `requirepass`."""
 from __future__ import annotations
 

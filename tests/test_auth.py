@@ -19,13 +19,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import jwt
 import pytest
-
-from auth_fixture import jwt_secret, one_call_per_rpc, refused, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import one_call_per_rpc, refused, token_channel, token_for
 from grpc_thread import ServerThread
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+
 from inferscale_server.api import ApiError, pb2, pb2_grpc
-from inferscale_server.auth import (SCOPE_READ, AuthConfig, AuthConfigError, Authenticator, Principal, ensure_dev_secret,
-                           mint)
+from inferscale_server.auth import (
+    SCOPE_READ,
+    AuthConfig,
+    AuthConfigError,
+    Authenticator,
+    Principal,
+    ensure_dev_secret,
+    mint,
+)
 from inferscale_server.gateway import GatewayCore, build_http_app
 from inferscale_server.registry import RedisRegistry
 
@@ -36,7 +42,7 @@ RPCS = sorted(one_call_per_rpc("u", "f"))
 
 
 @pytest.fixture(scope="module")
-def world(redis_url, jwt_secret):  # noqa: F811
+def world(redis_url, jwt_secret):
     """A gateway with auth on, alice holding one fact; yields (stub, core, secret, alice, fact id, registry)."""
     reg = RedisRegistry(redis_url, prefix=f"auth{uuid.uuid4().hex[:8]}:")
     core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
@@ -236,7 +242,7 @@ class _JwksServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 outer.fetches += 1
                 if outer.fail:
                     self.send_response(503)

@@ -14,9 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-
-from auth_fixture import jwt_secret  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
 from serve_specs import spec_with
 from test_multi_replica import NAMES, facts_of
 
@@ -34,10 +31,10 @@ UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of th
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    from inferscale_server.app import ServiceConfig
+def service(redis_url, tmp_path_factory, jwt_secret):
     from test_service_e2e import service_on_local_ray
 
+    from inferscale_server.app import ServiceConfig
     from inferscale_server.registry.local_redis import free_port
 
     deployments = {name: spec_with(autoscaling=FAST_METRICS, min_replicas=1, max_replicas=2,

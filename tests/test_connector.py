@@ -18,10 +18,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from inferscale_core.connector import (SHARED_USER_ID, WORKER_EXTENSION, InjectionParams,  # noqa: E402
-                                       UnsupportedVLLMError, cache_salt, check_vllm_version, injectable_tokens,
-                                       memory_hash, pack_fact)
-from inferscale_core.types import EncodedFact  # noqa: E402
+from inferscale_core.connector import (
+    SHARED_USER_ID,
+    WORKER_EXTENSION,
+    InjectionParams,
+    UnsupportedVLLMError,
+    cache_salt,
+    check_vllm_version,
+    injectable_tokens,
+    memory_hash,
+    pack_fact,
+)
+from inferscale_core.types import EncodedFact
 
 BLOCK = 32
 PREFIX_LEN = 45
@@ -537,8 +545,8 @@ def _mp_check(folder: Path, disk_dir: Path) -> dict:
     """Multiprocess engine (the worker in another process), a KV cache of 24 blocks and no prefix cache, so
     concurrent requests get preempted and resumed requests must be injected again; the worker's fact store
     has a small device budget over a disk tier."""
-    from vllm import SamplingParams
     from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
 
     from inferscale_core.vllm_setup import kv_transfer_config, vllm_metrics
 
@@ -573,7 +581,7 @@ def test_multiprocess_engine_loads_facts_and_reinjects_after_preemption(tmp_path
     env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.run([sys.executable, __file__, "--mp-check", str(folder), str(tmp_path / "facts")], env=env,
                           capture_output=True, text=True, timeout=600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("MP-CHECK ")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MP-CHECK ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     result = json.loads(lines[-1].removeprefix("MP-CHECK "))
     assert all(result["same_tokens"]), result

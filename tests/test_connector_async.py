@@ -14,18 +14,16 @@ import threading
 import time
 
 import pytest
+from test_connector import FACT_LENS, Harness, M, assert_same, build_tiny_model, close_harness, layout, open_harness
 
 from inferscale_core.cluster_store import ClusterConfig, ClusterStore
-from mooncake_fixture import mooncake  # noqa: F401
-from test_connector import (M, FACT_LENS, Harness, assert_same, build_tiny_model, close_harness, layout,  # noqa: F401
-                            open_harness)
 
 FP = "c" * 16  # the fingerprint the worker reads under (the encoder pool's, in the service)
 FIDS = [f"f{i}@v1" for i in range(1, len(FACT_LENS) + 1)]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, mooncake):  # noqa: F811
+def setup(tmp_path_factory, mooncake):
     from inferscale_core.vllm_setup import kv_transfer_config
 
     folder = build_tiny_model("llama", tmp_path_factory.mktemp("llama"))

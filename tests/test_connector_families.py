@@ -13,10 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from test_connector import FACT_LENS, build_tiny_model, close_harness, open_harness  # noqa: E402
-from test_connector import test_facts_encoded_apart_equal_block_diagonal_reference as facts_apart  # noqa: E402
-from test_connector import \
-    test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch as joint_memory  # noqa: E402
+from test_connector import FACT_LENS, build_tiny_model, close_harness, open_harness
+from test_connector import test_facts_encoded_apart_equal_block_diagonal_reference as facts_apart
+from test_connector import test_joint_memory_injected_equals_prompt_injection_also_in_mixed_batch as joint_memory
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2", "llama3"])

@@ -12,14 +12,27 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from test_connector import (BLOCK, FACT_LENS, M, assert_same, block_diagonal_reference,  # noqa: E402
-                            build_tiny_model, close_harness, layout, open_harness)
+from test_connector import (
+    BLOCK,
+    FACT_LENS,
+    M,
+    assert_same,
+    block_diagonal_reference,
+    build_tiny_model,
+    close_harness,
+    layout,
+    open_harness,
+)
 
-from inferscale_core.connector import injectable_tokens, recompute_tokens_option  # noqa: E402
-from inferscale_core.defaults import RECOMPUTE_FACTS, RECOMPUTE_FACTS_MAX_K  # noqa: E402
-from inferscale_core.connector_types import (InjectionParams, memory_hash,  # noqa: E402
-                                             recompute_facts_max_k_option, recompute_facts_option,
-                                             recomputed_suffix)
+from inferscale_core.connector import injectable_tokens, recompute_tokens_option
+from inferscale_core.connector_types import (
+    InjectionParams,
+    memory_hash,
+    recompute_facts_max_k_option,
+    recompute_facts_option,
+    recomputed_suffix,
+)
+from inferscale_core.defaults import RECOMPUTE_FACTS, RECOMPUTE_FACTS_MAX_K
 
 RECOMPUTE = 20
 # The engines' connector options, by fixture parameter.
@@ -94,8 +107,8 @@ def test_engine_prepare_gives_the_fact_boundaries(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from inferscale_core.requests import Query, RequestCore
     from inferscale_core.models import default_model_path
+    from inferscale_core.requests import Query, RequestCore
     from inferscale_core.template import PromptTemplate
     from inferscale_core.types import EncodedFact
 

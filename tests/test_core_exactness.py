@@ -2,13 +2,13 @@
 computation (fp32, CPU, real forward passes; tiny models have random weights)."""
 import pytest
 import torch
+from tiny_models import FAMILIES, tiny_model
 
 from inferscale_core.compose import compose
 from inferscale_core.encoder import PreRopeEncoder, capture_pre_rope
-from inferscale_core.hf_inject import (block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits)
+from inferscale_core.hf_inject import block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits
 from inferscale_core.rope import ChunkedRope
 from inferscale_core.template import PromptTemplate
-from tiny_models import FAMILIES, tiny_model
 
 FACTS = ["Caroline moved to Sweden four years ago with her family.",
          "Melanie painted a sunrise over a lake last summer.",

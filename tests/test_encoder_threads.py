@@ -6,9 +6,9 @@ bits as alone."""
 import threading
 
 import torch
+from tiny_models import tiny_model
 
 from inferscale_core.encoder import PreRopeEncoder, capture_pre_rope
-from tiny_models import tiny_model
 
 ROUNDS = 12  # bounded: each round is two encodes per thread
 

@@ -9,11 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from bench.eval.locomo import (Fact, LocomoFormatError, answerable, load_locomo, parse_dia_ids,
-                                         session_facts, window_turns)
-from bench.eval.report import write_report
-from bench.eval.scoring import (JUDGE_PROMPT, judge_prompt, locomo_f1, normalize_answer,
-                                          parse_judge_reply, token_f1)
+from bench.eval.locomo import (
+    LocomoFormatError,
+    answerable,
+    load_locomo,
+    parse_dia_ids,
+    session_facts,
+    window_turns,
+)
+from bench.eval.scoring import JUDGE_PROMPT, judge_prompt, locomo_f1, normalize_answer, parse_judge_reply, token_f1
 from bench.eval.stats import by_category, paired_bootstrap, summarize
 from bench.eval.stem import porter_stem
 from inferscale_core.template import PromptTemplate
@@ -579,9 +583,10 @@ def _load_script(name: str):
 
 
 def test_position_chunks_fill_their_token_budget(dev):
+    from transformers import AutoTokenizer
+
     from inferscale_core.models import default_model_path
     from inferscale_core.template import PromptTemplate
-    from transformers import AutoTokenizer
 
     position = _load_script("position")
     template = PromptTemplate(AutoTokenizer.from_pretrained(default_model_path()))

@@ -118,6 +118,7 @@ def test_redis_gone_is_unavailable_within_seconds_and_recovers():
     """A registry whose Redis stops: each call fails UNAVAILABLE within the socket timeouts (no thread waits for
     minutes), concurrent callers do not pile up, and once Redis is back the same client works again."""
     from redis_fixture import redis_server
+
     from inferscale_server.registry import NewFact, RedisRegistry
     from inferscale_server.registry.redis_backend import CONNECT_TIMEOUT_S, RETRIES, SOCKET_TIMEOUT_S
 

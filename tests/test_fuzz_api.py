@@ -11,11 +11,10 @@ import time
 import uuid
 
 import pytest
-
-from auth_fixture import jwt_secret, token_channel, token_for  # noqa: F401  (fixture)
+from auth_fixture import token_channel, token_for
 from fuzz_inputs import fuzz_grpc, snapshot
 from grpc_thread import ServerThread
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+
 from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.auth import AuthConfig, Authenticator
 from inferscale_server.gateway import GatewayCore, build_http_app
@@ -25,7 +24,7 @@ MAX_INPUTS, MAX_SECONDS, SEED = 2000, 45.0, 20261123
 
 
 @pytest.fixture(scope="module")
-def served(redis_url, jwt_secret):  # noqa: F811
+def served(redis_url, jwt_secret):
     reg = RedisRegistry(redis_url, prefix=f"fuzz{uuid.uuid4().hex[:8]}:")
     core = GatewayCore(reg, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
     srv = ServerThread(core)

@@ -16,13 +16,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from test_connector import M, VLLM_ENV, assert_same, close_harness, layout, open_harness  # noqa: E402
-from test_store import assert_same as assert_same_fact  # noqa: E402
-from test_store import make_fact, store  # noqa: E402
+from test_connector import VLLM_ENV, M, assert_same, close_harness, layout, open_harness
+from test_store import assert_same as assert_same_fact
+from test_store import make_fact, store
 
-from inferscale_core.connector_worker import AUTO_DEVICE_FRACTION, device_budget, memory_outside_vllm  # noqa: E402
-from inferscale_core.vllm_setup import default_dtype, engine_kwargs, on_accelerator  # noqa: E402
-from inferscale_core.store import is_out_of_memory  # noqa: E402
+from inferscale_core.connector_worker import AUTO_DEVICE_FRACTION, device_budget, memory_outside_vllm
+from inferscale_core.store import is_out_of_memory
+from inferscale_core.vllm_setup import default_dtype, engine_kwargs, on_accelerator
 
 GiB = 1 << 30
 CUDA = torch.device("cuda", 0)  # a device object only: nothing is allocated on it

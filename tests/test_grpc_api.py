@@ -12,12 +12,11 @@ import uuid
 
 import grpc
 import pytest
-
-from auth_fixture import admin_token, jwt_secret, refused, rich_refusal, token_channel, token_for, token_gateway  # noqa: F401  (fixtures)
+from auth_fixture import refused, rich_refusal, token_channel, token_gateway
 from grpc_thread import ServerThread
-from redis_fixture import redis_url  # noqa: F401  (fixture)
-from inferscale_server import api
+
 from inferscale_client import codegen
+from inferscale_server import api
 from inferscale_server.api import Limits, pb2, pb2_grpc
 from inferscale_server.auth import Authenticator
 from inferscale_server.gateway import GatewayCore, build_http_app
@@ -27,14 +26,14 @@ LIMITS = Limits(max_facts_per_user=5)
 
 
 @pytest.fixture(scope="module")
-def registry(redis_url):  # noqa: F811
+def registry(redis_url):
     reg = RedisRegistry(redis_url, prefix=f"grpc{uuid.uuid4().hex[:8]}:")
     yield reg
     reg.close()
 
 
 @pytest.fixture(scope="module")
-def core(registry, jwt_secret):  # noqa: F811
+def core(registry, jwt_secret):
     return token_gateway(registry, jwt_secret, LIMITS)
 
 
@@ -464,12 +463,11 @@ def test_the_light_client_never_retries_a_quota_failure_or_a_permanent_unavailab
 
 
 # ------------------------------------------------------------------ the caller's deadline (issue 20 item 4)
-def test_the_callers_deadline_bounds_the_servers_work(stub, registry, redis_url):  # noqa: F811
+def test_the_callers_deadline_bounds_the_servers_work(stub, registry, redis_url):
     """The server waits for its backends (here the registry, paused with CLIENT PAUSE: a real stall) only as
     long as the gRPC caller's deadline, and answers DEADLINE_EXCEEDED itself, just before the caller's own
     timer would fire (its message, not gRPC's "Deadline Exceeded"); without a deadline the call waits the
     stall out and succeeds."""
-    import threading
     import time
 
     import redis

@@ -22,10 +22,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
+from auth_fixture import token_for
 from grpc_thread import ServerThread
-from redis_fixture import redis_url  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,7 +140,7 @@ def check_interop(seen: dict) -> None:
     assert seen["health:methods"] == ["Check", "Watch"]
 
 
-def test_health_and_reflection_on_the_plain_grpc_server(redis_url, client_dir, jwt_secret):  # noqa: F811
+def test_health_and_reflection_on_the_plain_grpc_server(redis_url, client_dir, jwt_secret):
     from inferscale_server.auth import AuthConfig, Authenticator
     from inferscale_server.gateway import GatewayCore
     from inferscale_server.registry import RedisRegistry

@@ -8,10 +8,9 @@ import uuid
 
 import grpc
 import pytest
-
-from auth_fixture import admin_token, jwt_secret, one_call_per_rpc, refused, rich_refusal, token_channel, token_for  # noqa: F401  (fixtures)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+from auth_fixture import one_call_per_rpc, refused, rich_refusal, token_channel, token_for
 from test_grpc_interop import check_interop, client_dir, run_client  # noqa: F401  (client_dir: fixture)
+
 from inferscale_server import api
 from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.registry.local_redis import free_port
@@ -22,16 +21,15 @@ def _user() -> str:
 
 
 @pytest.fixture(scope="module")
-def serve_ports(redis_url, jwt_secret):  # noqa: F811
+def serve_ports(redis_url, jwt_secret):
     """The Gateway deployment (registry-only) behind Serve's own proxies, on a 2-CPU local Ray."""
     ray = pytest.importorskip("ray")
     from ray import serve
     from ray.serve.config import gRPCOptions
 
+    from inferscale_server.app import serve_start_env
     from inferscale_server.gateway import Gateway, http_app
     from inferscale_server.gateway.core import WATCH_STREAMS_MAX
-
-    from inferscale_server.app import serve_start_env
 
     grpc_port, http_port = free_port(), free_port()
     # The proxies' environment as every deployment mode sets it (transport limits, the proxy callback), and the
@@ -53,7 +51,7 @@ def serve_ports(redis_url, jwt_secret):  # noqa: F811
         ray.shutdown()
 
 
-def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token, redis_url):  # noqa: F811
+def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token, redis_url):
     grpc_port, http_port = serve_ports
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as plain:
         grpc.channel_ready_future(plain).result(timeout=60)
@@ -101,7 +99,7 @@ def test_serve_grpc_proxy_round_trip_and_status_codes(serve_ports, admin_token, 
     assert r.status_code == 400 and "`user` is required" in r.json()["error"]["message"]
 
 
-def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jwt_secret):  # noqa: F811
+def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jwt_secret):
     """Auth through Ray Serve's own gRPC proxy (the metadata reaches the deployment in its RayServegRPCContext)
     and HTTP proxy: every RPC but Health."""
     from inferscale_server.auth import mint
@@ -137,7 +135,7 @@ def test_serve_proxies_refuse_missing_expired_and_foreign_tokens(serve_ports, jw
     assert r.status_code == 403 and alice not in r.text
 
 
-def _serve_processes() -> dict[str, "psutil.Process"]:
+def _serve_processes() -> dict:
     """This test's Ray: its Serve proxy and Gateway replica processes (children of its raylet)."""
     import psutil
     import ray
@@ -229,7 +227,7 @@ def subprocess_ips() -> set[str]:
         return set()
 
 
-def test_health_and_reflection_through_ray_serves_grpc_proxy(serve_ports, client_dir, jwt_secret):  # noqa: F811
+def test_health_and_reflection_through_ray_serves_grpc_proxy(serve_ports, client_dir, jwt_secret):  # noqa: F811 - client_dir: the fixture of test_grpc_interop
     """tests/test_grpc_interop.py's independent client (stubs compiled at test time, its own interpreter) through
     Serve's gRPC proxy: grpc.health.v1 Check/Watch, reflection, a Memory call. Here to reuse this module's app."""
     grpc_port, _ = serve_ports

@@ -8,11 +8,10 @@ import asyncio
 import uuid
 
 import grpc
-import torch
 import pytest
-
+import torch
 from fact_texts import LONG_FACT, text_of_tokens
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+
 from inferscale_server.api import ApiError, pb2
 from inferscale_server.auth import Authenticator
 from inferscale_server.encoder_pool import EncodeFailure
@@ -77,7 +76,7 @@ class _FailingPush:
         self.forgotten += facts
 
 
-def test_writes_are_all_or_nothing(pool, redis_url):  # noqa: F811
+def test_writes_are_all_or_nothing(pool, redis_url):
     reg = RedisRegistry(redis_url, prefix=f"safe{uuid.uuid4().hex[:8]}:")
     backends = _FailingPush(pool)
     core = GatewayCore(reg, backends=backends, auth=Authenticator.insecure())
@@ -98,7 +97,7 @@ def test_writes_are_all_or_nothing(pool, redis_url):  # noqa: F811
     reg.close()
 
 
-def test_the_kv_quota_counts_the_encoders_measure_before_the_write(pool, redis_url):  # noqa: F811
+def test_the_kv_quota_counts_the_encoders_measure_before_the_write(pool, redis_url):
     """The gateway counts each fact's KV bytes (the serving tokenizer's tokens x the model's KV bytes per token,
     as the encoder pool measures them) against the user's KV quota in the registry's write: over it, the request
     is refused whole (RESOURCE_EXHAUSTED naming the limit) and nothing is written or pushed."""

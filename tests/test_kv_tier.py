@@ -6,10 +6,9 @@ import time
 
 import pytest
 import torch
+from test_store import assert_same, make_fact
 
 from inferscale_core.cluster_store import P2P_METADATA, ClusterConfig, ClusterStore, kv_fingerprint, pack, unpack
-from mooncake_fixture import mooncake  # noqa: F401
-from test_store import assert_same, make_fact
 
 FP_A, FP_B = "a" * 16, "b" * 16
 
@@ -24,7 +23,7 @@ def raw_client(cfg: dict):
 
 
 @pytest.fixture(scope="module")
-def tier(mooncake):  # noqa: F811
+def tier(mooncake):
     s = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_A)
     assert s.wait_available(60)
     yield s
@@ -44,7 +43,7 @@ def test_round_trip_is_bit_exact(tier, dtype):
     assert_same(tier.get_many(user, ["f2@v1"])[0], facts["f2@v1"])  # read again: the same bytes
 
 
-def test_writes_and_reads_larger_than_the_transfer_buffer(mooncake):  # noqa: F811
+def test_writes_and_reads_larger_than_the_transfer_buffer(mooncake):
     """A user's facts (AddFacts of 100+) or a request's k facts can take more than the client's transfer buffer,
     where Mooncake stages a batch: a put_batch over it fails whole, a get_batch reads only what fits. Both are cut
     into batches (and reads repeated), so every fact is stored and read; a fact over the buffer alone is refused
@@ -84,7 +83,7 @@ def test_the_object_is_self_describing_and_checked():
         unpack(b"garbage" * 10)
 
 
-def test_another_fingerprint_user_or_version_is_a_miss(tier, mooncake):  # noqa: F811
+def test_another_fingerprint_user_or_version_is_a_miss(tier, mooncake):
     f = make_fact(6, seed=7)
     assert tier.put_many("bob", [("cat@v1", f)]) == [True]
     other = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_B)  # another model / dtype / prefix
@@ -114,7 +113,7 @@ def test_fingerprint_names_model_dtype_and_prefix(tmp_path):
                 kv_fingerprint(tmp_path / "m1", torch.float32, [1, 2])}) == 4
 
 
-def test_remove_really_removes(tier, mooncake):  # noqa: F811
+def test_remove_really_removes(tier, mooncake):
     client = raw_client(mooncake.config)
     try:
         facts = [(f"dog@v{v}", make_fact(3, seed=v)) for v in (1, 2, 3)] + [("owl@v1", make_fact(3, seed=9))]
@@ -138,7 +137,7 @@ def test_remove_really_removes(tier, mooncake):  # noqa: F811
         client.close()
 
 
-def test_a_read_between_two_remove_attempts_does_not_keep_the_object(tier, mooncake):  # noqa: F811
+def test_a_read_between_two_remove_attempts_does_not_keep_the_object(tier, mooncake):
     """Mooncake answers 0 to a remove whose only objects are leased (measured): a read that starts after the
     first attempt (a request that looked the facts up before the delete) must not end the retries."""
     client = raw_client(mooncake.config)
@@ -157,7 +156,7 @@ def test_a_read_between_two_remove_attempts_does_not_keep_the_object(tier, moonc
         client.close()
 
 
-def test_the_master_listens_on_loopback_only_and_runs_no_metadata_server(tier, mooncake):  # noqa: F811
+def test_the_master_listens_on_loopback_only_and_runs_no_metadata_server(tier, mooncake):
     """Segments find each other peer to peer (P2PHANDSHAKE): the master's listeners are its RPC port and its
     metrics port, both on 127.0.0.1 (an HTTP metadata server would add one that Mooncake binds to 0.0.0.0
     whatever --http_metadata_server_host says), and the tier works through it (the fixture's `tier`)."""
@@ -224,7 +223,7 @@ def test_a_store_that_is_away_is_a_miss_at_once():
         s.close()
 
 
-def test_master_killed_reads_become_misses_fast(tier, mooncake):  # noqa: F811 - last: kills the master
+def test_master_killed_reads_become_misses_fast(tier, mooncake):  # last: kills the master
     assert tier.put_many("erin", [("f@v1", make_fact(4))]) == [True]
     mooncake.stop_master()
     first = tier.get_many("erin", ["f@v1"])  # Mooncake's own RPC timeout (~4 s here) on the first call

@@ -23,10 +23,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from auth_fixture import jwt_secret  # noqa: F401  (fixture)
-from mooncake_fixture import mooncake  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
 from serve_specs import spec_with
 from test_kv_tier import raw_client
 from test_service_e2e import _engine_actor, _wait_gone, _wait_running
@@ -49,10 +45,11 @@ SCALE_THREADS, SCALE_BY_S = 6, 360  # clients during the scale-up; bound on the 
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, mooncake, tmp_path_factory, jwt_secret):  # noqa: F811
+def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
+    from test_service_e2e import service_on_local_ray
+
     from inferscale_server.app import ServiceConfig, single_node_deployments
     from inferscale_server.registry.local_redis import free_port
-    from test_service_e2e import service_on_local_ray
 
     deployments = single_node_deployments()
     deployments["EngineReplica"] = spec_with(autoscaling=ENGINE_AUTOSCALING, min_replicas=1, max_replicas=2,
@@ -121,12 +118,12 @@ def ask(service, user_id: str, query: str, **kw):
     return "".join(c.text for c in chunks), chunks[-1]
 
 
-def lease_wait(mooncake) -> None:  # noqa: F811
+def lease_wait(mooncake) -> None:
     """Removes are repeated after a read's lease; looking (a read) starts a lease itself, so look rarely."""
     time.sleep(mooncake.config["lease_s"] * 3)
 
 
-def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, mooncake):  # noqa: F811
+def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, mooncake):
     service.ids["alice"] = [f.fact_id for f in service.client.add_facts("alice", ALICE)]
     client = raw_client(mooncake.config)
     try:
@@ -170,7 +167,7 @@ def test_a_restarted_replica_serves_from_the_cluster_tier_without_encoding(servi
     assert text == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
 
 
-def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):  # noqa: F811
+def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):
     c, ids = service.client, service.ids["alice"]
     c.update("alice", ids[0], text="Alice adopted a black cat named Shadow in March.")
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
@@ -192,7 +189,7 @@ def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):
         client.close()
 
 
-def test_concurrent_updates_of_one_fact_inject_only_the_registry_s_text(service, mooncake):  # noqa: F811
+def test_concurrent_updates_of_one_fact_inject_only_the_registry_s_text(service, mooncake):
     """3 writers update one fact 3 times each while a reader asks: every answer succeeds; afterwards the injected
     KV is exactly a fresh encoding of the registry's last text (same prompt tokens and greedy text as a second
     user holding only that text), and no older version is left in the cluster tier or on disk."""
@@ -246,15 +243,15 @@ def test_concurrent_updates_of_one_fact_inject_only_the_registry_s_text(service,
         client.close()
 
 
-def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake):  # noqa: F811
+def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake):
     """Another dtype's (or model's) object for the same fact, holding another fact's KV, is never read: the
     replica misses, vLLM computes the fact (only the shared prefix is injected), and the one re-encode injects it
     again with the same greedy text."""
     import torch
 
     from inferscale_core.cluster_store import kv_fingerprint, pack, unpack
-    from inferscale_core.types import kv_id
     from inferscale_core.models import resolve_model_path
+    from inferscale_core.types import kv_id
 
     prefix_ids = _handle("EncoderPool").prefix.remote().result(timeout_s=60).token_ids.tolist()
     model = resolve_model_path(None)
@@ -351,7 +348,7 @@ def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0  # read, never re-encoded
 
 
-def test_delete_user_while_its_replica_is_down(service, mooncake):  # noqa: F811
+def test_delete_user_while_its_replica_is_down(service, mooncake):
     """The user's replica is killed, DeleteUser runs while it is down; the replacement (same slot, same disk
     folder) applies the registry's tombstones before it serves: no object or file of the user is left."""
     c = service.client
@@ -386,7 +383,7 @@ def test_delete_user_while_its_replica_is_down(service, mooncake):  # noqa: F811
         client.close()
 
 
-def test_mooncake_master_killed_answers_continue(service, mooncake):  # noqa: F811 - last: kills the master
+def test_mooncake_master_killed_answers_continue(service, mooncake):  # last: kills the master
     c = service.client
     c.add_facts("bea", ["Bea grows tomatoes on her balcony.", "Bea's dog is called Rufus."])
     dog_q = "What is the name of Bea's dog?"

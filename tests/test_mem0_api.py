@@ -19,9 +19,8 @@ import uuid
 
 import httpx
 import pytest
+from auth_fixture import token_for, token_gateway
 
-from auth_fixture import jwt_secret, token_for, token_gateway  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
 from inferscale_server.api import Limits, pb2
 from inferscale_server.gateway import build_http_app
 from inferscale_server.registry import EmbeddedRegistry, NewFact, RedisRegistry
@@ -58,14 +57,14 @@ class HttpThread:
 
 
 @pytest.fixture(scope="module")
-def registry(redis_url):  # noqa: F811
+def registry(redis_url):
     reg = RedisRegistry(redis_url, prefix=f"mem0{uuid.uuid4().hex[:8]}:")
     yield reg
     reg.close()
 
 
 @pytest.fixture(scope="module")
-def core(registry, jwt_secret):  # noqa: F811
+def core(registry, jwt_secret):
     return token_gateway(registry, jwt_secret, LIMITS)
 
 
@@ -80,12 +79,12 @@ def _user() -> str:
     return f"u{uuid.uuid4().hex[:8]}"
 
 
-def _client(server, jwt_secret, user: str) -> MemoryClient:  # noqa: F811
+def _client(server, jwt_secret, user: str) -> MemoryClient:
     return MemoryClient(api_key=token_for(jwt_secret[1], user), host=server.url)
 
 
 # ------------------------------------------------------------------------------------------ the client's calls
-def test_every_memory_client_call_round_trips(server, jwt_secret):  # noqa: F811
+def test_every_memory_client_call_round_trips(server, jwt_secret):
     user = _user()
     c = _client(server, jwt_secret, user)
     added = c.add([{"role": "system", "content": "be brief"},
@@ -146,7 +145,7 @@ def _ids(page: dict) -> list[str]:
     return [m["id"] for m in page["results"]]
 
 
-def test_two_users_are_isolated(server, jwt_secret):  # noqa: F811
+def test_two_users_are_isolated(server, jwt_secret):
     alice, bob = _user(), _user()
     a, b = _client(server, jwt_secret, alice), _client(server, jwt_secret, bob)
     (secret,) = [e["id"] for e in a.add("My locker code is 4711.", infer=False)["results"]]
@@ -168,7 +167,7 @@ def test_two_users_are_isolated(server, jwt_secret):  # noqa: F811
     assert [h["event"] for h in a.history(secret)] == ["ADD"]
 
 
-def test_a_wrong_token_is_refused(server, jwt_secret):  # noqa: F811
+def test_a_wrong_token_is_refused(server, jwt_secret):
     for key in ("not-a-jwt", token_for(b"another-secret-" * 4, "mallory"), token_for(jwt_secret[1], "old", ttl_s=-60)):
         with pytest.raises(ValueError, match="Error: "):  # MemoryClient's own check (GET /v1/ping/) refuses it
             MemoryClient(api_key=key, host=server.url)
@@ -185,7 +184,7 @@ def test_a_wrong_token_is_refused(server, jwt_secret):  # noqa: F811
     assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
-def test_bad_input_is_a_clear_400(server, jwt_secret):  # noqa: F811
+def test_bad_input_is_a_clear_400(server, jwt_secret):
     c = _client(server, jwt_secret, _user())
     cases = [
         (lambda: c.add("x", infer=False, custom_instructions="be terse"), "`custom_instructions` is not supported"),
@@ -231,10 +230,10 @@ def test_openapi_schema_documents_the_mem0_routes(server):
 
 # ------------------------------------------------------------------------------------- a fact's history
 @pytest.mark.parametrize("backend", ["embedded", "redis"])
-def test_history_keeps_earlier_versions_and_goes_with_the_fact(backend, redis_url):  # noqa: F811
+def test_history_keeps_earlier_versions_and_goes_with_the_fact(backend, redis_url):
+    from inferscale_core.errors import UnknownFactError
     from inferscale_server.registry import fact_bytes
     from inferscale_server.registry.base import MAX_HISTORY
-    from inferscale_core.errors import UnknownFactError
 
     reg = EmbeddedRegistry() if backend == "embedded" else RedisRegistry(redis_url, prefix=f"h{uuid.uuid4().hex[:8]}:")
     (f,) = reg.create("u", [NewFact("v1", {"k": "a"})])
@@ -266,9 +265,9 @@ def test_history_keeps_earlier_versions_and_goes_with_the_fact(backend, redis_ur
 
 
 # -------------------------------------------------------------------------------- the same on gRPC's core
-def test_grpc_filters_scopes_and_delete_user(core, jwt_secret):  # noqa: F811
+def test_grpc_filters_scopes_and_delete_user(core, jwt_secret):
     user = _user()
-    from inferscale_server.auth import Principal, USER_SCOPES
+    from inferscale_server.auth import USER_SCOPES, Principal
 
     me = Principal(user, frozenset(USER_SCOPES))
 
@@ -295,6 +294,7 @@ def test_grpc_filters_scopes_and_delete_user(core, jwt_secret):  # noqa: F811
     asyncio.run(run())
     # The light client over a real gRPC server: the filter travels as JSON text; DeleteUser of no facts is no error.
     from grpc_thread import ServerThread
+
     from inferscale_client import MemoryClient as GrpcClient
 
     srv = ServerThread(core)

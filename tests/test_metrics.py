@@ -16,13 +16,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+from auth_fixture import token_for
 from test_service_e2e import running_service
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from dashboard_snapshot import DASHBOARD, dashboard_metrics  # noqa: E402
+from dashboard_snapshot import DASHBOARD, dashboard_metrics
 
 from inferscale_server.registry.local_redis import free_port
 
@@ -36,7 +34,7 @@ SCRAPE_TIMEOUT_S = 120  # Ray's agent exports every ~10 s; a loaded machine is s
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+def service(redis_url, tmp_path_factory, jwt_secret):
     metrics_port = free_port()
     with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
                          _metrics_export_port=metrics_port) as svc:
@@ -47,7 +45,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
 def _scrape(url: str) -> tuple[str, list]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    text = urllib.request.urlopen(url, timeout=30).read().decode()  # noqa: S310 - a loopback URL built here
     return text, [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 

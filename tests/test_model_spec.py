@@ -1,12 +1,12 @@
 """Model spec from HF configs, every supported rotary scaling reproduced exactly, clear errors otherwise."""
 import pytest
 import torch
+from tiny_models import save_tiny_model, tiny_config, tiny_model
 
 from inferscale_core.encoder import capture_pre_rope
 from inferscale_core.model_spec import ModelSpec, UnsupportedModelError
 from inferscale_core.models import load_model
 from inferscale_core.rope import ChunkedRope
-from tiny_models import save_tiny_model, tiny_config, tiny_model
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},

@@ -17,9 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
-
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
@@ -59,10 +56,10 @@ def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
-    from inferscale_server.app import DeploymentSpec, ServiceConfig, single_node_deployments
+def service(redis_url, tmp_path_factory, jwt_secret):
     from test_service_e2e import service_on_local_ray
 
+    from inferscale_server.app import DeploymentSpec, ServiceConfig, single_node_deployments
     from inferscale_server.registry.local_redis import free_port
 
     if os.environ.get("INFERSCALE_MEASURE_SERVE_ROUTER"):  # a measurement, not the test: Serve's own router
@@ -136,7 +133,7 @@ def test_users_spread_over_both_replicas(service):
         assert s["facts_pushed"] == 3 * len(s["users"])
 
 
-def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):  # noqa: F811
+def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):
     """THREADS clients, REQUESTS Answers over all users at once, below the move threshold: every request is
     served where its user already is (hit rate 100%), nothing is loaded twice."""
     from inferscale_server.registry import RedisRegistry

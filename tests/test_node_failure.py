@@ -32,15 +32,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
-from mooncake_fixture import mooncake  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
-from inferscale_server.registry.local_redis import free_port
+from auth_fixture import token_for
 from serve_specs import spec_with
 from test_kv_tier import raw_client
 from test_multi_replica import APP, NAMES, facts_of, stats_by_replica
 from test_ray_cluster import _ray, _reload_ray_auth, _stop_ray
+
+from inferscale_server.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -93,13 +91,13 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_url, jwt_secret, mooncake, tmp_path_factory):  # noqa: F811
+def cluster(redis_url, jwt_secret, mooncake, tmp_path_factory):
     """Head (2 CPUs, the `head` and one `engine_slot` resource) + worker (2 CPUs, one `engine_slot`), each with a
     Mooncake segment (the head's is the fixture's), the app started on them. Yields a dict: the gRPC client, the
     worker's raylet pid and segment process, `strays` (pids to end afterwards)."""
+    from inferscale_client import MemoryClient
     from inferscale_core.vllm_env import vllm_cpu_env
     from inferscale_server.app import SERVE_START_ENV, ServiceConfig, start_service
-    from inferscale_client import MemoryClient
 
     token = os.urandom(32).hex()
     ray_env = {**os.environ, **vllm_cpu_env(), **SERVE_START_ENV, "RAY_USAGE_STATS_ENABLED": "0",
@@ -216,7 +214,7 @@ def ask(client, name: str, query: str, k: int, max_tokens: int) -> tuple[str, li
     return "".join(c.text for c in chunks), list(chunks[-1].fact_ids)
 
 
-def test_a_dead_node_loses_no_request_and_no_fact(cluster, mooncake):  # noqa: F811
+def test_a_dead_node_loses_no_request_and_no_fact(cluster, mooncake):
     from test_kv_tier_service import object_keys
 
     client = cluster["client"]

@@ -15,9 +15,7 @@ import sys
 import time
 
 import pytest
-
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+from auth_fixture import token_for
 from test_service_e2e import _engine_actor, running_service
 
 pytestmark = pytest.mark.slow
@@ -42,7 +40,7 @@ CONVERSATION = [{"role": "system", "content": "You answer in one short sentence.
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+def service(redis_url, tmp_path_factory, jwt_secret):
     http = {"served_model_names": SERVED, "cors_allow_origins": [ORIGIN]}
     with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret, http=http) as svc:
         svc.ids[USER] = [f.fact_id for f in svc.client.add_facts(USER, FACTS)]

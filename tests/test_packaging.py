@@ -20,10 +20,6 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-import pytest
-
-from auth_fixture import jwt_secret  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
 from wheel_build import ROOT, run
 
 GENERATED = ("inferscale_client/_generated/memory_pb2.py", "inferscale_client/_generated/memory_pb2_grpc.py",
@@ -88,7 +84,7 @@ ROUND_TRIP = textwrap.dedent("""
 """)
 
 
-def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis_url):  # noqa: F811
+def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis_url):
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
     py = venv / "bin" / "python"
@@ -143,6 +139,7 @@ def _link_distributions(requirements: list[str], into: Path) -> None:
     """Make `into` a site folder holding exactly the installed distributions `requirements` need (their
     dependencies too), linked from the test venv: what `pip install inferscale-client` would bring, no more."""
     from importlib.metadata import distribution
+
     from packaging.requirements import Requirement
 
     seen, todo = set(), [Requirement(r) for r in requirements]
@@ -192,10 +189,11 @@ CLIENT_ROUND_TRIP = textwrap.dedent("""
 
 
 def test_client_only_install_imports_without_torch_and_talks_to_a_real_server(client_wheel, tmp_path, redis_url,
-                                                                                jwt_secret):  # noqa: F811
+                                                                                jwt_secret):
     """inferscale-client in a venv that sees only grpcio and protobuf (and what they need): its clients and
     commands against the gateway's real gRPC server (registry-only, Redis, auth on)."""
     from grpc_thread import ServerThread
+
     from inferscale_server.auth import AuthConfig, Authenticator
     from inferscale_server.gateway import GatewayCore
     from inferscale_server.registry import RedisRegistry

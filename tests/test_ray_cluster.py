@@ -8,8 +8,8 @@ import os
 import re
 import shutil
 import signal
-import sys
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -220,9 +220,9 @@ def test_two_ray_nodes_run_the_app(two_node_ray, tmp_path):
     import ray
     from ray import serve
 
+    from inferscale_client import MemoryClient
     from inferscale_server.app import ServiceConfig, single_node_deployments, start_service
     from inferscale_server.auth import mint
-    from inferscale_client import MemoryClient
 
     gcs, redis_url, jwt_secret = two_node_ray
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(tmp_path / "kv"), max_model_len=2048,

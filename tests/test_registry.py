@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError
-from redis_fixture import redis_password_url, redis_url  # noqa: F401  (fixture)
-from inferscale_server.registry import (ActorRegistry, DuplicateFactError, EmbeddedRegistry, NewFact, RedisRegistry,
-                               VersionConflictError, open_registry)
+from inferscale_server.registry import (
+    ActorRegistry,
+    DuplicateFactError,
+    EmbeddedRegistry,
+    NewFact,
+    RedisRegistry,
+    VersionConflictError,
+    open_registry,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +28,7 @@ def local_ray():
 
 
 @pytest.fixture(params=["redis", "embedded", "actor"])
-def reg(request, redis_url):  # noqa: F811
+def reg(request, redis_url):
     if request.param == "redis":
         # A fresh key prefix per test: tests share one server but never see each other's keys.
         r = RedisRegistry(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:")
@@ -234,7 +240,7 @@ def test_placement_map(reg):
     assert reg.placements() == {"u1": {"engine-b"}}
 
 
-def test_restart_sees_the_data(redis_url):  # noqa: F811
+def test_restart_sees_the_data(redis_url):
     prefix = f"restart{uuid.uuid4().hex[:8]}:"
     first = RedisRegistry(redis_url, prefix=prefix)
     (rec,) = first.create("u", [NewFact("survives", {"n": 1}, embedding=np.ones(3))])
@@ -249,7 +255,7 @@ def test_restart_sees_the_data(redis_url):  # noqa: F811
     second.close()
 
 
-def test_open_registry_picks_backend(redis_url):  # noqa: F811
+def test_open_registry_picks_backend(redis_url):
     assert isinstance(open_registry(None), EmbeddedRegistry)
     assert isinstance(open_registry(""), EmbeddedRegistry)
     assert isinstance(open_registry(redis_url), RedisRegistry)
@@ -294,7 +300,7 @@ def test_user_changes_is_one_read_when_nothing_moved_and_the_diff_otherwise(reg)
         [(a.fact_id, 2, "uno"), (c.fact_id, 1, "three")])
 
 
-def test_retrieval_replica_resyncs_from_the_registry(redis_url):  # noqa: F811
+def test_retrieval_replica_resyncs_from_the_registry(redis_url):
     """A retrieval replica's index is a cache of the registry: writes made by someone else (another gateway,
     or a push that never arrived) are seen by its next search, embeddings are written back, and deletes and
     text updates drop or replace what it held."""
@@ -390,7 +396,7 @@ def test_tombstones_are_written_with_every_delete_and_update(reg):
     assert everything == [Tombstone("old", gone=True), *want]
 
 
-def test_quota_holds_under_concurrent_writers(redis_url):  # noqa: F811
+def test_quota_holds_under_concurrent_writers(redis_url):
     """16 writers race to add 3 facts each under a 20-fact quota: exactly 6 requests win (18 facts), the
     rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis)."""
     from concurrent.futures import ThreadPoolExecutor

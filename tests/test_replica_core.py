@@ -17,12 +17,11 @@ import asyncio
 import types
 
 import pytest
+from test_kv_tier import raw_client
 
 from inferscale_core.connector_types import injectable_tokens
 from inferscale_core.types import Mode, kv_id
 from inferscale_server.messages import AnswerRequest, FactRef, FactWrite
-from mooncake_fixture import mooncake  # noqa: F401
-from test_kv_tier import raw_client
 
 USER = "alice"
 FACTS = {"f1": "Alice has a cat named Tom.", "f2": "Alice moved to Lisbon in 2021.", "f3": "Alice speaks Finnish."}
@@ -172,12 +171,13 @@ def handle(obj):
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory, mooncake):  # noqa: F811
+def parts(tmp_path_factory, mooncake):
     """The encoder and the cluster tier, shared by the module's tests (each test uses its own users)."""
+    from tiny_models import save_tiny_model
+
     from inferscale_core.cluster_store import ClusterConfig, ClusterStore
     from inferscale_core.models import default_model_path
     from inferscale_server.encoder_pool import EncoderCore, FactEncoder
-    from tiny_models import save_tiny_model
 
     folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny"), tokenizer_from=default_model_path())
     fe = FactEncoder(model_path=str(folder), device="cpu")
@@ -566,7 +566,7 @@ def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path
         await add(parts, registry, restarted, "frank", {"g1": "Frank lives in Oslo."})
         await answer(restarted, "frank", ["g1"])
         registry.delete_user("frank")
-        again = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
+        await started(parts, registry, disk_dir=str(tmp_path), engine=engine)  # a restart applies it
         assert engine.kvs("frank") == set() and await gone(parts, "frank", kv_id("g1", 1))
 
     run(go())

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from auth_fixture import jwt_secret, refused, token_for  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+from auth_fixture import refused, token_for
 
 from inferscale_core.defaults import RECOMPUTE_TOKENS
 from inferscale_server.registry.local_redis import free_port
@@ -125,7 +123,7 @@ def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | N
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+def service(redis_url, tmp_path_factory, jwt_secret):
     with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
                          {"INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}) as svc:
         yield svc
@@ -231,7 +229,7 @@ def test_bad_input_gets_the_right_status_codes(service):
     assert c.health().status == "SERVING"
 
 
-def test_an_evicted_user_is_reloaded_from_the_disk_tier(service, redis_url):  # noqa: F811
+def test_an_evicted_user_is_reloaded_from_the_disk_tier(service, redis_url):
     from inferscale_server.registry import RedisRegistry
 
     registry = RedisRegistry(redis_url)

@@ -15,9 +15,7 @@ import uuid
 
 import grpc
 import pytest
-
-from auth_fixture import jwt_secret, token_for  # noqa: F401  (fixture)
-from redis_fixture import redis_url  # noqa: F401  (fixture)
+from auth_fixture import token_for
 
 APP = "inferscale"
 KV_BLOCKS, BLOCK = 16, 32  # the engine replicas' KV cache: 512 tokens (plus vLLM's null block)
@@ -95,7 +93,7 @@ class _HeldListing:
         return self.registry.fact_versions(user_id)
 
 
-def test_a_slow_sync_of_one_user_does_not_block_another_users_search(redis_url):  # noqa: F811
+def test_a_slow_sync_of_one_user_does_not_block_another_users_search(redis_url):
     from inferscale_core.embedder import default_embedder
     from inferscale_server.registry import NewFact, RedisRegistry
     from inferscale_server.retrieval import RetrievalCore
@@ -121,13 +119,12 @@ def test_a_slow_sync_of_one_user_does_not_block_another_users_search(redis_url):
 
 # ------------------------------------------------------------------------------------ the application
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811
+def service(redis_url, tmp_path_factory, jwt_secret):
     pytest.importorskip("ray")
     from test_service_e2e import service_on_local_ray
 
-    from inferscale_server.registry.local_redis import free_port
-
     from inferscale_server.app import ServiceConfig, single_node_deployments
+    from inferscale_server.registry.local_redis import free_port
 
     deps = single_node_deployments()
     deps["EngineReplica"].min_replicas = deps["EngineReplica"].max_replicas = 2
@@ -158,7 +155,7 @@ def _replica_stats(deadline_s: float = 60, calls: int = 40) -> dict[str, dict]:
     return out
 
 
-def _commands(redis_url: str) -> dict[str, int]:  # noqa: F811
+def _commands(redis_url: str) -> dict[str, int]:
     """redis-server's count of calls per command since it started."""
     import redis
 
@@ -166,7 +163,7 @@ def _commands(redis_url: str) -> dict[str, int]:  # noqa: F811
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
 
-def _answer_cost(service, redis_url, user: str, k: int) -> dict[str, int]:  # noqa: F811
+def _answer_cost(service, redis_url, user: str, k: int) -> dict[str, int]:
     before = _commands(redis_url)
     chunks = list(service.client.answer(user, "Which item is a blue boat?", k=k, max_tokens=2))
     after = _commands(redis_url)
@@ -179,7 +176,7 @@ def _answer_cost(service, redis_url, user: str, k: int) -> dict[str, int]:  # no
     return delta
 
 
-def test_an_answer_costs_a_constant_number_of_redis_commands(service, redis_url):  # noqa: F811
+def test_an_answer_costs_a_constant_number_of_redis_commands(service, redis_url):
     service.client.add_facts("cmd", FACTS)
     list(service.client.answer("cmd", "warm up", k=20, max_tokens=2))  # loads the user: index and KV
     small, big = _answer_cost(service, redis_url, "cmd", 2), _answer_cost(service, redis_url, "cmd", 20)

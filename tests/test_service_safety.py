@@ -19,11 +19,10 @@ import uuid
 
 import grpc
 import pytest
-
+from auth_fixture import refused
 from fact_texts import LONG_FACT, text_of_tokens
 from fuzz_inputs import fuzz_grpc, snapshot
-from auth_fixture import refused
-from redis_fixture import redis_password_url  # noqa: F401  (fixture)
+
 from inferscale_server.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
@@ -46,6 +45,7 @@ class Served:
 
     def client(self, user: str, admin: bool = False):
         from auth_fixture import token_for
+
         from inferscale_client import MemoryClient
 
         return MemoryClient(self.target, timeout_s=300, token=token_for(self.secret(), user, admin=admin))
@@ -57,7 +57,7 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(redis_password_url, tmp_path_factory):  # noqa: F811
+def served(redis_password_url, tmp_path_factory):
     from inferscale_server.auth import ensure_dev_secret
 
     ensure_dev_secret()  # what `serve` does; made here first so the test can read it at once
@@ -107,6 +107,7 @@ def test_quick_start_needs_no_token_flag(served, capsys, monkeypatch):
 
 def test_every_rpc_refuses_bad_tokens_and_leaks_nothing(served):
     from auth_fixture import one_call_per_rpc, token_for
+
     from inferscale_server.api import pb2, pb2_grpc
     from inferscale_server.auth import mint
 
@@ -198,6 +199,7 @@ def test_stored_facts_that_cannot_be_served_are_reported_and_skipped(served):
 
 def test_fuzz_pass_on_the_service_leaves_every_user_unchanged(served):
     from auth_fixture import token_channel
+
     from inferscale_server.api import pb2, pb2_grpc
 
     reg = served.registry()

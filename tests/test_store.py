@@ -282,7 +282,7 @@ def test_concurrent_readers_and_writer(tmp_path):
             for _ in range(50):
                 for i in range(8):
                     assert_same(s.get("alice", f"f{i}"), make_fact(4, seed=i))
-        except Exception as err:  # surfaced below; a thread's assert would otherwise be lost
+        except Exception as err:  # noqa: BLE001 - surfaced below; a thread's assert would otherwise be lost
             errors.append(err)
 
     threads = [threading.Thread(target=reader) for _ in range(2)]

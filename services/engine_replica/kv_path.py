@@ -178,7 +178,7 @@ class KVPath:
                     current = [(f, h) for f, h in fresh if held.get(f) == h]  # not moved on meanwhile
                     if current:
                         await self.encode_and_put(user_id, current)
-            except Exception:  # noqa: BLE001 - the next request that needs the fact queues it again
+            except Exception:  # the next request that needs the fact queues it again
                 log.exception("re-encoding %d facts of a user failed", len(fresh))
             finally:
                 self.reencoding.difference_update((user_id, kv_id(f, h.version)) for f, h in fresh)
@@ -271,7 +271,7 @@ class KVPath:
         async def settle_in_background() -> None:
             try:
                 await settle()
-            except Exception:  # noqa: BLE001 - the request computes what is missing; nothing to answer to
+            except Exception:  # the request computes what is missing; nothing to answer to
                 self.counters["facts_put_failed"] += len(items)
                 log.exception("putting %d facts of a user into the worker store failed", len(items))
 

@@ -162,7 +162,7 @@ class GatewayCore:
         are logged, not returned."""
         try:
             await coro
-        except Exception:  # noqa: BLE001 - see docstring
+        except Exception:  # see docstring
             log.exception("push to replicas failed (%s); replicas will re-sync from the registry", what)
 
     # ------------------------------------------------------------------------------------ writes
@@ -198,7 +198,7 @@ class GatewayCore:
         if self.backends is not None:
             try:
                 await self.backends.index_facts(user_id, recs)
-            except Exception as e:  # noqa: BLE001 - undone, then reported
+            except Exception as e:  # undone, then reported
                 await self._undo_create(user_id, recs)
                 err = api.to_api_error(e)
                 if err.code == grpc.StatusCode.INTERNAL:

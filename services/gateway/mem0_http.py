@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import api, filters
+from ..admission import EngineAtCapacity
 from ..api import ApiError
 from ..registry import FactRecord
-from ..admission import EngineAtCapacity
 from .http_front import HTTP_STATUS, PARSE_INLINE_BYTES, _check_declared_size, _Outcome, read_body
 
 DEFAULT_TOP_K = 10   # Mem0's default for search
@@ -420,7 +420,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                 try:
                     await core.delete_fact(uid, fid)
                     n += 1
-                except Exception as e:  # noqa: BLE001 - deleted meanwhile: gone either way
+                except Exception as e:  # deleted meanwhile: gone either way
                     if api.to_api_error(e).code != grpc.StatusCode.NOT_FOUND:
                         raise
         return {"message": "Memories deleted successfully!", "deleted": n}

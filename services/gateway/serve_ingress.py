@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from ..api import Limits, caller_deadline, time_left, to_api_error, within_deadline, wire_mode
+from ..api import Limits, caller_deadline, time_left, to_api_error, wire_mode, within_deadline
 from ..auth import AuthConfig, Authenticator
 from ..messages import AnswerEnd, AnswerRequest, FactRef, FactWrite
 from ..proxy_setup import DEADLINE_ATTR
@@ -85,7 +85,7 @@ class ServeBackends:
                             **piece.timings_ms, "retrieval": retrieval_ms, "gateway_total_to_first_chunk": first_ms})
                     yield piece
                 return
-            except Exception as e:  # noqa: BLE001 - retried, or raised as it is
+            except Exception as e:  # retried, or raised as it is
                 if not first or attempt == ANSWER_RETRIES or not _replica_lost(e):
                     raise
                 time_left(None)  # DEADLINE_EXCEEDED rather than a retry the caller no longer waits for

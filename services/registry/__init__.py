@@ -17,8 +17,17 @@ user) are checked in the same atomic step as the write.
 from __future__ import annotations
 
 from .actor import ACTOR_NAMESPACE, ACTOR_SCHEME, ActorRegistry
-from .base import (DuplicateFactError, FactRecord, NewFact, Quota, QuotaExceededError, Registry, Tombstone,
-                   VersionConflictError, fact_bytes)
+from .base import (
+    DuplicateFactError,
+    FactRecord,
+    NewFact,
+    Quota,
+    QuotaExceededError,
+    Registry,
+    Tombstone,
+    VersionConflictError,
+    fact_bytes,
+)
 from .embedded import EmbeddedRegistry
 from .redis_backend import PASSWORD_ENV, RedisRegistry, redacted
 

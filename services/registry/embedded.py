@@ -9,8 +9,18 @@ from dataclasses import replace
 
 from inferscale_core.errors import UnknownFactError, check_id
 
-from .base import (MAX_HISTORY, TOMBSTONES_KEPT, DuplicateFactError, Registry, Tombstone, VersionConflictError,
-                   _as_embedding, check_quota, fact_bytes, new_version)
+from .base import (
+    MAX_HISTORY,
+    TOMBSTONES_KEPT,
+    DuplicateFactError,
+    Registry,
+    Tombstone,
+    VersionConflictError,
+    _as_embedding,
+    check_quota,
+    fact_bytes,
+    new_version,
+)
 
 
 class EmbeddedRegistry(Registry):

@@ -12,8 +12,20 @@ import numpy as np
 
 from inferscale_core.errors import UnknownFactError, check_id
 
-from .base import (MAX_HISTORY, TOMBSTONES_KEPT, DuplicateFactError, FactRecord, FactVersion, Registry,
-                   Tombstone, VersionConflictError, _as_embedding, check_quota, fact_bytes, new_version)
+from .base import (
+    MAX_HISTORY,
+    TOMBSTONES_KEPT,
+    DuplicateFactError,
+    FactRecord,
+    FactVersion,
+    Registry,
+    Tombstone,
+    VersionConflictError,
+    _as_embedding,
+    check_quota,
+    fact_bytes,
+    new_version,
+)
 
 PASSWORD_ENV = "INFERSCALE_REDIS_PASSWORD"
 CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
