@@ -3,12 +3,15 @@
 VENV = $(shell bash scripts/bootstrap.sh | tail -n 1)
 CHECK = [ -x "$$venv/bin/python" ] || { echo "make: scripts/bootstrap.sh failed (its message is above)" >&2; exit 1; }
 
-.PHONY: demo test lint
+.PHONY: demo test test-fast lint
 demo:  # the engine's own log lines go to ~/.cache/inferscale/demo.log (`inferscale demo --log-file`)
 	@venv=$(VENV); $(CHECK); HF_HUB_OFFLINE=1 $$venv/bin/inferscale demo
 
 test:
 	@venv=$(VENV); $(CHECK); bash scripts/run_tests.sh $$venv
+
+test-fast:  # the fast tier alone (tests/fast_tier.txt: no Serve app, no vLLM engine), about 2 minutes
+	@venv=$(VENV); $(CHECK); bash scripts/run_tests.sh $$venv --fast
 
 lint:  # the gate .ci/run runs before the tests: ruff with the rules in pyproject.toml [tool.ruff]
 	@venv=$(VENV); $(CHECK); $$venv/bin/ruff check --no-cache .
