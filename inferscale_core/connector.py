@@ -20,16 +20,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
 
 # connector_types first: it checks the vLLM version before anything of vLLM's connector API is imported.
 from .connector_types import (  # re-exported: the connector's public names
@@ -51,6 +41,18 @@ from .connector_types import (  # re-exported: the connector's public names
     pack_fact,
     recompute_tokens_option,
     unpack_fact,
+)
+
+# isort: split
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 if TYPE_CHECKING:

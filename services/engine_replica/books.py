@@ -41,14 +41,8 @@ class UserBooks:
         """The user's servable facts (an empty record for a user not synced yet)."""
         return self.book.of(user_id)
 
-    def is_held(self, user_id: str) -> bool:
-        return user_id in self.book.facts
-
     def held_users(self) -> list[str]:
         return sorted(self.book.facts)
-
-    def synced_users(self) -> list[str]:
-        return self.book.users()
 
     def forget(self, user_id: str) -> None:
         """Every record of the user goes (its lock stays: a task may be waiting on it)."""
