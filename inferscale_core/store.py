@@ -22,6 +22,7 @@ the host tier instead (an accelerator shared with other allocations can be fulle
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import threading
@@ -39,6 +40,8 @@ from .types import EncodedFact
 
 FILE_FORMAT = "inferscale-fact-v1"
 FACT_SUFFIX = ".safetensors"
+QUARANTINE_DIR = ".quarantine"  # unreadable fact files found at open, moved aside (a dot: never a user folder)
+log = logging.getLogger("inferscale.store")
 # safetensors header dtype names -> torch dtypes (only what a KV cache is stored in).
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -143,6 +146,7 @@ class FactStore:
         self._file_bytes = 0  # bytes of every fact file (what the disk budget bounds)
         self._disk_lru: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # facts with a file, LRU first
         self._collected = 0  # files deleted to stay within the disk budget
+        self._quarantined = 0  # unreadable files moved to QUARANTINE_DIR at open
         self._hits = {"device": 0, "host": 0, "disk": 0}
         self._promotions = 0
         self._demotions = 0
@@ -292,6 +296,7 @@ class FactStore:
                             "disk": self.disk_budget_bytes},
                 "disk_file_bytes": self._file_bytes,
                 "disk_collected": self._collected,
+                "disk_quarantined": self._quarantined,
             }
 
     # ----------------------------------------------------------------- tier moves
@@ -516,19 +521,35 @@ class FactStore:
             return EncodedFact(f.get_tensor("token_ids"), f.get_tensor("k_pre"), f.get_tensor("v"))
 
     def _scan_disk(self) -> None:
-        """List every fact file (headers only; tensors load on first get)."""
+        """List every fact file (headers only; tensors load on first get). A file that cannot be read as one of
+        this store's facts (truncated, foreign, another shape or dtype, a name that does not match its ids) is
+        moved to QUARANTINE_DIR and skipped: the facts it held are re-encoded from the registry when asked for,
+        where raising would keep the whole store, and the engine serving from it, from starting."""
         files = []
-        for user_dir in sorted(p for p in self.disk_dir.iterdir() if p.is_dir()):
+        for user_dir in sorted(p for p in self.disk_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
             for path in sorted(user_dir.glob("*" + FACT_SUFFIX)):
-                user_id, fact_id, nbytes = self._read_header(path)
-                if user_dir.name != _hash_name(user_id) or path.name != _hash_name(fact_id) + FACT_SUFFIX:
-                    raise ValueError(f"{path}: file name does not match the ids inside "
-                                     f"(user {user_id!r}, fact {fact_id!r})")
+                try:
+                    user_id, fact_id, nbytes = self._read_header(path)
+                    if user_dir.name != _hash_name(user_id) or path.name != _hash_name(fact_id) + FACT_SUFFIX:
+                        raise ValueError(f"{path}: file name does not match the ids inside "
+                                         f"(user {user_id!r}, fact {fact_id!r})")
+                except ValueError as err:
+                    self._quarantine(path, err)
+                    continue
                 entry = _Entry(user_id, fact_id, nbytes, "disk", None, False)
                 self._users.setdefault(user_id, {})[fact_id] = entry
                 files.append((path.stat().st_mtime_ns, entry, path.stat().st_size))
         for _, entry, size in sorted(files, key=lambda f: f[0]):  # oldest write first: the LRU order after a restart
             self._add_file(entry, size)
+
+    def _quarantine(self, path: Path, err: Exception) -> None:
+        """Moves an unreadable fact file aside, for an operator to inspect or delete."""
+        folder = self.disk_dir / QUARANTINE_DIR
+        folder.mkdir(exist_ok=True)
+        target = folder / f"{path.parent.name}-{path.name}"
+        os.replace(path, target)
+        self._quarantined += 1
+        log.warning("fact store %s: skipped an unreadable fact file, moved to %s: %s", self.disk_dir, target, err)
 
     def _read_header(self, path: Path) -> tuple[str, str, int]:
         """Ids and KV bytes from a fact file's header, checked against the store's shape and dtype."""

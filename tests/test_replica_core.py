@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import types
+from pathlib import Path
 
 import pytest
 from test_kv_tier import raw_client
@@ -711,3 +712,19 @@ def test_load_user_has_the_worker_load_every_fact_from_the_cluster_tier(parts):
         assert final.prefilled_tokens < final.prompt_tokens and (await counts(core))["facts_from_cluster"] == 2
 
     run(go())
+
+
+def test_the_disk_tier_folder_is_keyed_by_the_encoders_fingerprint(tmp_path, caplog):
+    """A change of model, dtype or prefix (another fingerprint) starts an empty folder instead of files the store
+    cannot read, and names the other configurations' folders; switching back finds the first one again."""
+    from inferscale_server.engine_replica.placement import replica_disk_dir
+
+    assert replica_disk_dir(None, "a" * 16) is None
+    first = replica_disk_dir(str(tmp_path), "a" * 16)
+    assert first.endswith("slot-0/kv-" + "a" * 16)
+    (Path(first) / "marker").write_text("facts of the first configuration")
+    with caplog.at_level("WARNING", logger="inferscale.engine_replica"):
+        second = replica_disk_dir(str(tmp_path), "b" * 16)
+    assert second != first and not any(Path(second).iterdir())
+    assert first in caplog.text and "another model, dtype or prefix" in caplog.text
+    assert replica_disk_dir(str(tmp_path), "a" * 16) == first and (Path(first) / "marker").is_file()

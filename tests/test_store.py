@@ -67,15 +67,44 @@ def test_restart_returns_every_fact(tmp_path):
     assert reopened.stats()["hits"]["disk"] == len(facts)
 
 
-def test_open_missing_dir_and_mismatched_shape(tmp_path):
+def test_open_missing_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="no fact store"):
         FactStore.open(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("spoil", ["shape", "dtype", "truncated", "renamed"])
+def test_open_quarantines_unreadable_files(tmp_path, spoil):
+    """A file the store cannot read as one of its facts is moved aside at open and the other facts are served:
+    one bad file never keeps the store (and the engine serving from it) from starting."""
     s = store(tmp_path)
-    s.put("alice", "f1", make_fact(4))
-    with pytest.raises(ValueError, match="num_layers|shape"):
-        FactStore.open(tmp_path, num_layers=L + 1, num_kv_heads=H, head_dim=D)
-    with pytest.raises(ValueError, match="dtype"):
-        FactStore.open(tmp_path, dtype=torch.bfloat16)
+    good, bad = make_fact(4, seed=1), make_fact(5, seed=2)
+    s.put("alice", "good", good)
+    s.put("alice", "bad", bad)
+    bad_path = s._path("alice", "bad")
+    del s
+    kw = {}
+    if spoil == "shape":  # the same files opened with another model's shape: every file is foreign
+        kw = {"num_layers": L + 1, "num_kv_heads": H, "head_dim": D}
+    elif spoil == "dtype":
+        kw = {"dtype": torch.bfloat16}
+    elif spoil == "truncated":
+        bad_path.write_bytes(bad_path.read_bytes()[:40])
+    else:  # a file under another fact's name
+        bad_path.rename(bad_path.with_name("0" * 32 + bad_path.suffix))
+    reopened = FactStore.open(tmp_path, **kw)
+    moved = sorted(p.name for p in (tmp_path / ".quarantine").iterdir())
+    if spoil in ("shape", "dtype"):
+        assert reopened.users() == [] and len(moved) == 2
+        assert reopened.stats()["disk_quarantined"] == 2
+        return
+    assert reopened.fact_ids("alice") == ["good"] and len(moved) == 1
+    assert_same(reopened.get("alice", "good"), good)
+    stats = reopened.stats()
+    assert stats["disk_quarantined"] == 1 and stats["disk_file_bytes"] == reopened._path("alice", "good").stat().st_size
+    reopened.put("alice", "bad", bad)  # the fact can be stored again; the quarantine folder is never read
+    again = FactStore.open(tmp_path)
+    assert sorted(again.fact_ids("alice")) == ["bad", "good"] and again.stats()["disk_quarantined"] == 0
+    assert_same(again.get("alice", "bad"), bad)
 
 
 def test_replace_keeps_position_and_updates_disk(tmp_path):

@@ -39,17 +39,18 @@ class EngineReplica:
         from ..metrics import EngineMetrics, hide_multiplexed_ids
 
         hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
-        disk_dir = replica_disk_dir(config.kv_dir)
+        # The encoder pool's fingerprint (the pool defines how facts are encoded) keys both KV tiers below.
+        fingerprint = await encoder.fingerprint.remote()
+        disk_dir = replica_disk_dir(config.kv_dir, fingerprint)
         options = serving_store_options(config.store_options)
         if disk_dir:
             options["disk_dir"] = disk_dir
             if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
                 options["disk_budget_bytes"] = default_disk_budget_bytes(disk_dir)
         engine_cpus = bind_engine_cpus(config.engine_cpu_cores)
-        # The cluster KV tier, under the encoder pool's fingerprint (the pool defines how facts are encoded): the
-        # connector's worker reads it (a client of its own); this process only removes from it.
+        # The cluster KV tier: the connector's worker reads it (a client of its own); this process only removes
+        # from it.
         cluster_config = config.cluster
-        fingerprint = await encoder.fingerprint.remote() if cluster_config else None
         if cluster_config:
             options["cluster_store"] = dataclasses.asdict(cluster_config)
             options["kv_fingerprint"] = fingerprint

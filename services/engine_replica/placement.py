@@ -55,9 +55,12 @@ def bind_engine_cpus(cores_per_engine: int) -> list[int] | None:
     return mine
 
 
-def replica_disk_dir(kv_dir: str | None) -> str | None:
-    """`{kv_dir}/{app}/{deployment}/slot-{local rank}`: stable across restarts of the replica in that slot,
-    so a restarted replica finds its predecessor's files, and never shared by two live replicas."""
+def replica_disk_dir(kv_dir: str | None, fingerprint: str) -> str | None:
+    """`{kv_dir}/{app}/{deployment}/slot-{local rank}/kv-{fingerprint}`: stable across restarts of the replica in
+    that slot, so a restarted replica finds its predecessor's files, and never shared by two live replicas. The
+    encoder pool's fingerprint (model, stored dtype, instruction prefix: what a fact's KV depends on) names the
+    last folder, so a change of configuration starts an empty tier instead of meeting files it cannot read;
+    the other configurations' folders are left as they are (switching back finds them) and named in a warning."""
     if not kv_dir:
         return None
     try:
@@ -65,8 +68,13 @@ def replica_disk_dir(kv_dir: str | None) -> str | None:
         app, dep, slot = ctx.app_name, ctx.deployment, ctx.rank.local_rank
     except Exception:  # noqa: BLE001 - outside Serve (a direct test): one slot
         app, dep, slot = "local", "EngineReplica", 0
-    path = Path(kv_dir).expanduser() / app / dep / f"slot-{slot}"
+    slot_dir = Path(kv_dir).expanduser() / app / dep / f"slot-{slot}"
+    path = slot_dir / f"kv-{fingerprint}"
     path.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p for p in slot_dir.iterdir() if p != path and p.is_dir())
+    if stale:
+        log.warning("disk tier %s: %d folder(s) beside it hold facts of another model, dtype or prefix and are not "
+                    "read (delete them to free the disk): %s", path, len(stale), ", ".join(map(str, stale)))
     return str(path)
 
 
