@@ -27,7 +27,6 @@ from .connector_types import (  # re-exported: the connector's public names
     GAUGES,
     PARAMS_KEY,
     SCHEDULER_COUNTERS,
-    SHARED_USER_ID,
     SUPPORTED_VLLM,
     WORKER_COUNTERS,
     InjectionMetadata,
@@ -54,6 +53,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from .types import SHARED_USER_ID  # re-exported: the owner of the shared prefix chunk
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

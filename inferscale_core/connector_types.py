@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .errors import check_id
-from .types import SHARED_USER_ID
+from .types import check_user_id
 
 SUPPORTED_VLLM = (0, 32)  # major, minor: the connector API and cache layouts this module was written against
 
@@ -85,9 +85,7 @@ class InjectionParams:
     fetch: bool = False
 
     def __post_init__(self):
-        check_id("user_id", self.user_id)
-        if self.user_id == SHARED_USER_ID:
-            raise ValueError(f"user_id {SHARED_USER_ID!r} is reserved for the shared prefix chunk")
+        check_user_id("user_id", self.user_id)
         if not isinstance(self.kv_ids, tuple) or len(self.kv_ids) < 1:
             raise ValueError("kv_ids must name at least the prefix chunk (kv_ids[0])")
         for kv in self.kv_ids:

@@ -45,12 +45,12 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from .connector_types import SHARED_USER_ID, WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
+from .connector_types import WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
 from .errors import InferScaleError, check_id
 from .model_spec import ModelSpec
 from .rope import ChunkedRope
 from .store import FactStore, is_out_of_memory
-from .types import EncodedFact
+from .types import SHARED_USER_ID, EncodedFact
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -26,7 +26,7 @@ from .models import load_model
 from .rope import ChunkedRope
 from .store import FactStore
 from .template import DEFAULT_INSTRUCTION, PromptTemplate
-from .types import SHARED_USER_ID
+from .types import SHARED_USER_ID, check_user_id
 
 PREFIX_FACT = "prefix"
 MAX_K = 200  # Mem0 retrieves up to 200 facts per query
@@ -84,9 +84,7 @@ class Memory:
         """Encode and store facts for `user_id`; returns their fact ids. `windows[i]` holds the conversation
         turns that preceded fact i (context-window encoding, w = len(windows[i])); omitted, w=0. With
         `prefix_window` the instruction prefix comes first in every window."""
-        check_id("user_id", user_id)
-        if user_id == SHARED_USER_ID:
-            raise ValueError(f"user_id {user_id!r} is reserved")
+        check_user_id("user_id", user_id)
         facts = [facts] if isinstance(facts, str) else list(facts)
         if not facts:
             raise ValueError("no facts given")
@@ -199,7 +197,7 @@ class Memory:
             raise ValueError(f"k must be an int in [1, {MAX_K}], got {k!r}")
 
     def _user_records(self, user_id: str) -> dict[str, MemoryRecord]:
-        check_id("user_id", user_id)
+        check_user_id("user_id", user_id)
         if user_id not in self._records:
             raise UnknownUserError(user_id)
         return self._records[user_id]

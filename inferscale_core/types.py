@@ -6,6 +6,8 @@ from enum import StrEnum
 
 import torch
 
+from .errors import InvalidIdError, check_id
+
 
 class Mode(StrEnum):
     """How a request's memory reaches the model: KV injection, or the same token ids prefilled as prompt text (the
@@ -16,6 +18,15 @@ class Mode(StrEnum):
 # The owner, in the engine worker's fact store, of chunks every request shares (the instruction prefix): a
 # reserved user id, refused as a caller's user id.
 SHARED_USER_ID = "__inferscale_shared__"
+
+
+def check_user_id(kind: str, value) -> str:
+    """check_id for a caller's user id: also refuses SHARED_USER_ID, so no request, token or tombstone can name
+    (read, write or delete) the chunks every user's requests share."""
+    check_id(kind, value)
+    if value == SHARED_USER_ID:
+        raise InvalidIdError(f"{kind} {value!r} is reserved (the owner of the shared instruction prefix)")
+    return value
 
 
 def kv_id(fact_id: str, version: int, w: int | None = None) -> str:

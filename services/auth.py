@@ -32,7 +32,8 @@ from pathlib import Path
 
 import grpc
 
-from inferscale_core.errors import InvalidIdError, check_id
+from inferscale_core.errors import InvalidIdError
+from inferscale_core.types import check_user_id
 
 from .api import ApiError
 
@@ -191,7 +192,7 @@ class Authenticator:
         claims = self._verify(token, may_fetch)
         sub = claims.get("sub")
         try:
-            check_id("sub", sub)
+            check_user_id("sub", sub)
         except InvalidIdError:
             raise unauthenticated("the token's subject (sub) is not a valid user id") from None
         return Principal(sub, frozenset(_scopes(claims)))
@@ -403,7 +404,7 @@ def mint(secret: bytes, subject: str, scopes=USER_SCOPES, ttl_s: float = 24 * 36
     """An HS256 token for `subject` (what `inferscale token` prints; tests use it too)."""
     import jwt
 
-    check_id("subject", subject)
+    check_user_id("subject", subject)
     now = int(time.time())
     claims = {"sub": subject, "scope": " ".join(scopes), "iat": now, "exp": now + int(ttl_s)}
     if issuer:

@@ -11,6 +11,11 @@ fact's metadata under those names, as Mem0 names them), `created_at` / `updated_
 date), `metadata` (an object of metadata key -> condition); any other key is a metadata key (as in Mem0's open
 source Memory). A condition is a value (equality) or {operator: value}: eq, ne, in, nin, gt, gte, lt, lte,
 contains, icontains, or "*" for "present". Anything else is INVALID_ARGUMENT naming where it is.
+
+One size limit on every path (the gRPC field's JSON text, a Mem0 HTTP body's object): at most MAX_NODES keys and
+list items together and MAX_FILTER_BYTES characters of keys and values, counted while compiling and refused
+(RESOURCE_EXHAUSTED) at the first one over, so a filter costs the same bounded work per fact whichever door
+it came through; `in` / `nin` test a set.
 """
 from __future__ import annotations
 
@@ -27,8 +32,8 @@ TIME_FIELDS = ("created_at", "updated_at")
 LOGICAL = ("AND", "OR", "NOT")
 OPERATORS = ("eq", "ne", "in", "nin", "gt", "gte", "lt", "lte", "contains", "icontains")
 MAX_DEPTH = 8      # nesting of AND/OR/NOT
-MAX_NODES = 256    # conditions in one filter
-MAX_FILTER_BYTES = 16 << 10
+MAX_NODES = 256    # keys and list items in one filter (an `in` list's values count one each)
+MAX_FILTER_BYTES = 16 << 10  # characters: of the JSON text (gRPC), of keys and string values (any path)
 
 Predicate = Callable[[FactRecord], bool]
 
@@ -73,8 +78,25 @@ def compile_filter(filters, owner: str, name: str = "filters") -> Predicate | No
     in the filter must name that user."""
     if filters is None or filters == {}:
         return None
-    nodes = [0]
-    return _compile(filters, owner, name, 0, nodes, top=True)
+    return _compile(filters, owner, name, 0, _Size(name), top=True)
+
+
+class _Size:
+    """What a filter has cost so far: nodes (keys and list items) and characters (keys and string values)."""
+
+    def __init__(self, name: str):
+        self.name, self.nodes, self.chars = name, 0, 0
+
+    def node(self, where: str) -> None:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise api.too_big(f"{self.name} has more than {MAX_NODES} conditions and list items (at {where[:80]})")
+
+    def text(self, value) -> None:
+        if isinstance(value, str):
+            self.chars += len(value)
+            if self.chars > MAX_FILTER_BYTES:
+                raise api.too_big(f"{self.name} holds more than {MAX_FILTER_BYTES} characters of keys and values")
 
 
 def user_of(filters) -> str | None:
@@ -92,7 +114,7 @@ def user_of(filters) -> str | None:
     return found[0] if found else None
 
 
-def _compile(f, owner: str, where: str, depth: int, nodes: list[int], top: bool = False) -> Predicate:
+def _compile(f, owner: str, where: str, depth: int, size: _Size, top: bool = False) -> Predicate:
     if depth > MAX_DEPTH:
         raise api.invalid(f"{where} nests AND/OR/NOT deeper than {MAX_DEPTH} levels")
     if not isinstance(f, dict) or not f:
@@ -100,13 +122,12 @@ def _compile(f, owner: str, where: str, depth: int, nodes: list[int], top: bool 
     preds = []
     for key, cond in f.items():
         at = f"{where}.{key}"
-        nodes[0] += 1
-        if nodes[0] > MAX_NODES:
-            raise api.invalid(f"{where} has more than {MAX_NODES} conditions")
+        size.node(at)
+        size.text(key)
         if key in LOGICAL:
             if not isinstance(cond, list) or not cond:
                 raise api.invalid(f"{at} must be a non-empty list of filter objects")
-            subs = [_compile(c, owner, f"{at}[{i}]", depth + 1, nodes, top=top and key == "AND")
+            subs = [_compile(c, owner, f"{at}[{i}]", depth + 1, size, top=top and key == "AND")
                     for i, c in enumerate(cond)]
             preds.append(_logical(key, subs))
         elif key == "user_id":
@@ -119,14 +140,16 @@ def _compile(f, owner: str, where: str, depth: int, nodes: list[int], top: bool 
             if not isinstance(cond, dict) or not cond:
                 raise api.invalid(f"{at} must be a non-empty object of metadata key -> condition")
             for mkey, mcond in cond.items():
-                preds.append(_field(lambda r, k=mkey: r.metadata.get(k), mcond, f"{at}.{mkey}", False))
+                size.node(f"{at}.{mkey}")
+                size.text(mkey)
+                preds.append(_field(lambda r, k=mkey: r.metadata.get(k), mcond, f"{at}.{mkey}", False, size))
         elif key in TIME_FIELDS:
-            preds.append(_field(lambda r, k=key: getattr(r, k), cond, at, True))
+            preds.append(_field(lambda r, k=key: getattr(r, k), cond, at, True, size))
         elif key in ("categories", "keywords", "memory", "text", "id", "hash"):
             raise api.invalid(f"{at}: filtering on {key!r} is not supported (scope fields, created_at, updated_at "
                               "and metadata are)")
         else:  # a scope field or any other metadata key
-            preds.append(_field(lambda r, k=key: r.metadata.get(k), cond, at, False))
+            preds.append(_field(lambda r, k=key: r.metadata.get(k), cond, at, False, size))
     return lambda r: all(p(r) for p in preds)
 
 
@@ -138,8 +161,9 @@ def _logical(op: str, subs: list[Predicate]) -> Predicate:
     return lambda r: not any(p(r) for p in subs)  # NOT [a, b]: neither a nor b
 
 
-def _field(get, cond, where: str, is_time: bool) -> Predicate:
+def _field(get, cond, where: str, is_time: bool, size: _Size) -> Predicate:
     """One field's condition: a value (equality), "*" (present), or {operator: value, ...} (ANDed)."""
+    size.text(cond)
     if cond == "*":
         return lambda r: get(r) is not None
     if not isinstance(cond, dict):
@@ -151,17 +175,23 @@ def _field(get, cond, where: str, is_time: bool) -> Predicate:
     for op, value in cond.items():
         if op not in OPERATORS:
             raise api.invalid(f"{where}: unknown operator {str(op)[:40]!r}; use one of {', '.join(OPERATORS)} or \"*\"")
-        checks.append(_op(op, value, f"{where}.{op}", is_time))
+        size.node(f"{where}.{op}")
+        size.text(op)
+        checks.append(_op(op, value, f"{where}.{op}", is_time, size))
     return lambda r: all(c(get(r)) for c in checks)
 
 
-def _op(op: str, value, where: str, is_time: bool):
+def _op(op: str, value, where: str, is_time: bool, size: _Size):
     conv = (lambda v, w: _time(v, w)) if is_time else _scalar
     if op in ("in", "nin"):
         if not isinstance(value, list):
             raise api.invalid(f"{where} must be a list")
-        values = [conv(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return (lambda x: x in values) if op == "in" else (lambda x: x not in values)
+        for i, v in enumerate(value):  # counted before anything is converted
+            size.node(f"{where}[{i}]")
+            size.text(v)
+        values = frozenset(conv(v, f"{where}[{i}]") for i, v in enumerate(value))  # scalars: all hashable
+        return (lambda x: _member(x, values)) if op == "in" else (lambda x: not _member(x, values))
+    size.text(value)
     if op in ("contains", "icontains"):
         if is_time or not isinstance(value, str):
             raise api.invalid(f"{where} must be a string (and applies to text metadata)")
@@ -186,6 +216,15 @@ def _op(op: str, value, where: str, is_time: bool):
             return isinstance(x, (int, float)) and not isinstance(x, bool) and cmp(x, v)
         return isinstance(x, str) and cmp(x, v)
     return check
+
+
+def _member(x, values: frozenset) -> bool:
+    """`x in values` as a list would answer it: a value that cannot be hashed (a list in the metadata) equals no
+    scalar."""
+    try:
+        return x in values
+    except TypeError:
+        return False
 
 
 def _scalar(v, where: str):

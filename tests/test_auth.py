@@ -509,3 +509,31 @@ def test_serve_flags_map_to_auth_settings(tmp_path, monkeypatch):
     assert auth_settings(Namespace(**{**flags, "insecure_no_auth": True})) == {"insecure_no_auth": True}
     assert "AUTHENTICATION IS OFF" in INSECURE_BANNER and "ANY user's memory" in INSECURE_BANNER
     assert not Authenticator(AuthConfig.from_dict({"insecure_no_auth": True})).enabled
+
+
+def test_the_reserved_user_id_is_refused_at_both_doors(world):
+    """The owner of the shared instruction prefix is no one's user: an admin naming it gets INVALID_ARGUMENT (HTTP
+    400) before anything is written, a token whose subject it is is not a token, and `inferscale token` will not
+    mint one. A delete of it would write a tombstone every replica refuses (the replica skips such a tombstone:
+    test_replica_core.py::test_a_tombstone_that_cannot_be_applied_is_skipped_not_a_wedge)."""
+    from fastapi.testclient import TestClient
+
+    from inferscale_core.types import SHARED_USER_ID
+
+    stub, core, secret, _, _, reg = world
+    admin = _bearer(token_for(secret, "support-desk", admin=True))
+    cursor = reg.tombstones_after(None)[1]
+    for rpc in ("DeleteUser", "AddFacts", "ListMemories"):
+        code, details = refused(lambda: one_call_per_rpc(SHARED_USER_ID, "f")[rpc](stub, admin))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "reserved" in details, (rpc, code, details)
+    forged = jwt.encode({"sub": SHARED_USER_ID, "exp": int(time.time()) + 60, "scope": "memory:read memory:write"},
+                        secret, algorithm="HS256")
+    code, _ = refused(lambda: one_call_per_rpc(SHARED_USER_ID, "f")["ListMemories"](stub, _bearer(forged)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(ValueError, match="reserved"):
+        mint(secret, SHARED_USER_ID)
+    http = TestClient(build_http_app(lambda: core))
+    r = http.delete("/v1/memories/", params={"user_id": SHARED_USER_ID},
+                    headers={"authorization": admin[0][1]})
+    assert r.status_code == 400 and "reserved" in r.text
+    assert reg.tombstones_after(cursor)[0] == []  # nothing was written

@@ -728,3 +728,33 @@ def test_the_disk_tier_folder_is_keyed_by_the_encoders_fingerprint(tmp_path, cap
     assert second != first and not any(Path(second).iterdir())
     assert first in caplog.text and "another model, dtype or prefix" in caplog.text
     assert replica_disk_dir(str(tmp_path), "a" * 16) == first and (Path(first) / "marker").is_file()
+
+
+def test_a_tombstone_that_cannot_be_applied_is_skipped_not_a_wedge(parts):
+    """A tombstone naming the reserved owner of the shared prefix (forged: every door refuses that id) or an
+    invalid id is logged, counted and passed; the shared prefix stays, and the deletes behind it still apply, this
+    round and the next (the cursor moved past it)."""
+    from inferscale_core.types import SHARED_USER_ID
+    from inferscale_server.registry import open_registry
+    from inferscale_server.registry.base import Tombstone
+
+    registry = open_registry(None)
+    user = "jude"
+
+    async def go():
+        core = await started(parts, registry)
+        await add(parts, registry, core, user, {"j1": "Jude rows.", "j2": "Jude bakes."})
+        await answer(core, user, ["j1", "j2"])
+        prefix_key = (SHARED_USER_ID, core.engine.core.prefix_id)
+        registry._tomb(Tombstone(SHARED_USER_ID))          # DeleteUser of the shared prefix's owner
+        registry._tomb(Tombstone("bad\nuser", "x", 1, gone=True))
+        registry.delete(user, "j1")
+        await core.watch_once()
+        assert core.counters["tombstones_skipped"] == 2 and core.counters["tombstones_applied"] == 1
+        assert prefix_key in core.engine.store and core.engine.kvs(user) == {kv_id("j2", 1)}
+        registry.delete(user, "j2")
+        await core.watch_once()
+        assert core.counters["tombstones_skipped"] == 2 and core.engine.kvs(user) == set()
+        assert (await answer(core, "kim", [])).fact_ids == []  # requests still work: the prefix is there
+
+    run(go())

@@ -10,18 +10,24 @@ time may be the only one left). It reads the log:
   - every watch round (services/engine_replica/core.py);
   - when the gateway pushes a delete to the replica that serves the user (`apply` now: the push is only a hint
     that the log moved, so a lost push costs a watch round, never a fact).
-A request's own sync (books.UserBooks) drops a held fact whose version moved, should its tombstone be late."""
+A request's own sync (books.UserBooks) drops a held fact whose version moved, should its tombstone be late.
+A tombstone that names what no request may name (the reserved owner of the shared prefix, an invalid id) is
+logged, counted (`tombstones_skipped`) and passed: one bad entry never stops a replica from applying everyone's
+deletes. A failure that may pass (the engine or the cluster tier away) keeps the cursor before it: retried."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 
-from inferscale_core.types import kv_id
+from inferscale_core.errors import check_id
+from inferscale_core.types import check_user_id, kv_id
 
 from .books import ResidentKV, UserBooks
 from .engine import ServingEngine
 
+log = logging.getLogger("inferscale.engine_replica")
 TOMBSTONE_CURSOR = "tombstones.cursor"  # in the replica's disk folder: how far it applied the registry's tombstones
 
 
@@ -47,7 +53,16 @@ class Deletions:
             while True:
                 tombs, cursor = await asyncio.to_thread(self.registry.tombstones_after, self._cursor)
                 for t in tombs:
-                    await self._bury(t)
+                    try:
+                        check_user_id("user_id", t.user_id)
+                        if t.fact_id:
+                            check_id("fact_id", t.fact_id)
+                        await self._bury(t)
+                    except ValueError as err:  # bad input, the same on every retry: skipped, never a wedge
+                        log.error("skipped a tombstone that cannot be applied (user %r, fact %r): %s",
+                                  str(t.user_id)[:80], str(t.fact_id)[:80], err)
+                        self.counters["tombstones_skipped"] += 1
+                        applied -= 1
                 self._cursor = cursor
                 if not tombs:
                     break

@@ -335,14 +335,17 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         match = _match(body, uid)
         page = _int_param(request, "page", 1, 1 << 30, 1)
         size = _int_param(request, "page_size", 1, core.limits.max_page_size, core.limits.default_page_size)
-        first, count, results, offset = (page - 1) * size, 0, [], 0
-        while offset is not None:  # one pass over the user's facts, 1000 at a time
-            recs, offset = await asyncio.to_thread(core.registry.list, uid, offset, 1000)
-            for r in recs:
-                if match is None or match(r):
-                    if first <= count < first + size:
-                        results.append(memory_json(r))
-                    count += 1
+        first = (page - 1) * size
+        if match is None:  # the page alone: the count is the registry's
+            count = await asyncio.to_thread(core.registry.count, uid)
+            recs = (await asyncio.to_thread(core.registry.list, uid, first, size))[0] if first < count else []
+            results = [memory_json(r) for r in recs]
+        else:  # one pass over the user's facts, 1000 at a time, read and matched in a worker thread (never the loop)
+            count, results, offset = 0, [], 0
+            while offset is not None:
+                recs, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
+                results += [memory_json(r) for r in recs[max(0, first - count):max(0, first + size - count)]]
+                count += len(recs)
         base = f"{str(request.base_url).rstrip('/')}/v3/memories/?page_size={size}&page="
         return {"count": count, "next": base + str(page + 1) if first + size < count else None,
                 "previous": base + str(page - 1) if page > 1 else None, "results": results}
@@ -439,6 +442,12 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                       tags=["mem0"])
     app.add_api_route("/v1/memories/{memory_id}/history/", history, methods=["GET"],
                       **_doc(None, list[HistoryEntry]), tags=["mem0"])
+
+
+def _matching(registry, uid: str, offset: int, match) -> tuple[list, int | None]:
+    """The facts `match` keeps among the next 1000 of the user's from `offset`, and the offset after them."""
+    recs, offset = registry.list(uid, offset, 1000)
+    return [r for r in recs if match(r)], offset
 
 
 def _int_param(request: Request, name: str, lo: int, hi: int, default: int) -> int:
