@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from inferscale_client import codegen
 from inferscale_core.errors import InvalidIdError, UnknownFactError, UnknownUserError, check_id
-from inferscale_core.types import Mode
+from inferscale_core.types import Mode, check_user_id
 
 from .registry import DuplicateFactError, FactRecord, Quota, QuotaExceededError, VersionConflictError
 
@@ -51,6 +51,11 @@ class Limits:
     max_max_tokens: int = 4096
     default_page_size: int = 100
     max_page_size: int = 1000
+    # Each caller's (token subject's) share of a gateway replica; admins are not limited
+    # (services/gateway/principal_limits.py): requests at once, and a rate with its burst.
+    max_in_flight_per_caller: int = 64
+    requests_per_s_per_caller: float = 100.0
+    request_burst_per_caller: int = 200
 
     def quota(self) -> Quota:
         return Quota(self.max_facts_per_user, self.max_bytes_per_user, self.max_kv_bytes_per_user)
@@ -208,6 +213,8 @@ def to_api_error(err: BaseException) -> ApiError:
     if cause is not None:
         if isinstance(cause, ApiError):
             return cause
+        if registry_full(cause):
+            return REGISTRY_FULL
         if _registry_unreachable(cause):
             return REGISTRY_UNAVAILABLE
         if cause is err:  # the replica or actor itself failed (died, unreachable): retryable
@@ -226,6 +233,8 @@ def to_api_error(err: BaseException) -> ApiError:
         return ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, _clean(str(err)), quota=err, reason="QUOTA_EXCEEDED")
     if isinstance(err, (InvalidIdError, ValueError, TypeError)):
         return invalid(_clean(str(err)))
+    if registry_full(err):
+        return REGISTRY_FULL
     if _registry_unreachable(err):
         return REGISTRY_UNAVAILABLE
     if isinstance(err, TimeoutError):
@@ -233,7 +242,11 @@ def to_api_error(err: BaseException) -> ApiError:
     return ApiError(grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); see the server log")
 
 
-REGISTRY_UNAVAILABLE = unavailable("the registry (Redis) cannot be reached or is full; retry shortly")
+REGISTRY_UNAVAILABLE = unavailable("the registry (Redis) cannot be reached; retry shortly")
+REGISTRY_FULL_RETRY_S = 10.0  # a full Redis frees space only when facts or users are deleted: not within a second
+REGISTRY_FULL = ApiError(grpc.StatusCode.UNAVAILABLE, "the registry (Redis) is full (at its maxmemory): nothing was "
+                         "written; reads and deletes still work; retry once facts or users have been deleted",
+                         retry_after_s=REGISTRY_FULL_RETRY_S, reason="REGISTRY_FULL")
 
 
 def _registry_unreachable(err: BaseException) -> bool:
@@ -243,11 +256,22 @@ def _registry_unreachable(err: BaseException) -> bool:
         from redis.exceptions import TimeoutError as RedisTimeoutError
     except ImportError:
         return False
-    from redis.exceptions import ResponseError
+    return isinstance(err, (RedisConnectionError, RedisTimeoutError))
 
-    # noeviction at maxmemory: Redis refuses writes ("OOM command not allowed ...") until space is freed
-    return isinstance(err, (RedisConnectionError, RedisTimeoutError)) or (
-        isinstance(err, ResponseError) and str(err).startswith("OOM"))
+
+def registry_full(err: BaseException) -> bool:
+    """Redis at maxmemory under noeviction refusing a write ("OOM command not allowed when used memory >
+    'maxmemory'"), in every form redis-py raises it: OutOfMemoryError (a ResponseError; its message lacks the
+    "OOM" code), with "Command # N (...) of pipeline caused error: " in front for a command of a pipeline or
+    MULTI/EXEC, or a plain ResponseError "Error running script ... -OOM command not allowed ..." from a Lua script
+    on Redis 6."""
+    try:
+        from redis import exceptions
+    except ImportError:
+        return False
+    oom = getattr(exceptions, "OutOfMemoryError", ())  # redis-py >= 4.2
+    return isinstance(err, oom) or (isinstance(err, exceptions.ResponseError)
+                                    and "command not allowed when used memory > 'maxmemory'" in str(err))
 
 
 def _ray_cause(err: BaseException) -> BaseException | None:
@@ -302,14 +326,18 @@ def parse(method: str, raw, limits: Limits):
 
 
 def user_id(value: str, field_name: str = "user_id") -> str:
+    """A caller's user id (also a token's subject and a Mem0 scope value): printable, bounded, not reserved."""
     try:
-        return check_id(field_name, value)
+        return check_user_id(field_name, value)
     except InvalidIdError as e:
         raise invalid(str(e), field_name) from None
 
 
 def fact_id(value: str, field_name: str = "fact_id") -> str:
-    return user_id(value, field_name)
+    try:
+        return check_id(field_name, value)
+    except InvalidIdError as e:
+        raise invalid(str(e), field_name) from None
 
 
 def text_field(value: str, name: str, max_chars: int, required: bool = True) -> str:

@@ -34,6 +34,11 @@ SAMPLING_FIELDS = (
 
 
 MAX_N = 128  # choices per request, OpenAI's bound (vLLM has none; each choice holds its own KV)
+# What one request may make the engine generate and the gateway gather (a non-streamed answer is built in its
+# memory): choices x max_tokens, and with logprobs x (1 + top_logprobs) entries. n=128 x 8,192 tokens x 21 entries
+# would be 22 million entries (gigabytes) from one caller; these bound it before the request reaches vLLM.
+MAX_OUTPUT_TOKENS = 65_536
+MAX_LOGPROB_ENTRIES = 262_144
 
 
 def invalid(message: str, field: str | None = None) -> ApiError:
@@ -98,7 +103,24 @@ def request(fields: dict, prompt_len: int, max_model_len: int, defaults: dict | 
     except Exception as e:  # noqa: BLE001 - pydantic's or vLLM's own refusal: the caller's error, named
         raise _refusal(e) from None
     sp.output_kind = RequestOutputKind.DELTA  # streamed or not, the replica forwards pieces as they come
-    return OpenAIRequest(sp, req.top_logprobs if req.logprobs else None, forced)
+    top = req.top_logprobs if req.logprobs else None
+    check_output_size(sp.n, sp.max_tokens, top)
+    return OpenAIRequest(sp, top, forced)
+
+
+def check_output_size(n: int, max_tokens: int, top_logprobs: int | None) -> None:
+    """Refuses (RESOURCE_EXHAUSTED, naming the product) a request whose output could pass MAX_OUTPUT_TOKENS or
+    MAX_LOGPROB_ENTRIES; `max_tokens` is what vLLM would run with (the rest of the context when not given)."""
+    tokens = n * max_tokens
+    if tokens > MAX_OUTPUT_TOKENS:
+        raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"n ({n}) x max_tokens ({max_tokens}) = {tokens} tokens, the limit per request is "
+                       f"{MAX_OUTPUT_TOKENS}: lower n or set max_completion_tokens", field="n")
+    if top_logprobs is not None and tokens * (1 + top_logprobs) > MAX_LOGPROB_ENTRIES:
+        raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"n ({n}) x max_tokens ({max_tokens}) x (1 + top_logprobs ({top_logprobs})) = "
+                       f"{tokens * (1 + top_logprobs)} logprob entries, the limit per request is "
+                       f"{MAX_LOGPROB_ENTRIES}", field="top_logprobs")
 
 
 def logprobs_content(token_ids, logprobs, top_n: int, tokenizer) -> list[dict]:

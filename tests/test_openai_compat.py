@@ -240,6 +240,27 @@ def test_tool_turns_stay_text():
         tpl.query_ids(CAT_Q, (), WEATHER, [{**benign[0], "tool_calls": [bad_call]}, benign[1]])
 
 
+def test_output_is_bounded_before_the_engine_runs():
+    """n x max_tokens (x (1 + top_logprobs)) is checked against the per-request bounds when the request is made,
+    before vLLM runs it: one caller cannot make the engine generate, or the gateway gather, gigabytes."""
+    import grpc
+
+    from inferscale_server.api import ApiError
+    from inferscale_server.openai_params import MAX_LOGPROB_ENTRIES, MAX_OUTPUT_TOKENS, request
+
+    ok = request({"n": 8, "max_completion_tokens": 8000}, prompt_len=100, max_model_len=8192)
+    assert (ok.sampling.n, ok.sampling.max_tokens) == (8, 8000)
+    for fields, field, words in (
+            ({"n": 128}, "n", f"the limit per request is {MAX_OUTPUT_TOKENS}"),  # no max_tokens: the rest of 8,192
+            ({"n": 128, "max_completion_tokens": 513}, "n", "128) x max_tokens (513)"),
+            ({"logprobs": True, "top_logprobs": 20, "n": 16, "max_completion_tokens": 1000}, "top_logprobs",
+             f"the limit per request is {MAX_LOGPROB_ENTRIES}")):
+        with pytest.raises(ApiError) as e:
+            request(fields, prompt_len=100, max_model_len=8192)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.field == field and words in e.value.message
+    assert request({"logprobs": True, "top_logprobs": 20, "max_completion_tokens": 1000}, 100, 8192).top_logprobs == 20
+
+
 def test_max_tokens_defaults_to_the_rest_of_the_context(service):
     """No max_tokens: vLLM may use the rest of the 2,048-token context (vLLM's default), and a larger value is
     cut to it, not refused; a question over 4,000 characters is a question like any other (up to the message

@@ -31,6 +31,7 @@ from ..api import ApiError, Limits, pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
 from ..messages import AnswerEnd, AnswerPiece, OpenAIChat
 from ..registry import FactRecord, NewFact, Registry, VersionConflictError
+from .principal_limits import PrincipalLimit, PrincipalLimits
 
 log = logging.getLogger("inferscale.gateway")
 MAX_PAGE_BYTES = 2 << 20  # half the proxies' transport limit (services/app.py:TRANSPORT_MAX_MESSAGE_BYTES)
@@ -77,6 +78,7 @@ class Backends(Protocol):
 MEM0_QUEUE = 8           # infer=true extractions that may wait behind the running one, per gateway replica
 MEM0_TIMEOUT_S = 240.0   # an extraction (its wait included) stopped after this
 HEALTH_TTL_S = 5.0            # Health, Check and Watch answer a probe at most this old
+REGISTRY_FULL = "full: writes refused until facts are deleted"  # Health's registry component at Redis' maxmemory
 WATCH_STREAMS_MAX = 32        # open grpc.health.v1 Watch streams per gateway replica (services/app.py reserves
 WATCH_STREAMS_PER_PEER = 4    # them on top of the users' request slots); per client connection
 WATCH_RETRY_S = 5.0           # RetryInfo of a refused Watch (a slot frees when a stream ends)
@@ -135,6 +137,8 @@ class GatewayCore:
         self._health = None        # (monotonic time, HealthResponse) of the last probe
         self._health_probe = None  # the probe in flight
         self.watches = WatchSlots()
+        self.caller_limits = PrincipalLimits(PrincipalLimit(
+            limits.max_in_flight_per_caller, limits.requests_per_s_per_caller, limits.request_burst_per_caller))
 
     # ------------------------------------------------------------------------------------ auth
     async def authenticate(self, rpc: str, authorization: str | None) -> Principal | None:
@@ -142,7 +146,9 @@ class GatewayCore:
         fetch it needs runs in a worker thread, never on the event loop."""
         if rpc in OPEN_RPCS:
             return None
-        return await self.auth.authenticate_async(authorization)
+        caller = await self.auth.authenticate_async(authorization)
+        self.caller_limits.admit(caller)  # this caller's share: requests in flight, request rate
+        return caller
 
     def _owner(self, caller: Principal, rpc: str, user_id: str, field_name: str = "user_id") -> str:
         """The request's user id, validated, once the caller may act for it (before anything is read)."""
@@ -371,8 +377,9 @@ class GatewayCore:
         while True:
             hits = await backends.search(uid, query, want)
             recs = await self._records(uid, [f for f, _ in hits])
-            out = [(recs[f], s) for f, s in hits
-                   if f in recs and (threshold is None or s >= threshold) and (match is None or match(recs[f]))]
+            out = [(recs[f], s) for f, s in hits if f in recs and (threshold is None or s >= threshold)]
+            if match is not None:  # up to max_facts_per_user records: matched in a worker thread, never the loop
+                out = await asyncio.to_thread(lambda out=out: [(r, s) for r, s in out if match(r)])
             if (len(out) >= k or match is None or len(hits) < want or want >= self.limits.max_facts_per_user
                     or (threshold is not None and hits and hits[-1][1] < threshold)):
                 return out[:k]
@@ -495,10 +502,12 @@ class GatewayCore:
         components = {}
         try:
             await _blocking(self.registry.ping)
-            components["registry"] = "ok"
+            components["registry"] = REGISTRY_FULL if await _blocking(self.registry.is_full) else "ok"
         except Exception as e:  # noqa: BLE001 - reported by type only: Health is open to anyone
             log.warning("health: registry unreachable: %s", e)
             components["registry"] = f"error: {type(e).__name__}"
+        if components["registry"] == REGISTRY_FULL:
+            log.warning("health: the registry (Redis) is at its maxmemory: creates and updates are refused")
         if self.backends is None:
             components["backends"] = "none (registry-only mode)"
         else:
@@ -507,7 +516,9 @@ class GatewayCore:
             except Exception as e:  # noqa: BLE001
                 log.warning("health: backends: %s", e)
                 components["backends"] = f"error: {type(e).__name__}"
-        ok = all(v == "ok" or v.startswith("none") for v in components.values())
+        # A full registry leaves the status SERVING: reads, answers and the deletes that free space all work, and
+        # NOT_SERVING would take every gateway out of its load balancer (they share the one Redis).
+        ok = all(v in ("ok", REGISTRY_FULL) or v.startswith("none") for v in components.values())
         resp = pb2.HealthResponse(status="SERVING" if ok else "DEGRADED", components=components)
         self._health = (time.monotonic(), resp)
         return resp

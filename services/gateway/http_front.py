@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import api
-from ..admission import EngineAtCapacity
 from ..api import ApiError, Limits, pb2
 from ..auth import Principal
 from ..messages import AnswerEnd, AnswerPiece, Choice, OpenAIChat
@@ -67,12 +67,23 @@ class HttpConfig:
         return cls(names, origins)
 
 
+def is_overload(err: ApiError) -> bool:
+    """RESOURCE_EXHAUSTED that a retry may get past (a retry hint: the engine at capacity, a caller over its
+    share, a full extraction queue): HTTP 429 with Retry-After. Without one (too large, a quota): 413."""
+    return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s is not None
+
+
+def retry_after_header(err: ApiError) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))}  # whole seconds (RFC 9110)
+
+
 def error_body(err: ApiError) -> dict:
     """An OpenAI error object: {"error": {"message", "type", "param", "code"}} (the message names the field).
-    Overload (EngineAtCapacity) is OpenAI's 429 kind: type "rate_limit_error", code "engine_at_capacity"."""
-    if isinstance(err, EngineAtCapacity):
+    Overload is OpenAI's 429 kind: type "rate_limit_error", code the reason ("engine_at_capacity",
+    "caller_rate", ...)."""
+    if is_overload(err):
         return {"error": {"message": err.message, "type": "rate_limit_error", "param": None,
-                          "code": "engine_at_capacity"}}
+                          "code": (err.reason or err.code.name).lower()}}
     kind = ("invalid_request_error" if err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                                                     grpc.StatusCode.RESOURCE_EXHAUSTED)
             else "authentication_error" if err.code == grpc.StatusCode.UNAUTHENTICATED
@@ -84,8 +95,8 @@ def error_body(err: ApiError) -> dict:
 def error_response(err: ApiError) -> JSONResponse:
     """An OpenAI error object with the status code of `err`; 401 carries the WWW-Authenticate challenge.
     Overload is 429 with Retry-After (RESOURCE_EXHAUSTED for a too-large request or a quota stays 413)."""
-    if isinstance(err, EngineAtCapacity):
-        return JSONResponse(status_code=429, headers={"Retry-After": str(err.retry_after_s)}, content=error_body(err))
+    if is_overload(err):
+        return JSONResponse(status_code=429, headers=retry_after_header(err), content=error_body(err))
     headers = {"WWW-Authenticate": "Bearer"} if err.code == grpc.StatusCode.UNAUTHENTICATED else None
     return JSONResponse(status_code=HTTP_STATUS.get(err.code, 500), headers=headers, content=error_body(err))
 

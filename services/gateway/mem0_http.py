@@ -22,10 +22,17 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .. import api, filters
-from ..admission import EngineAtCapacity
 from ..api import ApiError
 from ..registry import FactRecord
-from .http_front import HTTP_STATUS, PARSE_INLINE_BYTES, _check_declared_size, _Outcome, read_body
+from .http_front import (
+    HTTP_STATUS,
+    PARSE_INLINE_BYTES,
+    _check_declared_size,
+    _Outcome,
+    is_overload,
+    read_body,
+    retry_after_header,
+)
 
 DEFAULT_TOP_K = 10   # Mem0's default for search
 DEPLOYMENT_ID = "inferscale"  # ping's org_id and project_id: MemoryClient needs both; one deployment is one project
@@ -209,8 +216,8 @@ def _error(err: ApiError) -> JSONResponse:
     """{"detail", "code"} with the status Mem0's client maps to its exceptions; overload is 429 with Retry-After
     (its RateLimitError), 401 carries the challenge."""
     content = {"detail": err.message, "code": err.code.name.lower()}
-    if isinstance(err, EngineAtCapacity):
-        return JSONResponse(status_code=429, headers={"Retry-After": str(err.retry_after_s)}, content=content)
+    if is_overload(err):
+        return JSONResponse(status_code=429, headers=retry_after_header(err), content=content)
     headers = {"WWW-Authenticate": "Token"} if err.code == grpc.StatusCode.UNAUTHENTICATED else None
     return JSONResponse(status_code=HTTP_STATUS.get(err.code, 500), headers=headers, content=content)
 

@@ -307,6 +307,12 @@ class Registry(ABC):
     def ping(self) -> None:
         """Raises when the backend cannot be reached."""
 
+    def is_full(self) -> bool:
+        """True when the backend refuses writes for lack of memory (Redis at its maxmemory under noeviction):
+        reads and deletes still work, creates and updates fail until space is freed. The in-process registries
+        (EmbeddedRegistry, ActorRegistry) have no such bound: never full."""
+        return False
+
     def close(self) -> None:
         pass
 

@@ -1,6 +1,6 @@
 """RedisRegistry: the deployment backend. Every replica of every deployment sees the same data, and it survives
 process restarts. Multi-key changes are WATCH/MULTI transactions, retried when a watched key moved, so
-quotas hold under concurrent writers."""
+quotas hold under concurrent writers; deletes are Lua scripts, so that they work on a full Redis (DELETE_FACT)."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,63 @@ PASSWORD_ENV = "INFERSCALE_REDIS_PASSWORD"
 CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
 SOCKET_TIMEOUT_S = 2.0    # a command (or a new connection's handshake) without an answer: half-open, stalled
 RETRIES = 1               # connection/timeout errors retried this often (with backoff) before they are raised
+
+# The registry counts as full (Registry.is_full: Health says so) this close to Redis' maxmemory: a write is refused
+# when used memory with the write's own request buffered passes maxmemory, and a refused MULTI is dropped whole, so
+# a Redis that refuses creates can sit below maxmemory (redis 6.2: by 23 KB after a refused 8-fact create). One
+# request is at most 1 MiB (api.Limits.max_request_bytes).
+FULL_WITHIN_BYTES = 1 << 20
+
+# Deletes are Lua scripts, not WATCH/MULTI transactions, so that they work on a full Redis (maxmemory reached,
+# policy noeviction, as the chart ships it): that is when a user or an operator deletes facts to free space.
+# Redis over maxmemory refuses every command queued in a MULTI, a DEL included (Redis 6.2, 7.0: tested), and a
+# command that may grow memory (XADD, INCR, DECRBY: the "denyoom" ones) sent alone. A script without a shebang
+# line (no flags) is refused such a command only while it has written nothing yet: once it has written, Redis
+# runs it to its end, since a script cannot stop halfway. So each script's first write is the DEL that frees
+# the fact(s); the tombstone and the counters follow in the same script, one atomic step that Redis applies,
+# replicates and appends to its AOF whole. Nothing is acknowledged without its tombstone (engine replicas learn
+# of deletes only from the tombstone stream), and no crash can leave a deleted fact without one, as a delete
+# then a separate tombstone write could. A script on a full Redis grows it by a tombstone and its counters
+# (a few hundred bytes) past maxmemory, after freeing the fact(s); what maxmemory leaves below the memory limit
+# (the chart: 1536 MiB of a 2 GiB pod) absorbs that.
+# The delete script writes only if the fact is still the one read (owner, version, creation sequence number:
+# a fact deleted and created again under its id has a new one); else it returns 0 and the delete reads again,
+# as a WATCH that saw the fact move would. Everything that changes the bytes the delete subtracts (text,
+# metadata, window, history, kv_bytes) is an update, which raises the version.
+DELETE_FACT = """
+-- KEYS: fact, history, user's facts (zset), user bytes, user kv bytes, tombstones, user version
+-- ARGV: user_id, fact_id, version, creation sequence (-1: not listed), bytes, kv bytes, tombstones kept
+local seq = redis.call('ZSCORE', KEYS[3], ARGV[2])
+if redis.call('HGET', KEYS[1], 'user_id') ~= ARGV[1]
+    or tonumber(redis.call('HGET', KEYS[1], 'version')) ~= tonumber(ARGV[3])
+    or (tonumber(seq) or -1) ~= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('DECRBY', KEYS[4], ARGV[5])
+redis.call('DECRBY', KEYS[5], ARGV[6])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[7], '*', 'user', ARGV[1], 'fact', ARGV[2], 'upto', ARGV[3],
+           'gone', '1')
+redis.call('INCR', KEYS[7])
+return 1
+"""
+# The fact and history keys of the user's facts are built in the script from their prefixes (the ids are read
+# there, in the same atomic step), not passed as KEYS: fine on the one standalone Redis the registry runs on
+# (its transactions span keys of any hash slot already; Redis Cluster is not supported).
+DELETE_USER = """
+-- KEYS: user's facts (zset), user bytes, user kv bytes, placement, placed users, tombstones, user version
+-- ARGV: user_id, fact key prefix, history key prefix, tombstones kept
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+for _, f in ipairs(ids) do
+  redis.call('DEL', ARGV[2] .. f, ARGV[3] .. f)
+end
+redis.call('SREM', KEYS[5], ARGV[1])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[4], '*', 'user', ARGV[1], 'fact', '', 'upto', '0', 'gone', '1')
+redis.call('INCR', KEYS[7])
+return #ids
+"""
 
 
 def redacted(url: str) -> str:
@@ -76,6 +133,7 @@ class RedisRegistry(Registry):
         self.r = redis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                       socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15,
                                       retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES), **kw)
+        self._delete_fact, self._delete_user = self.r.register_script(DELETE_FACT), self.r.register_script(DELETE_USER)
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -248,6 +306,8 @@ class RedisRegistry(Registry):
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
                expected_version=0, quota=None, window=None, kv_bytes=None):
+        # A full Redis refuses the whole MULTI (redis-py's OutOfMemoryError; UNAVAILABLE REGISTRY_FULL at the API),
+        # nothing of it written: an update may grow memory, so it waits for deletes to free space.
         emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
         key, bytes_key = self._fact_key(fact_id), self._k("user", user_id, "bytes")
         hist_key = self._k("history", fact_id)
@@ -310,41 +370,33 @@ class RedisRegistry(Registry):
         return self._set_field(user_id, fact_id, version, "unservable", str(reason) or "unservable")
 
     def delete(self, user_id, fact_id):
+        """A Lua script (DELETE_FACT, see there): works on a full Redis too."""
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
         key, hist_key = self._fact_key(fact_id), self._k("history", fact_id)
-
-        def body(pipe):
-            rec = self._owned(user_id, fact_id, pipe.hgetall(key))
-            kept = sum(len(v) for v in pipe.lrange(hist_key, 0, -1))
-            pipe.multi()
-            pipe.delete(key, hist_key)
-            pipe.zrem(self._k("user", user_id, "facts"), fact_id)
-            pipe.decrby(self._k("user", user_id, "bytes"), fact_bytes(rec) + kept)
-            pipe.decrby(self._k("user", user_id, "kvbytes"), rec.kv_bytes)
-            self._tomb(pipe, Tombstone(user_id, fact_id, rec.version, gone=True))
-            pipe.incr(self._k("user", user_id, "ver"))
-            return rec
-
-        return self._transaction([key, hist_key], body)
+        facts_key = self._k("user", user_id, "facts")
+        keys = [key, hist_key, facts_key, self._k("user", user_id, "bytes"), self._k("user", user_id, "kvbytes"),
+                self._k("tombstones"), self._k("user", user_id, "ver")]
+        while True:
+            with self.r.pipeline(transaction=False) as pipe:
+                pipe.hgetall(key)
+                pipe.lrange(hist_key, 0, -1)
+                pipe.zscore(facts_key, fact_id)
+                h, kept, seq = pipe.execute()
+            rec = self._owned(user_id, fact_id, h)
+            args = [user_id, fact_id, rec.version, -1 if seq is None else int(seq),
+                    fact_bytes(rec) + sum(len(v) for v in kept), rec.kv_bytes, TOMBSTONES_KEPT]
+            if self._delete_fact(keys=keys, args=args):
+                return rec
 
     def delete_user(self, user_id):
+        """A Lua script (DELETE_USER, see DELETE_FACT): works on a full Redis too."""
         check_id("user_id", user_id)
-        facts_key = self._k("user", user_id, "facts")
-
-        def body(pipe):
-            ids = [x.decode() for x in pipe.zrange(facts_key, 0, -1)]
-            pipe.multi()
-            for f in ids:
-                pipe.delete(self._fact_key(f), self._k("history", f))
-            pipe.delete(facts_key, self._k("user", user_id, "bytes"), self._k("user", user_id, "kvbytes"),
-                        self._k("placement", user_id))
-            pipe.srem(self._k("placed_users"), user_id)
-            self._tomb(pipe, Tombstone(user_id, gone=True))
-            pipe.incr(self._k("user", user_id, "ver"))  # kept: replicas must still see the change
-            return len(ids)
-
-        return self._transaction([facts_key], body)
+        keys = [self._k("user", user_id, "facts"), self._k("user", user_id, "bytes"),
+                self._k("user", user_id, "kvbytes"), self._k("placement", user_id), self._k("placed_users"),
+                self._k("tombstones"), self._k("user", user_id, "ver")]  # ver kept: replicas must still see the change
+        return int(self._delete_user(keys=keys, args=[user_id, self._fact_key(""), self._k("history", ""),
+                                                      TOMBSTONES_KEPT]))
 
     def user_version(self, user_id):
         check_id("user_id", user_id)
@@ -383,6 +435,14 @@ class RedisRegistry(Registry):
 
     def ping(self):
         self.r.ping()
+
+    def is_full(self):
+        """Within FULL_WITHIN_BYTES of maxmemory (0: no limit, never full)."""
+        m = self.r.info("memory")
+        limit = int(m.get("maxmemory", 0))
+        # What Redis compares with maxmemory before a write: used memory less its replicas' and AOF buffers.
+        used = int(m["used_memory"]) - int(m.get("mem_not_counted_for_evict", 0))
+        return limit > 0 and used >= limit - FULL_WITHIN_BYTES
 
     def close(self):
         self.r.close()

@@ -1,0 +1,89 @@
+"""Each caller's share of a gateway replica: requests in flight and a request rate per principal (the token's
+subject), so one tenant's slow clients or floods cannot hold the slots every tenant's requests need. Over either
+bound: RESOURCE_EXHAUSTED (HTTP 429) at once, with a retry hint, before the request is read further.
+
+A request holds its slot until the task that runs it ends: gRPC (grpc.aio and Ray Serve's proxy) and HTTP
+(uvicorn and Serve's HTTP path) run each request, its streamed response included, in one asyncio task, so the
+slot is given back however the request ends (answer, error, cancelled stream) without every front door having to
+release it. Admin tokens (memory:admin, the operator acting for users) are not limited. The bounds are per
+gateway replica: with R replicas a tenant has R shares, as it has R times the slots."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import grpc
+
+from ..api import ApiError
+from ..auth import Principal
+
+TRACKED_PRINCIPALS = 65_536  # rate buckets kept (LRU): a bucket left out refills to full, the generous answer
+
+
+@dataclass(frozen=True)
+class PrincipalLimit:
+    max_in_flight: int = 64     # requests at once (of a gateway replica's 512 slots: one tenant takes an eighth)
+    rate_per_s: float = 100.0   # sustained requests per second
+    burst: int = 200            # requests at once after a quiet spell
+
+    def __post_init__(self):
+        if self.max_in_flight < 1 or not self.rate_per_s > 0 or self.burst < 1:
+            raise ValueError(f"per-principal limits must be positive, got {self}")
+
+
+class PrincipalLimits:
+    def __init__(self, limit: PrincipalLimit = PrincipalLimit()):
+        self.limit = limit
+        self._in_flight: dict[str, set[asyncio.Task]] = {}
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # subject -> (tokens, at)
+        self.refused = {"in_flight": 0, "rate": 0}
+
+    def admit(self, caller: Principal | None) -> None:
+        """Counts this request (the current task) against its caller's share, or raises RESOURCE_EXHAUSTED."""
+        if caller is None or caller.admin:
+            return
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no event loop (a direct call): rate only, nothing to hold
+            task = None
+        held = self._in_flight.get(caller.subject)
+        if held is not None and task in held:
+            return  # one request authenticating twice (a front door and the core) is one request
+        if held is not None and len(held) >= self.limit.max_in_flight:
+            self.refused["in_flight"] += 1
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"this caller has {len(held)} requests in flight, the limit per caller is "
+                           f"{self.limit.max_in_flight}; retry when one has finished",
+                           retry_after_s=1.0, reason="CALLER_CONCURRENCY")
+        self._take_token(caller.subject)
+        if task is None:  # not in a task (a direct test call): nothing to release against
+            return
+        self._in_flight.setdefault(caller.subject, set()).add(task)
+        task.add_done_callback(lambda t, who=caller.subject: self._release(who, t))
+
+    def in_flight(self, user_id: str) -> int:
+        return len(self._in_flight.get(user_id, ()))
+
+    def _take_token(self, who: str) -> None:
+        now = time.monotonic()
+        tokens, at = self._buckets.pop(who, (float(self.limit.burst), now))
+        tokens = min(float(self.limit.burst), tokens + (now - at) * self.limit.rate_per_s)
+        if tokens < 1.0:
+            self._buckets[who] = (tokens, now)
+            self.refused["rate"] += 1
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"this caller is over its request rate ({self.limit.rate_per_s:g} per second, bursts of "
+                           f"{self.limit.burst}); retry shortly", retry_after_s=(1.0 - tokens) / self.limit.rate_per_s,
+                           reason="CALLER_RATE")
+        self._buckets[who] = (tokens - 1.0, now)
+        while len(self._buckets) > TRACKED_PRINCIPALS:
+            self._buckets.popitem(last=False)
+
+    def _release(self, who: str, task: asyncio.Task) -> None:
+        held = self._in_flight.get(who)
+        if held is not None:
+            held.discard(task)
+            if not held:
+                del self._in_flight[who]
