@@ -21,6 +21,7 @@ local development secret, so the quick start needs no extra step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -28,7 +29,7 @@ import threading
 import time
 
 from inferscale_client import cli as client_cli
-from inferscale_core.vllm_env import serving_kv_cache_gib, vllm_cpu_env
+from inferscale_core.vllm_env import machine_memory_bytes, serving_kv_cache_gib, vllm_cpu_env
 
 
 def add_commands(sub) -> None:
@@ -46,10 +47,19 @@ def add_commands(sub) -> None:
                    help="byte budget of the disk tier: beyond it the files of the least recently used facts are "
                         "deleted (default: a quarter of the disk space free when the engine starts)")
     p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
-                   help="cluster KV tier: a running mooncake_master's RPC address (default: none, local tiers only)")
+                   help="cluster KV tier: a running mooncake_master's RPC address (default: none: KV reaches vLLM "
+                        "through the engine core's RPC channel; --local-mooncake starts one here)")
     p.add_argument("--mooncake-metadata", default=None, metavar="URL",
                    help="a metadata server's URL, for a master started with one (default: none, segment "
                         "descriptors are exchanged peer to peer: Mooncake's P2PHANDSHAKE)")
+    p.add_argument("--local-mooncake", action="store_true",
+                   help="start a Mooncake Store here (master and one segment, stopped with serve) as the cluster KV "
+                        "tier: the encoder pool writes each fact's KV there and vLLM's connector loads it, the "
+                        "cluster's path on one machine. Mooncake's transfer and handshake ports listen on EVERY "
+                        "interface (no flag binds them): use it on a machine no untrusted network reaches")
+    p.add_argument("--mooncake-segment-gib", type=_positive_float, default=None, metavar="GIB",
+                   help="with --local-mooncake: its memory (default: a sixteenth of the machine's, at least 1; "
+                        "taken as facts arrive)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + answer in tokens (default: the model's own context, 8,192 for SmolLM2: a "
                         "memory of up to ~200 facts)")
@@ -158,6 +168,38 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def local_cluster_tier(args, stack: contextlib.ExitStack) -> dict:
+    """With --local-mooncake: a Mooncake Store here (a master on loopback and one segment, stopped with serve), so
+    that one machine runs the cluster's KV path: the encoder pool writes a fact's KV there once and vLLM's
+    connector worker loads what a request needs itself, asynchronously, instead of the KV crossing the engine
+    core's RPC channel. Not the default: Mooncake's transfer and handshake ports listen on every interface
+    (MC_TCP_BIND_ADDRESS does not bind them in 0.3.13), and serve's default binds nothing beyond loopback.
+    {} otherwise (the RPC path)."""
+    from .registry.local_mooncake import MooncakeMissing, local_mooncake, mooncake_binary
+
+    if not args.local_mooncake:
+        return {}
+    try:
+        mooncake_binary("mooncake_master")
+        import mooncake.store  # noqa: F401 - also needs libibverbs1, even over TCP
+    except (MooncakeMissing, ImportError, OSError) as e:
+        raise SystemExit(f"inferscale serve --local-mooncake: Mooncake cannot start ({str(e)[:200]}); "
+                         "pip install 'inferscale[mooncake]' and apt-get install libibverbs1") from None
+    gib = args.mooncake_segment_gib or max(1.0, machine_memory_bytes() / 16 / 2**30)
+    store = stack.enter_context(local_mooncake(segment_bytes=int(gib * (1 << 30))))
+    args.local_mooncake_gib = gib
+    return dict(store.config)
+
+
+def _cluster_line(args, cluster: dict) -> str:
+    if not cluster:
+        return "none: KV through the engine's RPC channel (--local-mooncake or --mooncake-master for the cluster path)"
+    if getattr(args, "local_mooncake_gib", None):
+        return (f"Mooncake Store started by serve ({args.local_mooncake_gib:.1f} GiB; its transfer ports listen on every "
+                f"interface), master {cluster['master']}")
+    return f"Mooncake Store, master {cluster['master']}"
+
+
 def cluster_store_settings(args) -> dict:
     """ServiceConfig.cluster_store from --mooncake-master / --mooncake-metadata ({} without a master)."""
     if not args.mooncake_master:
@@ -171,6 +213,11 @@ def cluster_store_settings(args) -> dict:
 
 
 def serve_cmd(args) -> int:
+    with contextlib.ExitStack() as stack:  # a local Mooncake Store, if serve starts one, outlives Serve and Ray
+        return _serve(args, stack)
+
+
+def _serve(args, stack: contextlib.ExitStack) -> int:
     import ray
 
     from inferscale_core.models import cache_dir
@@ -195,7 +242,8 @@ def serve_cmd(args) -> int:
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), store_options=store_settings(args),
                         deployments=single_node_deployments(),
-                        cluster_store=cluster_store_settings(args), auth=auth_settings(args))
+                        cluster_store=cluster_store_settings(args) or local_cluster_tier(args, stack),
+                        auth=auth_settings(args))
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
     # The local Ray, Serve's controller and its proxies inherit it; the gRPC proxy binds --host (proxy_setup.py).
@@ -219,7 +267,7 @@ def serve_cmd(args) -> int:
               f"  registry  {redacted(cfg.registry_url) if cfg.registry_url else 'in memory (Ray actor; pass --redis-url to keep facts)'}\n"
               f"  KV disk tier  {cfg.kv_dir}, budget "
               f"{f'{args.kv_disk_budget_gib:g} GiB' if args.kv_disk_budget_gib else 'a quarter of the free disk'}\n"
-              f"  KV cluster tier  {cfg.cluster_store.get('master', 'none (pass --mooncake-master)')}\n"
+              f"  KV cluster tier  {_cluster_line(args, cfg.cluster_store)}\n"
               f"  auth  {_auth_line(cfg.auth)}\n"
               f"try: inferscale add alice \"Alice has a cat named Pixel.\" --target 127.0.0.1:{cfg.grpc_port}",
               flush=True)

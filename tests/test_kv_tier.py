@@ -205,6 +205,36 @@ def test_serve_flags_name_the_master_and_default_to_peer_to_peer_metadata():
             settings(*bad)
 
 
+def test_serve_starts_a_mooncake_store_when_asked():
+    """`inferscale serve --local-mooncake` runs the cluster's KV path on one machine: a master on 127.0.0.1 and a
+    segment (stopped with serve), where facts written are read back; without the flag it starts none."""
+    import contextlib
+    import socket
+    from types import SimpleNamespace
+
+    from inferscale_server.cli import local_cluster_tier
+
+    args = SimpleNamespace(local_mooncake=False, mooncake_segment_gib=0.25)
+    with contextlib.ExitStack() as stack:
+        assert local_cluster_tier(args, stack) == {}
+    args.local_mooncake = True
+    with contextlib.ExitStack() as stack:
+        config = local_cluster_tier(args, stack)
+        assert config["master"].startswith("127.0.0.1:") and config["metadata"] == P2P_METADATA
+        assert args.local_mooncake_gib == 0.25
+        store = ClusterStore(ClusterConfig.from_dict(config), FP_A)
+        try:
+            assert store.wait_available(60)
+            fact = make_fact(6, seed=5)
+            assert store.put_many("alice", [("f@v1", fact)]) == [True]
+            assert_same(store.get_many("alice", ["f@v1"])[0], fact)
+        finally:
+            store.close()
+    host, port = config["master"].split(":")
+    with socket.socket() as s:  # the master is gone with serve
+        assert s.connect_ex((host, int(port))) != 0
+
+
 def test_a_store_that_is_away_is_a_miss_at_once():
     """Nothing listens: every call answers at once (the connect runs in a background thread; Mooncake's own
     setup retries for ~90 s) and a delete is kept until the store is reachable."""
