@@ -85,3 +85,32 @@ def test_after_delete_user_nothing_is_a_neighbour(core):
     caller = asyncio.run(core.authenticate("DeleteUser", None))
     asyncio.run(core.DeleteUser(pb2.DeleteUserRequest(user_id="ann"), caller))
     assert _window(core, "ann", _add(core, "ann", "plays chess")[0]) == ()
+
+
+def test_a_delete_or_update_reads_the_same_few_facts_however_large_the_memory(core):
+    """What a neighbour's delete or text change reads does not grow with the user's memory: the facts created after
+    it, REWINDOW_SPAN of them at most (a window holds the facts stored most recently when its fact was created);
+    the ones further on are neither read nor changed, and the windows come out as a full scan would make them."""
+    from inferscale_server.gateway.core import REWINDOW_SPAN
+
+    reads = []
+    real = core.registry.list_after
+
+    def counted(user_id, after, limit):
+        page, nxt = real(user_id, after, limit)
+        reads.append(len(page))
+        return page, nxt
+
+    core.registry.list_after = counted
+    for n in (20, 200):
+        user = f"ann{n}"
+        ids = _add(core, user, *[f"{user} fact {i}" for i in range(n)])
+        reads.clear()
+        asyncio.run(core.delete_fact(user, ids[3]))
+        asyncio.run(core.update_fact(user, ids[10], f"{user} fact ten, changed", None))
+        assert sum(reads) <= 2 * REWINDOW_SPAN, (n, reads)
+        gone, old10, new10 = LINE(f"{user} fact 3"), LINE(f"{user} fact 10"), LINE(f"{user} fact ten, changed")
+        stored = {r.fact_id: r for r in core.registry.list(user)[0]}
+        assert not any(gone in r.window or old10 in r.window for r in stored.values())
+        assert [f for f in ids if f in stored and new10 in stored[f].window] == ids[11:16]
+        assert {f for f in ids if f in stored and stored[f].version > 1} == {*ids[4:9], ids[10], *ids[11:16]}

@@ -87,6 +87,17 @@ def test_list_after_is_a_cursor_that_deletes_do_not_shift(reg):
         reg.list_after("u", -1, 2)
 
 
+def test_seq_of_is_the_list_after_cursor_of_the_users_own_fact(reg):
+    ids = [r.fact_id for r in reg.create("u", [NewFact(f"fact {i}") for i in range(4)])]
+    (other,) = reg.create("v", [NewFact("another user's fact")])
+    seqs = [reg.seq_of("u", f) for f in ids]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 4
+    assert [r.fact_id for _, r in reg.list_after("u", seqs[1], 10)[0]] == ids[2:]
+    assert reg.seq_of("u", other.fact_id) is None and reg.seq_of("u", "no-such-fact") is None
+    reg.delete("u", ids[0])
+    assert reg.seq_of("u", ids[0]) is None and reg.seq_of("u", ids[1]) == seqs[1]
+
+
 def test_latest_is_the_users_most_recent_facts_oldest_first(reg):
     """What a new fact is encoded behind (inferscale_core/defaults.py): the user's last n facts, whatever call
     they came in, never another user's, and without the deleted ones."""

@@ -34,6 +34,9 @@ from ..registry import FactRecord, NewFact, Registry, VersionConflictError
 from .principal_limits import PrincipalLimit, PrincipalLimits
 
 log = logging.getLogger("inferscale.gateway")
+# Facts read after a fact that left the memory, for the windows that hold it: NEIGHBOUR_WINDOW and as many again
+# for adds racing the delete (GatewayCore._rewindow).
+REWINDOW_SPAN = 2 * NEIGHBOUR_WINDOW
 MAX_PAGE_BYTES = 2 << 20  # half the proxies' transport limit (services/app.py:TRANSPORT_MAX_MESSAGE_BYTES)
 
 
@@ -231,47 +234,53 @@ class GatewayCore:
             api.text_field(text, "text", self.limits.max_fact_chars)
             (kv_bytes,) = await self._check_encodable([text], ["text"])
             old = await _blocking(self.registry.get, user_id, fact_id)
+            seq = await _blocking(self.registry.seq_of, user_id, fact_id)
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
                               embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes)
         if text is not None and self.backends is not None:  # metadata changes do not touch KV or embeddings
             # The text passed the encoder's check; a push that still fails is repaired by the replicas' sync.
             await self._push(self.backends.index_facts(user_id, [rec]), "index_facts (update)")
-        if old is not None and old.text != rec.text:
-            await self._rewindow(user_id, old.text, rec.text)
+        if old is not None and old.text != rec.text and seq is not None:
+            await self._rewindow(user_id, seq, old.text, rec.text)
         return rec
 
     async def delete_fact(self, user_id: str, fact_id: str) -> FactRecord:
+        seq = await _blocking(self.registry.seq_of, user_id, fact_id)  # before: the delete takes it away
         rec = await _blocking(self.registry.delete, user_id, fact_id)
         if self.backends is not None:
             await self._push(self.backends.forget(user_id, [(fact_id, rec.version)]), "forget")
-        await self._rewindow(user_id, rec.text, None)
+        if seq is not None:
+            await self._rewindow(user_id, seq, rec.text, None)
         return rec
 
-    async def _rewindow(self, user_id: str, old_text: str, new_text: str | None) -> list[FactRecord]:
-        """A fact's text left the memory (deleted, or changed to `new_text`): every fact of the user encoded
-        behind it gets that line removed (or replaced) in its stored window and is re-encoded, so the old text
-        survives in no other fact's window or KV. Costs one pass over the user's facts plus up to
-        NEIGHBOUR_WINDOW re-encodes (docs/architecture.md, "Neighbour windows")."""
-        changed, after = [], 0
-        while after is not None:  # a cursor: facts deleted meanwhile (a concurrent delete) neither fail nor shift it
-            page, after = await _blocking(self.registry.list_after, user_id, after, 1000)
-            for _, rec in page:
-                for _ in range(3):  # a concurrent write to the same fact: read it again
-                    win = rewindow(rec.window, old_text, new_text)
-                    if win is None:
-                        break
+    async def _rewindow(self, user_id: str, seq: int, old_text: str, new_text: str | None) -> list[FactRecord]:
+        """A fact's text left the memory (deleted, or changed to `new_text`): the facts of the user encoded
+        behind it get that line removed (or replaced) in their stored windows and are re-encoded, so the old text
+        survives in no other fact's window or KV (docs/architecture.md, "Neighbour windows"). Only the facts
+        created after it can hold it, and only the first NEIGHBOUR_WINDOW of them still stored: a window is the
+        NEIGHBOUR_WINDOW facts stored most recently when its fact was created, and facts deleted since left
+        nothing between them (twice as many are read, for adds racing this one). So the cost is a bounded read
+        and at most NEIGHBOUR_WINDOW re-encodes, whatever the size of the user's memory. (A caller's own window
+        that happens to quote the text, on a fact further on, is the caller's text, not this fact's.)"""
+        changed = []
+        page, _ = await _blocking(self.registry.list_after, user_id, seq, REWINDOW_SPAN)
+        for _, rec in page:
+            for _ in range(3):  # a concurrent write to the same fact: read it again
+                win = rewindow(rec.window, old_text, new_text)
+                if win is None:
+                    break
+                try:
+                    changed.append(await _blocking(self.registry.update, user_id, rec.fact_id, window=win,
+                                                   expected_version=rec.version))
+                    break
+                except UnknownFactError:  # deleted meanwhile
+                    break
+                except VersionConflictError:
                     try:
-                        changed.append(await _blocking(self.registry.update, user_id, rec.fact_id, window=win,
-                                                       expected_version=rec.version))
+                        rec = await _blocking(self.registry.get, user_id, rec.fact_id)
+                    except UnknownFactError:
                         break
-                    except UnknownFactError:  # deleted meanwhile
-                        break
-                    except VersionConflictError:
-                        try:
-                            rec = await _blocking(self.registry.get, user_id, rec.fact_id)
-                        except UnknownFactError:
-                            break
         if changed and self.backends is not None:  # a failed push is repaired by the replicas' sync
             await self._push(self.backends.index_facts(user_id, changed), "index_facts (neighbour left)")
         return changed

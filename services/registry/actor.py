@@ -66,6 +66,9 @@ class ActorRegistry(Registry):
     def count(self, user_id):
         return self._call("count", user_id)
 
+    def seq_of(self, user_id, fact_id):
+        return self._call("seq_of", user_id, fact_id)
+
     def latest(self, user_id, n):
         return self._call("latest", user_id, n)
 

@@ -228,6 +228,10 @@ class Registry(ABC):
     @abstractmethod
     def count(self, user_id: str) -> int: ...
 
+    @abstractmethod
+    def seq_of(self, user_id: str, fact_id: str) -> int | None:
+        """The fact's creation sequence number (list_after's cursor), None when the user has no such fact."""
+
     def latest(self, user_id: str, n: int) -> list[FactRecord]:
         """The user's n most recently stored facts, oldest first: the neighbours a new fact is encoded behind
         (inferscale_core/defaults.py). Backends that can do it in one read override this."""

@@ -116,6 +116,12 @@ class EmbeddedRegistry(Registry):
             more = start + limit < len(ids)
             return [(self._seq[f], self._facts[f]) for f in page], (self._seq[page[-1]] if more else None)
 
+    def seq_of(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            rec = self._facts.get(fact_id)
+            return self._seq[fact_id] if rec is not None and rec.user_id == user_id else None
+
     def count(self, user_id):
         check_id("user_id", user_id)
         with self._lock:

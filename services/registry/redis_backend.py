@@ -264,6 +264,11 @@ class RedisRegistry(Registry):
         page = [(int(s), found[f.decode()]) for f, s in rows if f.decode() in found]
         return page, (int(rows[-1][1]) if more else None)
 
+    def seq_of(self, user_id, fact_id):
+        check_id("user_id", user_id)
+        seq = self.r.zscore(self._k("user", user_id, "facts"), check_id("fact_id", fact_id))
+        return None if seq is None else int(seq)
+
     def count(self, user_id):
         check_id("user_id", user_id)
         return int(self.r.zcard(self._k("user", user_id, "facts")))
