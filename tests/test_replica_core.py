@@ -758,3 +758,34 @@ def test_a_tombstone_that_cannot_be_applied_is_skipped_not_a_wedge(parts):
         assert (await answer(core, "kim", [])).fact_ids == []  # requests still work: the prefix is there
 
     run(go())
+
+
+def test_a_tombstone_names_at_most_the_last_versions_of_a_fact(parts):
+    """A fact updated many times: each tombstone makes the replica remove at most VERSIONS_NAMED versions (not every
+    version up to its own), and the held version still goes, since tombstones are applied in order."""
+    from inferscale_server.engine_replica.deletions import VERSIONS_NAMED
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "lee"
+
+    async def go():
+        core = await started(parts, registry)
+        await add(parts, registry, core, user, {"l1": "Lee sings.", "l2": "Lee skis."})
+        await answer(core, user, ["l1", "l2"])
+        sent, real = [], core.engine.delete_encoded
+
+        async def spy(user_id, kv_ids=None):
+            sent.append(list(kv_ids or []))
+            return await real(user_id, kv_ids)
+
+        core.engine.delete_encoded = spy
+        for i in range(VERSIONS_NAMED + 36):  # 100 updates, then the delete: 101 tombstones
+            registry.update(user, "l1", text=f"Lee sings, take {i}.")
+        registry.delete(user, "l1")
+        await core.watch_once()
+        assert core.counters["tombstones_applied"] == VERSIONS_NAMED + 37
+        assert max(map(len, sent)) == VERSIONS_NAMED and kv_id("l1", 1) in sent[0]
+        assert core.engine.kvs(user) == {kv_id("l2", 1)}
+
+    run(go())

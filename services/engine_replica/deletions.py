@@ -28,7 +28,12 @@ from .books import ResidentKV, UserBooks
 from .engine import ServingEngine
 
 log = logging.getLogger("inferscale.engine_replica")
-TOMBSTONE_CURSOR = "tombstones.cursor"  # in the replica's disk folder: how far it applied the registry's tombstones
+TOMBSTONE_CURSOR = "tombstones.cursor"
+# The versions of a fact a tombstone makes a replica remove: the last VERSIONS_NAMED up to its `upto`, not all of
+# them (a fact updated a million times would make every replica build and send a million ids). Enough: tombstones
+# are applied in order and each update's names the version before it, so every older version was named by an
+# earlier one (the cluster tier's remove_versions keeps the same window).
+VERSIONS_NAMED = 64  # in the replica's disk folder: how far it applied the registry's tombstones
 
 
 class Deletions:
@@ -79,7 +84,7 @@ class Deletions:
                 if self.cluster is not None:
                     await asyncio.to_thread(self.cluster.remove_user, t.user_id)
                 return
-            ids = [kv_id(t.fact_id, v) for v in range(1, t.upto + 1)]
+            ids = [kv_id(t.fact_id, v) for v in range(max(1, t.upto - VERSIONS_NAMED + 1), t.upto + 1)]
             held = self.books.book.facts.get(t.user_id, {})
             if t.fact_id in held and held[t.fact_id].version <= t.upto:  # the next request re-syncs the user
                 del held[t.fact_id]
