@@ -58,6 +58,16 @@ ENV = {"hs256_secret": "INFERSCALE_JWT_SECRET", "hs256_secret_file": "INFERSCALE
        "issuer": "INFERSCALE_JWT_ISSUER", "audience": "INFERSCALE_JWT_AUDIENCE"}
 
 
+# HS256 tokens carry an issuer and an audience too (RFC 8725 3.8, 3.9): a secret shared with another application
+# must not make that application's tokens keys here. These are the values when none is configured; `mint` (what
+# `inferscale token` prints) writes the configured ones, else these.
+HS256_DEFAULT_ISSUER = "inferscale"
+HS256_DEFAULT_AUDIENCE = "inferscale"
+# Explicit typing (RFC 8725 3.11): a token whose header names another type (an ID token's "JWT" is fine, a
+# "secevent+jwt" is not) is not an access token here. No `typ` at all is accepted: most issuers leave it out.
+ACCEPTED_TOKEN_TYPES = ("jwt", "at+jwt", "application/at+jwt")
+
+
 class AuthConfigError(ValueError):
     """The server's auth settings cannot work (no key, a short secret, an unreadable file)."""
 
@@ -98,6 +108,7 @@ class AuthConfig:
     max_token_lifetime_s: float = 24 * 3600.0  # exp - iat (or exp - now without iat); `inferscale token`: 24 h
     jwks_lifetime_s: float = 300.0         # a key removed from the JWKS stops working within this
     jwks_min_refetch_s: float = 10.0       # an unknown kid refetches the JWKS at most this often
+    jwks_allow_http: bool = False          # a plain-http JWKS URL off this machine (anyone on the path can swap keys)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "AuthConfig":
@@ -145,6 +156,11 @@ class Authenticator:
         if key_file:
             self._public_key = _load_public_key(key_file)
         jwks_url = cfg.setting("jwks_url")
+        if jwks_url and not _https_or_local(jwks_url) and not cfg.jwks_allow_http:
+            raise AuthConfigError(
+                f"the JWKS URL {jwks_url[:200]!r} is not https: anyone between this server and the identity provider "
+                "could serve their own keys. Use https (plain http is accepted only to 127.0.0.1 / localhost), or "
+                "set auth.jwks_allow_http if the network path is trusted")
         if jwks_url:
             self._jwks = JwksCache(jwks_url, lifetime_s=cfg.jwks_lifetime_s, min_refetch_s=cfg.jwks_min_refetch_s)
         if self._secret is None and self._public_key is None and self._jwks is None:
@@ -152,6 +168,9 @@ class Authenticator:
                 "authentication is on but no token key is configured: set auth.hs256_secret_file, "
                 f"${ENV['hs256_secret']}, auth.public_key_file or auth.jwks_url (or insecure_no_auth for a local demo)")
         self.issuer, self.audience = cfg.setting("issuer"), cfg.setting("audience")
+        if self._secret is not None:  # HS256: checked too, by default against the values `mint` writes
+            self.issuer = self.issuer or HS256_DEFAULT_ISSUER
+            self.audience = self.audience or HS256_DEFAULT_AUDIENCE
         if self._public_key is not None or self._jwks is not None:
             if self._secret is not None:
                 raise AuthConfigError(
@@ -222,12 +241,13 @@ class Authenticator:
 
         try:
             header = jwt.get_unverified_header(token)
+            typ = header.get("typ")
+            if typ is not None and (not isinstance(typ, str) or typ.lower() not in ACCEPTED_TOKEN_TYPES):
+                raise unauthenticated("token type (typ) is not an access token's (JWT or at+jwt)")
             key, algs = self._key_for(header, token, may_fetch)
-            public = algs != HMAC_ALGORITHMS
+            # Every key checks issuer and audience (HS256 against its defaults when none is configured).
             claims = jwt.decode(token, key, algorithms=algs, issuer=self.issuer, audience=self.audience,
-                                leeway=self.cfg.leeway_s,
-                                options={"require": ["exp", "sub", *(["iss", "aud"] if public else [])],
-                                         "verify_aud": self.audience is not None})
+                                leeway=self.cfg.leeway_s, options={"require": ["exp", "sub", "iss", "aud"]})
         except ApiError:
             raise
         except jwt.ExpiredSignatureError:
@@ -406,12 +426,18 @@ def mint(secret: bytes, subject: str, scopes=USER_SCOPES, ttl_s: float = 24 * 36
 
     check_user_id("subject", subject)
     now = int(time.time())
-    claims = {"sub": subject, "scope": " ".join(scopes), "iat": now, "exp": now + int(ttl_s)}
-    if issuer:
-        claims["iss"] = issuer
-    if audience:
-        claims["aud"] = audience
-    return jwt.encode(claims, secret, algorithm="HS256")
+    claims = {"sub": subject, "scope": " ".join(scopes), "iat": now, "exp": now + int(ttl_s),
+              # what an HS256 server checks: its configured issuer and audience, else the defaults
+              "iss": issuer or os.environ.get(ENV["issuer"]) or HS256_DEFAULT_ISSUER,
+              "aud": audience or os.environ.get(ENV["audience"]) or HS256_DEFAULT_AUDIENCE}
+    return jwt.encode(claims, secret, algorithm="HS256", headers={"typ": "JWT"})
+
+
+def _https_or_local(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.scheme == "https" or (parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1"))
 
 
 def dev_secret_path() -> Path:

@@ -169,7 +169,8 @@ def hostile_token(rng: random.Random, secret: bytes, user: str) -> str:
             header["crit"] = rng.choice([["exp"], ["b64"], ["x-unknown"], "exp", *odd])
         else:
             header[field] = rng.choice([rand_text(rng, 40), *odd])
-    claims = {"sub": user, "scope": "memory:read memory:write", "iat": now, "exp": now + 600}
+    claims = {"sub": user, "scope": "memory:read memory:write", "iat": now, "exp": now + 600,
+              "iss": "inferscale", "aud": "inferscale"}  # valid claims (auth.HS256_DEFAULT_*): the header is what varies
     head = b64(json.dumps(header).encode()) if rng.random() < 0.9 else b64(rng.randbytes(40))
     signing_input = f"{head}.{b64(json.dumps(claims).encode())}"
     sig = (hmac.new(secret, signing_input.encode(), hashlib.sha256).digest() if rng.random() < 0.5

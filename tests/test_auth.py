@@ -424,7 +424,8 @@ def test_token_command_prints_a_token_on_its_last_line(tmp_path, monkeypatch, ca
     token = capsys.readouterr().out.strip().splitlines()[-1]
     secret = (tmp_path / "dev-jwt-secret").read_bytes().strip()
     p = Authenticator(AuthConfig(hs256_secret_file=str(tmp_path / "dev-jwt-secret"))).authenticate(f"Bearer {token}")
-    assert p.subject == "erin" and not p.admin and jwt.decode(token, secret, algorithms=["HS256"])["sub"] == "erin"
+    assert p.subject == "erin" and not p.admin and jwt.decode(token, secret, algorithms=["HS256"],
+                                                                audience="inferscale")["sub"] == "erin"
     assert main(["token", "root", "--admin"]) == 0
     token = capsys.readouterr().out.strip().splitlines()[-1]
     assert Authenticator(AuthConfig(hs256_secret_file=str(tmp_path / "dev-jwt-secret"))).authenticate(
@@ -537,3 +538,44 @@ def test_the_reserved_user_id_is_refused_at_both_doors(world):
                     headers={"authorization": admin[0][1]})
     assert r.status_code == 400 and "reserved" in r.text
     assert reg.tombstones_after(cursor)[0] == []  # nothing was written
+
+
+def test_hs256_tokens_name_issuer_and_audience_and_a_type(tmp_path, monkeypatch):
+    """HS256 tokens are checked like public-key ones (RFC 8725): an issuer and an audience (the configured ones,
+    else "inferscale", what `mint` writes), and a header `typ`, when present, of an access token; a JWKS URL is
+    https (plain http only to this machine) unless explicitly allowed."""
+    from inferscale_server.auth import HS256_DEFAULT_AUDIENCE, HS256_DEFAULT_ISSUER
+
+    secret = b"s" * 40
+    (tmp_path / "secret").write_bytes(secret)
+    auth = Authenticator(AuthConfig(hs256_secret_file=str(tmp_path / "secret")))
+    now = int(time.time())
+    base = {"sub": "erin", "scope": "memory:read", "iat": now, "exp": now + 60,
+            "iss": HS256_DEFAULT_ISSUER, "aud": HS256_DEFAULT_AUDIENCE}
+
+    def code(claims, headers=None):
+        try:
+            auth.authenticate("Bearer " + jwt.encode(claims, secret, algorithm="HS256", headers=headers))
+            return "OK"
+        except ApiError as e:
+            return e.message
+
+    assert code(base) == code(base, {"typ": "JWT"}) == code(base, {"typ": "at+jwt"}) == "OK"
+    assert auth.authenticate("Bearer " + mint(secret, "erin")).subject == "erin"
+    for name, claims, headers, words in (
+            ("no issuer", {k: v for k, v in base.items() if k != "iss"}, None, "lacks the 'iss' claim"),
+            ("no audience", {k: v for k, v in base.items() if k != "aud"}, None, "lacks the 'aud' claim"),
+            ("another app's audience", {**base, "aud": "billing"}, None, "another issuer or audience"),
+            ("another issuer", {**base, "iss": "https://idp.example"}, None, "another issuer or audience"),
+            ("an event token", base, {"typ": "secevent+jwt"}, "token type"),
+            ("typ not a string", base, {"typ": 7}, "token type")):
+        assert words in code(claims, headers), name
+    configured = Authenticator(AuthConfig(hs256_secret_file=str(tmp_path / "secret"), issuer="acme", audience="mem"))
+    monkeypatch.setenv("INFERSCALE_JWT_ISSUER", "acme")
+    monkeypatch.setenv("INFERSCALE_JWT_AUDIENCE", "mem")
+    assert configured.authenticate("Bearer " + mint(secret, "erin")).subject == "erin"  # mint follows the setting
+    with pytest.raises(AuthConfigError, match="not https"):
+        Authenticator(AuthConfig(jwks_url="http://idp.example/jwks", issuer="i", audience="a"))
+    for ok in ("https://idp.example/jwks", "http://127.0.0.1:9/jwks"):
+        Authenticator(AuthConfig(jwks_url=ok, issuer="i", audience="a"))
+    Authenticator(AuthConfig(jwks_url="http://idp.example/jwks", issuer="i", audience="a", jwks_allow_http=True))
