@@ -253,11 +253,21 @@ class Mem0Extractor:
         self._lock = threading.Lock()
 
     def add(self, user_id: str, messages: list[dict], metadata: dict | None = None) -> list[dict[str, Any]]:
-        """mem0's add with inference for one user; returns mem0's events ({"id", "memory", "event"})."""
+        """mem0's add with inference for one user; returns mem0's events ({"id", "memory", "event"}).
+        mem0 keeps, in its SQLite history store, every message it was given (its next extraction for the same
+        user reads the last 10 as context) and every memory text it wrote: user text outside the registry,
+        which DeleteUser could not reach. The store is emptied after every call, so InferScale keeps no text
+        but the registry's and each call extracts from its own messages (the history Mem0's HTTP API serves is
+        the registry's)."""
+        from mem0.memory.storage import SQLiteManager
+
         with self._lock:
             self.memory.vector_store = InferScaleVectorStore(self.sink, user_id)
             try:
                 out = self.memory.add(messages, user_id=user_id, metadata=dict(metadata or {}), infer=True)
             finally:
                 self.memory.vector_store = None  # never left bound to a user between calls
+                self.memory.db.reset()  # drops the messages and history tables, then a fresh store
+                self.memory.db.close()
+                self.memory.db = SQLiteManager(":memory:")
         return list(out.get("results", []))

@@ -327,3 +327,53 @@ def test_grpc_filters_scopes_and_delete_user(core, jwt_secret):
         assert c.delete_user(user) == 3 and c.delete_user(user) == 0
     finally:
         srv.stop()
+
+
+class ScriptedSink:
+    """The extractor's FactSink over an in-process registry, with the serving LLM's answer scripted (the engine's
+    own extraction runs in test_service_e2e.py); what the test reads is mem0's history store, which is real."""
+
+    def __init__(self, answer: str):
+        self.registry, self.answer, self.prompts = EmbeddedRegistry(), answer, []
+
+    def add(self, user_id, facts):
+        return self.registry.create(user_id, facts)
+
+    def search(self, user_id, vector, k):
+        return []
+
+    def get(self, user_id, fact_id):
+        return self.registry.get(user_id, fact_id)
+
+    def list(self, user_id):
+        return self.registry.list(user_id)[0]
+
+    def update(self, user_id, fact_id, text, vector, metadata):
+        return self.registry.update(user_id, fact_id, text=text)
+
+    def delete(self, user_id, fact_id):
+        self.registry.delete(user_id, fact_id)
+
+    def chat(self, messages, max_tokens, temperature, structured):
+        self.prompts.append(json.dumps(messages))
+        return self.answer
+
+    def chat_room(self, messages):
+        return 1 << 20
+
+
+def test_the_extractor_keeps_no_text_outside_the_registry():
+    """mem0 stores every message and every memory text of an extraction in its SQLite history, and reads a user's
+    last messages into the next extraction: text DeleteUser cannot reach. After each call the store is empty, and
+    a later extraction (a user deleted and created again) is not given earlier messages."""
+    from inferscale_server.mem0_provider import Mem0Extractor
+
+    sink = ScriptedSink('{"memory": [{"text": "Lives in Oslo"}]}')
+    extractor = Mem0Extractor(sink)
+    events = extractor.add("ann", [{"role": "user", "content": "I moved to Oslo, my PIN is 4711."}])
+    assert [e["memory"] for e in events] == ["Lives in Oslo"] and sink.registry.count("ann") == 1
+    db = extractor.memory.db.connection
+    tables = {name for (name,) in db.execute("select name from sqlite_master where type = 'table'")}
+    assert all(db.execute(f"select count(*) from {t}").fetchone() == (0,) for t in tables), tables
+    extractor.add("ann", [{"role": "user", "content": "I like tea."}])
+    assert "4711" in sink.prompts[0] and "4711" not in sink.prompts[-1]
