@@ -105,3 +105,38 @@ def test_both_doors_refuse_a_caller_over_its_rate_and_serve_the_others(gateway):
     assert tokenless.status_code == 401  # authentication comes first: no bucket for a caller without a token
     assert core.caller_limits.refused["rate"] == 2
     ch.close()
+
+
+def test_one_user_takes_at_most_its_share_of_the_extraction_queue():
+    """Mem0 extraction (infer=true) runs one at a time per gateway replica with MEM0_QUEUE waiting: one user may
+    hold MEM0_PER_USER of those places; its next call is refused at once while another user's is queued."""
+    import threading
+
+    from inferscale_server.gateway.core import MEM0_PER_USER, GatewaySink
+    from inferscale_server.registry import EmbeddedRegistry
+
+    release = threading.Event()
+
+    class HeldExtraction:  # stands in for mem0's extraction (test_service_e2e.py runs the real one)
+        def add(self, user_id, messages, metadata):
+            release.wait(30)
+            return [{"id": "x", "memory": user_id, "event": "ADD"}]
+
+    async def go():
+        core = GatewayCore(EmbeddedRegistry(), auth=Authenticator.insecure())
+        core.backends = object()  # extraction needs the backends deployed; this test never reaches them
+        core._sink, core._extractor = GatewaySink(core, asyncio.get_running_loop()), HeldExtraction()
+        mine = [asyncio.create_task(core._extract("ann", [], {})) for _ in range(MEM0_PER_USER)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as e:
+            await core._extract("ann", [], {})
+        assert e.value.reason == "EXTRACTION_QUEUE_FULL" and "this user" in e.value.message and e.value.retry_after_s
+        other = asyncio.create_task(core._extract("bob", [], {}))
+        await asyncio.sleep(0.05)
+        release.set()
+        done = await asyncio.gather(*mine, other)
+        assert [d[0]["memory"] for d in done] == ["ann"] * MEM0_PER_USER + ["bob"]
+        assert not core._mem0_by_user and core._mem0_pending == 0
+        core._mem0_pool.shutdown(wait=True)
+
+    asyncio.run(go())

@@ -10,6 +10,7 @@ travels to the engine replica as an object-store reference (see serve_ingress.Se
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -79,6 +80,7 @@ class Backends(Protocol):
 
 
 MEM0_QUEUE = 8           # infer=true extractions that may wait behind the running one, per gateway replica
+MEM0_PER_USER = 2        # of those (running + waiting), one user's: no tenant takes the whole queue
 MEM0_TIMEOUT_S = 240.0   # an extraction (its wait included) stopped after this
 HEALTH_TTL_S = 5.0            # Health, Check and Watch answer a probe at most this old
 REGISTRY_FULL = "full: writes refused until facts are deleted"  # Health's registry component at Redis' maxmemory
@@ -137,6 +139,7 @@ class GatewayCore:
         # Mem0 runs one extraction at a time (its vector store is bound to the call's user): one thread of its own.
         self._mem0_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mem0-extract")
         self._mem0_pending = 0  # running + waiting
+        self._mem0_by_user: collections.Counter[str] = collections.Counter()  # running + waiting, per user
         self._health = None        # (monotonic time, HealthResponse) of the last probe
         self._health_probe = None  # the probe in flight
         self.watches = WatchSlots()
@@ -296,7 +299,13 @@ class GatewayCore:
                            f"too many AddMemory calls with infer=true in progress on this server (1 running, "
                            f"{MEM0_QUEUE} waiting); retry later, or send infer=false",
                            retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
+        if self._mem0_by_user[user_id] >= MEM0_PER_USER:
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"this user already has {MEM0_PER_USER} AddMemory calls with infer=true in progress on this "
+                           "server, the most one user may; retry when one has finished, or send infer=false",
+                           retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
         self._mem0_pending += 1
+        self._mem0_by_user[user_id] += 1
         try:
             async with self._extractor_lock:  # only while the extractor is built (once)
                 if self._extractor is None:
@@ -326,6 +335,9 @@ class GatewayCore:
                                reason="EXTRACTION_STOPPED") from None
         finally:
             self._mem0_pending -= 1
+            self._mem0_by_user[user_id] -= 1
+            if not self._mem0_by_user[user_id]:
+                del self._mem0_by_user[user_id]
 
     # ------------------------------------------------------------------------------------ RPCs
     # Each takes the raw request and the authenticated caller (None only for Health).
