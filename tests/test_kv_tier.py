@@ -280,3 +280,25 @@ def test_the_replicas_resident_kv_is_bounded_lru():
     assert (r.bytes, r.count()) == (0, 0)
     with pytest.raises(ValueError, match="KV budget"):
         ResidentKV(-1)
+
+
+def test_one_user_naming_ever_new_facts_recycles_its_own_share():
+    """Over budget, the facts of users above USER_SHARE of it leave first: a tenant whose requests name ever new
+    facts evicts its own, not the KV of the users beside it; alone, a user may still use the whole budget."""
+    from inferscale_server.engine_replica.books import USER_SHARE, ResidentKV
+
+    r = ResidentKV(budget_bytes=1000)
+    assert USER_SHARE == 0.25
+    for user in ("a", "b", "c"):
+        assert r.add(user, [(f"{user}1@v1", 100), (f"{user}2@v1", 100)]) == []
+    evicted = []
+    for i in range(50):  # the flood: 50 new facts of 100 bytes
+        evicted += r.add("flood", [(f"x{i}@v1", 100)])
+    assert {u for u, _ in evicted} == {"flood"} and r.bytes <= 1000
+    assert all(r.has(u, f"{u}{n}@v1") for u in "abc" for n in (1, 2))
+    assert r.user_bytes("flood") == 400 and r.user_bytes("a") == 200
+    alone = ResidentKV(budget_bytes=1000)
+    assert alone.add("solo", [(f"s{i}@v1", 100) for i in range(10)]) == []  # the whole budget, no one else
+    assert alone.add("solo", [("s10@v1", 100)]) == [("solo", "s0@v1")]
+    r.drop_user("flood")
+    assert r.user_bytes("flood") == 0 and r.bytes == 600

@@ -50,16 +50,24 @@ class UserBooks:
         self.maybe_on_disk.pop(user_id, None)
 
 
+# A user's fair share of a replica's resident KV: over budget, the facts of users above it leave first (their
+# least recently used), and only then the least recently used of all. A user alone may use the whole budget; one
+# whose requests name ever new facts recycles its own share instead of flushing everyone else's KV.
+USER_SHARE = 0.25
+
+
 class ResidentKV:
     """The facts this replica put into its worker store, least recently used first, and their KV bytes. Over
-    `budget_bytes` the least recently used leave (the caller deletes them from the worker store); a fact found
-    in the worker store's disk tier, whose size is not known here, counts as the average fact."""
+    `budget_bytes` facts leave (the caller deletes them from the worker store): first the least recently used of
+    users holding more than USER_SHARE of the budget, then the least recently used of all; a fact found in the
+    worker store's disk tier, whose size is not known here, counts as the average fact."""
 
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
             raise ValueError(f"the KV budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._lru: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._user_bytes: dict[str, list[int]] = {}  # user -> [KV bytes, facts] held
         self.bytes = 0
 
     def has(self, user_id: str, kv: str) -> bool:
@@ -75,21 +83,41 @@ class ResidentKV:
         for kv, nbytes in items:
             if nbytes is None:
                 nbytes = self.bytes // len(self._lru) if self._lru else 0
-            self.bytes += nbytes - self._lru.pop((user_id, kv), 0)
+            self._drop((user_id, kv))
             self._lru[(user_id, kv)] = nbytes
+            self.bytes += nbytes
+            held = self._user_bytes.setdefault(user_id, [0, 0])
+            held[0] += nbytes
+            held[1] += 1
         keep = {(user_id, kv) for kv, _ in items}
+        share = self.budget_bytes * USER_SHARE
         out = []
-        for key in list(self._lru):
-            if self.bytes <= self.budget_bytes:
-                break
-            if key not in keep:
-                self.bytes -= self._lru.pop(key)
-                out.append(key)
+        for over_share_only in (True, False):  # two passes over the LRU order: O(facts held)
+            for key in list(self._lru):
+                if self.bytes <= self.budget_bytes:
+                    return out
+                if key not in keep and (not over_share_only or self._user_bytes[key[0]][0] > share):
+                    self._drop(key)
+                    out.append(key)
         return out
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        nbytes = self._lru.pop(key, None)
+        if nbytes is None:
+            return
+        self.bytes -= nbytes
+        held = self._user_bytes[key[0]]
+        held[0] -= nbytes
+        held[1] -= 1
+        if not held[1]:
+            del self._user_bytes[key[0]]
+
+    def user_bytes(self, user_id: str) -> int:
+        return self._user_bytes.get(user_id, [0, 0])[0]
 
     def discard(self, user_id: str, kvs) -> None:
         for kv in kvs:
-            self.bytes -= self._lru.pop((user_id, kv), 0)
+            self._drop((user_id, kv))
 
     def kvs_of(self, user_id: str) -> list[str]:
         return [kv for u, kv in self._lru if u == user_id]
