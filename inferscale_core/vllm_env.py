@@ -13,7 +13,7 @@ def machine_memory_bytes() -> int:
 def serving_kv_cache_gib() -> int:
     """vLLM's CPU KV cache for `inferscale serve`: an eighth of the machine's memory, at least 1 GiB (24 GiB -> 3 GiB,
     69,900 SmolLM2 tokens at float32). The engine replica's fact tier takes a quarter, split among engine replicas
-    that split the node (inferscale_server/engine_replica.py:default_kv_budget_bytes); the rest is for the model, Ray
+    that split the node (services/engine_replica/config.py:default_kv_budget_bytes); the rest is for the model, Ray
     and the other deployments. The demo, the tests and the single-engine benchmarks keep 1 GiB (one user at a time)."""
     return max(1, round(machine_memory_bytes() / 8 / 2**30))
 

@@ -1,4 +1,4 @@
-"""Mem0's HTTP API (services/gateway/mem0_http.py) with Mem0's own client, the pinned `mem0ai` package's
+"""Mem0's HTTP API (services/gateway/mem0_http.py) with Mem0's own client, the installed `mem0ai` package's (>= 2.2, < 3)
 `MemoryClient(api_key=<InferScale token>, host=<InferScale URL>)`, unchanged, over real HTTP: the HTTP front door's
 FastAPI app in uvicorn on 127.0.0.1, a GatewayCore with JWT auth on and its registry in a real redis-server.
 
