@@ -38,6 +38,10 @@ class Limits:
     max_messages: int = 100
     max_message_chars: int = 16000
     max_window_turns: int = 16
+    max_window_chars: int = 16000          # a caller's window, all turns together: what one fact is encoded behind
+    # What one write asks the shared encoder pool to encode: the facts' texts and the windows they are encoded
+    # behind (the caller's, or the user's latest facts), ~4 characters a token: about 32 forwards of 4k tokens.
+    max_encode_chars_per_request: int = 524_288
     max_query_chars: int = 4000
     max_metadata_entries: int = 32
     max_metadata_key_chars: int = 128
@@ -393,6 +397,10 @@ def facts_in(facts, limits: Limits) -> list[FactIn]:
                           f"facts[{i}].window")
         for j, turn in enumerate(f.window):
             text_field(turn, f"facts[{i}].window[{j}]", limits.max_message_chars, required=False)
+        window_chars = sum(len(turn) for turn in f.window)
+        if window_chars > limits.max_window_chars:
+            raise too_big(f"facts[{i}].window holds {window_chars} characters, the limit is {limits.max_window_chars}",
+                          f"facts[{i}].window")
         out.append(FactIn(text.strip(), metadata(f.metadata, f"facts[{i}].metadata", limits), tuple(f.window)))
     return out
 

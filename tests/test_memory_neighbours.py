@@ -114,3 +114,22 @@ def test_a_delete_or_update_reads_the_same_few_facts_however_large_the_memory(co
         assert not any(gone in r.window or old10 in r.window for r in stored.values())
         assert [f for f in ids if f in stored and new10 in stored[f].window] == ids[11:16]
         assert {f for f in ids if f in stored and stored[f].version > 1} == {*ids[4:9], ids[10], *ids[11:16]}
+
+
+def test_what_one_write_asks_the_encoder_to_encode_is_bounded():
+    """A caller's window is at most max_window_chars, and one write at most max_encode_chars_per_request of text
+    and windows (the user's latest facts count: they are encoded again behind each new fact), refused before
+    anything is written."""
+    from inferscale_server.api import ApiError, Limits, facts_in
+
+    limits = Limits(max_encode_chars_per_request=1000, max_window_chars=300)
+    core = GatewayCore(EmbeddedRegistry(), backends=None, limits=limits, auth=Authenticator.insecure())
+    with pytest.raises(ApiError) as e:
+        facts_in([pb2.FactInput(text="x", window=["a" * 200, "b" * 101])], limits)
+    assert e.value.field == "facts[0].window" and "301 characters, the limit is 300" in e.value.message
+    _add(core, "ann", *[f"fact {i:03d} " + "y" * 40 for i in range(5)])  # 5 x 48 characters
+    with pytest.raises(ApiError) as e:  # 4 new facts of 48, each behind 5 facts of 48 (and their line marks): > 1000
+        _add(core, "ann", *[f"fact {i:03d} " + "z" * 40 for i in range(5, 9)])
+    assert "the limit per request is 1000" in e.value.message and "nothing was stored" in e.value.message
+    assert core.registry.count("ann") == 5
+    assert len(_add(core, "ann", "fact 009 " + "w" * 40)) == 1  # one fact behind 5: about 300, within the limit

@@ -204,6 +204,12 @@ class GatewayCore:
                   if any(not f.window for f in facts) else [])
         windows = default_windows([f.text for f in facts], [f.window for f in facts], stored=stored)
         facts = [dataclasses.replace(f, window=win) for f, win in zip(facts, windows)]
+        encoded = sum(len(f.text) + sum(len(turn) for turn in f.window) for f in facts)
+        if encoded > self.limits.max_encode_chars_per_request:
+            raise api.too_big(f"this write would have the encoder pool encode {encoded} characters (the facts and the "
+                              f"windows they are encoded behind), the limit per request is "
+                              f"{self.limits.max_encode_chars_per_request}: send fewer facts per request; nothing "
+                              "was stored", "facts")
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota())
