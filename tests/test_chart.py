@@ -203,6 +203,46 @@ def _env(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
+def _assert_jwt_secret_is_a_file(pod: dict, secret_name: str) -> None:
+    """The HS256 key reaches a Ray pod as a read-only file of a Secret volume, never as an environment value."""
+    container = pod["containers"][0]
+    env = _env(container)
+    assert "INFERSCALE_JWT_SECRET" not in env
+    path = env["INFERSCALE_JWT_SECRET_FILE"]["value"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "jwt-secret"]
+    assert vol["secret"]["secretName"] == secret_name and vol["secret"]["defaultMode"] == 0o440
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "jwt-secret"]
+    assert mount["readOnly"] is True and path == f"{mount['mountPath']}/secret"
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard(helm):
+    """Issue 31: non-root, RuntimeDefault seccomp, no privilege escalation, every capability dropped, no hostPath,
+    in every pod of every example layout (what the "restricted" Pod Security Standard admits)."""
+    for values_file in [None, *EXAMPLES]:
+        docs = _render(helm, "mooncake.enabled=true", "model.source=pvc", "model.pvc.claimName=models", "model.path=/models/m",
+                       "model.download.enabled=true", "model.download.repo=org/model", values_file=values_file)
+        for group, pod in _pod_specs(docs).items():
+            sc = pod["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0, (values_file, group)
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, (values_file, group)
+            assert not any("hostPath" in v for v in pod.get("volumes", [])), (values_file, group)
+            for c in pod["containers"] + pod.get("initContainers", []):
+                csc = c["securityContext"]
+                assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"] == {"drop": ["ALL"]}, \
+                    (values_file, group, c["name"])
+                assert not csc.get("privileged") and "runAsUser" not in csc or csc["runAsUser"] > 0
+
+
+def test_the_public_ingress_serves_the_api_paths_only(helm):
+    """/metrics (Prometheus scrapes the pods inside the cluster) and /version are not on the public ingress."""
+    docs = _render(helm, "ingress.enabled=true", "ingress.tls.secretName=tls", "ingress.http.host=api.example",
+                   "ingress.grpc.host=grpc.example")
+    (http,) = [d for d in docs if d["kind"] == "Ingress" and d["metadata"]["name"].endswith("-http")]
+    paths = [p["path"] for p in http["spec"]["rules"][0]["http"]["paths"]]
+    assert paths == ["/v1/", "/v2/", "/v3/", "/healthz", "/health"]
+    assert not any("/metrics".startswith(p) or "/version".startswith(p) or p == "/" for p in paths)
+
+
 def test_helm_lint_strict(helm):
     for values_file in [None, *EXAMPLES]:
         cmd = [helm, "lint", "--strict", str(CHART)] + (["-f", str(values_file)] if values_file else [])
@@ -287,7 +327,7 @@ def test_secrets_reach_the_pods_by_reference_only(helm):
         name = "REDIS_PASSWORD" if group == "redis" else "INFERSCALE_REDIS_PASSWORD"
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rel-redis-auth", "key": "password"}
         if group != "redis":
-            assert env["INFERSCALE_JWT_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "rel-jwt", "key": "secret"}
+            _assert_jwt_secret_is_a_file(pod, "rel-jwt")
             for k, v in service_app.SERVE_START_ENV.items():  # Serve's start-up timeouts, as app.py says
                 assert env[k]["value"] == v
     # your own Secrets instead: none rendered, the pods reference them
@@ -295,10 +335,12 @@ def test_secrets_reach_the_pods_by_reference_only(helm):
     assert not [d for d in docs if d["kind"] == "Secret"]
     env = _env(_pod_specs(docs)["gpu-workers"]["containers"][0])
     assert env["INFERSCALE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "my-redis"
-    assert env["INFERSCALE_JWT_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-jwt"
+    _assert_jwt_secret_is_a_file(_pod_specs(docs)["gpu-workers"], "my-jwt")
     # auth off: no JWT secret anywhere, and the Serve config says so
     docs = _render(helm, "auth.insecureNoAuth=true", release="rel")
-    assert "INFERSCALE_JWT_SECRET" not in _env(_pod_specs(docs)["ray-head"]["containers"][0])
+    head = _pod_specs(docs)["ray-head"]
+    assert not {"INFERSCALE_JWT_SECRET", "INFERSCALE_JWT_SECRET_FILE"} & set(_env(head["containers"][0]))
+    assert "jwt-secret" not in [v["name"] for v in head.get("volumes", [])]
     args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert args["auth"] == {"insecure_no_auth": True}
 
@@ -355,7 +397,7 @@ def test_kv_disk_tier_is_one_folder_per_pod(helm):
         assert mount["subPathExpr"] == "$(INFERSCALE_POD_NAME)"  # <hostPath>/<pod name>: never shared
         assert _env(c)["INFERSCALE_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-store"]
-        assert vol == {"name": "kv-store", "hostPath": {"path": "/mnt/nvme/inferscale-kv", "type": "DirectoryOrCreate"}}
+        assert vol == {"name": "kv-store", **values["kvStore"]["volume"]} and "ephemeral" in vol  # one per pod
     args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert args["kv_dir"] == values["kvStore"]["dir"]
     assert args["store_options"] == {"device_budget_bytes": 8000000000,
@@ -576,7 +618,8 @@ def test_jwks_needs_issuer_and_audience_and_mounts_no_hs256_secret(helm):
     assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-jwt")]
     for group, pod in _pod_specs(docs).items():
         if group != "redis":
-            assert "INFERSCALE_JWT_SECRET" not in _env(pod["containers"][0]), group
+            assert not {"INFERSCALE_JWT_SECRET", "INFERSCALE_JWT_SECRET_FILE"} & set(_env(pod["containers"][0])), group
+            assert "jwt-secret" not in [v["name"] for v in pod.get("volumes", [])], group
     args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert args["auth"] == {"jwks_url": "https://id.example/jwks.json", "issuer": "https://id.example",
                             "audience": "inferscale"}

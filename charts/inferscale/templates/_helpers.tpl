@@ -110,6 +110,28 @@ audience: {{ . | quote }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The "restricted" Pod Security Standard, on every pod the chart makes: a non-root user (the images' uid 1000), the
+runtime's seccomp profile, no privilege escalation, no capabilities. `inferscale.podSecurity` takes the uid/gid.
+*/}}
+{{- define "inferscale.podSecurity" -}}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: {{ .uid }}
+  runAsGroup: {{ .uid }}
+  fsGroup: {{ .uid }}
+  seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+{{- define "inferscale.containerSecurity" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  capabilities: {drop: ["ALL"]}
+{{- end -}}
+
+{{/* Where the HS256 secret is mounted in the Ray pods: a file, never an environment variable. */}}
+{{- define "inferscale.jwtSecretDir" -}}/var/run/secrets/inferscale/jwt{{- end -}}
+{{- define "inferscale.jwtSecretMounted" -}}{{ not (or .Values.auth.insecureNoAuth .Values.auth.jwksUrl) }}{{- end -}}
+
 {{- define "inferscale.modelsReadOnly" -}}
 {{- not (and (eq .Values.model.source "pvc") .Values.model.download.enabled) -}}
 {{- end -}}
@@ -133,9 +155,10 @@ are equal), the pod's name for the KV folder.
 - name: INFERSCALE_REDIS_PASSWORD
   valueFrom: {secretKeyRef: {name: {{ include "inferscale.redisSecret" . }}, key: {{ .Values.redis.auth.key }}}}
 {{- end }}
-{{- if not (or .Values.auth.insecureNoAuth .Values.auth.jwksUrl) }}
-- name: INFERSCALE_JWT_SECRET
-  valueFrom: {secretKeyRef: {name: {{ include "inferscale.jwtSecret" . }}, key: {{ .Values.auth.hs256.key }}}}
+{{- if eq (include "inferscale.jwtSecretMounted" .) "true" }}
+# The HS256 secret is a file (a Secret volume, templates/_helpers.tpl inferscale.volumes): a process that can read
+# the environment of another (ps e, /proc/<pid>/environ, a crash report) does not get the signing key.
+- {name: INFERSCALE_JWT_SECRET_FILE, value: {{ printf "%s/%s" (include "inferscale.jwtSecretDir" .) .Values.auth.hs256.key | quote }}}
 {{- end }}
 {{- range $k, $v := .Values.ray.extraEnv }}
 - {name: {{ $k }}, value: {{ $v | quote }}}
@@ -181,8 +204,16 @@ livenessProbe:
 {{/* Volumes of a Ray pod: the model PVC (all pods) and, on workers, the KV disk tier. */}}
 {{- define "inferscale.volumes" -}}
 {{- $pvc := eq .ctx.Values.model.source "pvc" -}}
-{{- if or $pvc (and .worker .ctx.Values.kvStore.volume) }}
+{{- $jwt := eq (include "inferscale.jwtSecretMounted" .ctx) "true" -}}
+{{- if or $pvc $jwt (and .worker .ctx.Values.kvStore.volume) }}
 volumes:
+{{- if $jwt }}
+  - name: jwt-secret
+    secret:
+      secretName: {{ include "inferscale.jwtSecret" .ctx }}
+      defaultMode: 0440   # group-read: the pod's fsGroup (the Ray user) reads it
+      items: [{key: {{ .ctx.Values.auth.hs256.key }}, path: {{ .ctx.Values.auth.hs256.key }}}]
+{{- end }}
 {{- if $pvc }}
   - name: models
     persistentVolumeClaim:
@@ -210,8 +241,12 @@ volumes:
 
 {{- define "inferscale.volumeMounts" -}}
 {{- $pvc := eq .ctx.Values.model.source "pvc" -}}
-{{- if or $pvc (and .worker .ctx.Values.kvStore.volume) }}
+{{- $jwt := eq (include "inferscale.jwtSecretMounted" .ctx) "true" -}}
+{{- if or $pvc $jwt (and .worker .ctx.Values.kvStore.volume) }}
 volumeMounts:
+{{- if $jwt }}
+  - {name: jwt-secret, mountPath: {{ include "inferscale.jwtSecretDir" .ctx }}, readOnly: true}
+{{- end }}
 {{- if $pvc }}
   - name: models
     mountPath: /models
@@ -253,6 +288,7 @@ replicas: {{ int .Values.mooncake.replicas }}
 - name: mooncake-segment
   image: {{ include "inferscale.image" .ctx }}
   imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+  {{- include "inferscale.containerSecurity" . | nindent 2 }}
   command: ["sh", "-c"]
   args:
     - >-
