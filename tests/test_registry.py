@@ -27,20 +27,29 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.fixture(params=["redis", "embedded", "actor"])
+@pytest.fixture(params=["redis", "cluster", "embedded", "actor"])
 def reg(request, redis_url):
-    if request.param == "redis":
-        # A fresh key prefix per test: tests share one server but never see each other's keys.
-        r = RedisRegistry(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:")
+    if request.param in ("redis", "cluster"):
+        # A fresh key prefix per test: tests share one server (or cluster) but never see each other's keys.
+        url = redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
+        r = RedisRegistry(url, prefix=f"t{uuid.uuid4().hex[:8]}:")
     elif request.param == "embedded":
         r = EmbeddedRegistry()
     else:
         ray = request.getfixturevalue("local_ray")
         r = ActorRegistry(f"reg-{uuid.uuid4().hex[:8]}")  # a fresh actor per test
     yield r
+    if request.param == "cluster":
+        assert r.cluster is True  # it did run on the cluster
     r.close()
     if request.param == "actor":
         ray.kill(r.actor)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def any_redis_url(request, redis_url):
+    """A single redis-server's URL, then a Redis Cluster node's: tests that need a URL rather than a registry."""
+    return redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
 
 
 def test_create_get_list_count(reg):
@@ -218,11 +227,18 @@ def test_caller_chosen_ids_and_duplicates(reg):
     assert r.fact_id == "f-1"
     with pytest.raises(DuplicateFactError):
         reg.create("u", [NewFact("b", fact_id="f-1")])
-    with pytest.raises(DuplicateFactError):  # taken by another user: still refused, never overwritten
-        reg.create("v", [NewFact("b", fact_id="f-1")])
+    if isinstance(reg, RedisRegistry):  # a fact id is its user's own: another user's "f-1" is another fact
+        (v,) = reg.create("v", [NewFact("b", fact_id="f-1")])
+        assert reg.get("v", "f-1").text == "b" and reg.get("u", "f-1").text == "a"
+        reg.delete("v", "f-1")
+    else:  # the in-process registries keep one space of ids: refused, never overwritten
+        with pytest.raises(DuplicateFactError):
+            reg.create("v", [NewFact("b", fact_id="f-1")])
     with pytest.raises(DuplicateFactError):
         reg.create("u", [NewFact("c", fact_id="f-2"), NewFact("d", fact_id="f-2")])
     assert reg.get("u", "f-1").text == "a" and reg.count("u") == 1
+    with pytest.raises(UnknownFactError):
+        reg.get("v", "f-1")
 
 
 def test_bad_input_is_rejected(reg):
@@ -251,7 +267,8 @@ def test_placement_map(reg):
     assert reg.placements() == {"u1": {"engine-b"}}
 
 
-def test_restart_sees_the_data(redis_url):
+def test_restart_sees_the_data(any_redis_url):
+    redis_url = any_redis_url
     prefix = f"restart{uuid.uuid4().hex[:8]}:"
     first = RedisRegistry(redis_url, prefix=prefix)
     (rec,) = first.create("u", [NewFact("survives", {"n": 1}, embedding=np.ones(3))])
@@ -407,9 +424,11 @@ def test_tombstones_are_written_with_every_delete_and_update(reg):
     assert everything == [Tombstone("old", gone=True), *want]
 
 
-def test_quota_holds_under_concurrent_writers(redis_url):
+def test_quota_holds_under_concurrent_writers(any_redis_url):
     """16 writers race to add 3 facts each under a 20-fact quota: exactly 6 requests win (18 facts), the
-    rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis)."""
+    rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis; on a cluster,
+    in the master that holds the user's slot)."""
+    redis_url = any_redis_url
     from concurrent.futures import ThreadPoolExecutor
 
     from inferscale_server.registry import Quota, QuotaExceededError, fact_bytes
