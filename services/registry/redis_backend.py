@@ -246,30 +246,25 @@ class RedisRegistry(Registry):
         def retry():
             return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
 
-        single = redis.Redis.from_url(self.url, retry=retry(), **kw)
-        cluster = False
-        if not self.url.startswith("unix://"):
+        cluster, parts = False, urlsplit(self.url)
+        if parts.scheme != "unix":  # asked of database 0: a cluster node refuses SELECT
+            probe = redis.Redis.from_url(parts._replace(path="/0").geturl(), retry=retry(), **kw)
             try:
-                cluster = int(single.info("cluster").get("cluster_enabled", 0)) == 1
+                cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
             except redis.ResponseError:  # INFO refused (a managed Redis that renames it): no cluster
                 cluster = False
-            except BaseException:
-                single.close()
-                raise
+            finally:
+                probe.close()
         if cluster:
             from redis.cluster import RedisCluster
             from redis.crc import key_slot
 
-            self._bucket_slots = [key_slot(k.encode()) for k in self._tomb_keys]
-
-            single.close()
-            url = self.url
-            parts = urlsplit(url)
             if parts.path not in ("", "/", "/0"):
-                raise ValueError(f"a Redis Cluster has only database 0: {redacted(url)!r}")
+                raise ValueError(f"a Redis Cluster has only database 0: {redacted(self.url)!r}")
+            self._bucket_slots = [key_slot(k.encode()) for k in self._tomb_keys]
             client = RedisCluster.from_url(parts._replace(path="").geturl(), retry=retry(), **kw)
         else:
-            client = single
+            client = redis.Redis.from_url(self.url, retry=retry(), **kw)
         self._scripts = {"delete_fact": client.register_script(DELETE_FACT),
                          "delete_user": client.register_script(DELETE_USER),
                          "remove_placement": client.register_script(REMOVE_PLACEMENT)}
