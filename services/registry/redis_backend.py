@@ -676,10 +676,9 @@ class RedisRegistry(Registry):
             check_id("user_id", u)
         if not user_ids:
             return []
-        with self.r.pipeline(transaction=False) as pipe:  # GETs, not one MGET: the users' keys are in many slots
-            for u in user_ids:
-                pipe.get(self._user_key(u, "ver"))
-            vers = pipe.execute()
+        keys = [self._user_key(u, "ver") for u in user_ids]
+        r = self.r  # on a cluster the users' keys are in many slots: one MGET per slot, pipelined per master
+        vers = r.mget_nonatomic(keys) if self.cluster else r.mget(keys)
         return [int(v) if v is not None else 0 for v in vers]
 
     # ------------------------------------------------------------------ placements
