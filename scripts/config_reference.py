@@ -681,6 +681,8 @@ def fixed_sections() -> list[str]:
     admission = cite("services/admission.py", "EngineAtCapacity")
     caller = cite("services/gateway/principal_limits.py", "PrincipalLimits")
     full = cite("services/api.py", "registry_full")
+    redis_cluster = cite("services/registry/redis_backend.py", "RedisRegistry._connect", "cluster_enabled")
+    buckets = cite("services/registry/redis_backend.py", "bucket_of")
     overload = cite("services/gateway/http_front.py", "is_overload")
     reasons = error_reasons()
     out = ["## Supported / not supported", "",
@@ -700,6 +702,11 @@ def fixed_sections() -> list[str]:
            "except Ray's own ports (docs/deploy.md, \"Known limits\"). Mooncake and Ray on one machine carry no "
            "authentication; on Kubernetes the chart's NetworkPolicies (`networkPolicy.*`) and KubeRay's token auth "
            "(`ray.authToken`) cover them.",
+           f"- **Redis: one server or a Redis Cluster** ({redis_cluster}): a registry URL naming any node of a "
+           "cluster (database 0) gives a cluster client; every key of a user carries its bucket's hash tag "
+           f"({buckets}), so each operation touches one slot (docs/deploy.md, \"The registry on Redis "
+           "Cluster\"). Tested on 3 masters without replicas; failover and slot migration under writes are not "
+           "tested. Redis Sentinel URLs are not supported.",
            "",
            "## Troubleshooting", "",
            f"**RESOURCE_EXHAUSTED / HTTP 429 with Retry-After: at capacity or over a caller's share.** A refusal "
@@ -747,7 +754,9 @@ def fixed_sections() -> list[str]:
             "fact's text, window and metadata, so a fact whose KV is in no tier is encoded once when a request "
             "needs it (a user's first request after an upgrade pays those encodes).",
             "- **The registry in Redis is kept across upgrades** (the chart's Redis StatefulSet and its Secret "
-            "are kept by `helm upgrade`): facts, ids, versions and history survive; only KV is rebuilt.",
+            "are kept by `helm upgrade`): facts, ids, versions and history survive; only KV is rebuilt. A "
+            "registry written before the per-bucket key layout (development builds before Redis Cluster support: "
+            "keys `fact:<id>`, `seq`, `tombstones`) is not read: start from an empty Redis or another key prefix.",
             ""]
     return out
 

@@ -254,13 +254,16 @@ REGISTRY_FULL = ApiError(grpc.StatusCode.UNAVAILABLE, "the registry (Redis) is f
 
 
 def _registry_unreachable(err: BaseException) -> bool:
-    """Redis down, refusing, or not answering in time (redis-py's ConnectionError / TimeoutError)."""
+    """Redis down, refusing, or not answering in time (redis-py's ConnectionError / TimeoutError); on a Redis
+    Cluster also a cluster that is down, a slot no master serves, or a slot being moved (TRYAGAIN)."""
     try:
+        from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
     except ImportError:
         return False
-    return isinstance(err, (RedisConnectionError, RedisTimeoutError))
+    return isinstance(err, (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError,
+                            TryAgainError))
 
 
 def registry_full(err: BaseException) -> bool:

@@ -9,9 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models and the fixture modules below
 
 # Fixtures every module may ask for by name, declared once: a redis-server (redis_url, redis_password_url), a
-# Mooncake Store (mooncake), an HS256 secret and an admin token (jwt_secret, admin_token). Their helpers
-# (token_for, refused, ...) are imported from these modules as functions.
-pytest_plugins = ("redis_fixture", "auth_fixture", "mooncake_fixture")
+# 3-master Redis Cluster (redis_cluster_url), a Mooncake Store (mooncake), an HS256 secret and an admin token
+# (jwt_secret, admin_token). Their helpers (token_for, refused, ...) are imported from these modules as functions.
+pytest_plugins = ("redis_fixture", "redis_cluster_fixture", "auth_fixture", "mooncake_fixture")
 
 
 @pytest.fixture(scope="session")

@@ -27,20 +27,29 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.fixture(params=["redis", "embedded", "actor"])
+@pytest.fixture(params=["redis", "cluster", "embedded", "actor"])
 def reg(request, redis_url):
-    if request.param == "redis":
-        # A fresh key prefix per test: tests share one server but never see each other's keys.
-        r = RedisRegistry(redis_url, prefix=f"t{uuid.uuid4().hex[:8]}:")
+    if request.param in ("redis", "cluster"):
+        # A fresh key prefix per test: tests share one server (or cluster) but never see each other's keys.
+        url = redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
+        r = RedisRegistry(url, prefix=f"t{uuid.uuid4().hex[:8]}:")
     elif request.param == "embedded":
         r = EmbeddedRegistry()
     else:
         ray = request.getfixturevalue("local_ray")
         r = ActorRegistry(f"reg-{uuid.uuid4().hex[:8]}")  # a fresh actor per test
     yield r
+    if request.param == "cluster":
+        assert r.cluster is True  # it did run on the cluster
     r.close()
     if request.param == "actor":
         ray.kill(r.actor)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def any_redis_url(request, redis_url):
+    """A single redis-server's URL, then a Redis Cluster node's: tests that need a URL rather than a registry."""
+    return redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
 
 
 def test_create_get_list_count(reg):
@@ -218,11 +227,18 @@ def test_caller_chosen_ids_and_duplicates(reg):
     assert r.fact_id == "f-1"
     with pytest.raises(DuplicateFactError):
         reg.create("u", [NewFact("b", fact_id="f-1")])
-    with pytest.raises(DuplicateFactError):  # taken by another user: still refused, never overwritten
-        reg.create("v", [NewFact("b", fact_id="f-1")])
+    if isinstance(reg, RedisRegistry):  # a fact id is its user's own: another user's "f-1" is another fact
+        (v,) = reg.create("v", [NewFact("b", fact_id="f-1")])
+        assert reg.get("v", "f-1").text == "b" and reg.get("u", "f-1").text == "a"
+        reg.delete("v", "f-1")
+    else:  # the in-process registries keep one space of ids: refused, never overwritten
+        with pytest.raises(DuplicateFactError):
+            reg.create("v", [NewFact("b", fact_id="f-1")])
     with pytest.raises(DuplicateFactError):
         reg.create("u", [NewFact("c", fact_id="f-2"), NewFact("d", fact_id="f-2")])
     assert reg.get("u", "f-1").text == "a" and reg.count("u") == 1
+    with pytest.raises(UnknownFactError):
+        reg.get("v", "f-1")
 
 
 def test_bad_input_is_rejected(reg):
@@ -251,7 +267,8 @@ def test_placement_map(reg):
     assert reg.placements() == {"u1": {"engine-b"}}
 
 
-def test_restart_sees_the_data(redis_url):
+def test_restart_sees_the_data(any_redis_url):
+    redis_url = any_redis_url
     prefix = f"restart{uuid.uuid4().hex[:8]}:"
     first = RedisRegistry(redis_url, prefix=prefix)
     (rec,) = first.create("u", [NewFact("survives", {"n": 1}, embedding=np.ones(3))])
@@ -407,9 +424,11 @@ def test_tombstones_are_written_with_every_delete_and_update(reg):
     assert everything == [Tombstone("old", gone=True), *want]
 
 
-def test_quota_holds_under_concurrent_writers(redis_url):
+def test_quota_holds_under_concurrent_writers(any_redis_url):
     """16 writers race to add 3 facts each under a 20-fact quota: exactly 6 requests win (18 facts), the
-    rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis)."""
+    rest are refused whole, and the byte counter matches the facts stored (WATCH/MULTI in Redis; on a cluster,
+    in the master that holds the user's slot)."""
+    redis_url = any_redis_url
     from concurrent.futures import ThreadPoolExecutor
 
     from inferscale_server.registry import Quota, QuotaExceededError, fact_bytes
@@ -479,3 +498,115 @@ def test_a_password_that_looks_like_an_option_still_starts_the_server():
         assert redis.Redis.from_url(url).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(url.replace("--requirepass-lookalike", "wrong")).ping()
+
+
+# ------------------------------------------------------------------------------------------ Redis Cluster
+def _cluster_nodes(url: str) -> list[str]:
+    """host:port of every node of the cluster the URL's node is in."""
+    import redis
+
+    with redis.Redis.from_url(url) as node:
+        return sorted(addr.split("@")[0] for addr in node.cluster("nodes"))
+
+
+def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cluster_url):
+    """Every key the registry writes for a user (facts, history, counters, placement, and its bucket's sequence,
+    tombstones and placed users) hashes to one slot (CLUSTER KEYSLOT on a real node); no other key is written;
+    the users' buckets spread over the 3 masters; DeleteUser leaves no key of the user but its bucket's."""
+    import redis
+
+    from inferscale_server.registry.redis_backend import bucket_of
+
+    reg = RedisRegistry(redis_cluster_url, prefix=f"slot{uuid.uuid4().hex[:8]}:")
+    users = [f"user-{i}" for i in range(40)]
+    facts = {}
+    for u in users:
+        a, b = reg.create(u, [NewFact("one"), NewFact("two")])
+        reg.update(u, a.fact_id, text="uno")  # a history entry and a tombstone
+        reg.add_placement(u, "engine-0")
+        facts[u] = [a.fact_id, b.fact_id]
+    written = set()
+    for addr in _cluster_nodes(redis_cluster_url):
+        with redis.Redis.from_url(f"redis://{addr}/0") as node:
+            written |= {k.decode() for k in node.scan_iter(match=f"{reg.prefix}*", count=1000)}
+    expected = {k for u in users for k in reg.user_keys(u, facts[u])} - {
+        reg._history_key(u, facts[u][1]) for u in users}  # the second fact was never updated: no history
+    assert written == expected  # nothing global, nothing unnamed
+    with redis.Redis.from_url(redis_cluster_url) as node:
+        for u in users[:8]:
+            slots = {node.cluster("keyslot", k) for k in reg.user_keys(u, facts[u])}
+            assert len(slots) == 1, (u, slots)
+    nodes = reg._bucket_nodes()
+    assert len({nodes[bucket_of(u)].name for u in users}) == 3  # 40 users on all 3 masters
+    assert {nodes[b].name for b in range(len(nodes))} == {n.name for n in reg.r.get_primaries()}
+    for u in users:
+        assert reg.delete_user(u) == 2
+    assert reg.placements() == {}
+    left = set()
+    for addr in _cluster_nodes(redis_cluster_url):
+        with redis.Redis.from_url(f"redis://{addr}/0") as node:
+            left |= {k.decode() for k in node.scan_iter(match=f"{reg.prefix}*", count=1000)}
+    bucket_keys = {reg._key(u, n) for u in users for n in ("seq", "tombstones")}
+    versions = {reg._user_key(u, "ver") for u in users}  # kept: replicas must still see the change
+    assert left == bucket_keys | versions
+    reg.close()
+
+
+def test_open_registry_on_any_node_of_a_cluster(redis_cluster_url):
+    """A URL naming any node reaches the whole cluster: what one node's registry writes, another's reads."""
+    prefix = f"anynode{uuid.uuid4().hex[:8]}:"
+    regs = [open_registry(f"redis://{addr}/0", prefix=prefix) for addr in _cluster_nodes(redis_cluster_url)]
+    assert len(regs) == 3
+    written = {f"u{i}": regs[i % 3].create(f"u{i}", [NewFact(f"fact of u{i}")])[0] for i in range(12)}
+    for i, (u, rec) in enumerate(written.items()):
+        reader = regs[(i + 1) % 3]
+        assert isinstance(reader, RedisRegistry) and reader.get(u, rec.fact_id).text == f"fact of {u}"
+    for r in regs:
+        r.ping()
+        assert r.cluster is True and not r.is_full()
+        r.close()
+    with pytest.raises(ValueError, match="database 0"):
+        RedisRegistry(redis_cluster_url.replace("/0", "/3")).ping()
+
+
+def test_tombstones_from_another_writer_reach_a_polling_reader(any_redis_url):
+    """An engine replica's poll: a reader at the log's end, polled while nothing moves (it then skips the masters
+    whose XADD count did not move), sees every tombstone another process writes afterwards, for users of
+    many buckets, each user's in order; an idle poll returns the same cursor. A cursor of the layout before
+    buckets (a plain stream id) and "0" read from the start."""
+    from inferscale_server.registry import Tombstone
+
+    prefix = f"poll{uuid.uuid4().hex[:8]}:"
+    writer, reader = RedisRegistry(any_redis_url, prefix=prefix), RedisRegistry(any_redis_url, prefix=prefix)
+    _, cursor = reader.tombstones_after(None)
+    for _ in range(3):
+        assert reader.tombstones_after(cursor) == ([], cursor)
+    users = [f"p{i}" for i in range(20)]
+    made = {u: writer.create(u, [NewFact("a"), NewFact("b")]) for u in users}
+    assert reader.tombstones_after(cursor) == ([], cursor)  # creates write no tombstone
+    for u in users:
+        a, b = made[u]
+        writer.update(u, a.fact_id, text="A")
+        writer.delete(u, b.fact_id)
+    writer.delete_user(users[0])
+    got, cursor2 = [], cursor
+    while True:  # in pages of 7, as a replica reads them
+        page, cursor2 = reader.tombstones_after(cursor2, limit=7)
+        if not page:
+            break
+        assert len(page) <= 7
+        got += page
+    for u in users:
+        a, b = made[u]
+        want = [Tombstone(u, a.fact_id, 1), Tombstone(u, b.fact_id, 1, gone=True)]
+        assert [t for t in got if t.user_id == u] == want + ([Tombstone(u, gone=True)] if u == users[0] else [])
+    assert len(got) == 41 and reader.tombstones_after(cursor2) == ([], cursor2)
+    (c,) = writer.create("late", [NewFact("c")])
+    writer.delete("late", c.fact_id)
+    assert reader.tombstones_after(cursor2)[0] == [Tombstone("late", c.fact_id, 1, gone=True)]
+    assert len(reader.tombstones_after("0", limit=100_000)[0]) == 42
+    assert len(reader.tombstones_after("0-0", limit=100_000)[0]) == 42  # the old layout's cursor form
+    with pytest.raises(ValueError, match="not a tombstone cursor"):
+        reader.tombstones_after("b:99999=1-0")
+    writer.close()
+    reader.close()

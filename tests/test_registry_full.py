@@ -130,16 +130,17 @@ def test_delete_and_delete_user_work_on_a_full_redis(reg, raw, margin):
     assert gone.version == 2
     with pytest.raises(UnknownFactError):
         reg.get("alice", a[0].fact_id)
-    assert not raw.exists(reg._k("history", a[0].fact_id))
+    assert not raw.exists(reg._history_key("alice", a[0].fact_id))
     assert reg.user_bytes("alice") == sum(fact_bytes(r) for r in a[1:]) and reg.count("alice") == 2
     assert reg.delete("alice", a[1].fact_id).fact_id == a[1].fact_id
     assert reg.delete_user("bob") == 5
     assert reg.count("bob") == 0 and reg.user_bytes("bob") == 0 and reg.placement("bob") == set()
-    assert not any(raw.exists(reg._fact_key(r.fact_id)) for r in b) and "bob" not in reg.placements()
+    assert not any(raw.exists(reg._fact_key("bob", r.fact_id)) for r in b) and "bob" not in reg.placements()
     assert reg.delete_user("nobody") == 0  # a user with no facts: only its tombstone is written
-    assert _tombstones(reg, cursor) == [Tombstone("alice", a[0].fact_id, 2, gone=True),
-                                        Tombstone("alice", a[1].fact_id, 1, gone=True),
-                                        Tombstone("bob", gone=True), Tombstone("nobody", gone=True)]
+    tombs = _tombstones(reg, cursor)  # in order within each user (users of other buckets may interleave)
+    assert sorted(tombs, key=lambda t: t.user_id) == [Tombstone("alice", a[0].fact_id, 2, gone=True),
+                                                      Tombstone("alice", a[1].fact_id, 1, gone=True),
+                                                      Tombstone("bob", gone=True), Tombstone("nobody", gone=True)]
     assert [r.fact_id for r in reg.list("alice")[0]] == [a[2].fact_id]
     assert reg.user_versions(["alice", "bob"]) == [versions[0] + 2, versions[1] + 1]  # replicas see the change
 
@@ -225,3 +226,43 @@ def test_health_reports_a_full_registry_and_the_grpc_api_answers_unavailable(reg
         srv.stop()
     embedded = asyncio.run(GatewayCore(EmbeddedRegistry(), auth=Authenticator.insecure()).Health(b""))
     assert embedded.components["registry"] == "ok"
+
+
+def test_delete_and_delete_user_work_on_a_full_master_of_a_cluster(redis_cluster_url):
+    """On a Redis Cluster: the master that holds two users' buckets over its maxmemory refuses their creates and
+    updates as REGISTRY_FULL, and deletes and DeleteUser (Lua scripts whose fact keys are in the users' slot) still
+    work there, with their tombstones; Health's is_full sees the one full master."""
+    from inferscale_server.registry.redis_backend import bucket_of
+
+    reg = RedisRegistry(redis_cluster_url, prefix=f"fullc{uuid.uuid4().hex[:8]}:")
+    nodes = reg._bucket_nodes()
+    alice = "alice"
+    bob = next(u for u in (f"bob{i}" for i in range(1000)) if nodes[bucket_of(u)].name == nodes[bucket_of(alice)].name)
+    master = nodes[bucket_of(alice)]
+    a = reg.create(alice, _facts(3))
+    reg.update(alice, a[0].fact_id, text="a changed text that leaves the first one in the history")
+    b = reg.create(bob, _facts(5))
+    reg.add_placement(bob, "replica-0")
+    cursor = reg.tombstones_after(None)[1]
+    raw = redis.Redis(host=master.host, port=master.port)
+    raw.config_set("maxmemory-policy", "noeviction")
+    try:
+        raw.config_set("maxmemory", _used(raw) - (64 << 10))  # over the limit: even a DEL in a MULTI is refused
+        assert reg.is_full()
+        refused_as_full(lambda: reg.create(alice, _facts(1)))
+        refused_as_full(lambda: reg.update(alice, a[1].fact_id, text="another text"))
+        assert reg.delete(alice, a[0].fact_id).version == 2
+        assert not raw.exists(reg._history_key(alice, a[0].fact_id), reg._fact_key(alice, a[0].fact_id))
+        assert reg.user_bytes(alice) == sum(fact_bytes(r) for r in a[1:]) and reg.count(alice) == 2
+        assert reg.delete_user(bob) == 5
+        assert reg.count(bob) == 0 and reg.user_bytes(bob) == 0 and reg.placement(bob) == set()
+        assert not any(raw.exists(reg._fact_key(bob, r.fact_id)) for r in b) and bob not in reg.placements()
+        tombs = _tombstones(reg, cursor)
+        assert sorted(tombs, key=lambda t: t.user_id) == [Tombstone(alice, a[0].fact_id, 2, gone=True),
+                                                          Tombstone(bob, gone=True)]
+    finally:
+        raw.config_set("maxmemory", 0)
+        raw.close()
+    assert not reg.is_full()
+    reg.delete_user(alice)
+    reg.close()

@@ -25,7 +25,8 @@ class VersionConflictError(InferScaleError):
 
 
 class DuplicateFactError(InferScaleError):
-    """A caller-chosen fact id that is already taken (by this user or another one)."""
+    """A caller-chosen fact id that is already taken. RedisRegistry: by this user (a fact id is its user's own);
+    the in-process registries (EmbeddedRegistry, ActorRegistry) keep one space of ids: by any user."""
 
 
 class QuotaExceededError(InferScaleError):

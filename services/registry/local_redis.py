@@ -61,6 +61,78 @@ def local_redis_server(password: str | None = None, start_timeout_s: float = 10.
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def free_cluster_port() -> int:
+    """A free loopback port P with P + 10000 free too (a cluster node's bus port; Redis 6 has no --cluster-port)
+    and P <= 55535, which Redis requires of a cluster node."""
+    import random
+
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+@contextlib.contextmanager
+def local_redis_cluster(masters: int = 3, start_timeout_s: float = 20.0, exe: str | None = None):
+    """A Redis Cluster of `masters` redis-servers (no replicas, no persistence) on free loopback ports, its slots
+    split evenly between them; yields the URL of its first node (any node's URL reaches the whole cluster).
+    Stopped and its folder removed on exit."""
+    exe = exe or shutil.which("redis-server")
+    if exe is None:
+        raise RedisServerMissing("redis-server is not on PATH")
+    import redis
+
+    workdir = tempfile.mkdtemp(prefix="inferscale-redis-cluster-")
+    ports, procs = [free_cluster_port() for _ in range(masters)], []
+    try:
+        for port in ports:
+            procs.append(subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", workdir, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                 "--cluster-node-timeout", "5000"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + start_timeout_s
+        nodes = []
+        for port, proc in zip(ports, procs):
+            node = redis.Redis(host="127.0.0.1", port=port)
+            while True:
+                try:
+                    node.ping()
+                    break
+                except redis.ConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server did not start on port {port} (exit {proc.poll()})") from None
+                    time.sleep(0.05)
+            nodes.append(node)
+        # By hand rather than `redis-cli --cluster create` (no redis-cli needed): each node takes its share of the
+        # 16384 slots, then meets the first one; gossip does the rest.
+        for i, node in enumerate(nodes):
+            lo, hi = 16384 * i // masters, 16384 * (i + 1) // masters - 1
+            node.execute_command("CLUSTER ADDSLOTS", *range(lo, hi + 1))
+            if i:
+                node.execute_command("CLUSTER MEET", "127.0.0.1", ports[0])
+        while True:
+            infos = [n.cluster("info") for n in nodes]  # parsed by redis-py: {"cluster_state": "ok", ...}
+            if all(i.get("cluster_state") == "ok" and int(i.get("cluster_known_nodes", 0)) == masters
+                   and int(i.get("cluster_slots_ok", 0)) == 16384 for i in infos):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Redis Cluster on ports {ports} did not come up: {infos}")
+            time.sleep(0.05)
+        for node in nodes:
+            node.close()
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        for proc in procs:
+            stop_process(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def stop_process(proc: subprocess.Popen) -> None:
     """Stops a throwaway server: terminate, then kill after 10 s."""
     if proc.poll() is None:

@@ -1,10 +1,18 @@
 """RedisRegistry: the deployment backend. Every replica of every deployment sees the same data, and it survives
 process restarts. Multi-key changes are WATCH/MULTI transactions, retried when a watched key moved, so
-quotas hold under concurrent writers; deletes are Lua scripts, so that they work on a full Redis (DELETE_FACT)."""
+quotas hold under concurrent writers; deletes are Lua scripts, so that they work on a full Redis (DELETE_FACT).
+
+The same code runs on one Redis and on a Redis Cluster (detected at the first call: `INFO cluster` on the node the
+URL names). Every key of a user carries the hash tag of the user's bucket, `{b<N>}` (N = bucket_of(user_id), one of
+BUCKETS), so every command, transaction and script of one operation touches one hash slot, as a cluster requires;
+nothing on a write path is global (the creation sequence, the tombstone log and the set of placed users are per
+bucket). Data written by the layout before buckets (global `fact:{id}`, `seq`, `tombstones`) is not read."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -32,11 +40,30 @@ CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
 SOCKET_TIMEOUT_S = 2.0    # a command (or a new connection's handshake) without an answer: half-open, stalled
 RETRIES = 1               # connection/timeout errors retried this often (with backoff) before they are raised
 
+# Users are grouped into BUCKETS by a stable hash of their id (bucket_of); a bucket's keys share one hash tag, so on
+# a Redis Cluster they live in one slot, and the buckets spread over the masters. Per-bucket rather than per-user
+# keys for what readers scan (the tombstone log, the placed users): a reader reads BUCKETS streams, not one per
+# user. Changing BUCKETS moves every user to another bucket: existing data would no longer be found.
+BUCKETS = 1024
+# Each bucket's tombstone stream is capped at this many entries (approximately: MAXLEN ~), so the whole log holds at
+# most about 2 x TOMBSTONES_KEPT; a replica down for more deletes than this in one bucket misses the oldest of them.
+TOMBSTONES_PER_BUCKET = max(1000, 2 * TOMBSTONES_KEPT // BUCKETS)
+# tombstones_after reads at most this many entries of one bucket per call (then the caller reads again), so a
+# reader far behind on many buckets does not fetch BUCKETS x limit entries at once.
+TOMBSTONES_READ_PER_BUCKET = 128
+TOMBSTONES_FULL_READ_S = 30.0  # tombstones_after reads every bucket at least this often (see there)
+CURSOR_TAG = "b:"  # a tombstone cursor: "b:" then "bucket=last-id" for the buckets read so far, comma-separated
+
 # The registry counts as full (Registry.is_full: Health says so) this close to Redis' maxmemory: a write is refused
 # when used memory with the write's own request buffered passes maxmemory, and a refused MULTI is dropped whole, so
 # a Redis that refuses creates can sit below maxmemory (redis 6.2: by 23 KB after a refused 8-fact create). One
-# request is at most 1 MiB (api.Limits.max_request_bytes).
+# request is at most 1 MiB (api.Limits.max_request_bytes). On a cluster: any master that close.
 FULL_WITHIN_BYTES = 1 << 20
+
+
+def bucket_of(user_id: str) -> int:
+    """The user's bucket: a stable hash of its id (the same in every process and release; not Python's hash())."""
+    return int.from_bytes(hashlib.sha1(user_id.encode()).digest()[:8], "big") % BUCKETS
 
 # Deletes are Lua scripts, not WATCH/MULTI transactions, so that they work on a full Redis (maxmemory reached,
 # policy noeviction, as the chart ships it): that is when a user or an operator deletes facts to free space.
@@ -73,8 +100,11 @@ redis.call('INCR', KEYS[7])
 return 1
 """
 # The fact and history keys of the user's facts are built in the script from their prefixes (the ids are read
-# there, in the same atomic step), not passed as KEYS: fine on the one standalone Redis the registry runs on
-# (its transactions span keys of any hash slot already; Redis Cluster is not supported).
+# there, in the same atomic step), not passed as KEYS. On a Redis Cluster a script may touch only keys of the node
+# it runs on, and (Redis 7, a script without flags) of the slot of its declared KEYS: these keys carry the user's
+# bucket tag, as the declared ones do, so they are in the same slot (tests/test_registry.py checks it on a real
+# cluster). What this relies on is Redis running a script that names keys it was not given, in the slot of the
+# ones it was: every Redis does (only the scripting docs' advice is stricter).
 DELETE_USER = """
 -- KEYS: user's facts (zset), user bytes, user kv bytes, placement, placed users, tombstones, user version
 -- ARGV: user_id, fact key prefix, history key prefix, tombstones kept
@@ -90,6 +120,16 @@ return #ids
 """
 
 
+# Atomic, so that a concurrent add_placement cannot leave a placed user out of its bucket's set of placed users.
+REMOVE_PLACEMENT = """
+-- KEYS: placement, placed users (the bucket's)   ARGV: replica id, user_id
+redis.call('SREM', KEYS[1], ARGV[1])
+if redis.call('SCARD', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[2], ARGV[2])
+end
+return 1
+"""
+
 def redacted(url: str) -> str:
     """The URL with its password replaced, for logs and banners."""
     parts = urlsplit(url)
@@ -98,49 +138,173 @@ def redacted(url: str) -> str:
     return url.replace(f":{parts.password}@", ":***@", 1)
 
 
+def _entry_order(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> str:
+    """The smallest stream id after `entry_id` ("ms-seq"): XRANGE from it reads what follows (any Redis version;
+    the exclusive "(" start needs 6.2)."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}" if int(seq or 0) < (1 << 64) - 1 else f"{int(ms) + 1}-0"
+
+
+def encode_cursor(last: dict[int, str]) -> str:
+    """A tombstone cursor: the last entry id read of each bucket read so far (the others: from their start)."""
+    return CURSOR_TAG + ",".join(f"{b}={last[b]}" for b in sorted(last))
+
+
+def decode_cursor(cursor: str) -> dict[int, str]:
+    """bucket -> last entry id read. Also takes "0" (the beginning) and a plain stream id, the cursor of the layout
+    before buckets (a replica's saved cursor): every bucket from that id on."""
+    def stream_id(s: str) -> str:
+        ms, dash, seq = s.partition("-")
+        if not ms.isdigit() or (dash and not seq.isdigit()):
+            raise ValueError(f"not a tombstone cursor: {cursor[:80]!r}")
+        return s
+
+    if cursor.startswith(CURSOR_TAG):
+        out = {}
+        for part in filter(None, cursor[len(CURSOR_TAG):].split(",")):
+            b, eq, eid = part.partition("=")
+            if not eq or not b.isdigit() or not 0 <= int(b) < BUCKETS:
+                raise ValueError(f"not a tombstone cursor: {cursor[:80]!r}")
+            out[int(b)] = stream_id(eid)
+        return out
+    if cursor in ("0", "0-0"):
+        return {}
+    return dict.fromkeys(range(BUCKETS), stream_id(cursor))
+
+
 class RedisRegistry(Registry):
-    """Keys (all under `prefix`):
-      fact:{fact_id}        hash  user_id, text, metadata (JSON), version, created_at, updated_at, embedding,
-                                  window (JSON), unservable (reason; empty when servable), kv_bytes
-      history:{fact_id}     list  the fact's earlier versions (FactVersion JSON), oldest first, at most MAX_HISTORY
-      user:{user_id}:facts  zset  fact_id -> creation sequence (stable listing order)
-      user:{user_id}:bytes  int   fact_bytes of the user's facts plus their history's bytes (the byte quota)
-      user:{user_id}:kvbytes int  kv_bytes of the user's facts (the KV quota)
-      tombstones            stream  user, fact, upto, gone: KV to remove from every tier (base.Tombstone), capped at
-                                  TOMBSTONES_KEPT entries
-      user:{user_id}:ver    int   the user's change counter
-      placement:{user_id}   set   engine replica ids
-      placed_users          set   users with a non-empty placement
-      seq                   int   global creation sequence
+    """Keys, all under `prefix` and then the user's bucket tag T = `{b<N>}` (N = bucket_of(user_id)):
+      T:fact/{user_id}/{fact_id}     hash  user_id, text, metadata (JSON), version, created_at, updated_at,
+                                           embedding, window (JSON), unservable (reason; empty when servable),
+                                           kv_bytes
+      T:history/{user_id}/{fact_id}  list  the fact's earlier versions (FactVersion JSON), oldest first, at most
+                                           MAX_HISTORY
+      T:user/{user_id}/facts    zset  fact_id -> creation sequence (stable listing order, list_after's cursor)
+      T:user/{user_id}/bytes    int   fact_bytes of the user's facts plus their history's bytes (the byte quota)
+      T:user/{user_id}/kvbytes  int   kv_bytes of the user's facts (the KV quota)
+      T:user/{user_id}/ver      int   the user's change counter
+      T:placement/{user_id}     set   engine replica ids
+    and per bucket (shared by the bucket's users):
+      T:seq         int     the bucket's creation sequence (monotonic per bucket: a cursor is only compared
+                            within one user)
+      T:tombstones  stream  user, fact, upto, gone: KV to remove from every tier (base.Tombstone), capped at
+                            TOMBSTONES_PER_BUCKET entries; tombstones_after reads every bucket's
+      T:placed      set     the bucket's users with a non-empty placement
+    Ids cannot hold "/" (check_id), so the names are unambiguous; a fact id is the user's own (the fact's key
+    names its user): another user's fact of the same id is another fact, and never found for this user.
 
     The password comes from the URL (`redis://:PASSWORD@host:port/0`) or, when the URL has none, from
     $INFERSCALE_REDIS_PASSWORD, so a Kubernetes Secret can supply it without it appearing in any config.
+    A URL naming any node of a Redis Cluster gives a cluster client (redis.cluster.RedisCluster), found out at the
+    first call, so that constructing a registry never waits for Redis.
     """
 
     def __init__(self, url: str, prefix: str = "inferscale:"):
-        import redis
-
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"a registry key prefix must not contain braces (the hash tag is the bucket's): "
+                             f"{prefix!r}")
         self.url, self.prefix = url, prefix
-        kw = {}
-        if urlsplit(url).password is None and os.environ.get(PASSWORD_ENV):
-            kw["password"] = os.environ[PASSWORD_ENV]
+        self.cluster: bool | None = None  # known after the first call
+        self._client = None
+        self._scripts: dict = {}
+        self._connecting = threading.Lock()
+        self._tomb_keys = [self._bucket_key(b, "tombstones") for b in range(BUCKETS)]
+        self._tomb_bucket = {k.encode(): b for b, k in enumerate(self._tomb_keys)}
+        self._bucket_slots: list[int] = []  # a cluster: each bucket's hash slot (its keys share one)
+        # tombstones_after's last read to the end: (its cursor, {bucket: (master, its XADD count)}, when)
+        self._hint: tuple = ("", {}, 0.0)
+
+    # ------------------------------------------------------------------ the client
+    @property
+    def r(self):
+        """redis.Redis, or redis.cluster.RedisCluster when the URL names a cluster node; made at the first call."""
+        if self._client is None:
+            with self._connecting:
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
+
+    def _connect(self):
+        import redis
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
+        kw = {}
+        if urlsplit(self.url).password is None and os.environ.get(PASSWORD_ENV):
+            kw["password"] = os.environ[PASSWORD_ENV]
         # Bounded waits: a Redis that is down or a half-open connection fails a call within
         # (1 + RETRIES) * (CONNECT_TIMEOUT_S + 2 * SOCKET_TIMEOUT_S) = 10 s (UNAVAILABLE at the API) instead of
         # blocking a thread, and with it a user's lock, for minutes. The pool reconnects once Redis is back.
-        self.r = redis.Redis.from_url(url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                      socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=15,
-                                      retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES), **kw)
-        self._delete_fact, self._delete_user = self.r.register_script(DELETE_FACT), self.r.register_script(DELETE_USER)
+        kw.update(decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S,
+                  health_check_interval=15)
 
-    def _k(self, *parts: str) -> str:
-        return self.prefix + ":".join(parts)
+        def retry():
+            return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
 
-    def _fact_key(self, fact_id: str) -> str:
-        return self._k("fact", fact_id)
+        cluster, parts = False, urlsplit(self.url)
+        if parts.scheme != "unix":  # asked of database 0: a cluster node refuses SELECT
+            probe = redis.Redis.from_url(parts._replace(path="/0").geturl(), retry=retry(), **kw)
+            try:
+                cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+            except redis.ResponseError:  # INFO refused (a managed Redis that renames it): no cluster
+                cluster = False
+            finally:
+                probe.close()
+        if cluster:
+            from redis.cluster import RedisCluster
+            from redis.crc import key_slot
 
+            if parts.path not in ("", "/", "/0"):
+                raise ValueError(f"a Redis Cluster has only database 0: {redacted(self.url)!r}")
+            self._bucket_slots = [key_slot(k.encode()) for k in self._tomb_keys]
+            client = RedisCluster.from_url(parts._replace(path="").geturl(), retry=retry(), **kw)
+        else:
+            client = redis.Redis.from_url(self.url, retry=retry(), **kw)
+        self._scripts = {"delete_fact": client.register_script(DELETE_FACT),
+                         "delete_user": client.register_script(DELETE_USER),
+                         "remove_placement": client.register_script(REMOVE_PLACEMENT)}
+        self.cluster = cluster
+        return client
+
+    def _script(self, name: str, keys, args):
+        self.r  # noqa: B018 - connects (and registers the scripts) on the first call
+        return self._scripts[name](keys=keys, args=args)
+
+    def _delete_fact(self, keys, args):  # a method of its own: tests/test_registry_full.py races it
+        return self._script("delete_fact", keys, args)
+
+    # ------------------------------------------------------------------ keys
+    def _bucket_key(self, bucket: int, name: str) -> str:
+        return f"{self.prefix}{{b{bucket}}}:{name}"
+
+    def _key(self, user_id: str, name: str) -> str:
+        return self._bucket_key(bucket_of(user_id), name)
+
+    def _user_key(self, user_id: str, kind: str) -> str:
+        """kind: facts, bytes, kvbytes, ver"""
+        return self._key(user_id, f"user/{user_id}/{kind}")
+
+    def _fact_key(self, user_id: str, fact_id: str) -> str:
+        return self._key(user_id, f"fact/{user_id}/{fact_id}")
+
+    def _history_key(self, user_id: str, fact_id: str) -> str:
+        return self._key(user_id, f"history/{user_id}/{fact_id}")
+
+    def _placement_key(self, user_id: str) -> str:
+        return self._key(user_id, f"placement/{user_id}")
+
+    def user_keys(self, user_id: str, fact_ids=()) -> list[str]:
+        """Every key the registry may write for the user and these facts (one hash slot; what the tests check)."""
+        return [*(self._user_key(user_id, k) for k in ("facts", "bytes", "kvbytes", "ver")),
+                self._placement_key(user_id), *(self._key(user_id, n) for n in ("seq", "tombstones", "placed")),
+                *(k for f in fact_ids for k in (self._fact_key(user_id, f), self._history_key(user_id, f)))]
+
+    # ------------------------------------------------------------------ records
     def _record(self, fact_id: str, h: dict) -> FactRecord:
         emb = h.get(b"embedding")
         return FactRecord(
@@ -164,21 +328,23 @@ class RedisRegistry(Registry):
         return self._record(fact_id, h)
 
     def _tomb(self, pipe, t: Tombstone) -> None:
-        """Queues the tombstone in the transaction `pipe` (after pipe.multi())."""
-        pipe.xadd(self._k("tombstones"), {"user": t.user_id, "fact": t.fact_id, "upto": t.upto, "gone": int(t.gone)},
-                  maxlen=TOMBSTONES_KEPT, approximate=True)
+        """Queues the tombstone in the transaction `pipe` (after pipe.multi()), in the user's bucket's stream."""
+        pipe.xadd(self._key(t.user_id, "tombstones"),
+                  {"user": t.user_id, "fact": t.fact_id, "upto": t.upto, "gone": int(t.gone)},
+                  maxlen=TOMBSTONES_PER_BUCKET, approximate=True)
 
     def _transaction(self, keys: list[str], body):
         """Runs body(pipe) under WATCH keys until no watched key moved in between; returns its result.
-        body reads through `pipe` (immediate mode), then calls pipe.multi() and queues its writes."""
+        body reads through `pipe` (immediate mode), then calls pipe.multi() and queues its writes. The keys and
+        everything body touches are one user's: one hash slot (a cluster's transactions need that)."""
         import redis
 
-        with self.r.pipeline() as pipe:
+        with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(*keys)
                     out = body(pipe)
-                    if pipe.explicit_transaction:
+                    if len(pipe):  # writes queued after multi()
                         pipe.execute()
                     else:
                         pipe.unwatch()
@@ -186,16 +352,84 @@ class RedisRegistry(Registry):
                 except redis.WatchError:
                     continue
 
+    def _bucket_nodes(self) -> list:
+        """The master that holds each bucket's slot (a cluster; from redis-py's slot map), or [None] * BUCKETS."""
+        r = self.r
+        if not self.cluster:
+            return [None] * BUCKETS
+        cache = r.nodes_manager.slots_cache  # slot -> [primary, replicas...]: read directly, get_node_from_slot is
+        return [cache[slot][0] if cache.get(slot) else r.nodes_manager.get_node_from_slot(slot)  # slow (~5 us)
+                for slot in self._bucket_slots]
+
+    def _per_bucket(self, name: str, queue, buckets=None) -> dict:
+        """queue(pipe, key) queues one read of a bucket's key `name`, for each of `buckets` (None: all); returns
+        bucket -> answer. One pipeline on a single Redis. On a cluster one plain pipeline per master with its
+        buckets, sent by hand: redis-py's cluster pipeline spends about 0.15 ms of Python on each command, too much
+        for BUCKETS of them. A topology change meanwhile (MOVED, a master gone) falls back to the cluster
+        pipeline, which follows it."""
+        import redis
+        from redis.exceptions import RedisClusterException
+
+        buckets = range(BUCKETS) if buckets is None else list(buckets)
+        r, out = self.r, {}
+        if self.cluster:
+            try:
+                nodes, groups = self._bucket_nodes(), {}
+                for b in buckets:
+                    groups.setdefault(nodes[b].name, (nodes[b], []))[1].append(b)
+                for node, group in groups.values():
+                    with r.get_redis_connection(node).pipeline(transaction=False) as pipe:
+                        for b in group:
+                            queue(pipe, self._bucket_key(b, name))
+                        out.update(zip(group, pipe.execute()))
+                return out
+            except (redis.ResponseError, redis.ConnectionError, redis.TimeoutError, RedisClusterException):
+                out = {}  # the cluster pipeline below follows redirections and refreshes the slot map
+        with r.pipeline(transaction=False) as pipe:
+            for b in buckets:
+                queue(pipe, self._bucket_key(b, name))
+            out.update(zip(buckets, pipe.execute()))
+        return out
+
+    def _xadd_calls(self) -> dict:
+        """node name -> (its run id, how many XADDs it has run: INFO commandstats, in scripts and MULTI too): the
+        same pair after a read of its buckets' streams means no tombstone was added there since (the run id
+        changes when the node restarts and its counts start again). {} when INFO is refused."""
+        import redis
+
+        def ask(client) -> tuple:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.info("server")
+                pipe.info("commandstats")
+                server, stats = pipe.execute()
+            return server.get("run_id"), stats.get("cmdstat_xadd", {}).get("calls", 0)
+
+        r = self.r
+        try:
+            if not self.cluster:
+                return {None: ask(r)}
+            return {node.name: ask(r.get_redis_connection(node)) for node in r.get_primaries()}
+        except redis.ResponseError:
+            return {}
+
+    def _hgetall_many(self, user_id: str, fact_ids: list[str]) -> list[dict]:
+        with self.r.pipeline(transaction=False) as pipe:
+            for f in fact_ids:
+                pipe.hgetall(self._fact_key(user_id, f))
+            return pipe.execute()
+
+    # ------------------------------------------------------------------ facts
     def create(self, user_id, facts, quota=None):
         recs = self._new_records(user_id, facts, time.time())
         if not recs:
             return []
-        keys = [self._fact_key(r.fact_id) for r in recs]
-        facts_key, bytes_key = self._k("user", user_id, "facts"), self._k("user", user_id, "bytes")
-        kv_key = self._k("user", user_id, "kvbytes")
+        keys = [self._fact_key(user_id, r.fact_id) for r in recs]
+        facts_key, bytes_key = self._user_key(user_id, "facts"), self._user_key(user_id, "bytes")
+        kv_key = self._user_key(user_id, "kvbytes")
         added, added_kv = sum(fact_bytes(r) for r in recs), sum(r.kv_bytes for r in recs)
-        # Creation sequence numbers first (gaps are harmless), then facts + listing + counters in one MULTI.
-        first = int(self.r.incrby(self._k("seq"), len(recs))) - len(recs) + 1
+        # Creation sequence numbers first (the bucket's; gaps are harmless), then facts + listing + counters in one
+        # MULTI.
+        first = int(self.r.incrby(self._key(user_id, "seq"), len(recs))) - len(recs) + 1
 
         def body(pipe):
             taken = [r.fact_id for r, k in zip(recs, keys) if pipe.exists(k)]  # never overwrite a fact
@@ -209,7 +443,7 @@ class RedisRegistry(Registry):
             pipe.zadd(facts_key, {r.fact_id: first + i for i, r in enumerate(recs)})
             pipe.incrby(bytes_key, added)
             pipe.incrby(kv_key, added_kv)
-            pipe.incr(self._k("user", user_id, "ver"))
+            pipe.incr(self._user_key(user_id, "ver"))
 
         self._transaction([*keys, facts_key, bytes_key, kv_key], body)
         return recs
@@ -217,16 +451,13 @@ class RedisRegistry(Registry):
     def get(self, user_id, fact_id):
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
-        return self._owned(user_id, fact_id, self.r.hgetall(self._fact_key(fact_id)))
+        return self._owned(user_id, fact_id, self.r.hgetall(self._fact_key(user_id, fact_id)))
 
     def get_many(self, user_id, fact_ids):
         check_id("user_id", user_id)
         for f in fact_ids:
             check_id("fact_id", f)
-        with self.r.pipeline(transaction=False) as pipe:
-            for f in fact_ids:
-                pipe.hgetall(self._fact_key(f))
-            rows = pipe.execute()
+        rows = self._hgetall_many(user_id, fact_ids) if fact_ids else []
         return [self._owned(user_id, f, h) for f, h in zip(fact_ids, rows)]
 
     def find_many(self, user_id, fact_ids):
@@ -235,10 +466,7 @@ class RedisRegistry(Registry):
             check_id("fact_id", f)
         if not fact_ids:
             return {}
-        with self.r.pipeline(transaction=False) as pipe:
-            for f in fact_ids:
-                pipe.hgetall(self._fact_key(f))
-            rows = pipe.execute()
+        rows = self._hgetall_many(user_id, fact_ids)
         return {f: self._record(f, h) for f, h in zip(fact_ids, rows) if h and h[b"user_id"].decode() == user_id}
 
     def list(self, user_id, offset=0, limit=None):
@@ -246,7 +474,7 @@ class RedisRegistry(Registry):
         if offset < 0 or (limit is not None and limit < 1):
             raise ValueError(f"bad page: offset={offset}, limit={limit}")
         end = -1 if limit is None else offset + limit  # one extra to know whether more follow
-        ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), offset, end)]
+        ids = [x.decode() for x in self.r.zrange(self._user_key(user_id, "facts"), offset, end)]
         more = limit is not None and len(ids) > limit
         ids = ids[:limit] if limit is not None else ids
         recs = self.get_many(user_id, ids) if ids else []
@@ -257,7 +485,7 @@ class RedisRegistry(Registry):
         if after < 0 or limit < 1:
             raise ValueError(f"bad page: after={after}, limit={limit}")
         # One extra to know whether more follow; the score is the creation sequence (exclusive lower bound).
-        rows = self.r.zrangebyscore(self._k("user", user_id, "facts"), f"({after}", "+inf", start=0, num=limit + 1,
+        rows = self.r.zrangebyscore(self._user_key(user_id, "facts"), f"({after}", "+inf", start=0, num=limit + 1,
                                     withscores=True)
         more, rows = len(rows) > limit, rows[:limit]
         found = self.find_many(user_id, [f.decode() for f, _ in rows])  # one deleted in between is left out
@@ -266,46 +494,87 @@ class RedisRegistry(Registry):
 
     def seq_of(self, user_id, fact_id):
         check_id("user_id", user_id)
-        seq = self.r.zscore(self._k("user", user_id, "facts"), check_id("fact_id", fact_id))
+        seq = self.r.zscore(self._user_key(user_id, "facts"), check_id("fact_id", fact_id))
         return None if seq is None else int(seq)
 
     def count(self, user_id):
         check_id("user_id", user_id)
-        return int(self.r.zcard(self._k("user", user_id, "facts")))
+        return int(self.r.zcard(self._user_key(user_id, "facts")))
 
     def latest(self, user_id, n):
         check_id("user_id", user_id)
         if n <= 0:
             return []
-        ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), -n, -1)]
+        ids = [x.decode() for x in self.r.zrange(self._user_key(user_id, "facts"), -n, -1)]
         found = self.find_many(user_id, ids)  # one deleted in between is left out
         return [found[f] for f in ids if f in found]
 
     def user_bytes(self, user_id):
         check_id("user_id", user_id)
-        return int(self.r.get(self._k("user", user_id, "bytes")) or 0)
+        return int(self.r.get(self._user_key(user_id, "bytes")) or 0)
 
     def user_kv_bytes(self, user_id):
         check_id("user_id", user_id)
-        return int(self.r.get(self._k("user", user_id, "kvbytes")) or 0)
+        return int(self.r.get(self._user_key(user_id, "kvbytes")) or 0)
 
     def tombstones_after(self, cursor, limit=1000):
-        key = self._k("tombstones")
+        """Every bucket's stream from the cursor's last id of that bucket: on one Redis one XREAD over the BUCKETS
+        streams; on a cluster one XRANGE per bucket, one pipeline per master. Oldest first within a bucket (so
+        within a user); across buckets by entry id, which is only roughly the order of writing (each master's
+        clock), and nothing needs more.
+        A poll that finds nothing is cheap: a master whose run id and XADD count (INFO server and commandstats,
+        read before the streams) have not moved since a call that read everything up to this very cursor is
+        skipped, its buckets unread (any XADD on it moves the count; a bucket that moved to another master is
+        read again). Every TOMBSTONES_FULL_READ_S every bucket is read anyway (a CONFIG RESETSTAT then as many
+        XADDs would look unmoved: that long at most)."""
+        if limit < 1:
+            raise ValueError(f"bad limit: {limit}")
+        calls = self._xadd_calls()
+        nodes = self._bucket_nodes()
+        seen = {b: (None if nodes[b] is None else nodes[b].name) for b in range(BUCKETS)}
+        seen = {b: (node, calls[node]) for b, node in seen.items() if node in calls}  # b -> (master, (run, XADDs))
         if cursor is None:
-            last = self.r.xrevrange(key, count=1)
-            return [], last[0][0].decode() if last else "0-0"
-        read = self.r.xread({key: cursor}, count=limit)
-        entries = read[0][1] if read else []
-        out = [Tombstone(f[b"user"].decode(), f[b"fact"].decode(), int(f[b"upto"]), f[b"gone"] == b"1")
-               for _, f in entries]
-        return out, entries[-1][0].decode() if entries else cursor
+            lasts = self._per_bucket("tombstones", lambda pipe, k: pipe.xrevrange(k, count=1))
+            cursor = encode_cursor({b: rows[0][0].decode() for b, rows in lasts.items() if rows})
+            self._hint = (cursor, seen, time.monotonic())
+            return [], cursor
+        last = decode_cursor(cursor)
+        hint_cursor, hint, since = self._hint
+        if hint_cursor != cursor or time.monotonic() - since > TOMBSTONES_FULL_READ_S:
+            hint, since = {}, time.monotonic()
+        unread = [b for b in range(BUCKETS) if b not in seen or hint.get(b) != seen[b]]
+        n = min(limit, TOMBSTONES_READ_PER_BUCKET)
+        r = self.r
+        if not unread:
+            reads = []
+        elif self.cluster:
+            starts = {b: _next_id(last.get(b, "0-0")) for b in unread}  # XRANGE's start is inclusive
+            keys = {self._bucket_key(b, "tombstones"): b for b in unread}
+            reads = self._per_bucket("tombstones", lambda pipe, k: pipe.xrange(k, starts[keys[k]], count=n),
+                                     unread).items()
+        else:
+            read = _streams(r.xread({self._tomb_keys[b]: last.get(b, "0-0") for b in unread}, count=n))
+            reads = [(self._tomb_bucket[key], entries) for key, entries in read]
+        reads = [(b, entries) for b, entries in reads if entries]
+        rows = sorted(((_entry_order(eid), b, eid, f) for b, entries in reads for eid, f in entries),
+                      key=lambda x: (x[0], x[1]))
+        everything = len(rows) <= limit and all(len(entries) < n for _, entries in reads)
+        rows = rows[:limit]
+        out = []
+        for _, b, eid, f in rows:
+            out.append(Tombstone(f[b"user"].decode(), f[b"fact"].decode(), int(f[b"upto"]), f[b"gone"] == b"1"))
+            last[b] = eid.decode()
+        new_cursor = encode_cursor(last) if rows else cursor
+        # Read to the end of every bucket (as of `calls`): the next call from new_cursor may skip unmoved masters.
+        self._hint = (new_cursor, seen, since) if everything else ("", {}, 0.0)
+        return out, new_cursor
 
     def fact_versions(self, user_id):
         check_id("user_id", user_id)
-        ids = [x.decode() for x in self.r.zrange(self._k("user", user_id, "facts"), 0, -1)]
+        ids = [x.decode() for x in self.r.zrange(self._user_key(user_id, "facts"), 0, -1)]
         with self.r.pipeline(transaction=False) as pipe:
             for f in ids:
-                pipe.hget(self._fact_key(f), "version")
+                pipe.hget(self._fact_key(user_id, f), "version")
             vers = pipe.execute()
         return {f: int(v) for f, v in zip(ids, vers) if v is not None}
 
@@ -314,9 +583,9 @@ class RedisRegistry(Registry):
         # A full Redis refuses the whole MULTI (redis-py's OutOfMemoryError; UNAVAILABLE REGISTRY_FULL at the API),
         # nothing of it written: an update may grow memory, so it waits for deletes to free space.
         emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
-        key, bytes_key = self._fact_key(fact_id), self._k("user", user_id, "bytes")
-        hist_key = self._k("history", fact_id)
-        kv_key = self._k("user", user_id, "kvbytes")
+        key, bytes_key = self._fact_key(user_id, fact_id), self._user_key(user_id, "bytes")
+        hist_key = self._history_key(user_id, fact_id)
+        kv_key = self._user_key(user_id, "kvbytes")
 
         def body(pipe):
             cur = self._owned(user_id, fact_id, pipe.hgetall(key))
@@ -339,7 +608,7 @@ class RedisRegistry(Registry):
             pipe.incrby(bytes_key, grown)
             pipe.incrby(kv_key, grown_kv)
             self._tomb(pipe, Tombstone(user_id, fact_id, cur.version))
-            pipe.incr(self._k("user", user_id, "ver"))
+            pipe.incr(self._user_key(user_id, "ver"))
             return new
 
         return self._transaction([key, bytes_key, hist_key, kv_key], body)
@@ -348,15 +617,15 @@ class RedisRegistry(Registry):
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
         with self.r.pipeline(transaction=False) as pipe:
-            pipe.hget(self._fact_key(fact_id), "user_id")
-            pipe.lrange(self._k("history", fact_id), 0, -1)
+            pipe.hget(self._fact_key(user_id, fact_id), "user_id")
+            pipe.lrange(self._history_key(user_id, fact_id), 0, -1)
             owner, rows = pipe.execute()
         if owner is None or owner.decode() != user_id:
             raise UnknownFactError(user_id, fact_id)
         return [FactVersion.from_json(v) for v in rows]
 
     def _set_field(self, user_id, fact_id, version, field_name, value) -> bool:
-        key = self._fact_key(fact_id)
+        key = self._fact_key(user_id, fact_id)
 
         def body(pipe):
             cur = self._owned(user_id, fact_id, pipe.hgetall(key))
@@ -378,10 +647,10 @@ class RedisRegistry(Registry):
         """A Lua script (DELETE_FACT, see there): works on a full Redis too."""
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
-        key, hist_key = self._fact_key(fact_id), self._k("history", fact_id)
-        facts_key = self._k("user", user_id, "facts")
-        keys = [key, hist_key, facts_key, self._k("user", user_id, "bytes"), self._k("user", user_id, "kvbytes"),
-                self._k("tombstones"), self._k("user", user_id, "ver")]
+        key, hist_key = self._fact_key(user_id, fact_id), self._history_key(user_id, fact_id)
+        facts_key = self._user_key(user_id, "facts")
+        keys = [key, hist_key, facts_key, self._user_key(user_id, "bytes"), self._user_key(user_id, "kvbytes"),
+                self._key(user_id, "tombstones"), self._user_key(user_id, "ver")]
         while True:
             with self.r.pipeline(transaction=False) as pipe:
                 pipe.hgetall(key)
@@ -390,22 +659,23 @@ class RedisRegistry(Registry):
                 h, kept, seq = pipe.execute()
             rec = self._owned(user_id, fact_id, h)
             args = [user_id, fact_id, rec.version, -1 if seq is None else int(seq),
-                    fact_bytes(rec) + sum(len(v) for v in kept), rec.kv_bytes, TOMBSTONES_KEPT]
+                    fact_bytes(rec) + sum(len(v) for v in kept), rec.kv_bytes, TOMBSTONES_PER_BUCKET]
             if self._delete_fact(keys=keys, args=args):
                 return rec
 
     def delete_user(self, user_id):
         """A Lua script (DELETE_USER, see DELETE_FACT): works on a full Redis too."""
         check_id("user_id", user_id)
-        keys = [self._k("user", user_id, "facts"), self._k("user", user_id, "bytes"),
-                self._k("user", user_id, "kvbytes"), self._k("placement", user_id), self._k("placed_users"),
-                self._k("tombstones"), self._k("user", user_id, "ver")]  # ver kept: replicas must still see the change
-        return int(self._delete_user(keys=keys, args=[user_id, self._fact_key(""), self._k("history", ""),
-                                                      TOMBSTONES_KEPT]))
+        keys = [self._user_key(user_id, "facts"), self._user_key(user_id, "bytes"),
+                self._user_key(user_id, "kvbytes"), self._placement_key(user_id), self._key(user_id, "placed"),
+                self._key(user_id, "tombstones"),
+                self._user_key(user_id, "ver")]  # ver kept: replicas must still see the change
+        return int(self._script("delete_user", keys, [user_id, self._fact_key(user_id, ""),
+                                                      self._history_key(user_id, ""), TOMBSTONES_PER_BUCKET]))
 
     def user_version(self, user_id):
         check_id("user_id", user_id)
-        v = self.r.get(self._k("user", user_id, "ver"))
+        v = self.r.get(self._user_key(user_id, "ver"))
         return int(v) if v is not None else 0
 
     def user_versions(self, user_ids):
@@ -413,41 +683,70 @@ class RedisRegistry(Registry):
             check_id("user_id", u)
         if not user_ids:
             return []
-        return [int(v) if v is not None else 0 for v in self.r.mget([self._k("user", u, "ver") for u in user_ids])]
+        keys = [self._user_key(u, "ver") for u in user_ids]
+        r = self.r  # on a cluster the users' keys are in many slots: one MGET per slot, pipelined per master
+        vers = r.mget_nonatomic(keys) if self.cluster else r.mget(keys)
+        return [int(v) if v is not None else 0 for v in vers]
 
+    # ------------------------------------------------------------------ placements
     def add_placement(self, user_id, replica_id):
         check_id("user_id", user_id)
         with self.r.pipeline(transaction=True) as pipe:
-            pipe.sadd(self._k("placement", user_id), replica_id)
-            pipe.sadd(self._k("placed_users"), user_id)
+            pipe.sadd(self._placement_key(user_id), replica_id)
+            pipe.sadd(self._key(user_id, "placed"), user_id)
             pipe.execute()
 
     def remove_placement(self, user_id, replica_id):
         check_id("user_id", user_id)
-        key = self._k("placement", user_id)
-        self.r.srem(key, replica_id)
-        if self.r.scard(key) == 0:
-            self.r.srem(self._k("placed_users"), user_id)
+        self._script("remove_placement", [self._placement_key(user_id), self._key(user_id, "placed")],
+                     [replica_id, user_id])
 
     def placement(self, user_id):
         check_id("user_id", user_id)
-        return {x.decode() for x in self.r.smembers(self._k("placement", user_id))}
+        return {x.decode() for x in self.r.smembers(self._placement_key(user_id))}
 
     def placements(self):
-        users = [u.decode() for u in self.r.smembers(self._k("placed_users"))]
-        out = {u: self.placement(u) for u in users}
-        return {u: s for u, s in out.items() if s}
+        """Every bucket's placed users, then their placements: two pipelined reads."""
+        placed = self._per_bucket("placed", lambda pipe, k: pipe.smembers(k))
+        users = sorted({u.decode() for members in placed.values() for u in members})
+        if not users:
+            return {}
+        with self.r.pipeline(transaction=False) as pipe:
+            for u in users:
+                pipe.smembers(self._placement_key(u))
+            sets = pipe.execute()
+        return {u: {x.decode() for x in s} for u, s in zip(users, sets) if s}
 
+    # ------------------------------------------------------------------ the server
     def ping(self):
         self.r.ping()
 
     def is_full(self):
-        """Within FULL_WITHIN_BYTES of maxmemory (0: no limit, never full)."""
-        m = self.r.info("memory")
-        limit = int(m.get("maxmemory", 0))
-        # What Redis compares with maxmemory before a write: used memory less its replicas' and AOF buffers.
-        used = int(m["used_memory"]) - int(m.get("mem_not_counted_for_evict", 0))
-        return limit > 0 and used >= limit - FULL_WITHIN_BYTES
+        """Within FULL_WITHIN_BYTES of maxmemory (0: no limit, never full); on a cluster, any master."""
+        r = self.r
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            got = r.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            infos = [got] if "used_memory" in got else list(got.values())
+        else:
+            infos = [r.info("memory")]
+        return any(_full(m) for m in infos)
 
     def close(self):
-        self.r.close()
+        if self._client is not None:
+            self._client.close()
+
+
+def _full(m: dict) -> bool:
+    limit = int(m.get("maxmemory", 0))
+    # What Redis compares with maxmemory before a write: used memory less its replicas' and AOF buffers.
+    used = int(m["used_memory"]) - int(m.get("mem_not_counted_for_evict", 0))
+    return limit > 0 and used >= limit - FULL_WITHIN_BYTES
+
+
+def _streams(read) -> list:
+    """XREAD's answer as [(key, entries)] (RESP2 gives a list of pairs, RESP3 a dict); none: []."""
+    if not read:
+        return []
+    return list(read.items()) if isinstance(read, dict) else [(k, e) for k, e in read]
