@@ -239,7 +239,7 @@ def test_the_public_ingress_serves_the_api_paths_only(helm):
                    "ingress.grpc.host=grpc.example")
     (http,) = [d for d in docs if d["kind"] == "Ingress" and d["metadata"]["name"].endswith("-http")]
     paths = [p["path"] for p in http["spec"]["rules"][0]["http"]["paths"]]
-    assert paths == ["/v1/", "/v2/", "/v3/", "/healthz", "/health"]
+    assert paths == ["/v1/", "/v2/", "/v3/", "/api/v1/", "/healthz", "/health"]
     assert not any("/metrics".startswith(p) or "/version".startswith(p) or p == "/" for p in paths)
 
 

@@ -1,33 +1,38 @@
 """Mem0's HTTP API (services/gateway/mem0_http.py) with Mem0's own client, the installed `mem0ai` package's (>= 2.2, < 3)
-`MemoryClient(api_key=<InferScale token>, host=<InferScale URL>)`, unchanged, over real HTTP: the HTTP front door's
-FastAPI app in uvicorn on 127.0.0.1, a GatewayCore with JWT auth on and its registry in a real redis-server.
+`MemoryClient(api_key=<InferScale token>, host=<InferScale URL>)` (and AsyncMemoryClient), unchanged, over real HTTP:
+the HTTP front door's FastAPI app in uvicorn on 127.0.0.1, a GatewayCore with JWT auth on and its registry in a real
+redis-server; one more without authentication (--insecure-no-auth).
 
-No Ray here (registry-only mode, seconds): every call that needs no engine. Search with filters and threshold
-and add with inference run on the whole service in tests/test_service_e2e.py
-(test_mem0_client_search_filters_and_threshold_on_the_running_service and the infer=true test). Also here: the
-registry's history of a fact (both backends), and filters / scopes / DeleteUser on gRPC (the core, and the light
-client over a real grpc server).
+No Ray here (registry-only mode, seconds): every call that needs no engine, and every call the client knows that
+this server does not serve (501 naming the call, never 404), checked against docs/mem0.md's compatibility table,
+itself checked against the installed client's source. Search with filters and threshold and add with inference run
+on the whole service in tests/test_service_e2e.py (test_mem0_client_search_filters_and_threshold_on_the_running_service
+and the infer=true test). Also here: the registry's history of a fact (both backends), filters / scopes / DeleteUser
+on gRPC (the core, and the light client over a real grpc server), and CORS preflights for the API's methods.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
+import re
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 from auth_fixture import token_for, token_gateway
 
 from inferscale_server.api import Limits, pb2
-from inferscale_server.gateway import build_http_app
+from inferscale_server.gateway import build_http_app, mem0_http
 from inferscale_server.registry import EmbeddedRegistry, NewFact, RedisRegistry
 
 os.environ.setdefault("MEM0_TELEMETRY", "false")  # mem0ai's client would post telemetry events
 mem0 = pytest.importorskip("mem0")
-from mem0 import MemoryClient  # noqa: E402
+from mem0 import AsyncMemoryClient, MemoryClient  # noqa: E402
 from mem0.exceptions import AuthenticationError, MemoryNotFoundError, ValidationError  # noqa: E402
 
 LIMITS = Limits(max_request_bytes=64 << 10)
@@ -136,7 +141,7 @@ def test_every_memory_client_call_round_trips(server, jwt_secret):
     assert _ids(c.get_all()) == [veg]
     assert c.delete_all(user_id=user)["deleted"] == 1
     assert c.get_all()["count"] == 0
-    assert c.delete_all()["deleted"] == 0  # nothing left: still a success, as Mem0's delete_all
+    assert c.delete_all(user_id=user)["deleted"] == 0  # nothing left: still a success, as Mem0's delete_all
     with pytest.raises(MemoryNotFoundError):
         c.history(veg)
 
@@ -183,7 +188,15 @@ def test_two_users_are_isolated(server, jwt_secret):
         with pytest.raises(AuthenticationError) as e:  # 403: a token acts for its own subject only
             call()
         assert "own subject" in e.value.message
-    assert b.delete_all()["deleted"] == 1
+    with pytest.raises(AuthenticationError):  # nor erase another user
+        b.delete_users(user_id=alice)
+    for call in (lambda: b.batch_update([{"memory_id": secret, "text": "mine now"}]),
+                 lambda: b.feedback(secret, "NEGATIVE")):
+        with pytest.raises(MemoryNotFoundError):
+            call()
+    assert b.batch_delete([{"memory_id": secret}])["results"] == [{"memory_id": secret, "status": "not_found"}]
+    assert [(e["type"], e["name"]) for e in b.users()["results"]] == [("user", bob)]  # no other user listed
+    assert b.delete_all(user_id=bob)["deleted"] == 1
     assert a.get(secret)["memory"] == "My locker code is 4711."  # untouched by all of bob's calls
     assert [h["event"] for h in a.history(secret)] == ["ADD"]
 
@@ -222,6 +235,20 @@ def test_bad_input_is_a_clear_400(server, jwt_secret):
         (lambda: c.update("f" * 8), None),  # the client itself refuses an empty update
         (lambda: c.update("f" * 8, text="x", timestamp=5), "`timestamp` is not supported"),
         (lambda: c.delete("f" * 8, delete_linked=True), "delete_linked is not supported"),
+        # Mem0's options with a value: refused by name, with why.
+        (lambda: c.add("x", infer=False, timestamp=1_700_000_000), "`timestamp` is not supported by this server: "
+                                                                   "a memory's created_at is the time the registry"),
+        (lambda: c.add("x", infer=False, expiration_date="2030-01-01"), "the engine's retrieval, which knows no expiry"),
+        (lambda: c.update("f" * 8, expiration_date="2030-01-01"), "`expiration_date` is not supported"),
+        (lambda: c.search("tea", keyword_search=True), "keyword_search"),
+        (lambda: c.search("tea", categories=["food"]), "`categories` is not supported by this server: memories here"),
+        (lambda: c.get_all(start_date="2026-01-01"), "filters={\"created_at\": {\"gte\": ...}}"),
+        (lambda: c.batch_update([{"memory_id": "f" * 8}]), "memories[0]: nothing to update"),
+        (lambda: c.batch_update([{"memory_id": "f" * 8, "text": "a"}, {"memory_id": "f" * 8, "text": "b"}]),
+         "memories[1].memory_id repeats memories[0].memory_id"),
+        (lambda: c.batch_delete([{"memory_id": "f" * 8, "text": "a"}]), "`memories.0.text` is not supported"),
+        (lambda: c.batch_delete([]), "memories: List should have at least 1 item"),
+        (lambda: c.delete_all(filters={"priority": {"between": [1, 2]}}), "unknown operator 'between'"),
     ]
     for call, message in cases:
         with pytest.raises((ValidationError, ValueError)) as e:
@@ -230,6 +257,25 @@ def test_bad_input_is_a_clear_400(server, jwt_secret):
             assert isinstance(e.value, ValidationError) and message in e.value.message, (message, e.value)
     with pytest.raises(mem0.exceptions.MemoryQuotaExceededError):  # 413, refused from Content-Length
         c.add("y" * (70 << 10), infer=False)
+    with pytest.raises(mem0.exceptions.MemoryQuotaExceededError) as e:  # a batch is bounded like AddFacts
+        c.batch_delete([{"memory_id": f"m{i}"} for i in range(LIMITS.max_facts_per_request + 1)])
+    assert "the limit is 256" in e.value.message
+    # Options sent with their "not set" values are no refusal: the client's expiration_date=None (clearing an
+    # expiry: none is set here), nulls from raw HTTP, the default values of search and get_all.
+    (mid,) = [e["id"] for e in c.add("I like tea.", infer=False)["results"]]
+    assert c.update(mid, text="I like green tea.", expiration_date=None)["version"] == 2
+    assert c.update(mid, expiration_date=None)["version"] == 2  # nothing else asked: the memory as it is
+    assert c.get_all(show_expired=True, latest_only=False)["count"] == 1
+    with pytest.raises(mem0.exceptions.NetworkError) as e:  # search needs the engine; the options were accepted
+        c.search("tea", rerank=False, keyword_search=False, show_expired=False, latest_only=True)
+    assert "registry-only mode" in e.value.message
+    token = {"authorization": f"Token {c.api_key}"}
+    r = httpx.post(f"{server.url}/v3/memories/add/", headers=token, json={
+        "messages": [{"role": "user", "content": "I like oolong."}], "infer": False, "timestamp": None,
+        "expiration_date": None, "custom_instructions": None})
+    assert r.status_code == 200, r.text
+    r = httpx.put(f"{server.url}/v1/memories/{mid}/", headers=token, json={"text": "x", "timestamp": 17})
+    assert r.status_code == 400 and "`timestamp` is not supported" in r.json()["detail"]
 
 
 def test_openapi_schema_documents_the_mem0_routes(server):
@@ -239,7 +285,9 @@ def test_openapi_schema_documents_the_mem0_routes(server):
     assert mem0_paths == {"/v1/ping/": ["get"], "/v3/memories/add/": ["post"], "/v3/memories/": ["post"],
                           "/v3/memories/search/": ["post"], "/v1/memories/": ["delete"],
                           "/v1/memories/{memory_id}/": ["delete", "get", "put"],
-                          "/v1/memories/{memory_id}/history/": ["get"]}
+                          "/v1/memories/{memory_id}/history/": ["get"], "/v1/batch/": ["delete", "put"],
+                          "/v1/entities/": ["get"], "/v2/entities/{entity_type}/{entity_id}/": ["delete"],
+                          "/v1/feedback/": ["post"]}
     add = doc["paths"]["/v3/memories/add/"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert add["required"] == ["messages"] and "infer" in add["properties"]
     assert add["properties"]["messages"]["items"]["properties"]["role"]["enum"] == ["system", "user", "assistant"]
@@ -247,6 +295,362 @@ def test_openapi_schema_documents_the_mem0_routes(server):
     search = doc["paths"]["/v3/memories/search/"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"query", "filters", "top_k", "threshold"} <= set(search["properties"])
     json.dumps(doc)
+
+
+# ------------------------------------------------------------------------ batches, delete_all, entities, feedback
+def test_batch_update_and_batch_delete_check_every_item_first(server, jwt_secret):
+    user = _user()
+    c = _client(server, jwt_secret, user)
+    a, b, d = (c.add(t, infer=False, agent_id="chef")["results"][0]["id"] for t in ("likes leeks", "likes kale",
+                                                                                    "likes figs"))
+    out = c.batch_update([{"memory_id": a, "text": "loves leeks"}, {"memory_id": b, "metadata": {"stars": 5}}])
+    assert out["updated"] == 2 and [(r["memory_id"], r["status"]) for r in out["results"]] == [(a, "updated"),
+                                                                                              (b, "updated")]
+    assert c.get(a)["memory"] == "loves leeks" and c.get(b)["metadata"] == {"stars": 5}
+    assert c.get(b)["agent_id"] == "chef"  # the metadata is replaced, the scope stays (as update)
+    # One unknown id: nothing is written, and the error names it (the client's MemoryNotFoundError).
+    before = c.get(d)
+    with pytest.raises(MemoryNotFoundError) as e:
+        c.batch_update([{"memory_id": d, "text": "hates figs"}, {"memory_id": "nope", "text": "x"}])
+    assert "'nope'" in e.value.message and "nothing was updated" in e.value.message
+    with pytest.raises(mem0.exceptions.MemoryQuotaExceededError):  # a text over the limit: checked first too
+        c.batch_update([{"memory_id": d, "text": "ok"}, {"memory_id": a, "text": "x" * 2001}])
+    assert c.get(d) == before
+    # batch_delete: an unknown id (or one already gone) is reported, not an error: it is gone either way.
+    out = c.batch_delete([{"memory_id": a}, {"memory_id": "gone1"}, {"memory_id": d}])
+    assert out["deleted"] == 2 and [r["status"] for r in out["results"]] == ["deleted", "not_found", "deleted"]
+    assert _ids(c.get_all()) == [b]
+    with pytest.raises(MemoryNotFoundError):
+        c.history(a)
+
+
+def test_delete_all_takes_filters_and_wants_the_whole_memory_asked_for(server, jwt_secret):
+    """delete_all(filters=...) sends the filter as a query parameter (MemoryClient writes str() of the dict): the
+    same filter language and limits as get_all. Without any filter or scope it would wipe the user's memory: as on
+    Mem0's platform that is refused unless asked for by naming the user (user_id=<id> or "*")."""
+    from mem0.client.types import DeleteAllMemoryOptions
+
+    user = _user()
+    c = _client(server, jwt_secret, user)
+    for i in range(6):
+        c.add(f"note {i}", infer=False, metadata={"n": i, "tag": "even" if i % 2 == 0 else "odd"},
+              **({"run_id": "r1"} if i < 2 else {}))
+    assert c.delete_all(DeleteAllMemoryOptions(filters={"tag": "odd", "n": {"gte": 3}}))["deleted"] == 2
+    assert sorted(m["metadata"]["n"] for m in c.get_all()["results"]) == [0, 1, 2, 4]
+    assert c.delete_all(filters={"AND": [{"user_id": user}, {"run_id": "*"}]})["deleted"] == 2  # "*": has a run
+    assert c.delete_all(run_id="*")["deleted"] == 0
+    with pytest.raises(ValidationError) as e:
+        c.delete_all()
+    assert f"delete_all(user_id={user!r})" in e.value.message and "delete_all(user_id=\"*\")" in e.value.message
+    with pytest.raises(ValidationError) as e:  # the filter is checked as get_all's
+        c.delete_all(filters={"AND": []})
+    assert "must be a non-empty list" in e.value.message
+    assert c.get_all()["count"] == 2 and c.get_all(filters={"user_id": "*"})["count"] == 2  # "*": this user
+    with pytest.raises(AuthenticationError):  # a user_id in the filters is checked as everywhere
+        c.delete_all(filters={"user_id": "someone-else", "tag": "even"})
+    with pytest.raises(ValidationError) as e:
+        c.delete_all(filters={"OR": [{"user_id": user}]})
+    assert "user_id may only be named" in e.value.message
+    token = {"authorization": f"Token {c.api_key}"}
+    r = httpx.delete(f"{server.url}/v1/memories/", headers=token, params={"filters": json.dumps({"n": 2})})
+    assert r.status_code == 200 and r.json()["deleted"] == 1  # JSON in the query works as well
+    for bad, words in (("{'n': __import__('os')}", "must be a JSON object"), ("[1]", "must be an object"),
+                       ("{" * 5000, "must be a JSON object"), (json.dumps({"n": "x" * 20_000}), "the limit is")):
+        r = httpx.delete(f"{server.url}/v1/memories/", headers=token, params={"filters": bad})
+        assert r.status_code in (400, 413) and words in r.json()["detail"], (bad[:20], r.text)
+    assert c.delete_all(user_id="*")["deleted"] == 1  # Mem0's explicit form: every memory of this user
+    assert c.get_all()["count"] == 0
+
+
+def test_users_delete_users_and_reset(server, core, jwt_secret, admin_token):
+    """users(): a user's token sees itself (once it has memories) and the agents, apps and runs of its memories;
+    delete_users(user_id=) is DeleteUser's erasure; reset() erases the caller's memory. An admin's token is
+    refused a listing of every user (no index of users) and so reset(): InferScale does not wipe every user."""
+    user = _user()
+    c = _client(server, jwt_secret, user)
+    assert c.users()["results"] == []
+    with pytest.raises(ValueError, match="No entities to delete"):  # the client's own answer to an empty memory
+        c.reset()
+    c.add("a", infer=False, agent_id="chef")
+    c.add("b", infer=False, agent_id="chef", run_id="s1")
+    c.add("c", infer=False, app_id="web")
+    listed = c.users()
+    assert [(e["type"], e["name"], e["total_memories"]) for e in listed["results"]] == [
+        ("user", user, 3), ("agent", "chef", 2), ("run", "s1", 1), ("app", "web", 1)]
+    assert listed["count"] == 4 and listed["results"][0]["owner"] == user
+    assert c.delete_users(run_id="s1") == {"message": "Entity deleted successfully."}  # the run's memories
+    assert sorted(m["memory"] for m in c.get_all()["results"]) == ["a", "c"]
+    assert c.delete_users(agent_id="no-such-agent")["message"] == "Entity deleted successfully."
+    assert c.reset() == {"message": "Client reset successful. All users and memories deleted."}
+    assert c.get_all()["count"] == 0 and c.users()["results"] == []
+    # DeleteUser's erasure through delete_users(user_id=...): registry rows and the tombstone every replica reads.
+    reg = core.registry
+    c.add("x", infer=False)
+    cursor = reg.tombstones_after(None)[1]
+    assert c.delete_users(user_id=user)["message"] == "Entity deleted successfully."
+    assert reg.count(user) == 0 and [(t.user_id, t.fact_id, t.gone) for t in reg.tombstones_after(cursor)[0]] == [
+        (user, "", True)]
+    assert c.delete_users(user_id=user)["message"] == "Entity deleted successfully."  # nothing left: still done
+    # An admin: may erase any user, but not list or wipe every user.
+    victim = _client(server, jwt_secret, _user())
+    victim.add("v", infer=False)
+    admin = MemoryClient(api_key=admin_token, host=server.url)
+    admin.delete_users(user_id=victim.users()["results"][0]["name"])
+    assert victim.get_all()["count"] == 0
+    for call in (admin.users, admin.reset, admin.delete_users):
+        with pytest.raises(mem0.exceptions.MemoryError) as e:
+            call()
+        assert e.value.error_code == "HTTP_501" and "keeps no index of users" in e.value.message
+        assert "does not delete every user at once" in e.value.message
+    with pytest.raises(ValidationError) as e:
+        admin.delete_all(user_id="*")
+    assert "names every user" in e.value.message
+    r = httpx.get(f"{server.url}/v1/entities/", params={"user_id": user}, headers={"authorization": f"Token {admin_token}"})
+    assert r.status_code == 200 and r.json()["results"] == []
+
+
+def test_feedback_is_acknowledged_not_stored(server, jwt_secret):
+    c = _client(server, jwt_secret, _user())
+    (mid,) = [e["id"] for e in c.add("I like tea.", infer=False)["results"]]
+    out = c.feedback(mid, "negative", feedback_reason="wrong tea")
+    assert out["memory_id"] == mid and out["feedback"] == "NEGATIVE" and "does not store" in out["message"]
+    assert c.get(mid)["version"] == 1 and [h["event"] for h in c.history(mid)] == ["ADD"]  # nothing changed
+    with pytest.raises(MemoryNotFoundError):
+        c.feedback("no-such-memory", "POSITIVE")
+
+
+# ------------------------------------------------------------------ every client call: served, or 501 by name
+def test_every_call_this_server_does_not_serve_answers_501_naming_it(server, jwt_secret):
+    """Each client call the table in docs/mem0.md marks 501 is made with Mem0's client: it raises the client's base
+    MemoryError (HTTP 501: not MemoryNotFoundError, which a GDPR erasure could take for "already gone"), the body
+    naming the call. Real not-founds on served routes stay 404, and OpenAI's /v1 namespace keeps FastAPI's 404."""
+    c = _client(server, jwt_secret, _user())
+    calls = {
+        "create_memory_export": lambda: c.create_memory_export(schema="{}", filters={"user_id": "x"}),
+        "get_memory_export": lambda: c.get_memory_export(),
+        "get_summary": lambda: c.get_summary(),
+        "get_profile": lambda: c.get_profile("alice"),
+        "generate_profile": lambda: c.generate_profile("alice"),
+        "sample_profiles": lambda: c.sample_profiles(limit=2),
+        "get_profile_job": lambda: c.get_profile_job("job-1"),
+        "get_profile_settings": lambda: c.get_profile_settings(),
+        "update_profile_settings": lambda: c.update_profile_settings(enabled=True),
+        "get_project": lambda: c.get_project(),
+        "update_project": lambda: c.update_project(custom_instructions="be terse"),
+        "get_webhooks": lambda: c.get_webhooks("inferscale"),
+        "create_webhook": lambda: c.create_webhook("https://hook.example", "h", "inferscale", ["memory_add"]),
+        "update_webhook": lambda: c.update_webhook(1, name="h2"),
+        "delete_webhook": lambda: c.delete_webhook(1),
+        "project.get": lambda: c.project.get(),
+        "project.create": lambda: c.project.create("p2"),
+        "project.update": lambda: c.project.update(decay=True),
+        "project.delete": lambda: c.project.delete(),
+        "project.get_members": lambda: c.project.get_members(),
+        "project.add_member": lambda: c.project.add_member("a@b.example"),
+        "project.update_member": lambda: c.project.update_member("a@b.example", "OWNER"),
+        "project.remove_member": lambda: c.project.remove_member("a@b.example"),
+    }
+    assert set(calls) == {name for name, (_, status) in _doc_table().items() if status == "501"}
+    for name, call in calls.items():
+        with pytest.raises(mem0.exceptions.MemoryError) as e:
+            call()
+        assert type(e.value) is mem0.exceptions.MemoryError and e.value.error_code == "HTTP_501", name
+        assert e.value.details["code"] == "unimplemented" and name in e.value.details["call"].split(", "), name
+        assert "is not supported by InferScale" in e.value.message, name
+    token = {"authorization": f"Token {c.api_key}"}
+    for method, path in (("GET", "/v3/memories/"), ("POST", "/v1/memories/abc/"), ("GET", "/v2/anything/"),
+                         ("GET", "/v1/memories/abc/versions/")):
+        r = httpx.request(method, server.url + path, headers=token)
+        assert r.status_code == 501 and "no such route" in r.json()["detail"], (method, path, r.text)
+    assert httpx.get(f"{server.url}/v1/embeddings", headers=token).status_code == 404  # OpenAI's namespace
+    with pytest.raises(MemoryNotFoundError):  # a served route's not-found stays 404
+        c.get("no-such-memory")
+    with pytest.raises(NotImplementedError):  # chat() never reaches a server
+        c.chat()
+
+
+def test_the_async_client_uses_the_same_routes(server, jwt_secret):
+    user = _user()
+
+    async def run():
+        async with AsyncMemoryClient(api_key=token_for(jwt_secret[1], user), host=server.url) as c:
+            (mid,) = [e["id"] for e in (await c.add("I like tea.", infer=False))["results"]]
+            assert (await c.get(mid))["memory"] == "I like tea."
+            assert (await c.batch_update([{"memory_id": mid, "text": "I like coffee."}]))["updated"] == 1
+            assert [e["name"] for e in (await c.users())["results"]] == [user]
+            with pytest.raises(mem0.exceptions.MemoryError) as e:
+                await c.get_summary()
+            assert e.value.error_code == "HTTP_501" and e.value.details["call"] == "get_summary"
+            await c.reset()
+            assert (await c.get_all())["count"] == 0
+    asyncio.run(run())
+
+
+VERBS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_CALL = re.compile(r"self\.(?:client|async_client|_client)\.(get|post|put|patch|delete)\(\s*(f?\"[^\"]*\"|\w+)")
+_REQUEST = re.compile(r"self\.(?:client|async_client|_client)\.request\(\s*\"(\w+)\",\s*(f?\"[^\"]*\")")
+
+
+def _norm(path: str) -> str:
+    return "/" + re.sub(r"\{[^}]*\}", "{}", path).lstrip("/")
+
+
+def _client_routes(cls) -> dict[str, frozenset[tuple[str, str]]]:
+    """Public method -> the (method, path) requests its source sends (following its calls of its own class's
+    methods: reset() -> delete_users() -> users()), placeholders as {}."""
+    module = inspect.getmodule(cls)
+
+    def path_of(arg: str, src: str) -> str:
+        if not arg.startswith(("f\"", "\"")):
+            if arg.isupper():
+                return _norm(getattr(module, arg))
+            arg = re.search(rf"{arg} = (f?\"[^\"]*\")", src).group(1)  # a local, as get_profile_job's
+        text = re.sub(r"\{([A-Z_]+)\}", lambda m: getattr(module, m.group(1)), arg.lstrip("f").strip("\""))
+        return _norm(text)
+
+    direct, uses = {}, {}
+    methods = dict(inspect.getmembers(cls, inspect.isfunction))
+    for name, fn in methods.items():
+        src = inspect.getsource(fn)
+        direct[name] = {(v.upper(), path_of(a, src)) for v, a in _CALL.findall(src)} | {
+            (v, path_of(a, src)) for v, a in _REQUEST.findall(src)}
+        uses[name] = set(re.findall(r"self\.(\w+)\(", src)) & set(methods) - {name}
+
+    def closure(name, seen):
+        out = set(direct[name])
+        for other in uses[name] - seen:
+            out |= closure(other, seen | {name})
+        return out
+    return {name: frozenset(closure(name, {name})) for name in methods if not name.startswith("_")}
+
+
+def _doc_table() -> dict[str, tuple[frozenset, str]]:
+    """docs/mem0.md's compatibility table: client call -> (routes, "supported" | "501" | "client-side")."""
+    text = (Path(__file__).parent.parent / "docs" / "mem0.md").read_text()
+    section = text.split("## Every client call", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not line.startswith("|"):
+            continue
+        names = re.findall(r"`([a-z_.]+)`", cells[0])
+        routes = frozenset((m, _norm(p)) for m, p in re.findall(r"\b(GET|POST|PUT|PATCH|DELETE) `([^`]+)`", cells[1]))
+        status = re.match(r"\**(supported|501|client-side)", cells[2])
+        for name in names:
+            assert name not in out, f"{name} twice in docs/mem0.md's table"
+            out[name] = (routes, status.group(1) if status else cells[2])
+    return out
+
+
+def test_the_compatibility_table_covers_every_call_of_the_installed_client():
+    """docs/mem0.md's table names every public call of the installed MemoryClient (and its `project`) with the
+    routes its source sends; each route is served here or is one of the 501s (mem0_http.UNSUPPORTED); the table's
+    verdict matches; AsyncMemoryClient sends the same routes. Fails when the client gains a call or a route."""
+    from mem0.client.project import AsyncProject, Project
+
+    app = build_http_app(lambda: None)
+    served = {(m, _norm(r.path)) for r in app.routes if "mem0" in getattr(r, "tags", []) for m in r.methods}
+    unsupported = {(m, _norm(p)) for m, p, _, _ in mem0_http.UNSUPPORTED}
+    assert not served & unsupported
+    calls = _client_routes(MemoryClient) | {f"project.{k}": v for k, v in _client_routes(Project).items()}
+    assert _client_routes(AsyncMemoryClient) == _client_routes(MemoryClient)
+    assert _client_routes(AsyncProject) == _client_routes(Project)
+    table = _doc_table()
+    assert sorted(set(calls) - set(table)) == [], "client calls missing from docs/mem0.md's table"
+    assert sorted(set(table) - set(calls)) == [], "docs/mem0.md names calls the installed client does not have"
+    for name, routes in calls.items():
+        documented, status = table[name]
+        assert documented == routes, (name, sorted(documented), sorted(routes))
+        want = ("client-side" if not routes else "501" if routes <= unsupported
+                else "supported" if routes <= served else f"unrouted {sorted(routes - served - unsupported)}")
+        assert status == want, (name, status, want)
+        for method, path in routes:  # each 501 route names this call
+            if (method, path) in unsupported:
+                concrete = path.replace("{}", "x1")
+                call, message = mem0_http.unsupported(method, concrete)
+                assert name in call.split(", ") and "not supported by InferScale" in message, (name, call)
+    for method, path, _, _ in mem0_http.UNSUPPORTED:  # all under the prefixes the 404 handler turns into 501
+        assert method in VERBS and mem0_http.is_mem0_path(path), path
+
+
+# --------------------------------------------------------------------------- without authentication (demos)
+class OwnerLookupRegistry(EmbeddedRegistry):
+    """The registry with the memory id -> owner lookup the no-auth door uses when the registry has it
+    (`owner_of`; the Registry interface does not have it yet): in both backends a fact's record names its owner."""
+
+    def owner_of(self, fact_id: str) -> str | None:
+        with self._lock:
+            rec = self._facts.get(fact_id)
+        return None if rec is None else rec.user_id
+
+
+def test_without_authentication_the_memory_id_is_enough():
+    """--insecure-no-auth (Authenticator.insecure(): every caller may act for every user): the client sends no
+    user_id with get / update / delete / history / feedback / batches, so the memory's owner is looked up by its
+    id. Without that lookup in the registry, they ask for the user_id query parameter, saying why."""
+    from inferscale_server.auth import Authenticator
+    from inferscale_server.gateway import GatewayCore
+
+    core = GatewayCore(OwnerLookupRegistry(), backends=None, limits=LIMITS, auth=Authenticator.insecure())
+    srv = HttpThread(build_http_app(lambda: core))
+    try:
+        c = MemoryClient(api_key="no-auth-demo", host=srv.url)
+        (a,) = [e["id"] for e in c.add("Ann likes tea.", infer=False, user_id="ann")["results"]]
+        (b,) = [e["id"] for e in c.add("Bo likes jazz.", infer=False, user_id="bo")["results"]]
+        assert c.get(a)["user_id"] == "ann" and c.get(b)["user_id"] == "bo"
+        assert c.update(a, text="Ann likes green tea.")["version"] == 2
+        assert [h["event"] for h in c.history(a)] == ["ADD", "UPDATE"]
+        assert c.feedback(b, "POSITIVE")["memory_id"] == b
+        assert c.batch_update([{"memory_id": a, "metadata": {"k": 1}}, {"memory_id": b, "text": "Bo likes blues."}])[
+            "updated"] == 2
+        assert c.get(b)["memory"] == "Bo likes blues." and c.get(a)["metadata"] == {"k": 1}
+        assert c.delete(a) == {"message": "Memory deleted successfully!"}
+        with pytest.raises(MemoryNotFoundError):
+            c.get(a)
+        assert [r["status"] for r in c.batch_delete([{"memory_id": a}, {"memory_id": b}])["results"]] == [
+            "not_found", "deleted"]
+        with pytest.raises(ValidationError) as e:  # whose memory: a list or a delete_all names the user
+            c.get_all()
+        assert "user_id is required" in e.value.message
+        c.add("Cy likes rain.", infer=False, user_id="cy")
+        with pytest.raises(ValidationError):
+            c.delete_all()
+        assert c.delete_all(user_id="cy")["deleted"] == 1
+        for call in (c.users, c.reset):  # every user: not listed, not wiped
+            with pytest.raises(mem0.exceptions.MemoryError) as e:
+                call()
+            assert e.value.error_code == "HTTP_501"
+        core.registry = EmbeddedRegistry()  # a registry without the lookup: the requirement, said
+        (d,) = [e["id"] for e in c.add("Di likes snow.", infer=False, user_id="di")["results"]]
+        with pytest.raises(ValidationError) as e:
+            c.get(d)
+        assert "cannot look up a memory's owner by id" in e.value.message
+        r = httpx.get(f"{srv.url}/v1/memories/{d}/", params={"user_id": "di"})
+        assert r.status_code == 200 and r.json()["memory"] == "Di likes snow."
+    finally:
+        srv.stop()
+
+
+def test_cors_preflights_allow_the_methods_of_the_api(core):
+    """A browser page of a configured origin may PUT (update, batch_update) and DELETE (delete, delete_all,
+    batch_delete, delete_users): the preflight names them; another origin is refused."""
+    from fastapi.testclient import TestClient
+
+    from inferscale_server.gateway.http_front import HttpConfig
+
+    origin = "https://app.example"
+    http = TestClient(build_http_app(lambda: core, config_getter=lambda: HttpConfig(cors_allow_origins=(origin,))))
+    for method, path in (("PUT", "/v1/memories/abc/"), ("DELETE", "/v1/memories/"), ("DELETE", "/v1/batch/"),
+                         ("POST", "/v3/memories/add/"), ("GET", "/v1/memories/abc/")):
+        r = http.options(path, headers={"Origin": origin, "Access-Control-Request-Method": method,
+                                        "Access-Control-Request-Headers": "authorization, content-type"})
+        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == origin, (method, r.text)
+        assert method in [m.strip() for m in r.headers["access-control-allow-methods"].split(",")]
+    r = http.options("/v1/memories/abc/", headers={"Origin": "https://evil.example",
+                                                   "Access-Control-Request-Method": "DELETE"})
+    assert r.status_code == 403
+    r = http.delete("/v1/memories/abc/", headers={"Origin": origin})  # the answer names the origin too
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin
 
 
 # ------------------------------------------------------------------------------------- a fact's history

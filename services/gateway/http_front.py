@@ -165,7 +165,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
             asked = request.headers.get("access-control-request-headers", "")
             return Response(status_code=204, headers={
                 **({} if serve_rid else {REQUEST_ID_HEADER: rid}), "Access-Control-Allow-Origin": allowed,
-                "Vary": "Origin", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Vary": "Origin", "Access-Control-Allow-Methods": "GET, POST, PUT, DELETE, OPTIONS",
                 "Access-Control-Allow-Headers": asked[:1000] or "authorization, content-type",
                 "Access-Control-Max-Age": "600"})
         response = await call_next(request)

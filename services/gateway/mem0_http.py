@@ -1,28 +1,36 @@
 """Mem0's platform HTTP API over a GatewayCore, close enough that Mem0's own client (`mem0ai` 2.2's
-`MemoryClient(api_key=<InferScale token>, host=<InferScale URL>)`) works unchanged: add (with and without
-inference), get_all, search (filters, threshold), get, update, delete, delete_all and history.
+`MemoryClient(api_key=<InferScale token>, host=<InferScale URL>)`, and AsyncMemoryClient) works unchanged: add (with
+and without inference), get_all, search (filters, threshold), get, update, delete, delete_all (scopes, filters),
+history, batch_update, batch_delete, users, delete_users, reset and feedback. Every other route of the client
+answers 501 naming the call (UNSUPPORTED), never 404: the client raises 404 as MemoryNotFoundError, and an app could
+not tell "not implemented" from "already gone".
 
 The caller is the token in `Authorization: Token <jwt>` (as Mem0 sends it; `Bearer` works too), checked before the
 body is read. The memory used is the token's subject: a `user_id` a request names (top level, query or filters)
-must be that subject (or the token carries memory:admin), never another user. agent_id / run_id / app_id are
-Mem0's scopes below a user, stored in each fact's metadata under those names (services/filters.py). Errors are
-{"detail": message} with the HTTP status Mem0's client maps to its exceptions. docs/mem0.md lists the routes;
-the schema is FastAPI's, at /openapi.json.
+must be that subject (or the token carries memory:admin), never another user; "*" (Mem0's wildcard) names every
+user the token may act for, which for a user's token is its subject and for an admin is refused (nothing here acts
+on every user at once). agent_id / run_id / app_id are Mem0's scopes below a user, stored in each fact's metadata
+under those names (services/filters.py). Errors are {"detail": message, "code"} with the HTTP status Mem0's client
+maps to its exceptions. docs/mem0.md lists the routes and each client call; the schema is FastAPI's, at
+/openapi.json.
 """
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
+import re
 from datetime import datetime, timezone
 from typing import Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .. import api, filters
-from ..api import ApiError
+from ..api import ApiError, pb2
 from ..registry import FactRecord
 from .http_front import (
     HTTP_STATUS,
@@ -37,11 +45,95 @@ from .http_front import (
 DEFAULT_TOP_K = 10   # Mem0's default for search
 DEPLOYMENT_ID = "inferscale"  # ping's org_id and project_id: MemoryClient needs both; one deployment is one project
 PREFIX = "mem0."     # metric names of these routes (services/metrics.py)
+WILDCARD = "*"       # Mem0's "every": a user_id of every user the caller may act for, a scope value of any value
+ENTITY_FIELDS = {"user": "user_id", "agent": "agent_id", "app": "app_id", "run": "run_id"}  # Mem0's entity types
+MAX_FEEDBACK_REASON_CHARS = 2000
+
+# Options of Mem0's client refused when they carry a value, and why (a null is "not set" and passes, as the client
+# sends update's expiration_date=None). Any other unknown field is refused by name too, never dropped.
+REFUSED_OPTIONS = {
+    "timestamp": "a memory's created_at is the time the registry stored it, and the registry takes no other",
+    "expiration_date": "an expired memory would still be injected into answers by the engine's retrieval, which "
+                       "knows no expiry, so no memory here expires",
+    "custom_instructions": "the extraction prompt is Mem0's own (services/mem0_provider.py)",
+    "agent_custom_instructions": "the extraction prompt is Mem0's own (services/mem0_provider.py)",
+    "custom_categories": "memories here have no categories",
+    "categories": "memories here have no categories",
+    "structured_data_schema": "no structured extraction",
+    "fields": "a memory is always answered whole",
+    "reference_date": "no relative-time queries",
+    "start_date": "filter on created_at instead: filters={\"created_at\": {\"gte\": ...}}",
+    "end_date": "filter on created_at instead: filters={\"created_at\": {\"lte\": ...}}",
+    "immutable": "every memory here can be updated",
+    "enable_graph": "no graph memory",
+    "async_mode": "add answers when the memories are stored",
+    "output_format": "answers have Mem0's current (v1.1) format only",
+}
+
+# The client's routes this server does not serve: (method, path, the client calls that send it, why). Each answers
+# 501 with {"detail", "code": "unimplemented", "call"}; any other path under the client's prefixes (is_mem0_path)
+# answers 501 too. docs/mem0.md's table lists them; tests/test_mem0_api.py checks it against the installed client.
+_PROJECT = "/api/v1/orgs/organizations/{org_id}/projects/{project_id}/"
+_NO_EXPORTS = "no export jobs: page through get_all (POST /v3/memories/) instead"
+_NO_PROFILES = "no memory profiles"
+_NO_PROJECTS = ("no organizations or projects: one deployment is one project, configured by its operator "
+                "(docs/config.md), and custom instructions and categories are not supported")
+_NO_MEMBERS = "no project members: who may call is decided by the token (docs/security.md)"
+_NO_WEBHOOKS = "no webhooks"
+UNSUPPORTED = (
+    ("POST", "/v1/exports/", "create_memory_export", _NO_EXPORTS),
+    ("POST", "/v1/exports/get/", "get_memory_export", _NO_EXPORTS),
+    ("POST", "/v1/summary/", "get_summary", "no memory summaries"),
+    ("GET", "/v2/entities/user/{entity_id}/profile/", "get_profile", _NO_PROFILES),
+    ("POST", "/v2/profiles/jobs/", "generate_profile, sample_profiles", _NO_PROFILES),
+    ("GET", "/v2/profiles/jobs/{job_id}/", "get_profile_job", _NO_PROFILES),
+    ("GET", "/v2/profiles/settings/", "get_profile_settings", _NO_PROFILES),
+    ("POST", "/v2/profiles/settings/", "update_profile_settings", _NO_PROFILES),
+    ("GET", _PROJECT, "get_project, project.get", _NO_PROJECTS),
+    ("PATCH", _PROJECT, "update_project, project.update", _NO_PROJECTS),
+    ("DELETE", _PROJECT, "project.delete", _NO_PROJECTS),
+    ("POST", "/api/v1/orgs/organizations/{org_id}/projects/", "project.create", _NO_PROJECTS),
+    ("GET", _PROJECT + "members/", "project.get_members", _NO_MEMBERS),
+    ("POST", _PROJECT + "members/", "project.add_member", _NO_MEMBERS),
+    ("PUT", _PROJECT + "members/", "project.update_member", _NO_MEMBERS),
+    ("DELETE", _PROJECT + "members/", "project.remove_member", _NO_MEMBERS),
+    ("GET", "/api/v1/webhooks/projects/{project_id}/", "get_webhooks", _NO_WEBHOOKS),
+    ("POST", "/api/v1/webhooks/projects/{project_id}/", "create_webhook", _NO_WEBHOOKS),
+    ("PUT", "/api/v1/webhooks/{webhook_id}/", "update_webhook", _NO_WEBHOOKS),
+    ("DELETE", "/api/v1/webhooks/{webhook_id}/", "delete_webhook", _NO_WEBHOOKS),
+)
+MEM0_V1 = ("memories", "batch", "entities", "exports", "summary", "feedback", "ping")  # Mem0's /v1/<first segment>
+
+
+def _path_pattern(path: str) -> re.Pattern:
+    """A route's path with its {placeholders} as one path segment each."""
+    return re.compile("^" + "[^/]+".join(re.escape(p) for p in re.split(r"\{[^}]*\}", path)) + "$")
+
+
+_UNSUPPORTED = [(method, path, calls, why, _path_pattern(path)) for method, path, calls, why in UNSUPPORTED]
+
+
+def is_mem0_path(path: str) -> bool:
+    """Under the prefixes of Mem0's client: /v2/, /v3/, /api/, and Mem0's part of /v1/ (OpenAI's /v1/chat/...
+    and /v1/models are not)."""
+    parts = path.lstrip("/").split("/")
+    return parts[0] in ("v2", "v3", "api") or (parts[0] == "v1" and len(parts) > 1 and parts[1] in MEM0_V1)
+
+
+def unsupported(method: str, path: str) -> tuple[str, str]:
+    """(the client call, the message) of a request to a route this server does not serve."""
+    for m, template, calls, why, pattern in _UNSUPPORTED:
+        if m == method and pattern.match(path):
+            return calls, f"{calls} ({m} {template}) is not supported by InferScale: {why}"
+    where = f"{method} {path[:200]}"
+    return where, (f"{where} is not supported by InferScale: its Mem0 API has no such route (docs/mem0.md lists "
+                   "the routes and Mem0 client calls it serves)")
 
 
 # ------------------------------------------------------------------------------------------- request bodies
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a field this server does not implement is refused, never dropped
+    _nulls: frozenset = PrivateAttr(default_factory=frozenset)  # unknown top-level fields sent as null (not set)
 
 
 class Message(_Body):
@@ -68,18 +160,46 @@ class AddRequest(Scope):
 
 class ListRequest(Scope):
     filters: dict[str, Any] | None = None
+    show_expired: bool | None = Field(None, description="no memory expires here: either value answers the same")
+    latest_only: bool | None = Field(None, description="an update replaces a memory here (its earlier versions are "
+                                                       "its history): either value answers the same")
 
 
 class SearchRequest(ListRequest):
     query: str
-    top_k: int | None = Field(None, description=f"1..64, default {DEFAULT_TOP_K}")
+    top_k: int | None = Field(None, description=f"1..200, default {DEFAULT_TOP_K}")
     threshold: float | None = Field(None, description="only memories with score >= threshold")
     rerank: Literal[False] | None = None  # no reranker here: true is refused
+    keyword_search: Literal[False] | None = None  # no keyword index: true is refused
 
 
 class UpdateRequest(_Body):
     text: str | None = None
     metadata: dict[str, Any] | None = Field(None, description="replaces the memory's metadata")
+
+
+class BatchUpdateItem(_Body):
+    memory_id: str
+    text: str | None = None
+    metadata: dict[str, Any] | None = Field(None, description="replaces the memory's metadata")
+
+
+class BatchUpdateRequest(_Body):
+    memories: list[BatchUpdateItem] = Field(min_length=1, description="at most Limits.max_facts_per_request")
+
+
+class BatchDeleteItem(_Body):
+    memory_id: str
+
+
+class BatchDeleteRequest(_Body):
+    memories: list[BatchDeleteItem] = Field(min_length=1, description="at most Limits.max_facts_per_request")
+
+
+class FeedbackRequest(_Body):
+    memory_id: str
+    feedback: Literal["POSITIVE", "NEGATIVE", "VERY_NEGATIVE"] | None = None
+    feedback_reason: str | None = Field(None, max_length=MAX_FEEDBACK_REASON_CHARS)
 
 
 # ------------------------------------------------------------------------------------------ response bodies
@@ -136,12 +256,62 @@ class Done(BaseModel):
     deleted: int | None = None
 
 
+class BatchItem(BaseModel):
+    memory_id: str
+    status: Literal["updated", "deleted", "not_found", "failed"]
+    memory: Memory | None = None
+    code: str | None = None
+    detail: str | None = None
+
+
+class BatchResponse(BaseModel):
+    message: str
+    updated: int | None = None
+    deleted: int | None = None
+    results: list[BatchItem]
+
+
+class Entity(BaseModel):
+    id: str
+    name: str
+    type: Literal["user", "agent", "app", "run"]
+    total_memories: int
+    created_at: str
+    updated_at: str
+    owner: str
+    organization: str
+    metadata: dict[str, Any] | None = None
+
+
+class Entities(BaseModel):
+    count: int
+    next: None = None
+    previous: None = None
+    results: list[Entity]
+
+
+class FeedbackAck(BaseModel):
+    message: str
+    memory_id: str
+    feedback: str | None
+    feedback_reason: str | None
+
+
 class Ping(BaseModel):
     status: str
     user_id: str
     org_id: str
     project_id: str
     user_email: None = None
+
+
+class BatchFailed(ApiError):
+    """A batch whose checks passed but some of whose writes failed: the first failure's status, with every item's
+    outcome (the client raises it; its `details` hold the results)."""
+
+    def __init__(self, err: ApiError, message: str, results: list[dict]):
+        super().__init__(err.code, message, retry_after_s=err.retry_after_s, quota=err.quota, reason=err.reason)
+        self.results = results
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -182,44 +352,114 @@ def _bearer(header: str | None) -> str | None:
     return header
 
 
-def _metadata(value, limits: api.Limits) -> dict:
+def _metadata(value, limits: api.Limits, name: str = "metadata") -> dict:
     """Mem0 metadata: a JSON object (any JSON values), within the same bounds as the gRPC metadata map; the scope
     names are set through their own fields."""
     if value is None:
         return {}
     if len(value) > limits.max_metadata_entries:
-        raise api.too_big(f"metadata has {len(value)} entries, the limit is {limits.max_metadata_entries}")
+        raise api.too_big(f"{name} has {len(value)} entries, the limit is {limits.max_metadata_entries}")
     for k, v in value.items():
         if not k or len(k) > limits.max_metadata_key_chars:
-            raise api.invalid(f"metadata keys must be 1..{limits.max_metadata_key_chars} characters")
+            raise api.invalid(f"{name} keys must be 1..{limits.max_metadata_key_chars} characters")
         if k in filters.SCOPE_FIELDS:
-            raise api.invalid(f"metadata.{k}: set the {k} field (or filters.{k}) instead; it is a scope")
+            raise api.invalid(f"{name}.{k}: set the {k} field (or filters.{k}) instead; it is a scope")
         if len(json.dumps(v)) > limits.max_metadata_value_chars:
-            raise api.too_big(f"metadata[{k!r}] is over {limits.max_metadata_value_chars} characters as JSON")
+            raise api.too_big(f"{name}[{k!r}] is over {limits.max_metadata_value_chars} characters as JSON")
     return dict(value)
 
 
+def _scopes(rec: FactRecord) -> dict:
+    return {k: v for k, v in rec.metadata.items() if k in filters.SCOPE_FIELDS}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _parse(model: type[_Body], body: bytes):
+    """The body as `model`. A top-level field the model does not know is refused by name (with the reason when
+    it is one of Mem0's options, REFUSED_OPTIONS), unless it is null: Mem0's "not set"."""
     try:
-        return model.model_validate_json(body or b"{}")
+        data = json.loads(body or b"{}", parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise api.invalid(f"request body is not JSON ({str(e)[:200]})") from None
+    nulls = frozenset()
+    if isinstance(data, dict):
+        nulls = frozenset(k for k, v in data.items() if v is None and k not in model.model_fields)
+        data = {k: v for k, v in data.items() if k not in nulls}
+    try:
+        out = model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         if first["type"] == "extra_forbidden":
-            raise api.invalid(f"`{where}` is not supported by this server") from None
-        if first["type"] == "json_invalid":
-            raise api.invalid(f"request body is not JSON ({first['msg']})") from None
+            why = REFUSED_OPTIONS.get(str(first["loc"][-1]))
+            raise api.invalid(f"`{where}` is not supported by this server" + (f": {why}" if why else "")) from None
         raise api.invalid(f"{where}: {first['msg']}"[:500]) from None
+    out._nulls = nulls
+    return out
+
+
+def _query_filters(raw: str | None) -> dict | None:
+    """delete_all's `filters` query parameter. MemoryClient sends a dict there as Python's str() of it (httpx
+    writes a query value with str()): JSON is read, and so is that form (a Python literal, never evaluated as
+    code), both turned into JSON values; the filter language and its limits are the same as everywhere."""
+    if raw is None:
+        return None
+    if len(raw) > filters.MAX_FILTER_BYTES:
+        raise api.too_big(f"filters is {len(raw)} characters, the limit is {filters.MAX_FILTER_BYTES}")
+    try:
+        value = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        try:
+            value = json.loads(json.dumps(ast.literal_eval(raw), allow_nan=False))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise api.invalid("filters (a query parameter here) must be a JSON object (or the str() of a Python "
+                              "dict, as MemoryClient sends it)") from None
+    if not isinstance(value, dict):
+        raise api.invalid("filters must be an object of conditions")
+    return value
+
+
+def _without_user(flt: dict | None) -> dict | None:
+    """`flt` without the user_id it names at its top or in a top-level AND (the request's user, resolved and
+    authorized on its own): what is left narrows the user's memories; None when nothing is left."""
+    if not isinstance(flt, dict):
+        return flt
+    out = {k: v for k, v in flt.items() if k != "user_id"}
+    if isinstance(out.get("AND"), list) and out["AND"]:  # an empty AND stays, for the filter's own error
+        rest = [{k: v for k, v in sub.items() if k != "user_id"} if isinstance(sub, dict) else sub
+                for sub in out["AND"]]
+        rest = [sub for sub in rest if sub != {}]
+        if rest:
+            out["AND"] = rest
+        else:
+            del out["AND"]
+    return out or None
+
+
+def _scope_filter(values: dict[str, str | None]) -> dict:
+    """Scope fields as filter conditions: a value, or "*" (any value: the memories that have the scope)."""
+    return {k: v if v == WILDCARD else api.user_id(v, k) for k, v in values.items() if v not in (None, "")}
+
+
+def _and(*parts: dict | None) -> dict | None:
+    parts = [p for p in parts if p]
+    return None if not parts else parts[0] if len(parts) == 1 else {"AND": list(parts)}
 
 
 def _error(err: ApiError) -> JSONResponse:
     """{"detail", "code"} with the status Mem0's client maps to its exceptions; overload is 429 with Retry-After
-    (its RateLimitError), 401 carries the challenge."""
+    (its RateLimitError), 401 carries the challenge, not implemented is 501 (the client's base MemoryError)."""
     content = {"detail": err.message, "code": err.code.name.lower()}
+    if getattr(err, "results", None) is not None:
+        content["results"] = err.results
     if is_overload(err):
         return JSONResponse(status_code=429, headers=retry_after_header(err), content=content)
     headers = {"WWW-Authenticate": "Token"} if err.code == grpc.StatusCode.UNAUTHENTICATED else None
-    return JSONResponse(status_code=HTTP_STATUS.get(err.code, 500), headers=headers, content=content)
+    status = 501 if err.code == grpc.StatusCode.UNIMPLEMENTED else HTTP_STATUS.get(err.code, 500)
+    return JSONResponse(status_code=status, headers=headers, content=content)
 
 
 def _schema(model: type[BaseModel]) -> dict:
@@ -251,8 +491,11 @@ def _doc(request_model=None, response_model=None) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- routes
 def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
-    """Adds Mem0's routes to the HTTP front door's FastAPI app."""
+    """Adds Mem0's routes to the HTTP front door's FastAPI app, and 501 for the client's routes it does not serve."""
     from .grpc_front import status_of
+
+    def metrics():
+        return metrics_getter() if metrics_getter is not None else None
 
     def route(rpc: str, name: str, body_model=None):
         """Wraps a handler(core, caller, request, body) with: declared size, authentication (before the body is
@@ -260,7 +503,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         def wrap(handler):
             async def endpoint(request: Request):
                 core = core_getter()
-                done = _Outcome(metrics_getter() if metrics_getter is not None else None, PREFIX + name)
+                done = _Outcome(metrics(), PREFIX + name)
                 try:
                     _check_declared_size(request, core.limits.max_request_bytes)
                     caller = await core.authenticate(rpc, _bearer(request.headers.get("authorization")))
@@ -281,18 +524,66 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         return wrap
 
     def owner(core, caller, rpc: str, *named: str | None) -> str:
-        """The user the request acts for: the user_id it names (all that name one must agree) or the token's
-        subject; authorized like every RPC (another user's needs the memory:admin scope)."""
+        """The user the request acts for: the user_id it names (all that name one must agree; "*" is every user
+        the caller may act for) or the token's subject; authorized like every RPC (another user's needs the
+        memory:admin scope)."""
         given = {n for n in named if n is not None}
         if len(given) > 1:
             raise api.invalid("the request names more than one user_id")
         if given:
             uid = given.pop()
+            if uid == WILDCARD:
+                if not core.auth.enabled or caller.admin:
+                    raise api.invalid("user_id \"*\" names every user, and a request here acts for one user "
+                                      "(InferScale does not act on every user at once): name the user")
+                uid = caller.subject  # every user a user's token may act for: itself
         elif core.auth.enabled:
             uid = caller.subject
         else:
             raise api.invalid("user_id is required (this server runs without authentication)")
         return core._owner(caller, rpc, uid)
+
+    def owner_lookup(core):
+        """The registry's memory id -> owner lookup (used without authentication only), or None."""
+        return getattr(core.registry, "owner_of", None)
+
+    async def owners_of(core, caller, request, rpc: str, fids: list[str]) -> dict[str, str | None]:
+        """memory id -> the user it is read or written as (None: no such memory). With authentication: the user
+        the request names or the token's subject (another user's memory id is then unknown, 404). Without: the
+        memory id alone is enough, its owner looked up in the registry (every caller may act for every user
+        there anyway); a `user_id` query parameter still narrows it to that user."""
+        named = request.query_params.get("user_id")
+        if named is not None or core.auth.enabled:
+            uid = owner(core, caller, rpc, named)
+            return {f: uid for f in fids}
+        lookup = owner_lookup(core)
+        if lookup is None:
+            raise api.invalid("user_id is required: this server runs without authentication and its registry "
+                              "cannot look up a memory's owner by id (send the user_id query parameter)")
+        out = {}
+        for f in fids:
+            uid = await asyncio.to_thread(lookup, f)
+            out[f] = None if uid is None else core._owner(caller, rpc, uid)
+        return out
+
+    async def fact_of(core, caller, request, rpc: str) -> tuple[str, str]:
+        """(user, memory id) of a route with {memory_id}: 404 when that memory does not exist for the caller."""
+        fid = api.fact_id(request.path_params["memory_id"], "memory_id")
+        uid = (await owners_of(core, caller, request, rpc, [fid]))[fid]
+        if uid is None:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown memory {fid!r}")
+        return uid, fid
+
+    async def current(core, owners: dict[str, str | None]) -> dict[str, FactRecord]:
+        """The records of those memories that exist for their owners now (one registry read per owner)."""
+        by_user: dict[str, list[str]] = {}
+        for fid, uid in owners.items():
+            if uid is not None:
+                by_user.setdefault(uid, []).append(fid)
+        out = {}
+        for uid, fids in by_user.items():
+            out.update(await asyncio.to_thread(core.registry.find_many, uid, fids))
+        return out
 
     def scope_of(body: Scope, flt: dict | None) -> dict:
         """agent_id / run_id / app_id from the body's fields and the filters' top level (must agree)."""
@@ -305,15 +596,43 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                 out[name] = values.pop()
         return filters.scope_metadata(**out)
 
-    def get_fact(core, caller, request, rpc: str):
-        uid = owner(core, caller, rpc, request.query_params.get("user_id"))
-        fid = api.fact_id(request.path_params["memory_id"], "memory_id")
-        return uid, fid
-
     def no_params(request: Request, allowed=("user_id",)):
         extra = sorted(set(request.query_params) - set(allowed))
         if extra:
             raise api.invalid(f"query parameter `{extra[0]}` is not supported here")
+
+    def batch_ids(items, limits: api.Limits) -> list[str]:
+        """The memory ids of a batch, checked: at most max_facts_per_request, each valid, none twice."""
+        if len(items) > limits.max_facts_per_request:
+            raise api.too_big(f"memories has {len(items)} entries, the limit is {limits.max_facts_per_request}",
+                              "memories")
+        seen: dict[str, int] = {}
+        for i, item in enumerate(items):
+            fid = api.fact_id(item.memory_id, f"memories[{i}].memory_id")
+            if fid in seen:
+                raise api.invalid(f"memories[{i}].memory_id repeats memories[{seen[fid]}].memory_id")
+            seen[fid] = i
+        return list(seen)
+
+    async def delete_matching(core, uid: str, match) -> int:
+        """Deletes the user's memories that `match` keeps (read 1000 at a time, matched in a worker thread);
+        one deleted meanwhile is gone either way."""
+        n, offset, doomed = 0, 0, []
+        while offset is not None:
+            recs, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
+            doomed += [r.fact_id for r in recs]
+        for fid in doomed:
+            try:
+                await core.delete_fact(uid, fid)
+                n += 1
+            except Exception as e:  # deleted meanwhile: gone either way
+                if api.to_api_error(e).code != grpc.StatusCode.NOT_FOUND:
+                    raise
+        return n
+
+    async def erase_user(core, caller, uid: str) -> int:
+        """GDPR erasure: the same as DeleteUser on gRPC (registry, KV tiers, index, tombstones)."""
+        return (await core.DeleteUser(pb2.DeleteUserRequest(user_id=uid), caller)).deleted
 
     @route("GetMemory", "ping")
     async def ping(core, caller, request, body):
@@ -358,11 +677,8 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                 "previous": base + str(page - 1) if page > 1 else None, "results": results}
 
     def _match(body: ListRequest, uid: str):
-        scope = scope_of(body, None)
-        flt = body.filters
-        if scope:
-            flt = {"AND": [scope, flt]} if flt else scope
-        return filters.compile_filter(flt, uid)
+        """The request's scope fields and filter (its user_id, resolved by owner(), left out) as one predicate."""
+        return filters.compile_filter(_and(scope_of(body, None), _without_user(body.filters)), uid)
 
     @route("Search", "search", SearchRequest)
     async def search(core, caller, request, body: SearchRequest):
@@ -377,20 +693,21 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     @route("GetMemory", "get")
     async def get(core, caller, request, body):
         no_params(request)
-        uid, fid = get_fact(core, caller, request, "GetMemory")
+        uid, fid = await fact_of(core, caller, request, "GetMemory")
         return memory_json(await asyncio.to_thread(core.registry.get, uid, fid))
 
     @route("UpdateMemory", "update", UpdateRequest)
     async def update(core, caller, request, body: UpdateRequest):
         no_params(request)
-        uid, fid = get_fact(core, caller, request, "UpdateMemory")
+        uid, fid = await fact_of(core, caller, request, "UpdateMemory")
         text = None if body.text is None else api.text_field(body.text, "text", core.limits.max_fact_chars).strip()
         meta = None if body.metadata is None else _metadata(body.metadata, core.limits)
         if text is None and meta is None:
+            if body._nulls:  # only options set to null (the client's expiration_date=None: none is set here)
+                return memory_json(await asyncio.to_thread(core.registry.get, uid, fid))
             raise api.invalid("nothing to update: send text and/or metadata")
         if meta is not None:  # Mem0 replaces the metadata; the scope fields stay what they were
-            cur = await asyncio.to_thread(core.registry.get, uid, fid)
-            meta = {**meta, **{k: v for k, v in cur.metadata.items() if k in filters.SCOPE_FIELDS}}
+            meta = {**meta, **_scopes(await asyncio.to_thread(core.registry.get, uid, fid))}
         rec = await core.update_fact(uid, fid, text, meta, replace_metadata=meta is not None)
         return memory_json(rec)
 
@@ -399,41 +716,167 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         no_params(request, ("user_id", "delete_linked"))
         if request.query_params.get("delete_linked", "false").lower() not in ("false", "0"):
             raise api.invalid("delete_linked is not supported: a memory here has no linked earlier memories")
-        uid, fid = get_fact(core, caller, request, "DeleteMemory")
+        uid, fid = await fact_of(core, caller, request, "DeleteMemory")
         await core.delete_fact(uid, fid)
         return {"message": "Memory deleted successfully!"}
 
     @route("GetMemory", "history")
     async def history(core, caller, request, body):
         no_params(request)
-        uid, fid = get_fact(core, caller, request, "GetMemory")
+        uid, fid = await fact_of(core, caller, request, "GetMemory")
         earlier = await asyncio.to_thread(core.registry.history, uid, fid)
         rec = await asyncio.to_thread(core.registry.get, uid, fid)
         return history_json(rec, [v for v in earlier if v.version < rec.version])
 
     @route("DeleteUser", "delete_all")
     async def delete_all(core, caller, request, body):
-        """All of the user's memories, or with agent_id / run_id / app_id those of that scope. A user with no
-        memories is no error (Mem0's delete_all)."""
-        no_params(request, ("user_id", *filters.SCOPE_FIELDS))
+        """The user's memories that the scopes (agent_id / run_id / app_id, "*": any value) and `filters` keep.
+        All of them only when the request names the user (user_id=<the user> or "*", in the query or in
+        filters), as Mem0's platform refuses a delete_all without a filter: then it is the erasure DeleteUser
+        is. A user with no memories is no error (Mem0's delete_all)."""
+        no_params(request, ("user_id", "filters", *filters.SCOPE_FIELDS))
         q = request.query_params
-        uid = owner(core, caller, "DeleteUser", q.get("user_id"))
-        scope = filters.scope_metadata(**{k: q.get(k) for k in filters.SCOPE_FIELDS})
-        if not scope:
-            n = (await core.DeleteUser(api.pb2.DeleteUserRequest(user_id=uid), caller)).deleted
+        flt = _query_filters(q.get("filters"))
+        named = [q.get("user_id"), filters.user_of(flt)]
+        uid = owner(core, caller, "DeleteUser", *named)
+        narrowed = _and(_scope_filter({k: q.get(k) for k in filters.SCOPE_FIELDS}), _without_user(flt))
+        if narrowed is not None:
+            n = await delete_matching(core, uid, filters.compile_filter(narrowed, uid))
+        elif any(v is not None for v in named):
+            n = await erase_user(core, caller, uid)
         else:
-            match, n, offset, doomed = filters.compile_filter(scope, uid), 0, 0, []
-            while offset is not None:
-                recs, offset = await asyncio.to_thread(core.registry.list, uid, offset, 1000)
-                doomed += [r.fact_id for r in recs if match(r)]
-            for fid in doomed:
-                try:
-                    await core.delete_fact(uid, fid)
-                    n += 1
-                except Exception as e:  # deleted meanwhile: gone either way
-                    if api.to_api_error(e).code != grpc.StatusCode.NOT_FOUND:
-                        raise
+            raise api.invalid(
+                "delete_all without a filter would delete all of this user's memories, and it must be asked for "
+                f"explicitly (as on Mem0's platform): delete_all(user_id={uid!r}) or delete_all(user_id=\"*\") "
+                "deletes them all; agent_id / run_id / app_id or filters delete some")
         return {"message": "Memories deleted successfully!", "deleted": n}
+
+    @route("UpdateMemory", "batch_update", BatchUpdateRequest)
+    async def batch_update(core, caller, request, body: BatchUpdateRequest):
+        """Each item is checked (ids, text, metadata, that the memory exists, the encoder's limits) before
+        anything is written; then the updates run in order, each reported. One that fails then (deleted
+        meanwhile, a quota) fails the call with its status, every item's outcome in the body."""
+        no_params(request)
+        fids = batch_ids(body.memories, core.limits)
+        changes = []
+        for i, item in enumerate(body.memories):
+            where = f"memories[{i}]"
+            text = (None if item.text is None
+                    else api.text_field(item.text, f"{where}.text", core.limits.max_fact_chars).strip())
+            meta = None if item.metadata is None else _metadata(item.metadata, core.limits, f"{where}.metadata")
+            if text is None and meta is None:
+                raise api.invalid(f"{where}: nothing to update: send text and/or metadata")
+            changes.append((text, meta))
+        owners = await owners_of(core, caller, request, "UpdateMemory", fids)
+        recs = await current(core, owners)
+        missing = [f for f in fids if f not in recs]
+        if missing:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown memory {missing[0]!r}" + (
+                f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; nothing was updated")
+        texts = [(f"memories[{i}].text", t) for i, (t, _) in enumerate(changes) if t is not None]
+        if texts:
+            await core._check_encodable([t for _, t in texts], [n for n, _ in texts])
+        results, failed = [], None
+        for fid, (text, meta) in zip(fids, changes):
+            try:
+                rec = await core.update_fact(owners[fid], fid, text, None if meta is None else
+                                             {**meta, **_scopes(recs[fid])}, replace_metadata=meta is not None)
+                results.append({"memory_id": fid, "status": "updated", "memory": memory_json(rec)})
+            except Exception as e:  # noqa: BLE001 - reported with the item
+                err = status_of(PREFIX + "batch_update", e)
+                failed = failed or err
+                results.append({"memory_id": fid, "status": "failed", "code": err.code.name.lower(),
+                                "detail": err.message})
+        n = sum(r["status"] == "updated" for r in results)
+        if failed is not None:
+            raise BatchFailed(failed, f"{n} of {len(fids)} memories updated; the first failure: {failed.message}",
+                              results)
+        return {"message": f"{n} memories updated", "updated": n, "results": results}
+
+    @route("DeleteMemory", "batch_delete", BatchDeleteRequest)
+    async def batch_delete(core, caller, request, body: BatchDeleteRequest):
+        """Each id is checked before anything is deleted; an unknown one (or one deleted meanwhile) is reported
+        `not_found`: it is gone either way. A delete that fails fails the call, every item's outcome in the body."""
+        no_params(request)
+        fids = batch_ids(body.memories, core.limits)
+        owners = await owners_of(core, caller, request, "DeleteMemory", fids)
+        recs = await current(core, owners)
+        results, failed = [], None
+        for fid in fids:
+            status = "not_found"
+            if fid in recs:
+                try:
+                    await core.delete_fact(owners[fid], fid)
+                    status = "deleted"
+                except Exception as e:  # noqa: BLE001 - reported with the item
+                    err = status_of(PREFIX + "batch_delete", e)
+                    if err.code != grpc.StatusCode.NOT_FOUND:
+                        failed = failed or err
+                        results.append({"memory_id": fid, "status": "failed", "code": err.code.name.lower(),
+                                        "detail": err.message})
+                        continue
+            results.append({"memory_id": fid, "status": status})
+        n = sum(r["status"] == "deleted" for r in results)
+        if failed is not None:
+            raise BatchFailed(failed, f"{n} of {len(fids)} memories deleted; the first failure: {failed.message}",
+                              results)
+        return {"message": f"{n} memories deleted", "deleted": n, "results": results}
+
+    @route("ListMemories", "users")
+    async def users(core, caller, request, body):
+        """The entities the caller may see that have memories: its user, then the agents, apps and runs of its
+        memories. Every user (an admin's token, or no authentication) needs an index of users, which the registry
+        does not keep: 501 unless the request names the user."""
+        no_params(request)
+        named = request.query_params.get("user_id")
+        if named is None and (not core.auth.enabled or caller.admin):
+            raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
+                           "users() for an admin token (or without authentication) would list every user, and "
+                           "InferScale's registry keeps no index of users; name one: GET /v1/entities/?user_id=<id>. "
+                           "So delete_users() without arguments and reset() are refused too: InferScale does not "
+                           "delete every user at once; delete_users(user_id=<id>) erases one")
+        uid = owner(core, caller, "ListMemories", named)
+        found = await asyncio.to_thread(_entities, core.registry, uid, core.limits.max_page_size)
+        return {"count": len(found), "next": None, "previous": None, "results": found}
+
+    @route("DeleteUser", "delete_entity")
+    async def delete_entity(core, caller, request, body):
+        """delete_users(): a user is erased as DeleteUser erases it (a user's token: only itself); an agent, app
+        or run is a scope of the caller's memories (or of the user_id the query names): those memories go."""
+        kind, name = request.path_params["entity_type"], request.path_params["entity_id"]
+        if kind not in ENTITY_FIELDS:
+            raise api.invalid(f"entity type {kind[:40]!r} is not one of {', '.join(ENTITY_FIELDS)}")
+        if kind == "user":
+            no_params(request, ())
+            n = await erase_user(core, caller, owner(core, caller, "DeleteUser", name))
+        else:
+            no_params(request)
+            uid = owner(core, caller, "DeleteUser", request.query_params.get("user_id"))
+            n = await delete_matching(core, uid, filters.compile_filter(
+                _scope_filter({ENTITY_FIELDS[kind]: name}), uid))
+        return {"message": "Entity deleted successfully!", "deleted": n}
+
+    @route("GetMemory", "feedback", FeedbackRequest)
+    async def feedback(core, caller, request, body: FeedbackRequest):
+        """Acknowledged for a memory of the caller's (404 otherwise) and not stored: nothing here would use it
+        (Mem0 tunes its own extraction with it)."""
+        no_params(request)
+        fid = api.fact_id(body.memory_id, "memory_id")
+        uid = (await owners_of(core, caller, request, "GetMemory", [fid]))[fid]
+        if uid is None or not await asyncio.to_thread(core.registry.find_many, uid, [fid]):
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown memory {fid!r}")
+        return {"message": "Feedback acknowledged; InferScale does not store feedback, and it changes nothing",
+                "memory_id": fid, "feedback": body.feedback, "feedback_reason": body.feedback_reason}
+
+    async def not_served(request: Request, exc):
+        """No route here: under the client's prefixes, 501 naming the call (never 404, which the client raises as
+        MemoryNotFoundError); elsewhere FastAPI's own answer."""
+        if exc.status_code not in (404, 405) or not is_mem0_path(request.url.path):
+            return await http_exception_handler(request, exc)
+        done = _Outcome(metrics(), PREFIX + "unsupported")
+        call, message = unsupported(request.method, request.url.path)
+        done(grpc.StatusCode.UNIMPLEMENTED)
+        return JSONResponse(status_code=501, content={"detail": message, "code": "unimplemented", "call": call})
 
     # Mem0's paths, with their trailing slashes as MemoryClient sends them.
     app.add_api_route("/v1/ping/", ping, methods=["GET"], **_doc(None, Ping), tags=["mem0"])
@@ -449,12 +892,44 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                       tags=["mem0"])
     app.add_api_route("/v1/memories/{memory_id}/history/", history, methods=["GET"],
                       **_doc(None, list[HistoryEntry]), tags=["mem0"])
+    app.add_api_route("/v1/batch/", batch_update, methods=["PUT"], **_doc(BatchUpdateRequest, BatchResponse),
+                      tags=["mem0"])
+    app.add_api_route("/v1/batch/", batch_delete, methods=["DELETE"], **_doc(BatchDeleteRequest, BatchResponse),
+                      tags=["mem0"])
+    app.add_api_route("/v1/entities/", users, methods=["GET"], **_doc(None, Entities), tags=["mem0"])
+    app.add_api_route("/v2/entities/{entity_type}/{entity_id}/", delete_entity, methods=["DELETE"],
+                      **_doc(None, Done), tags=["mem0"])
+    app.add_api_route("/v1/feedback/", feedback, methods=["POST"], **_doc(FeedbackRequest, FeedbackAck),
+                      tags=["mem0"])
+    app.add_exception_handler(404, not_served)
+    app.add_exception_handler(405, not_served)
 
 
 def _matching(registry, uid: str, offset: int, match) -> tuple[list, int | None]:
     """The facts `match` keeps among the next 1000 of the user's from `offset`, and the offset after them."""
     recs, offset = registry.list(uid, offset, 1000)
     return [r for r in recs if match(r)], offset
+
+
+def _entities(registry, uid: str, cap: int) -> list[dict]:
+    """Mem0's entities of one user's memories: the user, then each agent, app and run value (at most `cap` of
+    those), with how many memories each has and their first creation and last update."""
+    seen: dict[tuple[str, str], list] = {}
+    offset = 0
+    while offset is not None:
+        recs, offset = registry.list(uid, offset, 1000)
+        for r in recs:
+            keys = [("user", uid)] + [(kind, str(r.metadata[f])) for kind, f in ENTITY_FIELDS.items()
+                                      if f in filters.SCOPE_FIELDS and r.metadata.get(f) is not None]
+            for key in keys:
+                if key not in seen and len(seen) > cap:
+                    continue
+                s = seen.setdefault(key, [0, r.created_at, r.updated_at])
+                s[0] += 1
+                s[1], s[2] = min(s[1], r.created_at), max(s[2], r.updated_at)
+    return [{"id": name, "name": name, "type": kind, "total_memories": n, "created_at": _iso(first),
+             "updated_at": _iso(last), "owner": uid, "organization": DEPLOYMENT_ID, "metadata": None}
+            for (kind, name), (n, first, last) in seen.items()]
 
 
 def _int_param(request: Request, name: str, lo: int, hi: int, default: int) -> int:
