@@ -320,8 +320,10 @@ ENV_MEANINGS = {
                              "HS256 tokens default to `inferscale`. `inferscale token` and the CLI mint with it.",
     "INFERSCALE_JWT_AUDIENCE": "The `aud` every token must carry (as `auth.audience`): required with public keys; "
                                "HS256 tokens default to `inferscale`. `inferscale token` and the CLI mint with it.",
-    "INFERSCALE_REDIS_PASSWORD": "Redis' password when the registry URL carries none (the chart sets it from its "
-                                 "Secret).",
+    "INFERSCALE_REDIS_PASSWORD_FILE": "A file holding Redis' password, read when the registry URL carries none and "
+                                      "$INFERSCALE_REDIS_PASSWORD is unset (the chart mounts its Secret there).",
+    "INFERSCALE_REDIS_PASSWORD": "Redis' password when the registry URL carries none (the chart mounts its Secret as "
+                                 "a file instead: INFERSCALE_REDIS_PASSWORD_FILE).",
     "INFERSCALE_ENGINE_KV_BUDGET_BYTES": "Bytes of fact KV one engine replica keeps in its worker store (its "
                                          "resident-KV budget); default a quarter of the machine's memory times the "
                                          "replica's share of the node.",

@@ -203,16 +203,21 @@ def _env(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
-def _assert_jwt_secret_is_a_file(pod: dict, secret_name: str) -> None:
-    """The HS256 key reaches a Ray pod as a read-only file of a Secret volume, never as an environment value."""
+def _assert_secret_is_a_file(pod: dict, volume: str, secret_name: str, env_name: str, key: str) -> None:
+    """A secret reaches a Ray pod as a read-only file of a Secret volume ($<env_name>_FILE names it), never as an
+    environment value."""
     container = pod["containers"][0]
     env = _env(container)
-    assert "INFERSCALE_JWT_SECRET" not in env
-    path = env["INFERSCALE_JWT_SECRET_FILE"]["value"]
-    (vol,) = [v for v in pod["volumes"] if v["name"] == "jwt-secret"]
+    assert env_name not in env
+    path = env[f"{env_name}_FILE"]["value"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == volume]
     assert vol["secret"]["secretName"] == secret_name and vol["secret"]["defaultMode"] == 0o440
-    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "jwt-secret"]
-    assert mount["readOnly"] is True and path == f"{mount['mountPath']}/secret"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume]
+    assert mount["readOnly"] is True and path == f"{mount['mountPath']}/{key}"
+
+
+def _assert_jwt_secret_is_a_file(pod: dict, secret_name: str) -> None:
+    _assert_secret_is_a_file(pod, "jwt-secret", secret_name, "INFERSCALE_JWT_SECRET", "secret")
 
 
 def test_every_pod_meets_the_restricted_pod_security_standard(helm):
@@ -324,8 +329,10 @@ def test_secrets_reach_the_pods_by_reference_only(helm):
     assert not any(v in others for v in values)  # not in the Serve config, an env value or an argument
     for group, pod in _pod_specs(docs).items():
         env = _env(pod["containers"][0])
-        name = "REDIS_PASSWORD" if group == "redis" else "INFERSCALE_REDIS_PASSWORD"
-        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rel-redis-auth", "key": "password"}
+        if group == "redis":
+            assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "rel-redis-auth", "key": "password"}
+        else:
+            _assert_secret_is_a_file(pod, "redis-secret", "rel-redis-auth", "INFERSCALE_REDIS_PASSWORD", "password")
         if group != "redis":
             _assert_jwt_secret_is_a_file(pod, "rel-jwt")
             for k, v in service_app.SERVE_START_ENV.items():  # Serve's start-up timeouts, as app.py says
@@ -333,8 +340,8 @@ def test_secrets_reach_the_pods_by_reference_only(helm):
     # your own Secrets instead: none rendered, the pods reference them
     docs = _render(helm, "redis.auth.existingSecret=my-redis", "auth.hs256.existingSecret=my-jwt", release="rel")
     assert not [d for d in docs if d["kind"] == "Secret"]
-    env = _env(_pod_specs(docs)["gpu-workers"]["containers"][0])
-    assert env["INFERSCALE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "my-redis"
+    _assert_secret_is_a_file(_pod_specs(docs)["gpu-workers"], "redis-secret", "my-redis", "INFERSCALE_REDIS_PASSWORD",
+                             "password")
     _assert_jwt_secret_is_a_file(_pod_specs(docs)["gpu-workers"], "my-jwt")
     # auth off: no JWT secret anywhere, and the Serve config says so
     docs = _render(helm, "auth.insecureNoAuth=true", release="rel")
@@ -542,7 +549,7 @@ def test_rendered_serve_config_follows_values(helm):
     assert rendered == serve_config(ServiceConfig.from_chart_values(values, "r2"))
     assert rendered["applications"][0]["args"]["auth"] == {"issuer": "https://id.example"}
     assert not [d for d in docs if d["kind"] == "StatefulSet"]  # external Redis: no StatefulSet
-    assert "INFERSCALE_REDIS_PASSWORD" not in _env(_pod_specs(docs)["ray-head"]["containers"][0])
+    assert not {"INFERSCALE_REDIS_PASSWORD", "INFERSCALE_REDIS_PASSWORD_FILE"} & set(_env(_pod_specs(docs)["ray-head"]["containers"][0]))
     (grpc_svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "r2-grpc"]
     assert grpc_svc["spec"]["ports"][0]["port"] == 9100
 

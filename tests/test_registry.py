@@ -487,6 +487,23 @@ def test_redis_with_a_password(redis_password_url, monkeypatch):
     assert password not in redacted(redis_password_url) and ":***@" in redacted(redis_password_url)
 
 
+def test_redis_password_from_a_file(redis_password_url, monkeypatch, tmp_path):
+    """The chart mounts the Redis Secret as a file: $INFERSCALE_REDIS_PASSWORD_FILE names it."""
+    from inferscale_server.registry.redis_backend import PASSWORD_ENV, PASSWORD_FILE_ENV
+
+    password = redis_password_url.split("//:", 1)[1].split("@", 1)[0]
+    no_password = redis_password_url.replace(f":{password}@", "")
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    (tmp_path / "password").write_text(password + "\n")
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(tmp_path / "password"))
+    reg = RedisRegistry(no_password, prefix=f"pf{uuid.uuid4().hex[:8]}:")
+    (f,) = reg.create("u", [NewFact("behind a password file")])
+    assert reg.get("u", f.fact_id).text == "behind a password file"
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read the Redis password file"):
+        RedisRegistry(no_password, prefix="x:").ping()
+
+
 def test_a_password_that_looks_like_an_option_still_starts_the_server():
     """secrets.token_urlsafe may begin a password with "--"; on redis-server's command line that is read as the
     next option and the server exits (seen once in a full run): the password goes in a config file instead."""

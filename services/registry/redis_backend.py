@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -36,6 +37,7 @@ from .base import (
 )
 
 PASSWORD_ENV = "INFERSCALE_REDIS_PASSWORD"
+PASSWORD_FILE_ENV = "INFERSCALE_REDIS_PASSWORD_FILE"  # a file holding it (the chart mounts the Secret there)
 CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
 SOCKET_TIMEOUT_S = 2.0    # a command (or a new connection's handshake) without an answer: half-open, stalled
 RETRIES = 1               # connection/timeout errors retried this often (with backoff) before they are raised
@@ -130,6 +132,15 @@ end
 return 1
 """
 
+def _read_password_file(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as e:
+        raise ValueError(f"cannot read the Redis password file ${PASSWORD_FILE_ENV}={path}: {e.strerror}") from None
+
+
 def redacted(url: str) -> str:
     """The URL with its password replaced, for logs and banners."""
     parts = urlsplit(url)
@@ -199,7 +210,8 @@ class RedisRegistry(Registry):
     names its user): another user's fact of the same id is another fact, and never found for this user.
 
     The password comes from the URL (`redis://:PASSWORD@host:port/0`) or, when the URL has none, from
-    $INFERSCALE_REDIS_PASSWORD, so a Kubernetes Secret can supply it without it appearing in any config.
+    $INFERSCALE_REDIS_PASSWORD or the file $INFERSCALE_REDIS_PASSWORD_FILE names, so a Kubernetes Secret can
+    supply it without it appearing in any config.
     A URL naming any node of a Redis Cluster gives a cluster client (redis.cluster.RedisCluster), found out at the
     first call, so that constructing a registry never waits for Redis.
     """
@@ -235,8 +247,10 @@ class RedisRegistry(Registry):
         from redis.retry import Retry
 
         kw = {}
-        if urlsplit(self.url).password is None and os.environ.get(PASSWORD_ENV):
-            kw["password"] = os.environ[PASSWORD_ENV]
+        if urlsplit(self.url).password is None:
+            password = os.environ.get(PASSWORD_ENV) or _read_password_file(os.environ.get(PASSWORD_FILE_ENV))
+            if password:
+                kw["password"] = password
         # Bounded waits: a Redis that is down or a half-open connection fails a call within
         # (1 + RETRIES) * (CONNECT_TIMEOUT_S + 2 * SOCKET_TIMEOUT_S) = 10 s (UNAVAILABLE at the API) instead of
         # blocking a thread, and with it a user's lock, for minutes. The pool reconnects once Redis is back.

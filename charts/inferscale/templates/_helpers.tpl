@@ -131,6 +131,8 @@ securityContext:
 {{/* Where the HS256 secret is mounted in the Ray pods: a file, never an environment variable. */}}
 {{- define "inferscale.jwtSecretDir" -}}/var/run/secrets/inferscale/jwt{{- end -}}
 {{- define "inferscale.jwtSecretMounted" -}}{{ not (or .Values.auth.insecureNoAuth .Values.auth.jwksUrl) }}{{- end -}}
+{{- define "inferscale.redisSecretDir" -}}/var/run/secrets/inferscale/redis{{- end -}}
+{{- define "inferscale.redisSecretMounted" -}}{{ if or .Values.redis.enabled .Values.redis.auth.existingSecret }}true{{ else }}false{{ end }}{{- end -}}
 
 {{- define "inferscale.modelsReadOnly" -}}
 {{- not (and (eq .Values.model.source "pvc") .Values.model.download.enabled) -}}
@@ -151,9 +153,8 @@ are equal), the pod's name for the KV folder.
 - {name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S, value: "60"}
 - {name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, value: "4194304"}
 - {name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, value: "inferscale_server.proxy_setup:proxy_setup"}
-{{- if or .Values.redis.enabled .Values.redis.auth.existingSecret }}
-- name: INFERSCALE_REDIS_PASSWORD
-  valueFrom: {secretKeyRef: {name: {{ include "inferscale.redisSecret" . }}, key: {{ .Values.redis.auth.key }}}}
+{{- if eq (include "inferscale.redisSecretMounted" .) "true" }}
+- {name: INFERSCALE_REDIS_PASSWORD_FILE, value: {{ printf "%s/%s" (include "inferscale.redisSecretDir" .) .Values.redis.auth.key | quote }}}
 {{- end }}
 {{- if eq (include "inferscale.jwtSecretMounted" .) "true" }}
 # The HS256 secret is a file (a Secret volume, templates/_helpers.tpl inferscale.volumes): a process that can read
@@ -205,8 +206,16 @@ livenessProbe:
 {{- define "inferscale.volumes" -}}
 {{- $pvc := eq .ctx.Values.model.source "pvc" -}}
 {{- $jwt := eq (include "inferscale.jwtSecretMounted" .ctx) "true" -}}
-{{- if or $pvc $jwt (and .worker .ctx.Values.kvStore.volume) }}
+{{- $redis := eq (include "inferscale.redisSecretMounted" .ctx) "true" -}}
+{{- if or $pvc $jwt $redis (and .worker .ctx.Values.kvStore.volume) }}
 volumes:
+{{- if $redis }}
+  - name: redis-secret
+    secret:
+      secretName: {{ include "inferscale.redisSecret" .ctx }}
+      defaultMode: 0440   # group-read: the pod's fsGroup (the Ray user) reads it
+      items: [{key: {{ .ctx.Values.redis.auth.key }}, path: {{ .ctx.Values.redis.auth.key }}}]
+{{- end }}
 {{- if $jwt }}
   - name: jwt-secret
     secret:
@@ -242,8 +251,12 @@ volumes:
 {{- define "inferscale.volumeMounts" -}}
 {{- $pvc := eq .ctx.Values.model.source "pvc" -}}
 {{- $jwt := eq (include "inferscale.jwtSecretMounted" .ctx) "true" -}}
-{{- if or $pvc $jwt (and .worker .ctx.Values.kvStore.volume) }}
+{{- $redis := eq (include "inferscale.redisSecretMounted" .ctx) "true" -}}
+{{- if or $pvc $jwt $redis (and .worker .ctx.Values.kvStore.volume) }}
 volumeMounts:
+{{- if $redis }}
+  - {name: redis-secret, mountPath: {{ include "inferscale.redisSecretDir" .ctx }}, readOnly: true}
+{{- end }}
 {{- if $jwt }}
   - {name: jwt-secret, mountPath: {{ include "inferscale.jwtSecretDir" .ctx }}, readOnly: true}
 {{- end }}
