@@ -29,14 +29,16 @@ import threading
 import time
 
 from inferscale_client import cli as client_cli
-from inferscale_core.vllm_env import machine_memory_bytes, serving_kv_cache_gib, vllm_cpu_env
+from inferscale_core.vllm_env import machine_memory_bytes, serving_dtype, serving_kv_cache_gib, vllm_cpu_env
 
 
 def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="run the InferScale service (Ray Serve, gRPC + HTTP) on this machine")
     p.add_argument("--redis-url", default=None, help="registry (default: in memory, lost when serve stops)")
     p.add_argument("--model", default=None, help="local HF model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the engine's and the stored KV's dtype (default auto: bfloat16 where the CPU has "
+                        "avx512_bf16 or amx_bf16, or on a CUDA GPU with bf16; else float32)")
     p.add_argument("--grpc-port", type=int, default=9000)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1",
@@ -238,7 +240,9 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
             print(f"inferscale serve: the registry at {redacted(args.redis_url)} cannot be reached "
                   f"({type(e).__name__}: {str(e)[:200]}); start Redis or fix --redis-url", file=sys.stderr)
             return 1
-    cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=args.dtype,
+    dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else serving_dtype()
+    print(f"dtype {dtype} ({why})", flush=True)
+    cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=dtype,
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), store_options=store_settings(args),
                         deployments=single_node_deployments(),

@@ -70,3 +70,23 @@ def test_the_default_bind_is_the_usable_cpus(monkeypatch):
     monkeypatch.setattr(vllm_env, "usable_cpus", lambda: [2, 3, 5])
     env = vllm_env.vllm_cpu_env()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3,5" and env["OMP_NUM_THREADS"] == "3"
+
+
+def test_serve_picks_bfloat16_only_where_the_hardware_computes_it():
+    """`inferscale serve --dtype auto` (the default): bfloat16 on a CUDA GPU with bf16 or a CPU with AVX-512 BF16 or
+    AMX, float32 elsewhere (on an AVX2-only CPU bfloat16 was 5x slower to encode), and it says why."""
+    import argparse
+
+    from inferscale_server.cli import add_commands
+
+    assert vllm_env.serving_dtype({"avx2", "avx512f", "avx512_bf16"}, cuda_bf16=False) == (
+        "bfloat16", "the CPU has avx512_bf16")
+    assert vllm_env.serving_dtype({"amx_bf16", "amx_tile"}, cuda_bf16=False)[0] == "bfloat16"
+    dtype, why = vllm_env.serving_dtype({"avx", "avx2"}, cuda_bf16=False)
+    assert dtype == "float32" and "avx512_bf16" in why
+    assert vllm_env.serving_dtype(set(), cuda_bf16=True) == ("bfloat16", "a CUDA GPU with bfloat16")
+    here = vllm_env.serving_dtype()
+    assert here[0] == ("bfloat16" if set(vllm_env.BF16_CPU_FLAGS) & vllm_env.cpu_flags() else "float32")
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).dtype == "auto"
