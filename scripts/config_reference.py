@@ -685,7 +685,7 @@ def fixed_sections() -> list[str]:
     full = cite("services/api.py", "registry_full")
     redis_cluster = cite("services/registry/redis_backend.py", "RedisRegistry._connect", "cluster_enabled")
     buckets = cite("services/registry/redis_backend.py", "bucket_of")
-    overload = cite("services/gateway/http_front.py", "is_overload")
+    overload = cite("services/gateway/http_common.py", "is_overload")
     reasons = error_reasons()
     out = ["## Supported / not supported", "",
            f"- **One engine per GPU.** No tensor or pipeline parallelism: the connector refuses "

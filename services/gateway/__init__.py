@@ -3,6 +3,7 @@
     core.py           GatewayCore (auth order, validation, all-or-nothing writes, the RPCs), GatewaySink (Mem0)
     grpc_front.py     GrpcServicer + start_grpc_server: a plain grpc.aio server (Ray-less runs, API tests);
                       grpc.health.v1 Check/Watch for both gRPC front doors
+    http_common.py    what the two HTTP APIs share (status codes, 429 vs 413, body limits, metrics outcome)
     http_front.py     build_http_app: OpenAI-compatible POST /v1/chat/completions, GET /v1/models, /healthz
     mem0_http.py      Mem0's platform HTTP API (mount_mem0, on the same app): Mem0's MemoryClient unchanged
     serve_ingress.py  Gateway (the Ray Serve deployment behind Serve's gRPC and HTTP proxies), ServeBackends

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,14 +21,16 @@ from ..api import ApiError, Limits, pb2
 from ..auth import Principal
 from ..messages import AnswerEnd, AnswerPiece, Choice, OpenAIChat
 from ..openai_params import SAMPLING_FIELDS
-
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.ABORTED: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 413, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.INTERNAL: 500,
-}
-
+from .http_common import (
+    HTTP_STATUS,
+    PARSE_INLINE_BYTES,
+    Outcome,
+    check_declared_size,
+    is_overload,
+    read_body,
+    retry_after_header,
+)
+from .mem0_http import mount_mem0
 
 MODEL_ID = "inferscale"  # the default served model name: the serving LLM with each user's memory injected
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions
@@ -65,16 +66,6 @@ class HttpConfig:
             if any(not isinstance(v, str) or not v for v in values):
                 raise ValueError(f"http.{what} must be a list of non-empty strings, got {list(values)!r}")
         return cls(names, origins)
-
-
-def is_overload(err: ApiError) -> bool:
-    """RESOURCE_EXHAUSTED that a retry may get past (a retry hint: the engine at capacity, a caller over its
-    share, a full extraction queue): HTTP 429 with Retry-After. Without one (too large, a quota): 413."""
-    return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s is not None
-
-
-def retry_after_header(err: ApiError) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))}  # whole seconds (RFC 9110)
 
 
 def error_body(err: ApiError) -> dict:
@@ -117,21 +108,6 @@ class ChatCall:
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
     model: str
     tool_choice: str | None  # a forced tool call ("required" or a function's name): the output is tool calls
-
-
-class _Outcome:
-    """One HTTP request in the gateway's metrics (services/metrics.py): in flight until called with its status
-    code, counted once."""
-
-    def __init__(self, metrics, rpc: str):
-        self.metrics, self.rpc = metrics, rpc
-        if metrics is not None:
-            metrics.started()
-
-    def __call__(self, code: grpc.StatusCode) -> None:
-        if self.metrics is not None:
-            self.metrics.finished(self.rpc, code.name)
-            self.metrics = None
 
 
 def build_http_app(core_getter, metrics_getter=None, config_getter=None):
@@ -180,12 +156,12 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         core = core_getter()
-        done = _Outcome(metrics(), "chat.completions")
+        done = Outcome(metrics(), "chat.completions")
         served = config().served_model_names
         try:
             # A declared size over the limit is refused from the headers alone (it says nothing about a user);
             # then authentication: an unauthenticated caller learns nothing about the request's validity.
-            _check_declared_size(request, core.limits.max_request_bytes)
+            check_declared_size(request, core.limits.max_request_bytes)
             caller = await core.authenticate("Answer", request.headers.get("authorization"))
             body = await read_body(request, core.limits.max_request_bytes)
             # A large JSON body is parsed in a worker thread: the replica's other streams keep running.
@@ -221,7 +197,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
 
     @app.get("/v1/models")
     async def models(request: Request):
-        done = _Outcome(metrics(), "models")
+        done = Outcome(metrics(), "models")
         try:
             await core_getter().authenticate("Answer", request.headers.get("authorization"))
         except Exception as e:  # noqa: BLE001
@@ -233,7 +209,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
 
     @app.get("/v1/models/{model}")
     async def model(model: str, request: Request):
-        done = _Outcome(metrics(), "models")
+        done = Outcome(metrics(), "models")
         try:
             await core_getter().authenticate("Answer", request.headers.get("authorization"))
             if model not in config().served_model_names:
@@ -245,9 +221,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
         done(grpc.StatusCode.OK)
         return _model_card(model)
 
-    from .mem0_http import mount_mem0  # Mem0's memory API on the same app (its own module)
-
-    mount_mem0(app, core_getter, metrics_getter)
+    mount_mem0(app, core_getter, metrics_getter)  # Mem0's memory API on the same app (its own module)
 
     @app.get("/healthz")
     async def healthz():  # open, like the gRPC Health
@@ -378,26 +352,6 @@ def _choice(final: Choice, got: dict) -> dict:
     return {"index": final.index, "message": message,
             "logprobs": {"content": logprobs} if logprobs is not None else None,
             "finish_reason": final.finish_reason or "stop"}
-
-
-PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (well under a millisecond)
-
-
-def _check_declared_size(request: Request, max_bytes: int) -> None:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise api.too_big(f"request body is {int(declared)} bytes, the limit is {max_bytes} bytes")
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request body, read piece by piece and refused (413) as soon as it passes `max_bytes`: a body is
-    never held whole before its size is known."""
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > max_bytes:
-            raise api.too_big(f"request body is over the limit of {max_bytes} bytes")
-    return bytes(body)
 
 
 def _no_constant(name: str):

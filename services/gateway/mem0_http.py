@@ -32,11 +32,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from .. import api, filters
 from ..api import ApiError, pb2
 from ..registry import FactRecord
-from .http_front import (
+from .http_common import (
     HTTP_STATUS,
     PARSE_INLINE_BYTES,
-    _check_declared_size,
-    _Outcome,
+    Outcome,
+    check_declared_size,
     is_overload,
     read_body,
     retry_after_header,
@@ -503,9 +503,9 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         def wrap(handler):
             async def endpoint(request: Request):
                 core = core_getter()
-                done = _Outcome(metrics(), PREFIX + name)
+                done = Outcome(metrics(), PREFIX + name)
                 try:
-                    _check_declared_size(request, core.limits.max_request_bytes)
+                    check_declared_size(request, core.limits.max_request_bytes)
                     caller = await core.authenticate(rpc, _bearer(request.headers.get("authorization")))
                     body = None
                     if body_model is not None:
@@ -873,7 +873,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         MemoryNotFoundError); elsewhere FastAPI's own answer."""
         if exc.status_code not in (404, 405) or not is_mem0_path(request.url.path):
             return await http_exception_handler(request, exc)
-        done = _Outcome(metrics(), PREFIX + "unsupported")
+        done = Outcome(metrics(), PREFIX + "unsupported")
         call, message = unsupported(request.method, request.url.path)
         done(grpc.StatusCode.UNIMPLEMENTED)
         return JSONResponse(status_code=501, content={"detail": message, "code": "unimplemented", "call": call})
