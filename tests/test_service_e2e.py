@@ -12,6 +12,7 @@ each deployment); the tests run in order and share it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -88,6 +89,19 @@ class Service:
         return [c.text for c in chunks[:-1] if c.text] + ([chunks[-1].text] if chunks[-1].text else []), chunks[-1]
 
 
+def _bindable(port: int) -> bool:
+    """Whether `port` is free on every address now (what Serve's proxies bind)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind(("::", port))
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_vars: dict | None = None,
                          **ray_init):
@@ -97,6 +111,11 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
 
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {**vllm_cpu_env(), **(env_vars or {})}}, **ray_init)
+    # Ray's head processes (its dashboard and autoscaler monitor) bind ports of their own at ray.init, after the
+    # test picked cfg's: seen twice in full runs, Serve's gRPC proxy then failed all its attempts to bind a port
+    # Ray's dashboard held (test_metrics). Ports taken meanwhile are picked again.
+    if not all(_bindable(p) for p in (cfg.http_port, cfg.grpc_port)):
+        cfg = dataclasses.replace(cfg, http_port=free_port(), grpc_port=free_port())
     svc = None
     try:
         svc = Service(cfg, kv_dir, jwt_secret[1])

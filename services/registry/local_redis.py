@@ -18,9 +18,18 @@ class RedisServerMissing(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every address, IPv4 and IPv6: Serve's gRPC proxy binds [::]:port, which fails on a port that
+    a process holds on IPv6 only (Mooncake's transfer engines listen on `*:port`) even though 127.0.0.1:port is
+    free. Bound for a moment (never listened on), so nothing connects to it."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # the IPv4 wildcard too
+            s.bind(("::", 0))
+            return s.getsockname()[1]
+    except OSError:  # no IPv6 on this machine
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))  # bound to find a free port, never listened on
+            return s.getsockname()[1]
 
 
 @contextlib.contextmanager
