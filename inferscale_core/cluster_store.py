@@ -56,6 +56,12 @@ REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each l
 MIN_REMOVE_ATTEMPTS = 3  # ... and this often at least (see ClusterStore._remove)
 
 
+# The versions of a fact one removal names: the last VERSIONS_NAMED before the one asked for, never all of them (a
+# fact updated a million times would mean a million keys). Enough when removals follow every update in order: each
+# names the version before it, so every older one was named by an earlier removal (the cluster tier here, the
+# engine replica's tombstones in services/engine_replica/deletions.py).
+VERSIONS_NAMED = 64
+
 @dataclass
 class ClusterRead:
     """What one read of k facts found: each fact (None: a miss) and, per fact, whether it exists unread."""
@@ -383,7 +389,7 @@ class ClusterStore:
 
     def remove_versions(self, user_id: str, fact_id: str, below: int | None = None) -> None:
         """Removes, under every fingerprint, the fact's versions below `below` (every version when None)."""
-        versions = None if below is None else range(max(1, below - 64), below)
+        versions = None if below is None else range(max(1, below - VERSIONS_NAMED), below)
         if versions is not None and not versions:
             return
         self._remove(self._fact_pattern(user_id, fact_id, versions))

@@ -763,7 +763,7 @@ def test_a_tombstone_that_cannot_be_applied_is_skipped_not_a_wedge(parts):
 def test_a_tombstone_names_at_most_the_last_versions_of_a_fact(parts):
     """A fact updated many times: each tombstone makes the replica remove at most VERSIONS_NAMED versions (not every
     version up to its own), and the held version still goes, since tombstones are applied in order."""
-    from inferscale_server.engine_replica.deletions import VERSIONS_NAMED
+    from inferscale_core.cluster_store import VERSIONS_NAMED
     from inferscale_server.registry import open_registry
 
     registry = open_registry(None)

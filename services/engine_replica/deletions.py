@@ -21,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+from inferscale_core.cluster_store import VERSIONS_NAMED
 from inferscale_core.errors import check_id
 from inferscale_core.types import check_user_id, kv_id
 
@@ -28,12 +29,7 @@ from .books import ResidentKV, UserBooks
 from .engine import ServingEngine
 
 log = logging.getLogger("inferscale.engine_replica")
-TOMBSTONE_CURSOR = "tombstones.cursor"
-# The versions of a fact a tombstone makes a replica remove: the last VERSIONS_NAMED up to its `upto`, not all of
-# them (a fact updated a million times would make every replica build and send a million ids). Enough: tombstones
-# are applied in order and each update's names the version before it, so every older version was named by an
-# earlier one (the cluster tier's remove_versions keeps the same window).
-VERSIONS_NAMED = 64  # in the replica's disk folder: how far it applied the registry's tombstones
+TOMBSTONE_CURSOR = "tombstones.cursor"  # in the replica's disk folder: how far it applied the registry's tombstones
 
 
 class Deletions:
