@@ -22,7 +22,7 @@ import pytest
 from auth_fixture import refused, token_for
 
 from inferscale_core.defaults import RECOMPUTE_TOKENS
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.registry.local_redis import free_port, port_is_free
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -89,19 +89,6 @@ class Service:
         return [c.text for c in chunks[:-1] if c.text] + ([chunks[-1].text] if chunks[-1].text else []), chunks[-1]
 
 
-def _bindable(port: int) -> bool:
-    """Whether `port` is free on every address now (what Serve's proxies bind)."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            s.bind(("::", port))
-    except OSError:
-        return False
-    return True
-
-
 @contextlib.contextmanager
 def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_vars: dict | None = None,
                          **ray_init):
@@ -114,7 +101,7 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
     # Ray's head processes (its dashboard and autoscaler monitor) bind ports of their own at ray.init, after the
     # test picked cfg's: seen twice in full runs, Serve's gRPC proxy then failed all its attempts to bind a port
     # Ray's dashboard held (test_metrics). Ports taken meanwhile are picked again.
-    if not all(_bindable(p) for p in (cfg.http_port, cfg.grpc_port)):
+    if not all(port_is_free(p) for p in (cfg.http_port, cfg.grpc_port)):
         cfg = dataclasses.replace(cfg, http_port=free_port(), grpc_port=free_port())
     svc = None
     try:
