@@ -310,6 +310,10 @@ ENV_MEANINGS = {
     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "Ray Serve's gRPC message limit; the HTTP proxy's body limit "
                                        "(services/proxy_setup.py) reads the same value, so one transport limit "
                                        "holds on both doors. Set by the project (below).",
+    "INFERSCALE_HTTP_BODY_TIMEOUT_S": "Seconds an HTTP client has to send its whole request body; Serve's HTTP "
+                                      "proxy reads it before the request reaches a replica and answers 408 after "
+                                      "them (services/proxy_setup.py). Read by every proxy process: set it where "
+                                      "Ray starts (the environment of `ray start`, or the runtime_env).",
     "INFERSCALE_JWT_SECRET": "The HS256 secret itself (a Kubernetes Secret; the chart sets it), when "
                              "`ServiceConfig.auth` names no key file.",
     "INFERSCALE_JWT_SECRET_FILE": "A file holding the HS256 secret (as `auth.hs256_secret_file`).",

@@ -4,7 +4,10 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
 
 - HTTP: bodies are bounded in the proxy, before anything is buffered or sent to a replica: a declared
   Content-Length over the transport limit is answered 413 at once, a body without Content-Length 411 (every
-  OpenAI client sends one), and a body that runs past its declared length ends the request.
+  OpenAI client sends one), and a body that runs past its declared length 400. A body within the limit is read
+  whole in the proxy, within BODY_TIMEOUT_ENV's seconds (408 after them), before the request goes to a replica:
+  Serve hands the replica a `receive` that pulls the body from the proxy as the replica reads it, so a client
+  that sends its body slowly would otherwise hold one of the Gateway's request slots for as long as it likes.
 - gRPC: Ray 2.60's gRPC proxy binds `[::]:PORT` whatever the HTTP host is; with INFERSCALE_GRPC_HOST set
   (`inferscale serve --host`), it binds that address instead. (Its message size limit is Ray's own
   RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, in the same environment.)
@@ -21,19 +24,27 @@ tests/test_grpc_serve_proxy.py fails if either stops working.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
 TRANSPORT_MAX_MESSAGE_BYTES = 4 << 20  # a gRPC message or an HTTP body, either way (services/app.py:SERVE_START_ENV)
 GRPC_HOST_ENV = "INFERSCALE_GRPC_HOST"
 MAX_BODY_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # one transport limit for both proxies
+BODY_TIMEOUT_ENV = "INFERSCALE_HTTP_BODY_TIMEOUT_S"  # seconds a client has to send its whole body
+# 1 MiB (the API's request limit) at 100 KB/s takes 10 s; a client slower than a third of that is refused.
+BODY_TIMEOUT_S = 30.0
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 DEADLINE_ATTR = "inferscale_deadline"  # on RayServegRPCContext: the caller's deadline, unix time
 
 
+REFUSAL_CODES = {400: "invalid_content_length", 408: "request_timeout", 411: "length_required",
+                 413: "request_too_large"}
+
+
 def _refusal(status: int, message: str) -> list[dict]:
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "request_too_large" if status == 413 else "length_required"}}).encode()
+                                 "code": REFUSAL_CODES[status]}}).encode()
     return [{"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                          (b"connection", b"close")]},
@@ -41,10 +52,11 @@ def _refusal(status: int, message: str) -> list[dict]:
 
 
 class BodyLimit:
-    """ASGI middleware: HTTP request bodies of at most `max_bytes`, checked from the headers before reading."""
+    """ASGI middleware: HTTP request bodies of at most `max_bytes`, checked from the headers before reading, and
+    read whole within `timeout_s` before the app (Serve's forwarding to a replica) sees the request."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http" or scope.get("method") not in BODY_METHODS:
@@ -53,7 +65,7 @@ class BodyLimit:
         for k, v in scope.get("headers") or ():
             if k.lower() == b"content-length":
                 length = v
-        refusal = None
+        refusal, n = None, -1
         if length is None:
             refusal = _refusal(411, "send the request body with a Content-Length header")
         else:
@@ -65,11 +77,55 @@ class BodyLimit:
                 refusal = _refusal(400, "Content-Length is not a number")
             elif n > self.max_bytes:
                 refusal = _refusal(413, f"request body is {n} bytes, the transport limit is {self.max_bytes} bytes")
+        body = None
+        if refusal is None:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    body = await _read_declared(receive, n)
+            except TimeoutError:
+                refusal = _refusal(408, f"the request body did not arrive within {self.timeout_s:g} s")
+            except _BodyTooLong:
+                refusal = _refusal(400, f"the request body is longer than its Content-Length of {n} bytes")
+            if body is None and refusal is None:
+                return None  # the client went away before its body was complete: nobody to answer
         if refusal is not None:
             for msg in refusal:
                 await send(msg)
             return None
-        return await self.app(scope, receive, send)
+        return await self.app(scope, _replay(body, receive), send)
+
+
+class _BodyTooLong(Exception):
+    pass
+
+
+async def _read_declared(receive, declared: int) -> bytes | None:
+    """The body's bytes (at most `declared`, else _BodyTooLong), or None when the client disconnected first."""
+    body = bytearray()
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body += msg.get("body", b"")
+        if len(body) > declared:
+            raise _BodyTooLong()
+        if not msg.get("more_body", False):
+            return bytes(body)
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that gives the body already read in one message, then waits on the client's own `receive`
+    (which reports the disconnect an app may watch for)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _bind_grpc_to(host: str) -> None:
@@ -141,6 +197,15 @@ def max_body_bytes() -> int:
         return TRANSPORT_MAX_MESSAGE_BYTES
 
 
+def body_timeout_s() -> float:
+    """BODY_TIMEOUT_ENV's seconds (positive), else BODY_TIMEOUT_S."""
+    try:
+        value = float(os.environ.get(BODY_TIMEOUT_ENV, BODY_TIMEOUT_S))
+    except ValueError:
+        return BODY_TIMEOUT_S
+    return value if value > 0 else BODY_TIMEOUT_S
+
+
 def proxy_setup() -> list:
     """Serve's proxy callback: returns the HTTP proxy's middlewares (and binds the gRPC proxy)."""
     from starlette.middleware import Middleware
@@ -150,4 +215,4 @@ def proxy_setup() -> list:
         _bind_grpc_to(host)
     _carry_grpc_deadline()
     _send_error_details()
-    return [Middleware(BodyLimit, max_bytes=max_body_bytes())]
+    return [Middleware(BodyLimit, max_bytes=max_body_bytes(), timeout_s=body_timeout_s())]

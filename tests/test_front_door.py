@@ -86,6 +86,50 @@ def test_http_body_limit_in_the_proxy_refuses_from_the_headers():
     assert call([(b"content-length", b"1")]) == (200, 1) and reached == [b"x"]
 
 
+def test_http_body_is_read_whole_in_the_proxy_within_its_deadline():
+    """The proxy reads a body before the app (Serve's forwarding to a Gateway replica) sees the request: pieces
+    arrive as one body; a body that stops coming is answered 408 at the deadline and never reaches the app (a
+    slow client holds no replica slot); a client that leaves mid-body reaches nothing and is answered nothing."""
+    from inferscale_server.proxy_setup import BodyLimit
+
+    def run(pieces, declared: int, stall: bool = False, disconnect: bool = False, timeout_s: float = 0.5):
+        reached, sent = [], []
+
+        async def app(scope, receive, send):
+            reached.append(await receive())
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+
+        async def main():
+            queue = list(pieces)
+
+            async def receive():
+                if queue:
+                    body = queue.pop(0)
+                    return {"type": "http.request", "body": body, "more_body": bool(queue) or stall}
+                if disconnect:
+                    return {"type": "http.disconnect"}
+                await asyncio.sleep(3600)  # a client that stopped sending
+
+            async def send(msg):
+                sent.append(msg)
+
+            scope = {"type": "http", "method": "POST", "headers": [(b"content-length", str(declared).encode())]}
+            await BodyLimit(app, max_bytes=1000, timeout_s=timeout_s)(scope, receive, send)
+
+        t = time.monotonic()
+        asyncio.run(main())
+        return reached, [m.get("status") for m in sent if m["type"] == "http.response.start"], time.monotonic() - t
+
+    reached, statuses, _ = run([b'{"a":', b" 1", b"}"], declared=8)
+    assert reached == [{"type": "http.request", "body": b'{"a": 1}', "more_body": False}] and statuses == [200]
+    reached, statuses, took = run([b'{"a":'], declared=8, stall=True)
+    assert reached == [] and statuses == [408] and 0.4 < took < 5
+    reached, statuses, _ = run([b'{"a":'], declared=8, stall=True, disconnect=True)
+    assert reached == [] and statuses == []
+    reached, statuses, _ = run([b'{"a": 1, "b": 2}'], declared=8)
+    assert reached == [] and statuses == [400]
+
+
 def test_serve_binds_loopback_and_refuses_open_auth_on_a_network():
     from inferscale_server.cli import binding_refusal
 

@@ -13,7 +13,10 @@ from test_grpc_interop import check_interop, client_dir, run_client  # noqa: F40
 
 from inferscale_server import api
 from inferscale_server.api import pb2, pb2_grpc
+from inferscale_server.proxy_setup import BODY_TIMEOUT_ENV
 from inferscale_server.registry.local_redis import free_port
+
+BODY_TIMEOUT_S = 3  # the proxies' body deadline in this module
 
 
 def _user() -> str:
@@ -34,8 +37,10 @@ def serve_ports(redis_url, jwt_secret):
     grpc_port, http_port = free_port(), free_port()
     # The proxies' environment as every deployment mode sets it (transport limits, the proxy callback), and the
     # gRPC proxy bound to loopback as `inferscale serve` binds it.
+    # The body deadline shortened from its 30 s so that test_a_slow_body_is_refused_by_the_proxy is quick.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **serve_start_env("127.0.0.1")}})
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **serve_start_env("127.0.0.1"),
+                                       BODY_TIMEOUT_ENV: str(BODY_TIMEOUT_S)}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[api.SERVICER_FUNCTION]))
@@ -200,6 +205,35 @@ def test_oversized_messages_are_refused_before_they_are_read(serve_ports):
     assert r.status_code == 411
     r = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", json={"messages": []}, timeout=30)
     assert r.status_code == 401
+
+
+def test_a_slow_body_is_refused_by_the_proxy_and_holds_no_gateway_slot(serve_ports):
+    """A client that declares a body and sends only part of it is answered 408 by Serve's HTTP proxy at the body
+    deadline (services/proxy_setup.py); meanwhile, and after, other requests are answered (the Gateway never saw
+    the slow one: its slots are not held by slow uploads)."""
+    import socket
+    import time
+
+    import httpx
+
+    _, http_port = serve_ports
+    socks = []
+    try:
+        t = time.monotonic()
+        for _ in range(8):  # slow uploads, each one declaring more than it sends
+            sock = socket.create_connection(("127.0.0.1", http_port), timeout=30)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: 100\r\n\r\n{\"messages\"")
+            socks.append(sock)
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", json={"messages": []}, timeout=30)
+        assert r.status_code == 401  # a whole body is answered while the slow ones wait
+        statuses = [sock.recv(4096).split(b"\r\n", 1)[0] for sock in socks]
+        took = time.monotonic() - t
+    finally:
+        for sock in socks:
+            sock.close()
+    assert all(s.startswith(b"HTTP/1.1 408") for s in statuses), statuses
+    assert BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 20, took
 
 
 def test_grpc_proxy_binds_the_host_it_is_given(serve_ports):
