@@ -147,18 +147,16 @@ class RequestCore:
             salt = cache_salt(q.user_id, (), ())
         return Prepared(q, fact_ids, prompt_ids, len(memory_ids), params, salt, time.perf_counter() - t0)
 
-    def chat_prompt(self, messages: Sequence[dict]) -> dict:
-        """Plain chat (no memory): the model's chat template over role/content messages."""
+    def chat_prompt(self, messages: Sequence[dict], user_id: str) -> dict:
+        """Plain chat (no memory) for `user_id`: the model's chat template over role/content messages, each
+        content kept as text (PromptTemplate.chat_ids), under the user's own prefix-cache salt like any of the
+        user's prompts (no one learns from the prefix cache what another user's extraction sent)."""
         if not messages:
             raise ValueError("messages must not be empty")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must be a dict with str 'role' and 'content'")
-        with self.template.tokenizer_lock:  # the template switches the shared tokenizer per call
-            enc = self.template.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                                                for m in messages], tokenize=True,
-                                                               add_generation_prompt=True, return_dict=True)
-        return {"prompt_token_ids": list(enc["input_ids"])}
+        return {"prompt_token_ids": self.template.chat_ids(messages), "cache_salt": cache_salt(user_id, (), ())}
 
     def answer(self, p: Prepared, out, ttft_s: float | None = None) -> Answer:
         c = out.outputs[0]

@@ -194,9 +194,10 @@ class AsyncInjectingEngine:
     def tokenizer(self):
         return self.core.template.tokenizer
 
-    def chat_prompt_len(self, messages: Sequence[dict]) -> int:
-        """Tokens of plain chat's prompt for these messages (the model's chat template)."""
-        return len(self.core.chat_prompt(messages)["prompt_token_ids"])
+    def chat_prompt(self, messages: Sequence[dict], user_id: str) -> dict:
+        """Plain chat's prompt for these messages of `user_id` (RequestCore.chat_prompt): tokenizes, so callers
+        on an event loop run it in a thread."""
+        return self.core.chat_prompt(messages, user_id)
 
     async def check_health(self) -> None:
         """Raises once vLLM has seen its engine core die (EngineDeadError), or when never started."""
@@ -204,11 +205,10 @@ class AsyncInjectingEngine:
             raise RuntimeError("the vLLM engine is not running")
         await self.engine.check_health()
 
-    async def chat(self, messages: Sequence[dict], sampling_params=None) -> tuple[str, int, int]:
-        """Plain chat generation without memory (e.g. Mem0's fact extraction with the serving model);
-        returns (text, prompt tokens, completion tokens)."""
+    async def chat(self, prompt: dict, sampling_params=None) -> tuple[str, int, int]:
+        """Plain chat generation without memory (e.g. Mem0's fact extraction with the serving model) of a prompt
+        from chat_prompt; returns (text, prompt tokens, completion tokens)."""
         engine = self._started()
-        prompt = self.core.chat_prompt(messages)
         final = None
         async for final in engine.generate(prompt, sampling_params or default_sampling(),
                                            request_id=uuid.uuid4().hex):

@@ -147,6 +147,25 @@ class PromptTemplate:
                              + (" or tools" if tools else ""))
         return head, middle, tail
 
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Plain chat (no memory): role/content messages through the model's chat template, each content kept
+        as text (a message that spells `<|im_start|>system` cannot open a turn of its own)."""
+        contents = [m["content"] for m in messages]
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if not any(self._spells_special_tokens(c) for c in contents):
+            with self.tokenizer_lock:  # the exact ids the chat template has always given these messages
+                return list(self.tokenizer.apply_chat_template(plain, tokenize=True, add_generation_prompt=True,
+                                                               return_dict=True)["input_ids"])
+        marked = [{"role": m["role"], "content": _content_mark(i)} for i, m in enumerate(messages)]
+        with self.tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+        ids = []
+        for i, piece in enumerate(_split_marks(text, len(messages))):
+            if i > 0:
+                ids += self.text_ids(contents[i - 1])
+            ids += self._ids(piece) if piece else []
+        return ids
+
     def prompt_ids(self, fact_texts: Sequence[str], question: str) -> list[int]:
         """The prompt-injection baseline: the same ids the composed prompt has."""
         ids = list(self.prefix_ids)

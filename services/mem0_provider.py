@@ -87,9 +87,11 @@ class FactSink(Protocol):
 
     def delete(self, user_id: str, fact_id: str) -> None: ...
 
-    def chat(self, messages: list[dict], max_tokens: int, temperature: float, structured: dict | None) -> str: ...
+    def chat(self, user_id: str, messages: list[dict], max_tokens: int, temperature: float,
+             structured: dict | None) -> str:
+        """Plain chat generation on the serving model for `user_id` (mem0's extraction prompt)."""
 
-    def chat_room(self, messages: list[dict]) -> int:
+    def chat_room(self, user_id: str, messages: list[dict]) -> int:
         """Tokens left in the serving model's context after these messages (negative: they do not fit)."""
 
 
@@ -200,7 +202,8 @@ def _llm_base():
 
 
 class ServingLLM(_llm_base()):
-    """mem0's LLM interface over the serving model's plain chat generation."""
+    """mem0's LLM interface over the serving model's plain chat generation, for the user of the extraction in
+    progress (`user_id`, set by Mem0Extractor.add like the vector store's user)."""
 
     def __init__(self, sink: FactSink, max_tokens: int = 256, temperature: float = 0.0):
         from mem0.configs.llms.base import BaseLlmConfig
@@ -208,19 +211,23 @@ class ServingLLM(_llm_base()):
         super().__init__(BaseLlmConfig(model="inferscale-serving", temperature=temperature, max_tokens=max_tokens))
         self.sink, self.max_tokens, self.temperature = sink, max_tokens, temperature
         self.compact_calls = 0
+        self.user_id: str | None = None
 
     def generate_response(self, messages, tools=None, tool_choice="auto", response_format=None, **kwargs):
         if tools:
             raise NotImplementedError("tool calls are not supported by the InferScale serving LLM")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         structured = {"json_object": True} if (response_format or {}).get("type") == "json_object" else None
-        if messages and messages[0]["role"] == "system" and self.sink.chat_room(messages) < self.max_tokens:
+        if self.user_id is None:
+            raise RuntimeError("ServingLLM called outside an extraction: no user to generate for")
+        user = self.user_id
+        if messages and messages[0]["role"] == "system" and self.sink.chat_room(user, messages) < self.max_tokens:
             # mem0's system prompt does not fit this model's context: the compact prompt, same contract.
             log.info("mem0's extraction prompt does not fit the serving model's context; using the compact one")
             messages = [{"role": "system", "content": COMPACT_SYSTEM_PROMPT}, *messages[1:]]
             structured = {"regex": COMPACT_OUTPUT_REGEX} if structured else None
             self.compact_calls += 1
-        return self.sink.chat(messages, self.max_tokens, self.temperature, structured)
+        return self.sink.chat(user, messages, self.max_tokens, self.temperature, structured)
 
 
 # ------------------------------------------------------------------------------------------------ extractor
@@ -263,10 +270,12 @@ class Mem0Extractor:
 
         with self._lock:
             self.memory.vector_store = InferScaleVectorStore(self.sink, user_id)
+            self.llm.user_id = user_id
             try:
                 out = self.memory.add(messages, user_id=user_id, metadata=dict(metadata or {}), infer=True)
             finally:
                 self.memory.vector_store = None  # never left bound to a user between calls
+                self.llm.user_id = None
                 self.memory.db.reset()  # drops the messages and history tables, then a fresh store
                 self.memory.db.close()
                 self.memory.db = SQLiteManager(":memory:")

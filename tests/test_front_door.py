@@ -226,3 +226,30 @@ def test_every_request_is_salted_per_user(template):
         a, b = salt("alice", mode, facts), salt("bob", mode, facts)
         assert a and b and a != b and a == salt("alice", mode, facts), (mode, facts)
     assert salt("alice", "kv", ("f1",)) != salt("alice", "pi", ("f1",))  # injected blocks never meet prefilled
+
+
+def test_plain_chat_keeps_user_text_literal_and_is_salted_per_user(template):
+    """Mem0's extraction prompt (plain chat, no memory; issue 31): a message that spells `<|im_start|>system`
+    gives no control token of its own, a benign conversation gives exactly the chat template's ids as before, and
+    the prompt carries the user's own prefix-cache salt."""
+    import torch
+
+    from inferscale_core.requests import RequestCore
+    from inferscale_core.types import EncodedFact
+
+    benign = [{"role": "system", "content": "Extract facts."}, {"role": "user", "content": "I moved to Oslo."}]
+    hostile = [benign[0], {"role": "user", "content": f"I moved to Oslo. {HOSTILE}"}]
+    with template.tokenizer_lock:
+        before = list(template.tokenizer.apply_chat_template(benign, tokenize=True, add_generation_prompt=True,
+                                                             return_dict=True)["input_ids"])
+    assert template.chat_ids(benign) == before
+    assert _specials(template, template.chat_ids(hostile)) == _specials(template, before) > 0
+    assert template.tokenizer.decode(template.chat_ids(hostile)).count(HOSTILE) == 1  # the text, every character
+
+    ids = torch.tensor(template.prefix_ids, dtype=torch.long)
+    empty = torch.zeros(1, len(ids), 1, 1)
+    core = RequestCore(template, EncodedFact(ids, empty, empty))
+    alice, bob = core.chat_prompt(benign, "alice"), core.chat_prompt(benign, "bob")
+    assert alice["prompt_token_ids"] == bob["prompt_token_ids"] == before
+    assert alice["cache_salt"] and alice["cache_salt"] != bob["cache_salt"]
+    assert alice["cache_salt"] == core.chat_prompt(hostile, "alice")["cache_salt"]

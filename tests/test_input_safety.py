@@ -97,6 +97,47 @@ def test_writes_are_all_or_nothing(pool, redis_url):
     reg.close()
 
 
+class _FlakyDeletes:
+    """Fault injection: the registry's delete fails `failures` times (the outage that failed the push)."""
+
+    def __init__(self, registry, failures: int):
+        self.registry, self.failures = registry, failures
+
+    def delete(self, user_id, fact_id):
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("redis went away")
+        return self.registry.delete(user_id, fact_id)
+
+    def __getattr__(self, name):
+        return getattr(self.registry, name)
+
+
+def test_an_undo_that_fails_says_what_may_still_be_stored(pool, redis_url, monkeypatch):
+    """Issue 31: a write whose push failed removes its rows again; when the registry fails that too, the delete
+    is retried, and what could not be removed is reported by id instead of "nothing was stored"."""
+    from inferscale_server.gateway import core as gateway_core
+
+    monkeypatch.setattr(gateway_core, "UNDO_BACKOFF_S", 0.01)
+    reg = RedisRegistry(redis_url, prefix=f"undo{uuid.uuid4().hex[:8]}:")
+    caller = None
+    for failures, user in ((gateway_core.UNDO_ATTEMPTS - 1, "dan"), (10, "eve")):
+        flaky = _FlakyDeletes(reg, failures)
+        core = GatewayCore(flaky, backends=_FailingPush(pool), auth=Authenticator.insecure())
+        caller = caller or asyncio.run(core.authenticate("AddFacts", None))
+        req = pb2.AddFactsRequest(user_id=user, facts=[pb2.FactInput(text=f"{user} keeps bees.")])
+        with pytest.raises(ApiError) as e:
+            asyncio.run(core.AddFacts(req.SerializeToString(), caller))
+        if user == "dan":  # removed at the last try
+            assert "nothing was stored" in e.value.message and reg.count("dan") == 0
+        else:
+            assert "nothing was stored" not in e.value.message, e.value.message
+            (left,) = reg.list("eve")[0]  # what the message says is there
+            assert f"1 of its 1 facts could not be removed again and may still be stored ({left.fact_id})" in (
+                e.value.message)
+    reg.close()
+
+
 def test_the_kv_quota_counts_the_encoders_measure_before_the_write(pool, redis_url):
     """The gateway counts each fact's KV bytes (the serving tokenizer's tokens x the model's KV bytes per token,
     as the encoder pool measures them) against the user's KV quota in the registry's write: over it, the request

@@ -738,7 +738,7 @@ class ScriptedSink:
     own extraction runs in test_service_e2e.py); what the test reads is mem0's history store, which is real."""
 
     def __init__(self, answer: str):
-        self.registry, self.answer, self.prompts = EmbeddedRegistry(), answer, []
+        self.registry, self.answer, self.prompts, self.chat_users = EmbeddedRegistry(), answer, [], []
 
     def add(self, user_id, facts):
         return self.registry.create(user_id, facts)
@@ -758,11 +758,12 @@ class ScriptedSink:
     def delete(self, user_id, fact_id):
         self.registry.delete(user_id, fact_id)
 
-    def chat(self, messages, max_tokens, temperature, structured):
+    def chat(self, user_id, messages, max_tokens, temperature, structured):
         self.prompts.append(json.dumps(messages))
+        self.chat_users.append(user_id)
         return self.answer
 
-    def chat_room(self, messages):
+    def chat_room(self, user_id, messages):
         return 1 << 20
 
 
@@ -781,3 +782,4 @@ def test_the_extractor_keeps_no_text_outside_the_registry():
     assert all(db.execute(f"select count(*) from {t}").fetchone() == (0,) for t in tables), tables
     extractor.add("ann", [{"role": "user", "content": "I like tea."}])
     assert "4711" in sink.prompts[0] and "4711" not in sink.prompts[-1]
+    assert set(sink.chat_users) == {"ann"}  # generated for the user of the extraction (its cache salt)

@@ -133,3 +133,33 @@ def test_what_one_write_asks_the_encoder_to_encode_is_bounded():
     assert "the limit per request is 1000" in e.value.message and "nothing was stored" in e.value.message
     assert core.registry.count("ann") == 5
     assert len(_add(core, "ann", "fact 009 " + "w" * 40)) == 1  # one fact behind 5: about 300, within the limit
+
+
+class _RacedWrites(EmbeddedRegistry):
+    """The race of issue 31: between an add's read of the user's latest facts and its write, another request
+    deletes one of them and changes another (their own rewindows ran then, before the new fact existed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.before_create = None
+
+    def create(self, user_id, facts, quota=None):
+        if self.before_create is not None:
+            race, self.before_create = self.before_create, None
+            race()
+        return super().create(user_id, facts, quota)
+
+
+def test_a_neighbour_deleted_or_changed_while_an_add_runs_survives_in_no_window():
+    core = GatewayCore(_RacedWrites(), backends=None, auth=Authenticator.insecure())
+    ids = _add(core, "ann", "Ann's PIN is 4711.", "Ann likes tea.", "Ann plays chess.")
+
+    def race():
+        asyncio.run(core.delete_fact("ann", ids[0]))
+        asyncio.run(core.update_fact("ann", ids[1], "Ann likes coffee.", None))
+
+    core.registry.before_create = race
+    (new,) = _add(core, "ann", "Ann moved to Oslo.")
+    assert _window(core, "ann", new) == (LINE("Ann likes coffee."), LINE("Ann plays chess."))
+    others = [r for r in core.registry.list("ann")[0] if r.fact_id != new]
+    assert all(LINE("Ann's PIN is 4711.") not in r.window and LINE("Ann likes tea.") not in r.window for r in others)

@@ -143,11 +143,11 @@ class DictEngine:
     def generate(self, p, sampling_params):
         raise NotImplementedError("DictEngine streams answers only (`stream`); OpenAI chat needs vLLM")
 
-    async def chat(self, messages, sampling_params=None) -> tuple[str, int, int]:
-        return "ok", self.chat_prompt_len(messages), 1
+    def chat_prompt(self, messages, user_id) -> dict:
+        return self.core.chat_prompt(messages, user_id)
 
-    def chat_prompt_len(self, messages) -> int:
-        return len(self.core.chat_prompt(messages)["prompt_token_ids"])
+    async def chat(self, prompt, sampling_params=None) -> tuple[str, int, int]:
+        return "ok", len(prompt["prompt_token_ids"]), 1
 
     def sampling_defaults(self) -> dict:
         return {}

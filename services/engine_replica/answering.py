@@ -96,19 +96,23 @@ class Answering:
                         max_tokens=sp.max_tokens,
                         timings_ms={**hops, "admission_wait": ms(t_submit - t_in), **engine_timings(stats)})
 
-    async def chat(self, messages: list[dict], max_tokens: int, temperature: float, structured: dict | None) -> str:
-        """Plain chat generation with the serving model, no memory. `structured`: the fields of vLLM's
-        StructuredOutputsParams (json_object, json, regex, ...). Admitted like answers: it shares the KV cache."""
+    async def chat(self, user_id: str, messages: list[dict], max_tokens: int, temperature: float,
+                   structured: dict | None) -> str:
+        """Plain chat generation with the serving model for `user_id`, no memory (the user's text stays text, the
+        prompt under the user's cache salt). `structured`: the fields of vLLM's StructuredOutputsParams
+        (json_object, json, regex, ...). Admitted like answers: it shares the KV cache. Tokenized in a thread,
+        once: the replica's event loop streams other answers meanwhile."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
         sp = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                             structured_outputs=StructuredOutputsParams(**structured) if structured else None)
-        prompt_len = await asyncio.to_thread(self.engine.chat_prompt_len, messages)
-        with self.admission.admit(min(prompt_len + max_tokens, self.max_model_len)):
-            text, _, _ = await self.engine.chat(messages, sp)
+        prompt = await asyncio.to_thread(self.engine.chat_prompt, messages, user_id)
+        with self.admission.admit(min(len(prompt["prompt_token_ids"]) + max_tokens, self.max_model_len)):
+            text, _, _ = await self.engine.chat(prompt, sp)
         return text
 
-    async def chat_room(self, messages: list[dict]) -> int:
-        """Tokens left in the context after these messages (negative when they do not fit)."""
-        return self.max_model_len - await asyncio.to_thread(self.engine.chat_prompt_len, messages)
+    async def chat_room(self, user_id: str, messages: list[dict]) -> int:
+        """Tokens left in the context after these messages of `user_id` (negative when they do not fit)."""
+        prompt = await asyncio.to_thread(self.engine.chat_prompt, messages, user_id)
+        return self.max_model_len - len(prompt["prompt_token_ids"])

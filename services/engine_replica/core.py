@@ -236,15 +236,15 @@ class ReplicaCore:
             async for piece in self.answering.stream(p, dataclasses.replace(req, mode=mode), t_in, hops):
                 yield piece
 
-    async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
+    async def chat(self, user_id: str, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
                    structured: dict | None = None) -> str:
-        """Plain chat generation with the serving model, no memory (Mem0's extraction step)."""
+        """Plain chat generation with the serving model for `user_id`, no memory (Mem0's extraction step)."""
         with engine_death_is_unavailable():
-            return await self.answering.chat(messages, max_tokens, temperature, structured)
+            return await self.answering.chat(user_id, messages, max_tokens, temperature, structured)
 
-    async def chat_room(self, messages: list[dict]) -> int:
+    async def chat_room(self, user_id: str, messages: list[dict]) -> int:
         """Tokens left in the context after these messages (negative when they do not fit)."""
-        return await self.answering.chat_room(messages)
+        return await self.answering.chat_room(user_id, messages)
 
     async def load_user(self, user_id: str) -> str:
         """Loads the user onto THIS replica (whichever one Serve routed the call to; admin and tests: put a user

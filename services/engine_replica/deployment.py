@@ -101,12 +101,12 @@ class EngineReplica:
         async for piece in self.core.answer(req):
             yield piece
 
-    async def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
+    async def chat(self, user_id: str, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0,
                    structured: dict | None = None) -> str:
-        return await self.core.chat(messages, max_tokens, temperature, structured)
+        return await self.core.chat(user_id, messages, max_tokens, temperature, structured)
 
-    async def chat_room(self, messages: list[dict]) -> int:
-        return await self.core.chat_room(messages)
+    async def chat_room(self, user_id: str, messages: list[dict]) -> int:
+        return await self.core.chat_room(user_id, messages)
 
     async def load_user(self, user_id: str) -> str:
         return await self.core.load_user(user_id)

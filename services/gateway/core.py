@@ -39,6 +39,10 @@ log = logging.getLogger("inferscale.gateway")
 # for adds racing the delete (GatewayCore._rewindow).
 REWINDOW_SPAN = 2 * NEIGHBOUR_WINDOW
 MAX_PAGE_BYTES = 2 << 20  # half the proxies' transport limit (services/app.py:TRANSPORT_MAX_MESSAGE_BYTES)
+# A write whose KV/index step failed removes its rows again; the registry may be failing too (the same outage):
+# a few tries over ~1.5 s, then the ids it could not remove are reported rather than "nothing was stored".
+UNDO_ATTEMPTS = 3
+UNDO_BACKOFF_S = 0.5
 
 
 class Backends(Protocol):
@@ -69,11 +73,12 @@ class Backends(Protocol):
     async def search_vector(self, user_id: str, vector: list[float], k: int) -> list[tuple[str, float]]:
         """Top-k by a query embedding the caller computed (Mem0's pipeline embeds for itself)."""
 
-    async def chat(self, messages: list[dict], max_tokens: int, temperature: float,
+    async def chat(self, user_id: str, messages: list[dict], max_tokens: int, temperature: float,
                    structured: dict | None) -> str:
-        """Plain chat generation on the serving model (no memory); `structured`: vLLM structured outputs."""
+        """Plain chat generation on the serving model for `user_id` (no memory; the prompt under the user's
+        prefix-cache salt); `structured`: vLLM structured outputs."""
 
-    async def chat_room(self, messages: list[dict]) -> int:
+    async def chat_room(self, user_id: str, messages: list[dict]) -> int:
         """Tokens left in the serving model's context after these messages."""
 
     async def health(self) -> dict[str, str]: ...
@@ -200,8 +205,9 @@ class GatewayCore:
             api.text_field(f.text, name, self.limits.max_fact_chars)
         # The shipped encoding default: each fact behind the facts its user stored most recently, this call's
         # earlier ones included (a caller's own window wins). Stored with the fact: a re-encode reproduces it.
-        stored = ([r.text for r in await _blocking(self.registry.latest, user_id, NEIGHBOUR_WINDOW)]
+        behind = (await _blocking(self.registry.latest, user_id, NEIGHBOUR_WINDOW)
                   if any(not f.window for f in facts) else [])
+        stored = [r.text for r in behind]
         windows = default_windows([f.text for f in facts], [f.window for f in facts], stored=stored)
         facts = [dataclasses.replace(f, window=win) for f, win in zip(facts, windows)]
         encoded = sum(len(f.text) + sum(len(turn) for turn in f.window) for f in facts)
@@ -213,28 +219,48 @@ class GatewayCore:
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota())
+        if behind:
+            recs = await self._behind_changed(user_id, behind, recs)
         if self.backends is not None:
             try:
                 await self.backends.index_facts(user_id, recs)
             except Exception as e:  # undone, then reported
-                await self._undo_create(user_id, recs)
+                left = await self._undo_create(user_id, recs)
                 err = api.to_api_error(e)
                 if err.code == grpc.StatusCode.INTERNAL:
                     log.exception("storing %d facts failed; undone", len(recs))
-                raise ApiError(err.code, err.message if "nothing was stored" in err.message
-                               else f"{err.message}; nothing was stored", field=err.field,
+                if left:  # the registry failed the undo too: say what may still be stored
+                    outcome = (f"{len(left)} of its {len(recs)} facts could not be removed again and may still be "
+                               f"stored ({', '.join(left[:8])}{', ...' if len(left) > 8 else ''}): delete them, "
+                               "or retry with the same fact ids")
+                else:
+                    outcome = "nothing was stored"
+                raise ApiError(err.code, err.message if "nothing was stored" in err.message and not left
+                               else f"{err.message}; {outcome}", field=err.field,
                                retry_after_s=err.retry_after_s, quota=err.quota, reason=err.reason) from None
         return recs
 
-    async def _undo_create(self, user_id: str, recs: list[FactRecord]) -> None:
-        removed = []
+    async def _undo_create(self, user_id: str, recs: list[FactRecord]) -> list[str]:
+        """Removes the rows of a write whose KV/index step failed; returns the ids it could not remove (the
+        registry failing now too, after UNDO_ATTEMPTS tries), which the caller reports instead of "nothing was
+        stored"."""
+        removed, left = [], []
         for r in recs:
-            try:
-                removed.append((r.fact_id, (await _blocking(self.registry.delete, user_id, r.fact_id)).version))
-            except Exception:  # noqa: BLE001 - already gone (a concurrent delete)
-                continue
+            for attempt in range(UNDO_ATTEMPTS):
+                try:
+                    removed.append((r.fact_id, (await _blocking(self.registry.delete, user_id, r.fact_id)).version))
+                    break
+                except UnknownFactError:  # already gone (a concurrent delete)
+                    break
+                except Exception:  # the registry failing: retried, then reported (log.exception keeps it)
+                    if attempt + 1 == UNDO_ATTEMPTS:
+                        log.exception("undoing a failed write: fact %s of a user could not be removed", r.fact_id)
+                        left.append(r.fact_id)
+                    else:
+                        await asyncio.sleep(UNDO_BACKOFF_S * (attempt + 1))
         if removed and self.backends is not None:
             await self._push(self.backends.forget(user_id, removed), "forget (undo)")
+        return left
 
     async def update_fact(self, user_id: str, fact_id: str, text: str | None, metadata: dict | None,
                           replace_metadata: bool = False, expected_version: int = 0, embedding=None) -> FactRecord:
@@ -272,16 +298,25 @@ class GatewayCore:
         nothing between them (twice as many are read, for adds racing this one). So the cost is a bounded read
         and at most NEIGHBOUR_WINDOW re-encodes, whatever the size of the user's memory. (A caller's own window
         that happens to quote the text, on a fact further on, is the caller's text, not this fact's.)"""
-        changed = []
         page, _ = await _blocking(self.registry.list_after, user_id, seq, REWINDOW_SPAN)
-        for _, rec in page:
+        changed = list((await self._rewrite_windows(user_id, [rec for _, rec in page], old_text, new_text)).values())
+        if changed and self.backends is not None:  # a failed push is repaired by the replicas' sync
+            await self._push(self.backends.index_facts(user_id, changed), "index_facts (neighbour left)")
+        return changed
+
+    async def _rewrite_windows(self, user_id: str, recs: list[FactRecord], old_text: str,
+                               new_text: str | None) -> dict[str, FactRecord]:
+        """The records among `recs` whose stored window holds `old_text`'s line, rewritten (the line removed, or
+        replaced by `new_text`'s), by fact id; a fact deleted meanwhile is left out."""
+        changed = {}
+        for rec in recs:
             for _ in range(3):  # a concurrent write to the same fact: read it again
                 win = rewindow(rec.window, old_text, new_text)
                 if win is None:
                     break
                 try:
-                    changed.append(await _blocking(self.registry.update, user_id, rec.fact_id, window=win,
-                                                   expected_version=rec.version))
+                    changed[rec.fact_id] = await _blocking(self.registry.update, user_id, rec.fact_id, window=win,
+                                                           expected_version=rec.version)
                     break
                 except UnknownFactError:  # deleted meanwhile
                     break
@@ -290,9 +325,22 @@ class GatewayCore:
                         rec = await _blocking(self.registry.get, user_id, rec.fact_id)
                     except UnknownFactError:
                         break
-        if changed and self.backends is not None:  # a failed push is repaired by the replicas' sync
-            await self._push(self.backends.index_facts(user_id, changed), "index_facts (neighbour left)")
         return changed
+
+    async def _behind_changed(self, user_id: str, behind: list[FactRecord],
+                              recs: list[FactRecord]) -> list[FactRecord]:
+        """A write's facts were given windows of the user's latest facts (`behind`, read before the write); one
+        of those deleted or changed between that read and the write would survive in the new windows (its own
+        rewindow ran before these facts existed, so it could not see them). Read `behind` again, in one round
+        trip, and rewrite the new facts' windows for what left or changed, before anything is encoded."""
+        now = await _blocking(self.registry.find_many, user_id, [r.fact_id for r in behind])
+        for old in behind:
+            cur = now.get(old.fact_id)
+            if cur is not None and cur.text == old.text:
+                continue
+            fixed = await self._rewrite_windows(user_id, recs, old.text, None if cur is None else cur.text)
+            recs = [fixed.get(r.fact_id, r) for r in recs]
+        return recs
 
     async def _extract(self, user_id: str, messages: list[dict], metadata: dict) -> list[dict]:
         """Mem0's add with inference (services/mem0_provider.py) on the gateway's own extraction thread, never
@@ -623,11 +671,11 @@ class GatewaySink:
     def delete(self, user_id, fact_id):
         self._run(lambda: self.core.delete_fact(user_id, fact_id), write=True)
 
-    def chat(self, messages, max_tokens, temperature, structured):
-        return self._run(lambda: self.core.backends.chat(messages, max_tokens, temperature, structured))
+    def chat(self, user_id, messages, max_tokens, temperature, structured):
+        return self._run(lambda: self.core.backends.chat(user_id, messages, max_tokens, temperature, structured))
 
-    def chat_room(self, messages):
-        return self._run(lambda: self.core.backends.chat_room(messages))
+    def chat_room(self, user_id, messages):
+        return self._run(lambda: self.core.backends.chat_room(user_id, messages))
 
 
 UNARY = [m for m in api.REQUEST_TYPES if m not in api.STREAMING]

@@ -104,13 +104,13 @@ class ServeBackends:
     async def search_vector(self, user_id, vector, k):
         return await within_deadline(self._r(user_id).search_vector.remote(user_id, vector, k), self.timeout_s)
 
-    async def chat(self, messages, max_tokens, temperature, structured):
+    async def chat(self, user_id, messages, max_tokens, temperature, structured):
         # Plain chat holds no user's KV: any engine replica will do.
-        return await within_deadline(self.engine.chat.remote(messages, max_tokens, temperature, structured),
+        return await within_deadline(self.engine.chat.remote(user_id, messages, max_tokens, temperature, structured),
                                      self.timeout_s)
 
-    async def chat_room(self, messages):
-        return await within_deadline(self.engine.chat_room.remote(messages), self.timeout_s)
+    async def chat_room(self, user_id, messages):
+        return await within_deadline(self.engine.chat_room.remote(user_id, messages), self.timeout_s)
 
     async def health(self):
         out = {}
