@@ -763,6 +763,9 @@ def fixed_sections() -> list[str]:
             "are kept by `helm upgrade`): facts, ids, versions and history survive; only KV is rebuilt. A "
             "registry written before the per-bucket key layout (development builds before Redis Cluster support: "
             "keys `fact:<id>`, `seq`, `tombstones`) is not read: start from an empty Redis or another key prefix.",
+            "- **Facts stored before the owners index** (`{b<N>}:owners/<id>`, written with each fact since Mem0's "
+            "no-auth calls by memory id: docs/mem0.md) are not found by their id alone on a server without "
+            "authentication; `?user_id=` finds them, and everything else reads them as before.",
             ""]
     return out
 

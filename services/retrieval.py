@@ -12,8 +12,10 @@ user's index loaded, and each replica keeps at most MAX_USERS indices (LRU), dro
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -107,6 +109,9 @@ class RetrievalCore:
         self._embed_lock = threading.Lock()
         self.queries = QueryBatcher(self._embed)
         self.book: UserBook[int] = UserBook(int)       # user -> fact_id -> fact version indexed; versions synced
+        # user -> fact_id -> expires_at, for the indexed facts that expire: a search leaves out those expired at
+        # its own time (a fact that expires while indexed stops being picked; no sync has to run for it)
+        self.expiring: dict[str, dict[str, float]] = {}
 
     def _lock(self, user_id: str) -> threading.RLock:
         with self._locks_guard:
@@ -145,12 +150,17 @@ class RetrievalCore:
             rows.append(embs)
             ids += [r.fact_id for r in fresh]
         self.index.add_many(user_id, ids, torch.cat(rows).to(torch.float32))
-        versions = self.book.of(user_id)
+        versions, expiring = self.book.of(user_id), self.expiring.setdefault(user_id, {})
         for r in reuse + fresh:
             versions[r.fact_id] = r.version
+            if r.expires_at != math.inf:
+                expiring[r.fact_id] = r.expires_at
+            else:
+                expiring.pop(r.fact_id, None)
 
     def _drop(self, user_id: str, fact_id: str) -> None:
         self.book.facts.get(user_id, {}).pop(fact_id, None)
+        self.expiring.get(user_id, {}).pop(fact_id, None)
         if self.index.contains(user_id, fact_id):
             self.index.remove(user_id, fact_id)
 
@@ -173,6 +183,7 @@ class RetrievalCore:
         """Drop the user's index from memory (LRU eviction or DeleteUser); the registry keeps everything."""
         with self._lock(user_id):
             self.book.forget(user_id)
+            self.expiring.pop(user_id, None)
             try:
                 self.index.remove_user(user_id)
             except UnknownUserError:
@@ -180,7 +191,7 @@ class RetrievalCore:
 
     # -------------------------------------------------------------------------------- reads
     def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
-        """Top-k `(fact_id, score)` of the user, best first; [] for a user with no facts."""
+        """Top-k `(fact_id, score)` of the user's facts not expired now, best first; [] for a user with none."""
         q = self.queries.embed(query)  # before the user's lock: a search never waits on another's sync
         return self._search(user_id, q, k)
 
@@ -196,7 +207,10 @@ class RetrievalCore:
         with self._lock(user_id):
             if self.ensure(user_id) == 0:
                 return []
-            return [(f, float(s)) for f, s in self.index.search(user_id, q, k)]
+            now = time.time()
+            expired = {f for f, t in self.expiring.get(user_id, {}).items() if now >= t}
+            hits = self.index.search(user_id, q, k + len(expired))  # k unexpired ones, if the user has them
+            return [(f, float(s)) for f, s in hits if f not in expired][:k]
 
     def users(self) -> list[str]:
         return self.book.users()

@@ -20,6 +20,7 @@ import re
 import threading
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -233,13 +234,12 @@ def test_bad_input_is_a_clear_400(server, jwt_secret):
         (lambda: c.search("tea", top_k=0), "top_k must be in [1, 200]"),
         (lambda: c.search("tea", rerank=True), "rerank"),
         (lambda: c.update("f" * 8), None),  # the client itself refuses an empty update
-        (lambda: c.update("f" * 8, text="x", timestamp=5), "`timestamp` is not supported"),
         (lambda: c.delete("f" * 8, delete_linked=True), "delete_linked is not supported"),
         # Mem0's options with a value: refused by name, with why.
-        (lambda: c.add("x", infer=False, timestamp=1_700_000_000), "`timestamp` is not supported by this server: "
-                                                                   "a memory's created_at is the time the registry"),
-        (lambda: c.add("x", infer=False, expiration_date="2030-01-01"), "the engine's retrieval, which knows no expiry"),
-        (lambda: c.update("f" * 8, expiration_date="2030-01-01"), "`expiration_date` is not supported"),
+        (lambda: c.update("f" * 8, text="x", timestamp=5), "`timestamp` is not supported by this server: an update "
+                                                           "does not change when a memory was created"),
+        (lambda: c.batch_update([{"memory_id": "f" * 8, "text": "x", "expiration_date": "2030-01-01"}]),
+         "`memories.0.expiration_date` is not supported by this server: batch_update changes text and metadata"),
         (lambda: c.search("tea", keyword_search=True), "keyword_search"),
         (lambda: c.search("tea", categories=["food"]), "`categories` is not supported by this server: memories here"),
         (lambda: c.get_all(start_date="2026-01-01"), "filters={\"created_at\": {\"gte\": ...}}"),
@@ -261,7 +261,7 @@ def test_bad_input_is_a_clear_400(server, jwt_secret):
         c.batch_delete([{"memory_id": f"m{i}"} for i in range(LIMITS.max_facts_per_request + 1)])
     assert "the limit is 256" in e.value.message
     # Options sent with their "not set" values are no refusal: the client's expiration_date=None (clearing an
-    # expiry: none is set here), nulls from raw HTTP, the default values of search and get_all.
+    # expiry the memory does not have: no new version), nulls from raw HTTP, the default values of search and get_all.
     (mid,) = [e["id"] for e in c.add("I like tea.", infer=False)["results"]]
     assert c.update(mid, text="I like green tea.", expiration_date=None)["version"] == 2
     assert c.update(mid, expiration_date=None)["version"] == 2  # nothing else asked: the memory as it is
@@ -276,6 +276,107 @@ def test_bad_input_is_a_clear_400(server, jwt_secret):
     assert r.status_code == 200, r.text
     r = httpx.put(f"{server.url}/v1/memories/{mid}/", headers=token, json={"text": "x", "timestamp": 17})
     assert r.status_code == 400 and "`timestamp` is not supported" in r.json()["detail"]
+
+
+# ------------------------------------------------------------------------------ expiration_date and timestamp
+def _days_from_today(n: int) -> str:
+    """A date n days from today, UTC (Mem0 evaluates expiration dates in UTC)."""
+    return (datetime.now(timezone.utc).date() + timedelta(days=n)).isoformat()
+
+
+def test_an_expired_memory_is_kept_but_not_listed_or_searched(server, jwt_secret):
+    """Mem0's expiration_date: YYYY-MM-DD in UTC, the day itself included. A memory whose date has passed is stored
+    (get by id answers it, with its date) but get_all leaves it out, filtered or not, count included, unless
+    show_expired=True; update sets an expiry or clears it (null) and the memory is listed again."""
+    c = _client(server, jwt_secret, _user())
+    yesterday, today, later = _days_from_today(-1), _days_from_today(0), _days_from_today(30)
+    (gone,) = _ids(c.add("My trial ended.", infer=False, expiration_date=yesterday, metadata={"k": 1}))
+    (last_day,) = _ids(c.add("My trial ends today.", infer=False, expiration_date=today, metadata={"k": 1}))
+    (plain,) = _ids(c.add("I like figs.", infer=False, metadata={"k": 2}))
+    (soon,) = _ids(c.add("My plan renews next month.", infer=False, expiration_date=later, metadata={"k": 2}))
+    listed = c.get_all()
+    assert listed["count"] == 3 and _ids(listed) == [last_day, plain, soon]
+    assert [m["expiration_date"] for m in listed["results"]] == [today, None, later]
+    assert _ids(c.get_all(page=2, page_size=2)) == [soon] and c.get_all(page_size=2)["count"] == 3
+    assert _ids(c.get_all(filters={"k": 1})) == [last_day]  # a filter and the expiry together
+    shown = c.get_all(show_expired=True)
+    assert shown["count"] == 4 and _ids(shown) == [gone, last_day, plain, soon]
+    got = c.get(gone)  # by id it answers, as on Mem0's platform
+    assert got["memory"] == "My trial ended." and got["expiration_date"] == yesterday
+    back = c.update(gone, expiration_date=None)  # cleared: listed again
+    assert back["expiration_date"] is None and back["version"] == 2 and gone in _ids(c.get_all())
+    c.update(plain, expiration_date=yesterday)
+    assert plain not in _ids(c.get_all()) and c.get(plain)["expiration_date"] == yesterday
+    assert c.update(plain, text="I love figs.")["expiration_date"] == yesterday  # a text update keeps it
+    assert [h["new_memory"] for h in c.history(plain)] == ["I like figs.", "I love figs."]
+    with pytest.raises(ValidationError) as e:  # search serves what answers may inject: never an expired memory
+        c.search("trial", show_expired=True)
+    assert "show_expired=true is not supported on search" in e.value.message
+    for call in (lambda: c.add("x", infer=False, expiration_date="2030-13-01"),
+                 lambda: c.add("x", infer=False, expiration_date="tomorrow"),
+                 lambda: c.add("x", infer=False, expiration_date="2030-01-01T00:00:00Z"),
+                 lambda: c.update(soon, expiration_date="31/01/2030"),
+                 lambda: c.update("f" * 8, expiration_date="2030-02-30")):  # checked before the memory is looked up
+        with pytest.raises(ValidationError) as e:
+            call()
+        assert re.match(r"expiration_date (must be a date YYYY-MM-DD|'.*' is not a date)", e.value.message), \
+            e.value.message
+    r = httpx.post(f"{server.url}/v3/memories/add/", headers={"authorization": f"Token {c.api_key}"},
+                   json={"messages": [{"role": "user", "content": "x"}], "infer": False, "expiration_date": 20300101})
+    assert r.status_code == 400 and r.json()["detail"].startswith("expiration_date"), r.text
+    assert c.get_all(show_expired=True)["count"] == 4  # nothing refused was stored
+
+
+def test_timestamp_sets_created_at(server, jwt_secret):
+    """Mem0's add(timestamp=<Unix seconds>): the memories' created_at (and updated_at: not updated since), which
+    the created_at filter reads too; a value that is no past time, or no integer, is a 400 naming it."""
+    c = _client(server, jwt_secret, _user())
+    (old,) = _ids(c.add("I lived in Oslo.", infer=False, timestamp=1_600_000_000))
+    (new,) = _ids(c.add("I live in Lyon.", infer=False))
+    got = c.get(old)
+    assert got["created_at"] == got["updated_at"] == "2020-09-13T12:26:40+00:00"
+    assert c.get(new)["created_at"] > "2025"
+    assert _ids(c.get_all(filters={"created_at": {"lt": "2021-01-01T00:00:00Z"}})) == [old]
+    assert c.history(old)[0]["created_at"] == "2020-09-13T12:26:40+00:00"
+    assert c.update(old, text="I lived in Bergen.")["created_at"] == "2020-09-13T12:26:40+00:00"
+    soon = int(time.time()) + 60  # within the clock skew allowed
+    (skewed,) = _ids(c.add("Just now.", infer=False, timestamp=soon))
+    assert c.get(skewed)["created_at"] == datetime.fromtimestamp(soon, timezone.utc).isoformat()
+    for bad in (int(time.time()) + 2 * 86400, -5, 10 ** 20):
+        with pytest.raises(ValidationError) as e:
+            c.add("x", infer=False, timestamp=bad)
+        assert e.value.message.startswith(f"timestamp {bad} is not a time a memory was created"), e.value.message
+    token = {"authorization": f"Token {c.api_key}"}
+    for bad in (1.6e9, "1600000000", True):
+        r = httpx.post(f"{server.url}/v3/memories/add/", headers=token,
+                       json={"messages": [{"role": "user", "content": "x"}], "infer": False, "timestamp": bad})
+        assert r.status_code == 400 and r.json()["detail"].startswith("timestamp: "), (bad, r.text)
+    assert c.get_all()["count"] == 3  # nothing refused was stored
+
+
+def test_an_extraction_adds_its_memories_with_adds_timestamp_and_expiry():
+    """add(infer=true, timestamp=..., expiration_date=...): Mem0's extraction stores the memories it adds through
+    the gateway's sink (GatewaySink.add), which gives them the call's created_at and expires_at (the extraction
+    itself, with the serving LLM, runs in test_service_e2e.py)."""
+    from inferscale_server.auth import Authenticator
+    from inferscale_server.gateway import GatewayCore
+    from inferscale_server.gateway.core import ExtractionCall, GatewaySink
+
+    core = GatewayCore(EmbeddedRegistry(), backends=None, limits=LIMITS, auth=Authenticator.insecure())
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        sink = GatewaySink(core, loop)
+        stamped = ExtractionCall({"created_at": 1_600_000_000.0, "expires_at": 1_900_000_000.0})
+        (rec,) = sink.running(stamped, sink.add)("ann", [NewFact("Lives in Oslo")])
+        assert (rec.created_at, rec.updated_at, rec.expires_at) == (1_600_000_000.0, 1_600_000_000.0, 1_900_000_000.0)
+        (plain,) = sink.running(ExtractionCall(), sink.add)("ann", [NewFact("Likes tea")])
+        assert plain.expires_at == float("inf") and plain.created_at > 1_700_000_000
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 def test_openapi_schema_documents_the_mem0_routes(server):
@@ -574,59 +675,61 @@ def test_the_compatibility_table_covers_every_call_of_the_installed_client():
 
 
 # --------------------------------------------------------------------------- without authentication (demos)
-class OwnerLookupRegistry(EmbeddedRegistry):
-    """The registry with the memory id -> owner lookup the no-auth door uses when the registry has it
-    (`owner_of`; the Registry interface does not have it yet): in both backends a fact's record names its owner."""
-
-    def owner_of(self, fact_id: str) -> str | None:
-        with self._lock:
-            rec = self._facts.get(fact_id)
-        return None if rec is None else rec.user_id
-
-
-def test_without_authentication_the_memory_id_is_enough():
+@pytest.mark.parametrize("backend", ["redis", "embedded"])
+def test_without_authentication_the_memory_id_is_enough(backend, registry):
     """--insecure-no-auth (Authenticator.insecure(): every caller may act for every user): the client sends no
     user_id with get / update / delete / history / feedback / batches, so the memory's owner is looked up by its
-    id. Without that lookup in the registry, they ask for the user_id query parameter, saying why."""
+    id (Registry.owners_of; in Redis an index written with the fact, read in every bucket). Redis' fact ids are per
+    user: an id two users' memories have needs the user_id query parameter, which always narrows to that user."""
     from inferscale_server.auth import Authenticator
     from inferscale_server.gateway import GatewayCore
 
-    core = GatewayCore(OwnerLookupRegistry(), backends=None, limits=LIMITS, auth=Authenticator.insecure())
+    reg = registry if backend == "redis" else EmbeddedRegistry()
+    core = GatewayCore(reg, backends=None, limits=LIMITS, auth=Authenticator.insecure())
     srv = HttpThread(build_http_app(lambda: core))
+    ann, bo, cy = _user(), _user(), _user()
     try:
         c = MemoryClient(api_key="no-auth-demo", host=srv.url)
-        (a,) = [e["id"] for e in c.add("Ann likes tea.", infer=False, user_id="ann")["results"]]
-        (b,) = [e["id"] for e in c.add("Bo likes jazz.", infer=False, user_id="bo")["results"]]
-        assert c.get(a)["user_id"] == "ann" and c.get(b)["user_id"] == "bo"
+        (a,) = _ids(c.add("Ann likes tea.", infer=False, user_id=ann))
+        (b,) = _ids(c.add("Bo likes jazz.", infer=False, user_id=bo))
+        assert c.get(a)["user_id"] == ann and c.get(b)["user_id"] == bo
         assert c.update(a, text="Ann likes green tea.")["version"] == 2
         assert [h["event"] for h in c.history(a)] == ["ADD", "UPDATE"]
+        assert c.update(a, expiration_date="2999-12-31")["expiration_date"] == "2999-12-31"
         assert c.feedback(b, "POSITIVE")["memory_id"] == b
         assert c.batch_update([{"memory_id": a, "metadata": {"k": 1}}, {"memory_id": b, "text": "Bo likes blues."}])[
             "updated"] == 2
         assert c.get(b)["memory"] == "Bo likes blues." and c.get(a)["metadata"] == {"k": 1}
         assert c.delete(a) == {"message": "Memory deleted successfully!"}
-        with pytest.raises(MemoryNotFoundError):
-            c.get(a)
+        for call in (lambda: c.get(a), lambda: c.history(a), lambda: c.update(a, text="x"), lambda: c.delete(a),
+                     lambda: c.get("never-written")):
+            with pytest.raises(MemoryNotFoundError):
+                call()
+        assert reg.owners_of(a) == [] and reg.owners_of(b) == [bo]  # the index went with the memory
         assert [r["status"] for r in c.batch_delete([{"memory_id": a}, {"memory_id": b}])["results"]] == [
             "not_found", "deleted"]
         with pytest.raises(ValidationError) as e:  # whose memory: a list or a delete_all names the user
             c.get_all()
         assert "user_id is required" in e.value.message
-        c.add("Cy likes rain.", infer=False, user_id="cy")
+        c.add("Cy likes rain.", infer=False, user_id=cy)
         with pytest.raises(ValidationError):
             c.delete_all()
-        assert c.delete_all(user_id="cy")["deleted"] == 1
+        assert c.delete_all(user_id=cy)["deleted"] == 1
         for call in (c.users, c.reset):  # every user: not listed, not wiped
             with pytest.raises(mem0.exceptions.MemoryError) as e:
                 call()
             assert e.value.error_code == "HTTP_501"
-        core.registry = EmbeddedRegistry()  # a registry without the lookup: the requirement, said
-        (d,) = [e["id"] for e in c.add("Di likes snow.", infer=False, user_id="di")["results"]]
-        with pytest.raises(ValidationError) as e:
-            c.get(d)
-        assert "cannot look up a memory's owner by id" in e.value.message
-        r = httpx.get(f"{srv.url}/v1/memories/{d}/", params={"user_id": "di"})
-        assert r.status_code == 200 and r.json()["memory"] == "Di likes snow."
+        if backend == "redis":  # one id, two users' memories (ids chosen by their writers, on gRPC say)
+            reg.create(ann, [NewFact("Ann's note", fact_id="note-1")])
+            reg.create(bo, [NewFact("Bo's note", fact_id="note-1")])
+            with pytest.raises(ValidationError) as e:
+                c.get("note-1")
+            assert "names a memory of 2 users here" in e.value.message and "user_id" in e.value.message
+            r = httpx.get(f"{srv.url}/v1/memories/note-1/", params={"user_id": bo})
+            assert r.status_code == 200 and r.json()["memory"] == "Bo's note"
+            assert reg.delete_user(bo) == 1 and c.get("note-1")["memory"] == "Ann's note"
+            reg.delete_user(ann)
+            assert reg.owners_of("note-1") == []  # DeleteUser takes the index entries too
     finally:
         srv.stop()
 

@@ -241,6 +241,58 @@ def test_caller_chosen_ids_and_duplicates(reg):
         reg.get("v", "f-1")
 
 
+def test_a_facts_creation_time_and_expiry_are_kept_and_changed_by_update(reg):
+    """NewFact's created_at (an import's own time; updated_at the same) and expires_at (inf: never), kept by every
+    backend; update sets or clears (inf) the expiry, a new version; expired_facts names those expired at a time."""
+    inf = float("inf")
+    a, b, c = reg.create("u", [NewFact("old", created_at=1_600_000_000, expires_at=2_000_000_000.5),
+                               NewFact("now"), NewFact("brief", expires_at=1_000.0)])
+    (other,) = reg.create("v", [NewFact("v's", expires_at=1_000.0)])
+    got = reg.get("u", a.fact_id)
+    assert (got.created_at, got.updated_at, got.expires_at) == (1_600_000_000.0, 1_600_000_000.0, 2_000_000_000.5)
+    assert reg.get("u", b.fact_id).expires_at == inf and reg.get("u", b.fact_id).created_at > 1_700_000_000
+    assert got.expired(2_000_000_000.5) and not got.expired(2_000_000_000.4)
+    assert reg.expired_facts("u", 999.0) == [] and reg.expired_facts("u", 1_000.0) == [c.fact_id]
+    assert sorted(reg.expired_facts("u", 3e9)) == sorted([a.fact_id, c.fact_id])
+    cleared = reg.update("u", c.fact_id, expires_at=inf)
+    assert cleared.expires_at == inf and cleared.version == 2 and reg.get("u", c.fact_id).expires_at == inf
+    assert reg.history("u", c.fact_id) == []  # an expiry is no new text or metadata for the user
+    assert reg.update("u", b.fact_id, expires_at=5_000.0).expires_at == 5_000.0
+    assert reg.update("u", b.fact_id, text="now then").expires_at == 5_000.0  # kept when not named
+    assert sorted(reg.expired_facts("u", 3e9)) == sorted([a.fact_id, b.fact_id])
+    reg.delete("u", a.fact_id)
+    assert reg.expired_facts("u", 3e9) == [b.fact_id] and reg.expired_facts("v", 3e9) == [other.fact_id]
+    for bad in (float("nan"), "soon", True):
+        with pytest.raises(ValueError, match="expires_at must be a Unix time"):
+            reg.update("u", b.fact_id, expires_at=bad)
+        with pytest.raises(ValueError, match="expires_at must be a Unix time"):
+            reg.create("u", [NewFact("x", expires_at=bad)])
+    with pytest.raises(ValueError, match="created_at must be a Unix time"):
+        reg.create("u", [NewFact("x", created_at=inf)])
+    reg.delete_user("u")
+    assert reg.expired_facts("u", 3e9) == []
+
+
+def test_owners_of_names_the_users_of_a_fact_id(reg):
+    """The lookup a server without authentication makes for a memory id alone: written with the fact, gone with it
+    (delete and DeleteUser)."""
+    a, b = reg.create("ann", [NewFact("a"), NewFact("b")])
+    assert reg.owners_of(a.fact_id) == ["ann"] and reg.owners_of("never-written") == []
+    reg.create("bo", [NewFact("shared", fact_id="f-shared")])
+    if isinstance(reg, RedisRegistry):  # a fact id is its user's own: two users may have one
+        reg.create("ann", [NewFact("shared too", fact_id="f-shared")])
+        assert reg.owners_of("f-shared") == ["ann", "bo"]
+        reg.delete("ann", "f-shared")
+    assert reg.owners_of("f-shared") == ["bo"]
+    reg.delete("ann", a.fact_id)
+    assert reg.owners_of(a.fact_id) == [] and reg.owners_of(b.fact_id) == ["ann"]
+    reg.delete_user("ann")
+    reg.delete_user("bo")
+    assert reg.owners_of(b.fact_id) == [] and reg.owners_of("f-shared") == []
+    with pytest.raises(InvalidIdError):
+        reg.owners_of("bad/id")
+
+
 def test_bad_input_is_rejected(reg):
     with pytest.raises(InvalidIdError):
         reg.create("", [NewFact("a")])
@@ -352,6 +404,34 @@ def test_retrieval_replica_resyncs_from_the_registry(redis_url):
     assert core.index.size("u") == 1 and "v" not in core.index.users()  # v was never searched here
     writer.delete_user("u")
     assert core.search("u", "dog", 3) == []
+
+
+def test_retrieval_never_picks_an_expired_fact(redis_url):
+    """A search leaves out the facts expired at its own time: one that expires while indexed stops being picked
+    with no registry change (no sync runs for it), and k unexpired facts are still returned when the user has
+    them; clearing the expiry (an update) brings it back."""
+    import time
+
+    from inferscale_core.embedder import default_embedder
+    from inferscale_server.retrieval import RetrievalCore
+
+    reg = RedisRegistry(redis_url, prefix=f"exp{uuid.uuid4().hex[:8]}:")
+    core = RetrievalCore(reg, default_embedder())
+    dog, cat, tea = reg.create("u", [NewFact("My dog is called Rex"), NewFact("My cat is called Tom"),
+                                     NewFact("I like green tea")])
+    (old,) = reg.create("u", [NewFact("My old dog was called Bolt", expires_at=1_000.0)])
+    assert [f for f, _ in core.search("u", "what is my dog's name?", 2)] == [dog.fact_id, cat.fact_id]
+    # The expiry set once the facts are embedded (slow on a loaded machine): the next sync reuses the embedding.
+    dog = reg.update("u", dog.fact_id, expires_at=time.time() + 3)
+    assert [f for f, _ in core.search("u", "what is my dog's name?", 2)] == [dog.fact_id, cat.fact_id]
+    version = core.book.synced["u"]
+    time.sleep(max(0.0, dog.expires_at - time.time()) + 0.05)
+    assert [f for f, _ in core.search("u", "what is my dog's name?", 2)] == [cat.fact_id, tea.fact_id]
+    assert core.book.synced["u"] == version  # nothing was synced: the clock alone
+    reg.update("u", old.fact_id, expires_at=float("inf"))
+    assert [f for f, _ in core.search("u", "what is my dog's name?", 1)] == [old.fact_id]
+    assert {f for f, _ in core.search("u", "dog", 10)} == {old.fact_id, cat.fact_id, tea.fact_id}
+    reg.close()
 
 
 # ------------------------------------------------------------------------------------------ quotas
@@ -539,6 +619,8 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
     facts = {}
     for u in users:
         a, b = reg.create(u, [NewFact("one"), NewFact("two")])
+        if u == users[0]:  # an expiring fact: its user's expiry index too, in the same slot
+            reg.update(u, b.fact_id, expires_at=2e9)
         reg.update(u, a.fact_id, text="uno")  # a history entry and a tombstone
         reg.add_placement(u, "engine-0")
         facts[u] = [a.fact_id, b.fact_id]
@@ -547,7 +629,8 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
         with redis.Redis.from_url(f"redis://{addr}/0") as node:
             written |= {k.decode() for k in node.scan_iter(match=f"{reg.prefix}*", count=1000)}
     expected = {k for u in users for k in reg.user_keys(u, facts[u])} - {
-        reg._history_key(u, facts[u][1]) for u in users}  # the second fact was never updated: no history
+        reg._history_key(u, facts[u][1]) for u in users} - {  # the second fact was never updated: no history
+        reg._user_key(u, "expiry") for u in users[1:]}  # their facts do not expire: no expiry index
     assert written == expected  # nothing global, nothing unnamed
     with redis.Redis.from_url(redis_cluster_url) as node:
         for u in users[:8]:

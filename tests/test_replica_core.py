@@ -216,12 +216,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def add(parts, registry, core, user: str, facts: dict[str, str]) -> list:
-    """What the gateway does for AddFacts: registry rows, the pool's encode (written to the cluster tier), the
-    engine replica's put."""
+async def add(parts, registry, core, user: str, facts: dict[str, str], expires: dict[str, float] | None = None) -> list:
+    """What the gateway does for AddFacts: registry rows (with `expires`: fact id -> expires_at), the pool's encode
+    (written to the cluster tier), the engine replica's put."""
     from inferscale_server.registry.base import NewFact
 
-    recs = registry.create(user, [NewFact(text=t, fact_id=f) for f, t in facts.items()])
+    expires = expires or {}
+    recs = registry.create(user, [NewFact(text=t, fact_id=f, expires_at=expires.get(f, float("inf")))
+                                  for f, t in facts.items()])
     encoded = await core.encoder.encode_for.remote(user, [(r.fact_id, r.version, r.text, list(r.window))
                                                           for r in recs])  # the pool the replica calls
     await core.put_facts(user, [FactWrite(r.fact_id, r.version, r.text) for r in recs], encoded)
@@ -505,6 +507,34 @@ def test_a_delete_whose_push_was_lost_is_applied_by_the_next_watch_round(parts):
         registry.delete(user, "i2")
         assert await core.forget(user, [FactRef("i2", 1)]) == 1 and core.engine.kvs(user) == set()
         assert (await answer(core, user, ["i1", "i2"])).fact_ids == []
+
+    run(go())
+
+
+def test_an_expired_fact_is_not_injected(parts):
+    """Retrieval leaves expired facts out at its own time; the replica that injects checks again at the request's:
+    a fact named by the request that has expired is not injected (KV) nor pasted (prompt mode), also one that
+    expired while the user was held, with nothing synced in between."""
+    import time
+
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "erin"
+
+    async def go():
+        core = await started(parts, registry)
+        await add(parts, registry, core, user, {"e1": "Erin's trial ends soon.", "e2": "Erin rows.",
+                                                "e3": "Erin's old plan ended."},
+                  expires={"e1": time.time() + 4, "e3": 1_000.0})
+        assert (await answer(core, user, ["e1", "e2", "e3"])).fact_ids == ["e1", "e2"]
+        synced = core.books.book.synced[user]
+        time.sleep(max(0.0, registry.get(user, "e1").expires_at - time.time()) + 0.05)
+        assert (await answer(core, user, ["e1", "e2", "e3"])).fact_ids == ["e2"]
+        assert (await answer(core, user, ["e1", "e2", "e3"], Mode.PI)).fact_ids == ["e2"]
+        assert core.books.book.synced[user] == synced  # the clock alone: no registry change, no sync
+        registry.update(user, "e3", expires_at=float("inf"))  # the expiry cleared: served again
+        assert (await answer(core, user, ["e1", "e2", "e3"], Mode.PI)).fact_ids == ["e2", "e3"]
 
     run(go())
 

@@ -4,6 +4,7 @@ servable facts at the last sync, the locks that order a user's work) and the KV 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ class HeldFact:
     version: int
     text: str
     window: tuple[str, ...] = ()
+    expires_at: float = math.inf  # FactRecord.expires_at: not injected from then on
 
 
 class UserBooks:

@@ -133,7 +133,7 @@ class ReplicaCore:
             await self.kv.drop(user_id, held, changes.gone)
             for r in changes.fresh:  # a version known to be bad is left out
                 if not r.unservable_reason:
-                    held[r.fact_id] = HeldFact(r.version, r.text, tuple(r.window))
+                    held[r.fact_id] = HeldFact(r.version, r.text, tuple(r.window), r.expires_at)
             self.books.book.synced[user_id] = changes.version
             # A user's placement is dropped with its facts (DeleteUser): say again that this replica holds it.
             await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
@@ -206,9 +206,11 @@ class ReplicaCore:
             await self._hold_user(user_id)
             held = await self._sync(user_id)  # one read of the version counter when nothing moved
             t_synced = time.perf_counter()
-            # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped.
+            # Retrieval may name a fact deleted since, or one that cannot be served: it is not held, skipped; nor
+            # is one expired now (retrieval leaves those out at its own time: this is the injecting side's word).
             # Both modes serve the same facts (an A/B of injection).
-            facts = [(f, held[f]) for f in req.fact_ids if f in held]
+            now = time.time()
+            facts = [(f, held[f]) for f in req.fact_ids if f in held and now < held[f].expires_at]
             fetch_steps, fetched = {}, []
             if mode == Mode.KV:
                 fetch_steps, fetched = await self.kv.fetch(user_id, facts)

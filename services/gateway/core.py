@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -263,7 +264,10 @@ class GatewayCore:
         return left
 
     async def update_fact(self, user_id: str, fact_id: str, text: str | None, metadata: dict | None,
-                          replace_metadata: bool = False, expected_version: int = 0, embedding=None) -> FactRecord:
+                          replace_metadata: bool = False, expected_version: int = 0, embedding=None,
+                          expires_at: float | None = None) -> FactRecord:
+        """`expires_at`: FactRecord.expires_at (None: as it is). The replicas learn of a new expiry at their next
+        sync, as of a metadata change (the version moved)."""
         old = kv_bytes = None
         if text is not None:
             api.text_field(text, "text", self.limits.max_fact_chars)
@@ -272,7 +276,7 @@ class GatewayCore:
             seq = await _blocking(self.registry.seq_of, user_id, fact_id)
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
-                              embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes)
+                              embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes, expires_at=expires_at)
         if text is not None and self.backends is not None:  # metadata changes do not touch KV or embeddings
             # The text passed the encoder's check; a push that still fails is repaired by the replicas' sync.
             await self._push(self.backends.index_facts(user_id, [rec]), "index_facts (update)")
@@ -342,11 +346,12 @@ class GatewayCore:
             recs = [fixed.get(r.fact_id, r) for r in recs]
         return recs
 
-    async def _extract(self, user_id: str, messages: list[dict], metadata: dict) -> list[dict]:
+    async def _extract(self, user_id: str, messages: list[dict], metadata: dict, stamp: dict) -> list[dict]:
         """Mem0's add with inference (services/mem0_provider.py) on the gateway's own extraction thread, never
         the default pool the other RPCs' registry calls use. At most MEM0_QUEUE extractions wait behind the
         running one; more get RESOURCE_EXHAUSTED at once. One that has not finished after MEM0_TIMEOUT_S
-        (queueing included) is stopped: nothing of it is written after its error is returned."""
+        (queueing included) is stopped: nothing of it is written after its error is returned. `stamp`: NewFact
+        fields (created_at, expires_at) the facts it adds get."""
         self._need("AddMemory with infer=true")
         if self._mem0_pending >= 1 + MEM0_QUEUE:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -372,7 +377,7 @@ class GatewayCore:
                     self._sink = GatewaySink(self, asyncio.get_running_loop())
                     self._extractor = await asyncio.get_running_loop().run_in_executor(
                         self._mem0_pool, Mem0Extractor, self._sink, self.embedder_path)
-            call = ExtractionCall()
+            call = ExtractionCall(stamp)
             done = self._mem0_pool.submit(self._sink.running(call, self._extractor.add), user_id, messages, metadata)
             try:
                 return await api.within_deadline(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
@@ -416,18 +421,22 @@ class GatewayCore:
             pb2.MemoryEvent(fact_id=e["id"], text=e.get("memory", ""), event=e.get("event", "ADD"),
                             previous_text=e.get("previous_memory") or "") for e in events])
 
-    async def add_memory(self, uid: str, messages: list[dict], meta: dict, infer: bool) -> list[dict]:
-        """Mem0's add for an authorized user: Mem0's events ({"id", "memory", "event", "previous_memory"})."""
+    async def add_memory(self, uid: str, messages: list[dict], meta: dict, infer: bool,
+                         created_at: float | None = None, expires_at: float = math.inf) -> list[dict]:
+        """Mem0's add for an authorized user: Mem0's events ({"id", "memory", "event", "previous_memory"}).
+        `created_at` (None: now) and `expires_at` (FactRecord's) are those of the memories it adds (Mem0's
+        timestamp and expiration_date); memories an extraction updates keep theirs."""
+        stamp = {"created_at": created_at, "expires_at": expires_at}
         if infer:
-            return await self._extract(uid, messages, meta)
+            return await self._extract(uid, messages, meta, stamp)
         # Mem0's infer=False: every non-system message is stored as it is, tagged with its role.
         kept = [(i, m) for i, m in enumerate(messages) if m["role"] != "system"]
-        facts = [api.FactIn(api.text_field(m["content"], f"messages[{i}].content", self.limits.max_fact_chars).strip(),
-                            {**meta, "role": m["role"]}) for i, m in kept]
+        facts = [NewFact(api.text_field(m["content"], f"messages[{i}].content", self.limits.max_fact_chars).strip(),
+                         {**meta, "role": m["role"]}, **stamp) for i, m in kept]
         if not facts:
             raise api.invalid("messages hold only system messages; with infer=false nothing would be stored",
                               "messages")
-        recs = await self._store_facts(uid, facts, [f"messages[{i}].content" for i, _ in kept])
+        recs = await self.store_new(uid, facts, [f"messages[{i}].content" for i, _ in kept])
         return [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in recs]
 
     async def Search(self, raw, caller: Principal):  # noqa: N802
@@ -601,9 +610,11 @@ class GatewayCore:
 
 class ExtractionCall:
     """One AddMemory(infer=true) in progress: once stopped, the sink refuses its every further call, and the
-    writes it had started are waited for before the error is returned (nothing lands after it)."""
+    writes it had started are waited for before the error is returned (nothing lands after it). `stamp`: NewFact
+    fields the facts it adds get (add's created_at and expires_at)."""
 
-    def __init__(self):
+    def __init__(self, stamp: dict | None = None):
+        self.stamp = dict(stamp or {})
         self.stopped = False
         self.written = 0
         self.writes: set[asyncio.Task] = set()
@@ -654,6 +665,9 @@ class GatewaySink:
         return asyncio.run_coroutine_threadsafe(guarded(), self.loop).result(self.timeout_s)
 
     def add(self, user_id, facts):
+        call = getattr(self._local, "call", None)
+        if call is not None and call.stamp:
+            facts = [dataclasses.replace(f, **call.stamp) for f in facts]
         return self._run(lambda: self.core.store_new(user_id, facts), write=True)
 
     def search(self, user_id, vector, k):

@@ -1,15 +1,19 @@
 """Mem0's platform HTTP API over a GatewayCore, close enough that Mem0's own client (`mem0ai` 2.2's
 `MemoryClient(api_key=<InferScale token>, host=<InferScale URL>)`, and AsyncMemoryClient) works unchanged: add (with
 and without inference), get_all, search (filters, threshold), get, update, delete, delete_all (scopes, filters),
-history, batch_update, batch_delete, users, delete_users, reset and feedback. Every other route of the client
-answers 501 naming the call (UNSUPPORTED), never 404: the client raises 404 as MemoryNotFoundError, and an app could
-not tell "not implemented" from "already gone".
+history, batch_update, batch_delete, users, delete_users, reset and feedback; add's timestamp (created_at) and
+expiration_date (also update's: an expired memory is stored but not listed, searched or injected into answers, as
+on Mem0's platform; get by id still answers it). Every other route of the client answers 501 naming the call
+(UNSUPPORTED), never 404: the client raises 404 as MemoryNotFoundError, and an app could not tell "not implemented"
+from "already gone".
 
 The caller is the token in `Authorization: Token <jwt>` (as Mem0 sends it; `Bearer` works too), checked before the
 body is read. The memory used is the token's subject: a `user_id` a request names (top level, query or filters)
 must be that subject (or the token carries memory:admin), never another user; "*" (Mem0's wildcard) names every
 user the token may act for, which for a user's token is its subject and for an admin is refused (nothing here acts
-on every user at once). agent_id / run_id / app_id are Mem0's scopes below a user, stored in each fact's metadata
+on every user at once). Without authentication (--insecure-no-auth) a memory id alone names its memory, its owner
+looked up in the registry (Registry.owners_of), since the client sends no user_id with get, update, delete and
+history. agent_id / run_id / app_id are Mem0's scopes below a user, stored in each fact's metadata
 under those names (services/filters.py). Errors are {"detail": message, "code"} with the HTTP status Mem0's client
 maps to its exceptions. docs/mem0.md lists the routes and each client call; the schema is FastAPI's, at
 /openapi.json.
@@ -19,15 +23,18 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import math
 import re
-from datetime import datetime, timezone
+import time
+from datetime import date, datetime, timezone
+from datetime import time as clock
 from typing import Any, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError
 
 from .. import api, filters
 from ..api import ApiError, pb2
@@ -48,13 +55,17 @@ PREFIX = "mem0."     # metric names of these routes (services/metrics.py)
 WILDCARD = "*"       # Mem0's "every": a user_id of every user the caller may act for, a scope value of any value
 ENTITY_FIELDS = {"user": "user_id", "agent": "agent_id", "app": "app_id", "run": "run_id"}  # Mem0's entity types
 MAX_FEEDBACK_REASON_CHARS = 2000
+# add's `timestamp` (the memory's created_at) may be this far ahead of this server's clock (a client's clock skew),
+# never further: a memory is not created in the future.
+MAX_TIMESTAMP_AHEAD_S = 3600
+DAY_S = 86400
 
 # Options of Mem0's client refused when they carry a value, and why (a null is "not set" and passes, as the client
 # sends update's expiration_date=None). Any other unknown field is refused by name too, never dropped.
 REFUSED_OPTIONS = {
-    "timestamp": "a memory's created_at is the time the registry stored it, and the registry takes no other",
-    "expiration_date": "an expired memory would still be injected into answers by the engine's retrieval, which "
-                       "knows no expiry, so no memory here expires",
+    "timestamp": "an update does not change when a memory was created; add(timestamp=...) sets that",
+    "expiration_date": "batch_update changes text and metadata; update(memory_id, expiration_date=...) sets or "
+                       "clears a memory's expiry",
     "custom_instructions": "the extraction prompt is Mem0's own (services/mem0_provider.py)",
     "agent_custom_instructions": "the extraction prompt is Mem0's own (services/mem0_provider.py)",
     "custom_categories": "memories here have no categories",
@@ -156,11 +167,18 @@ class AddRequest(Scope):
                                           "message is stored as it is")
     metadata: dict[str, Any] | None = None
     filters: dict[str, Any] | None = Field(None, description="only user_id / agent_id / run_id / app_id")
+    timestamp: StrictInt | None = Field(None, description="the added memories' created_at, a Unix time in seconds "
+                                                          f"(at most {MAX_TIMESTAMP_AHEAD_S} s ahead of the "
+                                                          "server's clock); default: now")
+    expiration_date: str | None = Field(None, description="YYYY-MM-DD (UTC): the added memories are served through "
+                                                          "that day, not after it")
 
 
 class ListRequest(Scope):
     filters: dict[str, Any] | None = None
-    show_expired: bool | None = Field(None, description="no memory expires here: either value answers the same")
+    show_expired: bool | None = Field(None, description="get_all: true lists expired memories too (default: not); "
+                                                        "search: true is refused (an expired memory is never "
+                                                        "searched or injected)")
     latest_only: bool | None = Field(None, description="an update replaces a memory here (its earlier versions are "
                                                        "its history): either value answers the same")
 
@@ -176,6 +194,8 @@ class SearchRequest(ListRequest):
 class UpdateRequest(_Body):
     text: str | None = None
     metadata: dict[str, Any] | None = Field(None, description="replaces the memory's metadata")
+    expiration_date: str | None = Field(None, description="YYYY-MM-DD (UTC): served through that day, not after "
+                                                          "it; null clears the expiry")
 
 
 class BatchUpdateItem(_Body):
@@ -213,6 +233,7 @@ class Memory(BaseModel):
     metadata: dict[str, Any] | None = None
     created_at: str
     updated_at: str
+    expiration_date: str | None = None
     version: int
     score: float | None = None
 
@@ -319,12 +340,42 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat()
 
 
+def expires_at_of(value: str, name: str = "expiration_date") -> float:
+    """Mem0's expiration_date, YYYY-MM-DD in UTC and the day itself included, as FactRecord.expires_at: the
+    midnight (UTC) that ends that day. A date already past is taken: the memory is stored expired."""
+    if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", value):
+        raise api.invalid(f"{name} must be a date YYYY-MM-DD, got {value[:40]!r}", name)
+    try:
+        day = date.fromisoformat(value)
+    except ValueError as e:
+        raise api.invalid(f"{name} {value!r} is not a date ({e})", name) from None
+    return datetime.combine(day, clock(), timezone.utc).timestamp() + DAY_S
+
+
+def expiration_date_of(expires_at: float) -> str | None:
+    """FactRecord.expires_at as Mem0's expiration_date: the last day (UTC) the memory is served; None: never
+    expires."""
+    if expires_at == math.inf:
+        return None
+    return datetime.fromtimestamp(expires_at - DAY_S, timezone.utc).date().isoformat()
+
+
+def created_at_of(timestamp: int, now: float) -> float:
+    """add's `timestamp`: a Unix time in seconds, from 1970 to MAX_TIMESTAMP_AHEAD_S past `now`."""
+    if not 0 <= timestamp <= now + MAX_TIMESTAMP_AHEAD_S:
+        raise api.invalid(f"timestamp {timestamp} is not a time a memory was created: it sets the memory's "
+                          "created_at, a Unix time in seconds from 0 (1970) to now (at most "
+                          f"{MAX_TIMESTAMP_AHEAD_S} s ahead of this server's clock)", "timestamp")
+    return float(timestamp)
+
+
 def memory_json(rec: FactRecord, score: float | None = None) -> dict:
-    """A fact as Mem0 shows a memory: its scope fields beside the metadata, ISO-8601 times."""
+    """A fact as Mem0 shows a memory: its scope fields beside the metadata, ISO-8601 times, its expiry date."""
     meta = {k: v for k, v in rec.metadata.items() if k not in filters.SCOPE_FIELDS}
     out = {"id": rec.fact_id, "memory": rec.text, "user_id": rec.user_id,
            **{k: rec.metadata.get(k) for k in filters.SCOPE_FIELDS}, "metadata": meta or None,
-           "created_at": _iso(rec.created_at), "updated_at": _iso(rec.updated_at), "version": rec.version}
+           "created_at": _iso(rec.created_at), "updated_at": _iso(rec.updated_at),
+           "expiration_date": expiration_date_of(rec.expires_at), "version": rec.version}
     if score is not None:
         out["score"] = score
     return out
@@ -543,27 +594,23 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
             raise api.invalid("user_id is required (this server runs without authentication)")
         return core._owner(caller, rpc, uid)
 
-    def owner_lookup(core):
-        """The registry's memory id -> owner lookup (used without authentication only), or None."""
-        return getattr(core.registry, "owner_of", None)
-
     async def owners_of(core, caller, request, rpc: str, fids: list[str]) -> dict[str, str | None]:
         """memory id -> the user it is read or written as (None: no such memory). With authentication: the user
-        the request names or the token's subject (another user's memory id is then unknown, 404). Without: the
-        memory id alone is enough, its owner looked up in the registry (every caller may act for every user
-        there anyway); a `user_id` query parameter still narrows it to that user."""
+        the request names or the token's subject, never a lookup (another user's memory id is then unknown, 404,
+        and nothing says whose it is). Without: the memory id alone is enough, its owner looked up in the
+        registry (Registry.owners_of: every caller may act for every user there anyway); a `user_id` query
+        parameter still narrows it to that user, and is needed for an id that several users' memories have."""
         named = request.query_params.get("user_id")
         if named is not None or core.auth.enabled:
             uid = owner(core, caller, rpc, named)
             return {f: uid for f in fids}
-        lookup = owner_lookup(core)
-        if lookup is None:
-            raise api.invalid("user_id is required: this server runs without authentication and its registry "
-                              "cannot look up a memory's owner by id (send the user_id query parameter)")
         out = {}
         for f in fids:
-            uid = await asyncio.to_thread(lookup, f)
-            out[f] = None if uid is None else core._owner(caller, rpc, uid)
+            users = await asyncio.to_thread(core.registry.owners_of, f)
+            if len(users) > 1:
+                raise api.invalid(f"memory id {f!r} names a memory of {len(users)} users here (ids chosen by their "
+                                  "writers); name the user: the user_id query parameter", "user_id")
+            out[f] = core._owner(caller, rpc, users[0]) if users else None
         return out
 
     async def fact_of(core, caller, request, rpc: str) -> tuple[str, str]:
@@ -649,7 +696,9 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         uid = owner(core, caller, "AddMemory", body.user_id, flt.get("user_id"))
         messages = api.messages_in(body.messages, core.limits)
         meta = {**_metadata(body.metadata, core.limits), **scope_of(body, flt)}
-        events = await core.add_memory(uid, messages, meta, body.infer)
+        created_at = None if body.timestamp is None else created_at_of(body.timestamp, time.time())
+        expires_at = math.inf if body.expiration_date is None else expires_at_of(body.expiration_date)
+        events = await core.add_memory(uid, messages, meta, body.infer, created_at, expires_at)
         return {"results": [{"id": e["id"], "memory": e.get("memory", ""), "event": e.get("event", "ADD"),
                              **({"previous_memory": e["previous_memory"]} if e.get("previous_memory") else {})}
                             for e in events]}
@@ -658,7 +707,9 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     async def get_all(core, caller, request, body: ListRequest):
         no_params(request, ("page", "page_size"))
         uid = owner(core, caller, "ListMemories", body.user_id, filters.user_of(body.filters))
-        match = _match(body, uid)
+        match, now = _match(body, uid), time.time()
+        if not body.show_expired and await asyncio.to_thread(core.registry.expired_facts, uid, now):
+            match = _unexpired(match, now)  # the user has expired memories: hidden, so the count is a pass too
         page = _int_param(request, "page", 1, 1 << 30, 1)
         size = _int_param(request, "page_size", 1, core.limits.max_page_size, core.limits.default_page_size)
         first = (page - 1) * size
@@ -680,9 +731,17 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         """The request's scope fields and filter (its user_id, resolved by owner(), left out) as one predicate."""
         return filters.compile_filter(_and(scope_of(body, None), _without_user(body.filters)), uid)
 
+    def _unexpired(match, now: float):
+        """`match` (None: every memory) less the memories expired at `now`."""
+        return lambda r: not r.expired(now) and (match is None or match(r))
+
     @route("Search", "search", SearchRequest)
     async def search(core, caller, request, body: SearchRequest):
         uid = owner(core, caller, "Search", body.user_id, filters.user_of(body.filters))
+        if body.show_expired:
+            raise api.invalid("show_expired=true is not supported on search: a search finds what answers may "
+                              "inject, and an expired memory is never injected; get_all(show_expired=True) lists "
+                              "expired memories", "show_expired")
         query = api.text_field(body.query, "query", core.limits.max_query_chars).strip()
         k = DEFAULT_TOP_K if body.top_k is None else body.top_k
         if not 1 <= k <= core.limits.max_k:
@@ -699,16 +758,22 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     @route("UpdateMemory", "update", UpdateRequest)
     async def update(core, caller, request, body: UpdateRequest):
         no_params(request)
-        uid, fid = await fact_of(core, caller, request, "UpdateMemory")
         text = None if body.text is None else api.text_field(body.text, "text", core.limits.max_fact_chars).strip()
         meta = None if body.metadata is None else _metadata(body.metadata, core.limits)
-        if text is None and meta is None:
-            if body._nulls:  # only options set to null (the client's expiration_date=None: none is set here)
+        expiry = None  # not sent: as it is; sent as null: cleared (Mem0's update(expiration_date=None))
+        if "expiration_date" in body.model_fields_set:
+            expiry = math.inf if body.expiration_date is None else expires_at_of(body.expiration_date)
+        uid, fid = await fact_of(core, caller, request, "UpdateMemory")
+        if text is None and meta is None and expiry is None:
+            if body._nulls:  # only options set to null: nothing asked
                 return memory_json(await asyncio.to_thread(core.registry.get, uid, fid))
-            raise api.invalid("nothing to update: send text and/or metadata")
+            raise api.invalid("nothing to update: send text, metadata and/or expiration_date")
+        cur = None if meta is None and expiry is None else await asyncio.to_thread(core.registry.get, uid, fid)
+        if text is None and meta is None and expiry == cur.expires_at:
+            return memory_json(cur)  # the expiry it has already (clearing none, say): no new version
         if meta is not None:  # Mem0 replaces the metadata; the scope fields stay what they were
-            meta = {**meta, **_scopes(await asyncio.to_thread(core.registry.get, uid, fid))}
-        rec = await core.update_fact(uid, fid, text, meta, replace_metadata=meta is not None)
+            meta = {**meta, **_scopes(cur)}
+        rec = await core.update_fact(uid, fid, text, meta, replace_metadata=meta is not None, expires_at=expiry)
         return memory_json(rec)
 
     @route("DeleteMemory", "delete")

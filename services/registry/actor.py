@@ -76,10 +76,10 @@ class ActorRegistry(Registry):
         return self._call("fact_versions", user_id)
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None, window=None, kv_bytes=None):
+               expected_version=0, quota=None, window=None, kv_bytes=None, expires_at=None):
         return self._call("update", user_id, fact_id, text=text, metadata=metadata,
                           replace_metadata=replace_metadata, embedding=embedding, expected_version=expected_version,
-                          quota=quota, window=window, kv_bytes=kv_bytes)
+                          quota=quota, window=window, kv_bytes=kv_bytes, expires_at=expires_at)
 
     def set_embedding(self, user_id, fact_id, version, embedding):
         return self._call("set_embedding", user_id, fact_id, version, embedding)
@@ -92,6 +92,13 @@ class ActorRegistry(Registry):
 
     def history(self, user_id, fact_id):
         return self._call("history", user_id, fact_id)
+
+    def expired_facts(self, user_id, now):
+        return self._call("expired_facts", user_id, now)
+
+    def owners_of(self, fact_id):
+        return self._call("owners_of", fact_id)
+
     def user_kv_bytes(self, user_id):
         return self._call("user_kv_bytes", user_id)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -104,6 +105,12 @@ class FactRecord:
     window: tuple[str, ...] = ()  # what the fact was encoded behind: turns or neighbour lines (re-encoding needs it)
     unservable_reason: str = ""  # non-empty: this version failed to encode; Answer leaves it out
     kv_bytes: int = 0  # this version's KV (tokens x KV bytes per token, the encoder's measure); 0: not measured
+    # Unix time from which the fact is not served (retrieval does not pick it, Answer does not inject it, Mem0's
+    # listings hide it); it stays stored until deleted. inf: never expires.
+    expires_at: float = math.inf
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at
 
     def public(self) -> dict:
         """The fields a client may see (no embedding)."""
@@ -156,6 +163,8 @@ class NewFact:
     fact_id: str | None = None  # None: the registry picks a uuid4
     window: tuple[str, ...] = ()
     kv_bytes: int = 0  # what its KV will take (the encoder's measure), counted against Quota.max_kv_bytes
+    created_at: float | None = None  # None: now (the time of the write); else a Unix time (an import's own)
+    expires_at: float = math.inf  # FactRecord.expires_at
 
 
 def _check_text(text) -> str:
@@ -183,6 +192,12 @@ def _check_kv_bytes(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"kv_bytes must be an int >= 0, got {n!r}")
     return n
+
+
+def _check_time(name: str, t, allow_inf: bool = False) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or (math.isinf(t) and not allow_inf):
+        raise ValueError(f"{name} must be a Unix time in seconds{' (or inf)' if allow_inf else ''}, got {t!r}")
+    return float(t)
 
 
 def _as_embedding(e) -> np.ndarray | None:
@@ -248,11 +263,12 @@ class Registry(ABC):
     def update(self, user_id: str, fact_id: str, text: str | None = None, metadata: dict | None = None,
                replace_metadata: bool = False, embedding=None, expected_version: int = 0,
                quota: Quota | None = None, window: tuple[str, ...] | None = None,
-               kv_bytes: int | None = None) -> FactRecord:
-        """New text, metadata and/or window (what the fact is encoded behind); version + 1. A new text without
-        a new embedding clears the embedding (the old one describes the old text); a new version is servable
-        until an encoder says otherwise. A changed text or metadata keeps the old version in history().
-        `kv_bytes`: the new version's KV size (None: as before). Writes the tombstone of the older versions."""
+               kv_bytes: int | None = None, expires_at: float | None = None) -> FactRecord:
+        """New text, metadata, window (what the fact is encoded behind) and/or expiry; version + 1. A new text
+        without a new embedding clears the embedding (the old one describes the old text); a new version is
+        servable until an encoder says otherwise. A changed text or metadata keeps the old version in history().
+        `kv_bytes`: the new version's KV size (None: as before). `expires_at`: FactRecord.expires_at (None: as
+        before; inf: never). Writes the tombstone of the older versions."""
 
     @abstractmethod
     def set_embedding(self, user_id: str, fact_id: str, version: int, embedding) -> bool:
@@ -274,6 +290,18 @@ class Registry(ABC):
     @abstractmethod
     def user_kv_bytes(self, user_id: str) -> int:
         """KV bytes the user's facts count against Quota.max_kv_bytes (kv_bytes summed)."""
+
+    @abstractmethod
+    def expired_facts(self, user_id: str, now: float) -> list[str]:
+        """Ids of the user's facts expired at `now` (expires_at <= now). RedisRegistry: one read of an index of
+        the user's facts that have an expiry, however many facts the user has."""
+
+    @abstractmethod
+    def owners_of(self, fact_id: str) -> list[str]:
+        """The users that have a fact of this id, sorted: at most one in the in-process registries (one space of
+        ids), possibly several in RedisRegistry (a fact id is its user's own). For a caller that may act for every
+        user (a server without authentication) only: it tells whose a fact id is. Its cost does not grow with the
+        number of facts or users stored."""
 
     @abstractmethod
     def delete(self, user_id: str, fact_id: str) -> FactRecord: ...
@@ -323,10 +351,13 @@ class Registry(ABC):
 
     # shared helpers
     @staticmethod
-    def _checked_update(user_id: str, fact_id: str, text, metadata, embedding, window=None) -> np.ndarray | None:
+    def _checked_update(user_id: str, fact_id: str, text, metadata, embedding, window=None,
+                        expires_at=None) -> np.ndarray | None:
         """Validate an update's arguments (both backends); returns the embedding as an array, or None."""
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
+        if expires_at is not None:
+            _check_time("expires_at", expires_at, allow_inf=True)
         if text is not None:
             _check_text(text)
         if window is not None:
@@ -336,7 +367,8 @@ class Registry(ABC):
         return _as_embedding(embedding)
 
     @staticmethod
-    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb, window=None, kv_bytes=None) -> FactRecord:
+    def _updated(cur: FactRecord, text, metadata, replace_metadata, emb, window=None, kv_bytes=None,
+                 expires_at=None) -> FactRecord:
         if metadata is None:
             meta = cur.metadata
         elif replace_metadata:
@@ -349,7 +381,8 @@ class Registry(ABC):
         return replace(cur, text=new_text, metadata=meta, version=cur.version + 1, updated_at=time.time(),
                        embedding=emb, unservable_reason="",
                        window=cur.window if window is None else tuple(window),
-                       kv_bytes=cur.kv_bytes if kv_bytes is None else _check_kv_bytes(kv_bytes))
+                       kv_bytes=cur.kv_bytes if kv_bytes is None else _check_kv_bytes(kv_bytes),
+                       expires_at=cur.expires_at if expires_at is None else float(expires_at))
 
     @staticmethod
     def _new_records(user_id: str, facts: list[NewFact], now: float) -> list[FactRecord]:
@@ -362,7 +395,10 @@ class Registry(ABC):
             if fid in seen:
                 raise DuplicateFactError(f"fact id {fid!r} appears twice in one request")
             seen.add(fid)
-            out.append(FactRecord(fid, user_id, _check_text(f.text), _check_metadata(f.metadata), 1, now, now,
+            # A fact stored with its own creation time (Mem0's timestamp) was last updated then too.
+            at = now if f.created_at is None else _check_time("created_at", f.created_at)
+            out.append(FactRecord(fid, user_id, _check_text(f.text), _check_metadata(f.metadata), 1, at, at,
                                   _as_embedding(f.embedding), _check_window(f.window),
-                                  kv_bytes=_check_kv_bytes(f.kv_bytes)))
+                                  kv_bytes=_check_kv_bytes(f.kv_bytes),
+                                  expires_at=_check_time("expires_at", f.expires_at, allow_inf=True)))
         return out

@@ -143,13 +143,13 @@ class EmbeddedRegistry(Registry):
             return {f: self._facts[f].version for f in self._order.get(user_id, [])}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None, window=None, kv_bytes=None):
-        emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
+               expected_version=0, quota=None, window=None, kv_bytes=None, expires_at=None):
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window, expires_at)
         with self._lock:
             cur = self._owned(user_id, fact_id)
             if expected_version and cur.version != expected_version:
                 raise VersionConflictError(fact_id, expected_version, cur.version)
-            new = self._updated(cur, text, metadata, replace_metadata, emb, window, kv_bytes)
+            new = self._updated(cur, text, metadata, replace_metadata, emb, window, kv_bytes, expires_at)
             grown, grown_kv = fact_bytes(new) - fact_bytes(cur), new.kv_bytes - cur.kv_bytes
             kept = self._history.get(fact_id, [])
             old = new_version(cur, new)
@@ -188,6 +188,17 @@ class EmbeddedRegistry(Registry):
         with self._lock:
             self._owned(user_id, fact_id)
             return list(self._history.get(fact_id, []))
+
+    def expired_facts(self, user_id, now):
+        check_id("user_id", user_id)
+        with self._lock:  # in memory: a pass over the user's records
+            return [f for f in self._order.get(user_id, []) if self._facts[f].expired(now)]
+
+    def owners_of(self, fact_id):
+        check_id("fact_id", fact_id)
+        with self._lock:
+            rec = self._facts.get(fact_id)
+            return [] if rec is None else [rec.user_id]
 
     def delete(self, user_id, fact_id):
         check_id("user_id", user_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 import time
@@ -84,7 +85,8 @@ def bucket_of(user_id: str) -> int:
 # as a WATCH that saw the fact move would. Everything that changes the bytes the delete subtracts (text,
 # metadata, window, history, kv_bytes) is an update, which raises the version.
 DELETE_FACT = """
--- KEYS: fact, history, user's facts (zset), user bytes, user kv bytes, tombstones, user version
+-- KEYS: fact, history, user's facts (zset), user bytes, user kv bytes, tombstones, user version, the fact id's
+--       owners (set), user's expiring facts (zset)
 -- ARGV: user_id, fact_id, version, creation sequence (-1: not listed), bytes, kv bytes, tombstones kept
 local seq = redis.call('ZSCORE', KEYS[3], ARGV[2])
 if redis.call('HGET', KEYS[1], 'user_id') ~= ARGV[1]
@@ -94,6 +96,8 @@ if redis.call('HGET', KEYS[1], 'user_id') ~= ARGV[1]
 end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('SREM', KEYS[8], ARGV[1])
+redis.call('ZREM', KEYS[9], ARGV[2])
 redis.call('DECRBY', KEYS[4], ARGV[5])
 redis.call('DECRBY', KEYS[5], ARGV[6])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[7], '*', 'user', ARGV[1], 'fact', ARGV[2], 'upto', ARGV[3],
@@ -101,19 +105,21 @@ redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[7], '*', 'user', ARGV[1], 'fact'
 redis.call('INCR', KEYS[7])
 return 1
 """
-# The fact and history keys of the user's facts are built in the script from their prefixes (the ids are read
+# The fact, history and owners keys of the user's facts are built in the script from their prefixes (the ids are read
 # there, in the same atomic step), not passed as KEYS. On a Redis Cluster a script may touch only keys of the node
 # it runs on, and (Redis 7, a script without flags) of the slot of its declared KEYS: these keys carry the user's
 # bucket tag, as the declared ones do, so they are in the same slot (tests/test_registry.py checks it on a real
 # cluster). What this relies on is Redis running a script that names keys it was not given, in the slot of the
 # ones it was: every Redis does (only the scripting docs' advice is stricter).
 DELETE_USER = """
--- KEYS: user's facts (zset), user bytes, user kv bytes, placement, placed users, tombstones, user version
--- ARGV: user_id, fact key prefix, history key prefix, tombstones kept
+-- KEYS: user's facts (zset), user bytes, user kv bytes, placement, placed users, tombstones, user version,
+--       user's expiring facts (zset)
+-- ARGV: user_id, fact key prefix, history key prefix, tombstones kept, owners key prefix
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[8])
 for _, f in ipairs(ids) do
   redis.call('DEL', ARGV[2] .. f, ARGV[3] .. f)
+  redis.call('SREM', ARGV[5] .. f, ARGV[1])
 end
 redis.call('SREM', KEYS[5], ARGV[1])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[4], '*', 'user', ARGV[1], 'fact', '', 'upto', '0', 'gone', '1')
@@ -192,13 +198,15 @@ class RedisRegistry(Registry):
     """Keys, all under `prefix` and then the user's bucket tag T = `{b<N>}` (N = bucket_of(user_id)):
       T:fact/{user_id}/{fact_id}     hash  user_id, text, metadata (JSON), version, created_at, updated_at,
                                            embedding, window (JSON), unservable (reason; empty when servable),
-                                           kv_bytes
+                                           kv_bytes, expires_at ("inf" or absent: never)
       T:history/{user_id}/{fact_id}  list  the fact's earlier versions (FactVersion JSON), oldest first, at most
                                            MAX_HISTORY
       T:user/{user_id}/facts    zset  fact_id -> creation sequence (stable listing order, list_after's cursor)
       T:user/{user_id}/bytes    int   fact_bytes of the user's facts plus their history's bytes (the byte quota)
       T:user/{user_id}/kvbytes  int   kv_bytes of the user's facts (the KV quota)
       T:user/{user_id}/ver      int   the user's change counter
+      T:user/{user_id}/expiry   zset  fact_id -> expires_at, for the user's facts that expire (expired_facts)
+      T:owners/{fact_id}        set   the users of T's bucket that have a fact of this id (owners_of)
       T:placement/{user_id}     set   engine replica ids
     and per bucket (shared by the bucket's users):
       T:seq         int     the bucket's creation sequence (monotonic per bucket: a cursor is only compared
@@ -208,6 +216,12 @@ class RedisRegistry(Registry):
       T:placed      set     the bucket's users with a non-empty placement
     Ids cannot hold "/" (check_id), so the names are unambiguous; a fact id is the user's own (the fact's key
     names its user): another user's fact of the same id is another fact, and never found for this user.
+
+    owners_of (a fact id -> its users, for a server without authentication, whose Mem0 clients name a memory by
+    its id alone) reads T:owners/{fact_id} of every bucket: the owners set is written in the same transaction or
+    script as the fact, and on a cluster that is only possible in the owner's slot, which a caller that knows
+    only the fact id cannot name. So a lookup reads BUCKETS small keys (the same fan-out as a tombstone poll): a
+    fixed cost, whatever the number of facts or users stored.
 
     The password comes from the URL (`redis://:PASSWORD@host:port/0`) or, when the URL has none, from
     $INFERSCALE_REDIS_PASSWORD or the file $INFERSCALE_REDIS_PASSWORD_FILE names, so a Kubernetes Secret can
@@ -309,14 +323,19 @@ class RedisRegistry(Registry):
     def _history_key(self, user_id: str, fact_id: str) -> str:
         return self._key(user_id, f"history/{user_id}/{fact_id}")
 
+    def _owners_key(self, user_id: str, fact_id: str) -> str:
+        """In the user's bucket, named by the fact id alone: owners_of reads it in every bucket."""
+        return self._key(user_id, f"owners/{fact_id}")
+
     def _placement_key(self, user_id: str) -> str:
         return self._key(user_id, f"placement/{user_id}")
 
     def user_keys(self, user_id: str, fact_ids=()) -> list[str]:
         """Every key the registry may write for the user and these facts (one hash slot; what the tests check)."""
-        return [*(self._user_key(user_id, k) for k in ("facts", "bytes", "kvbytes", "ver")),
+        return [*(self._user_key(user_id, k) for k in ("facts", "bytes", "kvbytes", "ver", "expiry")),
                 self._placement_key(user_id), *(self._key(user_id, n) for n in ("seq", "tombstones", "placed")),
-                *(k for f in fact_ids for k in (self._fact_key(user_id, f), self._history_key(user_id, f)))]
+                *(k for f in fact_ids for k in (self._fact_key(user_id, f), self._history_key(user_id, f),
+                                                self._owners_key(user_id, f)))]
 
     # ------------------------------------------------------------------ records
     def _record(self, fact_id: str, h: dict) -> FactRecord:
@@ -327,14 +346,16 @@ class RedisRegistry(Registry):
             created_at=float(h[b"created_at"]), updated_at=float(h[b"updated_at"]),
             embedding=np.frombuffer(emb, dtype=np.float32).copy() if emb else None,
             window=tuple(json.loads(h.get(b"window", b"[]"))),
-            unservable_reason=h.get(b"unservable", b"").decode(), kv_bytes=int(h.get(b"kv_bytes", 0)))
+            unservable_reason=h.get(b"unservable", b"").decode(), kv_bytes=int(h.get(b"kv_bytes", 0)),
+            expires_at=float(h.get(b"expires_at", b"inf")))
 
     @staticmethod
     def _mapping(rec: FactRecord) -> dict:
         return {"user_id": rec.user_id, "text": rec.text, "metadata": json.dumps(rec.metadata),
                 "version": rec.version, "created_at": repr(rec.created_at), "updated_at": repr(rec.updated_at),
                 "embedding": rec.embedding.astype(np.float32).tobytes() if rec.embedding is not None else b"",
-                "window": json.dumps(list(rec.window)), "unservable": rec.unservable_reason, "kv_bytes": rec.kv_bytes}
+                "window": json.dumps(list(rec.window)), "unservable": rec.unservable_reason, "kv_bytes": rec.kv_bytes,
+                "expires_at": repr(rec.expires_at)}
 
     def _owned(self, user_id: str, fact_id: str, h: dict) -> FactRecord:
         if not h or h[b"user_id"].decode() != user_id:
@@ -454,7 +475,11 @@ class RedisRegistry(Registry):
             pipe.multi()
             for r, k in zip(recs, keys):
                 pipe.hset(k, mapping=self._mapping(r))
+                pipe.sadd(self._owners_key(user_id, r.fact_id), user_id)
             pipe.zadd(facts_key, {r.fact_id: first + i for i, r in enumerate(recs)})
+            expiring = {r.fact_id: r.expires_at for r in recs if r.expires_at != math.inf}
+            if expiring:
+                pipe.zadd(self._user_key(user_id, "expiry"), expiring)
             pipe.incrby(bytes_key, added)
             pipe.incrby(kv_key, added_kv)
             pipe.incr(self._user_key(user_id, "ver"))
@@ -593,10 +618,10 @@ class RedisRegistry(Registry):
         return {f: int(v) for f, v in zip(ids, vers) if v is not None}
 
     def update(self, user_id, fact_id, text=None, metadata=None, replace_metadata=False, embedding=None,
-               expected_version=0, quota=None, window=None, kv_bytes=None):
+               expected_version=0, quota=None, window=None, kv_bytes=None, expires_at=None):
         # A full Redis refuses the whole MULTI (redis-py's OutOfMemoryError; UNAVAILABLE REGISTRY_FULL at the API),
         # nothing of it written: an update may grow memory, so it waits for deletes to free space.
-        emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window)
+        emb = self._checked_update(user_id, fact_id, text, metadata, embedding, window, expires_at)
         key, bytes_key = self._fact_key(user_id, fact_id), self._user_key(user_id, "bytes")
         hist_key = self._history_key(user_id, fact_id)
         kv_key = self._user_key(user_id, "kvbytes")
@@ -605,7 +630,7 @@ class RedisRegistry(Registry):
             cur = self._owned(user_id, fact_id, pipe.hgetall(key))
             if expected_version and cur.version != expected_version:
                 raise VersionConflictError(fact_id, expected_version, cur.version)
-            new = self._updated(cur, text, metadata, replace_metadata, emb, window, kv_bytes)
+            new = self._updated(cur, text, metadata, replace_metadata, emb, window, kv_bytes, expires_at)
             grown, grown_kv = fact_bytes(new) - fact_bytes(cur), new.kv_bytes - cur.kv_bytes
             old = new_version(cur, new)
             if old is not None:
@@ -616,6 +641,11 @@ class RedisRegistry(Registry):
                         grown_kv)
             pipe.multi()
             pipe.hset(key, mapping=self._mapping(new))
+            if new.expires_at != cur.expires_at:
+                if new.expires_at == math.inf:
+                    pipe.zrem(self._user_key(user_id, "expiry"), fact_id)
+                else:
+                    pipe.zadd(self._user_key(user_id, "expiry"), {fact_id: new.expires_at})
             if old is not None:
                 pipe.rpush(hist_key, old)
                 pipe.ltrim(hist_key, -MAX_HISTORY, -1)
@@ -637,6 +667,23 @@ class RedisRegistry(Registry):
         if owner is None or owner.decode() != user_id:
             raise UnknownFactError(user_id, fact_id)
         return [FactVersion.from_json(v) for v in rows]
+
+    def expired_facts(self, user_id, now):
+        check_id("user_id", user_id)
+        return [f.decode() for f in self.r.zrangebyscore(self._user_key(user_id, "expiry"), "-inf", repr(float(now)))]
+
+    def owners_of(self, fact_id):
+        """Every bucket's owners set of the fact id (see the class's docstring): on one Redis one SUNION of them
+        (about 5 ms); on a cluster, where one command may not span slots, BUCKETS reads, one pipeline per master
+        (about 50 ms of redis-py's Python: a cost for a server without authentication, a local demo)."""
+        check_id("fact_id", fact_id)
+        name = f"owners/{fact_id}"
+        r = self.r  # connects at the first call: self.cluster is known after it
+        if not self.cluster:
+            members = r.sunion([self._bucket_key(b, name) for b in range(BUCKETS)])
+        else:
+            members = set().union(*self._per_bucket(name, lambda pipe, k: pipe.smembers(k)).values())
+        return sorted(u.decode() for u in members)
 
     def _set_field(self, user_id, fact_id, version, field_name, value) -> bool:
         key = self._fact_key(user_id, fact_id)
@@ -664,7 +711,8 @@ class RedisRegistry(Registry):
         key, hist_key = self._fact_key(user_id, fact_id), self._history_key(user_id, fact_id)
         facts_key = self._user_key(user_id, "facts")
         keys = [key, hist_key, facts_key, self._user_key(user_id, "bytes"), self._user_key(user_id, "kvbytes"),
-                self._key(user_id, "tombstones"), self._user_key(user_id, "ver")]
+                self._key(user_id, "tombstones"), self._user_key(user_id, "ver"), self._owners_key(user_id, fact_id),
+                self._user_key(user_id, "expiry")]
         while True:
             with self.r.pipeline(transaction=False) as pipe:
                 pipe.hgetall(key)
@@ -683,9 +731,11 @@ class RedisRegistry(Registry):
         keys = [self._user_key(user_id, "facts"), self._user_key(user_id, "bytes"),
                 self._user_key(user_id, "kvbytes"), self._placement_key(user_id), self._key(user_id, "placed"),
                 self._key(user_id, "tombstones"),
-                self._user_key(user_id, "ver")]  # ver kept: replicas must still see the change
+                self._user_key(user_id, "ver"),  # ver kept: replicas must still see the change
+                self._user_key(user_id, "expiry")]
         return int(self._script("delete_user", keys, [user_id, self._fact_key(user_id, ""),
-                                                      self._history_key(user_id, ""), TOMBSTONES_PER_BUCKET]))
+                                                      self._history_key(user_id, ""), TOMBSTONES_PER_BUCKET,
+                                                      self._owners_key(user_id, "")]))
 
     def user_version(self, user_id):
         check_id("user_id", user_id)
