@@ -684,7 +684,9 @@ def test_without_authentication_the_memory_id_is_enough(backend, registry):
     from inferscale_server.auth import Authenticator
     from inferscale_server.gateway import GatewayCore
 
-    reg = registry if backend == "redis" else EmbeddedRegistry()
+    # the registry as a gateway without authentication opens it (serve_ingress: index_owners)
+    reg = RedisRegistry(registry.url, prefix=registry.prefix, index_owners=True) if backend == "redis" else (
+        EmbeddedRegistry())
     core = GatewayCore(reg, backends=None, limits=LIMITS, auth=Authenticator.insecure())
     srv = HttpThread(build_http_app(lambda: core))
     ann, bo, cy = _user(), _user(), _user()

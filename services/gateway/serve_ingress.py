@@ -176,8 +176,9 @@ class Gateway:
         authenticator = Authenticator(AuthConfig.from_dict(auth))  # fails the replica when no key is configured
         if not authenticator.enabled:
             log.warning("AUTHENTICATION IS OFF (insecure_no_auth): any caller can read and change any user's memory")
-        self.core = GatewayCore(open_registry(registry_url), backends, Limits(**(limits or {})), embedder_path,
-                                auth=authenticator)
+        # Without authentication Mem0's clients name a memory by its id alone: only then is its owner indexed.
+        self.core = GatewayCore(open_registry(registry_url, index_owners=not authenticator.enabled), backends,
+                                Limits(**(limits or {})), embedder_path, auth=authenticator)
 
     async def _caller(self, name: str, grpc_context):
         return await self.core.authenticate(name, metadata_value(grpc_context.invocation_metadata(), "authorization"))

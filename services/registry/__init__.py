@@ -36,9 +36,10 @@ __all__ = ["ACTOR_NAMESPACE", "ACTOR_SCHEME", "ActorRegistry", "DuplicateFactErr
            "Tombstone", "VersionConflictError", "fact_bytes", "open_registry", "redacted"]
 
 
-def open_registry(url: str | None, prefix: str = "inferscale:") -> Registry:
+def open_registry(url: str | None, prefix: str = "inferscale:", index_owners: bool = False) -> Registry:
     """RedisRegistry for a redis:// (or rediss://, unix://) URL, ActorRegistry for ray-actor://NAME (inside
-    a Ray cluster), EmbeddedRegistry for None or ""."""
+    a Ray cluster), EmbeddedRegistry for None or "". `index_owners`: RedisRegistry's (the in-process registries
+    always know a fact id's owner)."""
     if not url:
         return EmbeddedRegistry()
     if url.startswith(ACTOR_SCHEME):
@@ -46,4 +47,4 @@ def open_registry(url: str | None, prefix: str = "inferscale:") -> Registry:
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"registry URL {redacted(url)!r} is not a redis://, rediss://, unix:// or "
                          f"{ACTOR_SCHEME} URL")
-    return RedisRegistry(url, prefix=prefix)
+    return RedisRegistry(url, prefix=prefix, index_owners=index_owners)

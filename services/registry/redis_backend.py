@@ -230,11 +230,14 @@ class RedisRegistry(Registry):
     first call, so that constructing a registry never waits for Redis.
     """
 
-    def __init__(self, url: str, prefix: str = "inferscale:"):
+    def __init__(self, url: str, prefix: str = "inferscale:", index_owners: bool = False):
+        """`index_owners`: write each fact's owners set (owners_of), which only a server without authentication
+        reads (a Mem0 client names a memory by its id alone there); it costs ~250 bytes of Redis memory a fact
+        (bench/results/registry.md), so a server with authentication leaves it out."""
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"a registry key prefix must not contain braces (the hash tag is the bucket's): "
                              f"{prefix!r}")
-        self.url, self.prefix = url, prefix
+        self.url, self.prefix, self.index_owners = url, prefix, index_owners
         self.cluster: bool | None = None  # known after the first call
         self._client = None
         self._scripts: dict = {}
@@ -475,7 +478,8 @@ class RedisRegistry(Registry):
             pipe.multi()
             for r, k in zip(recs, keys):
                 pipe.hset(k, mapping=self._mapping(r))
-                pipe.sadd(self._owners_key(user_id, r.fact_id), user_id)
+                if self.index_owners:
+                    pipe.sadd(self._owners_key(user_id, r.fact_id), user_id)
             pipe.zadd(facts_key, {r.fact_id: first + i for i, r in enumerate(recs)})
             expiring = {r.fact_id: r.expires_at for r in recs if r.expires_at != math.inf}
             if expiring:
