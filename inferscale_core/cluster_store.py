@@ -10,6 +10,12 @@ The value is self-describing: a JSON header (the key's parts, dtype, shape) foll
 token ids, pre-RoPE keys and values (`pack` / `unpack`). A value whose header does not match the key asked
 for is a miss, never KV for other text.
 
+Reads are zero-copy on Mooncake's side: the master keeps each object's byte size with it, so one call
+(`batch_get_replica_desc`) sizes a read without knowing the fact's token count or stored dtype, and
+`batch_get_into` lands the objects in a buffer of ours registered with the client (`ReadBuffer`, reused by every
+read). The tensors unpacked from it are views that the caller's `keep` copies where it keeps them (one copy in
+all; `get_batch` copied each object into a Python bytes object first).
+
 Every call fails soft: Mooncake down, slow or full is a miss (counted and logged), never an exception; the
 caller then computes or re-encodes. Removes of objects whose read lease still runs (Mooncake refuses them with
 -706) are repeated once the lease is over.
@@ -33,6 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,7 +57,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
 # Of the client's transfer buffer, what one batch's values may take: Mooncake's allocator there needs room of its
-# own (a put_batch of 63.5 MiB failed in a 64 MiB buffer, measured here).
+# own (a put_batch of 63.5 MiB failed in a 64 MiB buffer, measured here). Reads into our own registered buffer
+# (ReadBuffer) are bounded by the same share of buffer_bytes: no object put_many stores is larger.
 BUFFER_SHARE = 0.75
 REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
 MIN_REMOVE_ATTEMPTS = 3  # ... and this often at least (see ClusterStore._remove)
@@ -64,9 +72,51 @@ VERSIONS_NAMED = 64
 
 @dataclass
 class ClusterRead:
-    """What one read of k facts found: each fact (None: a miss) and, per fact, whether it exists unread."""
+    """What one read of k facts found: per fact what `keep` made of it (by default the fact; None: a miss) and
+    whether it exists unread."""
     facts: list
     unreadable: list
+
+
+def private_copy(kv_id: str, fact: EncodedFact) -> EncodedFact:
+    """The default `keep` of ClusterStore.read: the fact in memory of its own, out of the read buffer."""
+    return EncodedFact(fact.token_ids.clone(), fact.k_pre.clone(), fact.v.clone())
+
+
+class ReadBuffer:
+    """Host memory registered with one Mooncake client, where `batch_get_into` lands the objects of a read round:
+    allocated at the first read, grown when a round needs more (at least doubled, in whole GRAIN_BYTES, never
+    past `limit`: registering is a call into the transfer engine, paid once, not per read; a read of k facts of
+    another user differs by a few header bytes and must not register again), reused by every later read. Not
+    thread-safe: the ClusterStore uses it under its transfer lock."""
+
+    GRAIN_BYTES = 1 << 20
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.memory: torch.Tensor | None = None
+        self.registrations = 0  # how often memory was allocated and registered
+
+    def reserve(self, client, nbytes: int) -> torch.Tensor:
+        """The registered memory, at least `nbytes` long."""
+        if nbytes > self.limit:
+            raise ValueError(f"a read round of {nbytes} bytes is over the read buffer's limit ({self.limit} bytes)")
+        if self.memory is None or self.memory.numel() < nbytes:
+            wanted = max(nbytes, 2 * (0 if self.memory is None else self.memory.numel()))
+            size = max(nbytes, min(self.limit, -(-wanted // self.GRAIN_BYTES) * self.GRAIN_BYTES))
+            self.release(client)  # the old memory first: both may not fit at once
+            memory = torch.empty(size, dtype=torch.uint8)
+            rc = client.register_buffer(memory.data_ptr(), size)
+            if rc != 0:
+                raise RuntimeError(f"register_buffer of {size} bytes returned {rc}")
+            self.memory = memory
+            self.registrations += 1
+        return self.memory
+
+    def release(self, client) -> None:
+        if self.memory is not None:
+            memory, self.memory = self.memory, None
+            client.unregister_buffer(memory.data_ptr())
 
 
 def _h(text: str) -> str:
@@ -125,6 +175,18 @@ def unpack(data: bytes | memoryview) -> tuple[dict, EncodedFact]:
     return head, EncodedFact(token_ids=ids, k_pre=k, v=v)
 
 
+class _ReadFailed(Exception):
+    """A Mooncake call of a read failed: the store counts as down (a failure of the caller's `keep` is not this)."""
+
+
+def _mooncake(what: str, call, *args):
+    """`call(*args)`, a Mooncake call of a read; its failure raised as _ReadFailed."""
+    try:
+        return call(*args)
+    except Exception as e:  # any failure of the client is the store failing (re-raised as one)
+        raise _ReadFailed(f"{what}: {e}") from e
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Where the Mooncake Store is and what this process contributes to it."""
@@ -136,7 +198,7 @@ class ClusterConfig:
     # This client's address as other clients reach it: the pod IP ($POD_IP, set by the chart) or loopback.
     local_host: str = field(default_factory=lambda: os.environ.get("POD_IP", "127.0.0.1"))
     segment_bytes: int = 0            # memory this process adds to the pool (0: a client only)
-    buffer_bytes: int = 64 << 20      # this client's transfer buffer
+    buffer_bytes: int = 64 << 20      # this client's transfer buffer; 3/4 of it bounds its read buffer too
     protocol: str = "tcp"
     device: str = ""                  # RDMA device names; none for TCP
     lease_s: float = 1.0              # the master's --default_kv_lease_ttl: how long to wait to repeat a remove
@@ -179,7 +241,10 @@ class ClusterStore:
         self._closed = False
         self._pending_removes: set[str] = set()
         self._lock = threading.Lock()
-        self._transfer = threading.Lock()  # one batch at a time in the client's transfer buffer (BUFFER_SHARE)
+        # One batch at a time in the client's transfer buffer (a put, BUFFER_SHARE of it) or in the read buffer (a
+        # read round: its objects are landed, unpacked and kept before the next round may land over them).
+        self._transfer = threading.Lock()
+        self.read_buffer = ReadBuffer(int(config.buffer_bytes * BUFFER_SHARE))
         self.counters = {"hits": 0, "misses": 0, "puts": 0, "put_failures": 0, "errors": 0, "removed": 0}
 
     # ------------------------------------------------------------------ keys
@@ -310,12 +375,13 @@ class ClusterStore:
             self._failed(f"put of {len(items)} facts", e)
             return [False] * len(items)
 
-    def _batches(self, todo: list[int], size) -> list[list[int]]:
-        """`todo` cut, in order, into batches whose values fit the client's transfer buffer together (Mooncake
-        stages a batch's values in it: a put_batch over it fails whole, a get_batch reads only what fits)."""
+    def _batches(self, todo: list[int], size, limit: float | None = None) -> list[list[int]]:
+        """`todo` cut, in order, into batches whose values fit `limit` bytes together: by default the client's
+        transfer buffer (Mooncake stages a put_batch's values in it: a batch over it fails whole)."""
+        limit = self.config.buffer_bytes * BUFFER_SHARE if limit is None else limit
         batches, cur, used = [], [], 0
         for i in todo:
-            if cur and used + size(i) > self.config.buffer_bytes * BUFFER_SHARE:
+            if cur and used + size(i) > limit:
                 batches.append(cur)
                 cur, used = [], 0
             cur.append(i)
@@ -333,9 +399,15 @@ class ClusterStore:
         """The facts, None for each miss (absent, evicted, another fingerprint's, or the store is away)."""
         return self.read(user_id, kv_ids).facts
 
-    def read(self, user_id: str, kv_ids: list[str]) -> "ClusterRead":
+    def read(self, user_id: str, kv_ids: list[str],
+             keep: Callable[[str, EncodedFact], object] = private_copy) -> "ClusterRead":
         """The facts (None for each miss) and, for each miss, whether the object exists all the same: a copy on a
-        segment whose node just died is listed until the master drops that segment, and cannot be read."""
+        segment whose node just died is listed until the master drops that segment, and cannot be read.
+
+        Each fact read is passed to `keep(kv_id, fact)` inside its read round, as views of the read buffer that are
+        valid only during the call (`keep` copies what it keeps: the worker store puts it, in its dtype, where it
+        belongs); `facts` holds what `keep` returned (None counts as a miss). An exception from `keep` is the
+        caller's and ends the read."""
         if not kv_ids:
             return ClusterRead([], [])
         client = self._store()
@@ -343,49 +415,103 @@ class ClusterStore:
             self.counters["misses"] += len(kv_ids)
             return ClusterRead([None] * len(kv_ids), [False] * len(kv_ids))
         keys = [self.key(user_id, kv) for kv in kv_ids]
-        exists = [1] * len(kv_ids)  # what a read shows; an empty value is asked about below
+        out: list = [None] * len(kv_ids)
+        exists: dict[int, int] = {}  # what the master says of each object not read
         try:
-            with self._transfer:
-                values = client.get_batch(keys)
-            # An empty value is a miss or a failure: only then one more call tells which (a hit costs one call).
-            empty = [i for i, v in enumerate(values) if not v]
-            asked = client.batch_is_exist([keys[i] for i in empty]) if empty else []
-            if asked and min(asked) < 0:
-                raise RuntimeError("the master did not answer")
-            for i, e in zip(empty, asked):
-                exists[i] = e
-            # Present but not read: they did not fit the client's transfer buffer (buffer_bytes) with the others;
-            # read again, in further rounds, as long as each round reads some.
-            again = [i for i, e in zip(empty, asked) if e == 1]
-            while again:
-                with self._transfer:
-                    got = client.get_batch([keys[i] for i in again])
-                for i, v in zip(again, got):
-                    if v:
-                        values[i] = v
-                if not any(got):  # nothing read (a copy on a dead node until the master drops it): misses
+            sizes = _mooncake("batch_get_replica_desc", self._sizes, client, keys)
+            # Larger than any object put_many stores: not ours (a foreign writer, a bug); a miss, never read.
+            todo = [i for i, n in sizes.items() if n <= self.read_buffer.limit]
+            for i in sizes.keys() - set(todo):
+                log.warning("cluster KV tier: the object for %s is %d bytes, over the read buffer (%d); ignored",
+                            kv_ids[i], sizes[i], self.read_buffer.limit)
+            # Not listed (or no complete copy in memory), or its read failed: a miss or a failure, and only then one
+            # more call tells which (a hit costs two calls: the sizes, then the read).
+            exists.update(self._exist(client, keys, [i for i in range(len(keys)) if i not in sizes]))
+            while todo:
+                failed = [i for batch in self._batches(todo, sizes.__getitem__, self.read_buffer.limit)
+                          for i in self._read_round(client, user_id, kv_ids, keys, sizes, batch, keep, out)]
+                exists.update(self._exist(client, keys, failed))
+                # Present but not read (a read lease that ran out on a loaded machine, measured): read again, as
+                # long as each pass reads some; a pass that reads none (a copy on a dead node until the master
+                # drops it) ends with them unreadable.
+                again = [i for i in failed if exists[i] == 1]
+                if len(again) == len(todo):
                     break
-                again = [i for i, v in zip(again, got) if not v]
-        except Exception as e:  # noqa: BLE001
-            self.counters["misses"] += len(kv_ids)
+                todo = again
+        except _ReadFailed as e:  # what was kept is the caller's already: returned, the rest are misses
+            self._count_read(out)
             self._failed(f"get of {len(kv_ids)} facts", e)
-            return ClusterRead([None] * len(kv_ids), [False] * len(kv_ids))
-        out, unreadable = [], []
-        for kv, data, e in zip(kv_ids, values, exists):
-            fact = None
-            if data:
-                try:
-                    head, fact = unpack(data)
-                    if (head["fingerprint"], head["user_id"], head["kv_id"]) != (self.fingerprint, user_id, kv):
-                        log.warning("cluster KV tier: object for %s holds another fact's KV; ignored", kv)
-                        fact = None
-                except (ValueError, KeyError) as err:
-                    log.warning("cluster KV tier: unreadable object for a fact: %s", err)
-                    fact = None
-            self.counters["hits" if fact is not None else "misses"] += 1
-            out.append(fact)
-            unreadable.append(not data and e == 1)  # listed, not read; a read but wrong object is a plain miss
-        return ClusterRead(out, unreadable)
+            return ClusterRead(out, [False] * len(kv_ids))
+        self._count_read(out)
+        # Listed, not read; an object read but wrong (or refused by `keep`) is a plain miss.
+        return ClusterRead(out, [out[i] is None and exists.get(i) == 1 for i in range(len(kv_ids))])
+
+    @staticmethod
+    def _exist(client, keys: list[str], indexes: list[int]) -> dict[int, int]:
+        """By index, whether the master lists the object (1) or not (0); _ReadFailed when it does not answer."""
+        if not indexes:
+            return {}
+        asked = _mooncake("batch_is_exist", client.batch_is_exist, [keys[i] for i in indexes])
+        if min(asked) < 0:
+            raise _ReadFailed(f"batch_is_exist answered {min(asked)}: the master did not answer")
+        return dict(zip(indexes, asked))
+
+    def _count_read(self, out: list) -> None:
+        hits = sum(f is not None for f in out)
+        self.counters["hits"] += hits
+        self.counters["misses"] += len(out) - hits
+
+    @staticmethod
+    def _sizes(client, keys: list[str]) -> dict[int, int]:
+        """By index, the byte size of each object listed with a complete copy in memory: the master keeps it with
+        the object, and one call answers for all keys (`get_size` would be one call per key). A master that does
+        not answer lists nothing (measured: an empty answer at once), which the existence check then tells."""
+        from mooncake.store import ReplicaStatus
+
+        found = client.batch_get_replica_desc(keys)
+        sizes = {}
+        for i, key in enumerate(keys):
+            for replica in found.get(key, ()):
+                if replica.is_memory_replica() and replica.status == ReplicaStatus.COMPLETE:
+                    sizes[i] = int(replica.get_memory_descriptor().buffer_descriptor.size)
+                    break
+        return sizes
+
+    def _read_round(self, client, user_id: str, kv_ids: list[str], keys: list[str], sizes: dict[int, int],
+                    batch: list[int], keep, out: list) -> list[int]:
+        """Lands the objects of `batch` in the read buffer, unpacks each and hands it to `keep` (into `out`);
+        returns the indexes whose read failed. A failed Mooncake call raises _ReadFailed; what `keep` raises
+        passes through."""
+        offsets, total = [], 0
+        for i in batch:
+            offsets.append(total)
+            total += sizes[i]
+        with self._transfer:
+            memory = _mooncake("register_buffer", self.read_buffer.reserve, client, total)
+            got = _mooncake("batch_get_into", client.batch_get_into, [keys[i] for i in batch],
+                            [memory.data_ptr() + o for o in offsets], [sizes[i] for i in batch])
+            view = memoryview(memory.numpy())
+            failed = []
+            for i, at, n in zip(batch, offsets, got):
+                if n < 0:  # removed meanwhile (-704), or its copy cannot be reached: asked about after
+                    failed.append(i)
+                    continue
+                fact = self._checked(view[at:at + n], user_id, kv_ids[i])
+                if fact is not None:
+                    out[i] = keep(kv_ids[i], fact)
+            return failed
+
+    def _checked(self, data: memoryview, user_id: str, kv_id: str) -> EncodedFact | None:
+        """The fact in `data` when it is this key's object (header: fingerprint, user, kv_id); else None."""
+        try:
+            head, fact = unpack(data)
+        except (ValueError, KeyError) as err:
+            log.warning("cluster KV tier: unreadable object for a fact: %s", err)
+            return None
+        if (head.get("fingerprint"), head.get("user_id"), head.get("kv_id")) != (self.fingerprint, user_id, kv_id):
+            log.warning("cluster KV tier: object for %s holds another fact's KV; ignored", kv_id)
+            return None
+        return fact
 
     def remove_versions(self, user_id: str, fact_id: str, below: int | None = None) -> None:
         """Removes, under every fingerprint, the fact's versions below `below` (every version when None)."""
@@ -430,9 +556,10 @@ class ClusterStore:
 
     def close(self) -> None:
         self._closed = True
-        with self._lock:
+        with self._lock, self._transfer:
             if self._client is not None:
                 try:
+                    self.read_buffer.release(self._client)
                     self._client.close()
                 finally:
                     self._client = None

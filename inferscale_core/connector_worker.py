@@ -26,9 +26,10 @@ Asynchronous loads (`LoadSpec.fetch`, a request with `InjectionParams.fetch`): t
 client of its own (`cluster_store` + `kv_fingerprint` in kv_connector_extra_config, the engine replica's cluster
 tier under the encoder pool's fingerprint). `start_load_kv` hands each such request to a loader thread, which
 reads the facts the store lacks from the cluster tier into the store (the read, its unpacking and the dtype
-conversion run there, outside vLLM's step); `get_finished` writes the blocks of every load that has arrived, on
-the step's thread as a synchronous load is written, and reports the request to vLLM, which schedules it in the
-next step. A fact found in no tier fails the request's blocks (vLLM recomputes them with the query: slower, never
+conversion run there, outside vLLM's step): Mooncake lands the objects in the client's registered read buffer
+(`batch_get_into`) and each fact goes from there into the store, one copy, no Python bytes in between.
+`get_finished` writes the blocks of every load that has arrived, on the step's thread as a synchronous load is
+written, and reports the request to vLLM, which schedules it in the next step. A fact found in no tier fails the request's blocks (vLLM recomputes them with the query: slower, never
 wrong) and is listed for `take_missing`, so the serving process queues one re-encode. The KV of a request never
 passes through the engine core's RPC channel (`rpc_put_bytes` counts what still does: the prefix chunk, and
 facts of a service without a cluster tier).
@@ -349,24 +350,23 @@ class WorkerSide:
         if not need or self.cluster is None:
             return FetchResult(user_id, need, [], {})
         t0 = time.perf_counter()
-        got = self.cluster.read(user_id, need)
-        missing, unreadable = [], []
-        nbytes = 0
-        for kv, fact, unread in zip(need, got.facts, got.unreadable):
-            if fact is None:
-                missing.append(kv)
-                if unread:  # listed on a dead node's segment: read again later, not re-encoded
-                    unreadable.append(kv)
-                continue
+
+        def keep(kv: str, fact: EncodedFact) -> int | None:
+            """Inside the read round: the fact, a view of the cluster client's read buffer, into the store (its
+            one copy); the bytes kept, None when the store refuses it (a miss, computed by vLLM)."""
             try:
                 fact = self._fitting(fact, store)
-                store.put(user_id, kv, fact)  # a copy: the read's bytes are Mooncake's buffer
-            except ValueError as e:  # a shape or budget the store refuses: a miss, computed by vLLM
+                store.put(user_id, kv, fact)
+            except ValueError as e:  # a shape or budget the store refuses
                 logger.warning("InferScale: the cluster object of %s cannot be stored: %s", kv, e)
-                missing.append(kv)
-                continue
-            nbytes += fact.nbytes
-        counts = {"fetched_facts": len(need) - len(missing), "fetched_bytes": nbytes,
+                return None
+            return fact.nbytes
+
+        got = self.cluster.read(user_id, need, keep)
+        missing = [kv for kv, kept in zip(need, got.facts) if kept is None]
+        # Listed on a dead node's segment: read again later, not re-encoded.
+        unreadable = [kv for kv, unread in zip(need, got.unreadable) if unread]
+        counts = {"fetched_facts": len(need) - len(missing), "fetched_bytes": sum(n for n in got.facts if n),
                   "fetch_unreadable": len(unreadable), "fetch_seconds": time.perf_counter() - t0}
         return FetchResult(user_id, missing, unreadable, counts)
 

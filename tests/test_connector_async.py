@@ -69,6 +69,17 @@ def test_facts_only_in_the_cluster_tier_are_loaded_by_the_worker_and_equal_the_p
         e.nbytes for e in h.encode_joint(chunks)[1:])
     assert after["rpc_put_bytes"] == before["rpc_put_bytes"]  # no KV through the engine core's RPC channel
     assert h.has("cold", FIDS) == [True] * len(FIDS)  # kept in the worker store for the next request
+    # Mooncake landed the objects in the worker client's registered read buffer (batch_get_into, no Python bytes);
+    # another cold user of the same size reuses it: no new registration, the same memory.
+    buffer = h.worker.cluster.read_buffer
+    registered = (buffer.registrations, buffer.memory.data_ptr())
+    assert registered[0] >= 1
+    in_cluster(h, writer, "cold2", "prefix-cold2", chunks)
+    (out2,) = h.run(fetching("cold2", "prefix-cold2", chunks, query))
+    assert out2.num_cached_tokens == M and h.has("cold2", FIDS) == [True] * len(FIDS)
+    assert_same(out2, ref)
+    assert (buffer.registrations, buffer.memory.data_ptr()) == registered
+    after = h.worker_stats()
 
     # Again, another version's salt (no prefix-cache hit): the store has them now, nothing is read.
     (again,) = h.run(fetching("cold", "prefix-cold", chunks, query, version=2))
@@ -123,10 +134,10 @@ def slow_reads(worker, user: str, release: threading.Event):
     """The worker's cluster reads for `user` wait for `release` (a slow store, on purpose); others go through."""
     read = worker.cluster.read
 
-    def slow(user_id, kv_ids):
+    def slow(user_id, kv_ids, *keep):
         if user_id == user:
             release.wait(30)
-        return read(user_id, kv_ids)
+        return read(user_id, kv_ids, *keep)
 
     worker.cluster.read = slow
     return read

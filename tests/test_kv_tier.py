@@ -101,6 +101,103 @@ def test_another_fingerprint_user_or_version_is_a_miss(tier, mooncake):
         other.close()
 
 
+def same_bits(a, b) -> bool:
+    """Bit for bit (NaN payloads and signed zeros included), not numerically."""
+    return all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8),
+                                                                         y.contiguous().view(torch.uint8))
+               for x, y in ((a.token_ids, b.token_ids), (a.k_pre, b.k_pre), (a.v, b.v)))
+
+
+def test_a_read_lands_in_the_registered_buffer_and_is_what_the_writer_put(tier):
+    """Mooncake writes the objects into the store's registered read buffer (batch_get_into): `keep` is handed views
+    of that memory, bit for bit the writer's tensors, and the buffer is reused by the next read (no new
+    registration, same address)."""
+    facts = {f"z{i}@v1": make_fact(7 + i, dtype=dt, seed=20 + i)
+             for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16])}
+    facts["z0@v1"].k_pre[0, 0, 0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    assert tier.put_many("zed", list(facts.items())) == [True] * 3
+    seen = {}
+
+    def keep(kv, fact):
+        base, end = tier.read_buffer.memory.data_ptr(), tier.read_buffer.memory.data_ptr() + tier.read_buffer.limit
+        seen[kv] = all(base <= t.data_ptr() < end for t in (fact.token_ids, fact.k_pre, fact.v))
+        return same_bits(fact, facts[kv])
+
+    got = tier.read("zed", list(facts), keep)
+    assert got.facts == [True] * 3 and got.unreadable == [False] * 3
+    assert seen == {kv: True for kv in facts}  # views of the registered buffer: no copy before `keep`
+    registrations, address = tier.read_buffer.registrations, tier.read_buffer.memory.data_ptr()
+    for _ in range(3):
+        copies = tier.get_many("zed", list(facts))  # the default keep: a private copy
+        assert all(same_bits(c, facts[kv]) for c, kv in zip(copies, facts))
+        assert all(c.k_pre.data_ptr() != address for c in copies)
+    assert (tier.read_buffer.registrations, tier.read_buffer.memory.data_ptr()) == (registrations, address)
+
+
+def test_a_read_larger_than_the_buffer_grows_it_and_one_larger_than_its_limit_takes_rounds(mooncake):
+    from inferscale_core.cluster_store import BUFFER_SHARE, ReadBuffer
+
+    mib = ReadBuffer.GRAIN_BYTES
+    s = ClusterStore(ClusterConfig.from_dict({**mooncake.config, "buffer_bytes": 4 * mib}), FP_A)
+    assert s.wait_available(60)
+    try:
+        buf = s.read_buffer
+        assert buf.limit == int(4 * mib * BUFFER_SHARE) and buf.memory is None  # nothing before the first read
+        facts = {f"g{i}@v1": make_fact(1000, seed=40 + i) for i in range(12)}  # 12 x 392 KB
+        assert s.put_many("grow", list(facts.items())) == [True] * 12
+        ids = list(facts)
+
+        def read_exactly(n):
+            assert all(same_bits(f, facts[kv]) for f, kv in zip(s.get_many("grow", ids[:n]), ids[:n]))
+            return buf.registrations, buf.memory.numel()
+
+        assert read_exactly(1) == (1, mib)  # one fact: one grain
+        assert read_exactly(2) == (1, mib)  # still fits: reused
+        assert read_exactly(4) == (2, 2 * mib)  # 1.6 MB: grown
+        assert sum(len(pack(FP_A, "grow", kv, f)) for kv, f in facts.items()) > 1.4 * buf.limit
+        # Over the limit: read in rounds, through a buffer that grows to the limit and no further.
+        assert read_exactly(12) == (3, buf.limit)
+        assert read_exactly(12) == (3, buf.limit) and read_exactly(3) == (3, buf.limit)
+        assert s.counters["errors"] == 0
+    finally:
+        s.close()
+    assert buf.memory is None  # unregistered with the client
+
+
+def test_misses_and_foreign_or_corrupt_objects_in_one_read(tier, mooncake):
+    """In one read: a fact, an absent one, another fact's object under this key, bytes that are no InferScale
+    object, an object that lies about its size, and a fact again. Each bad one is a plain miss (never served, not
+    `unreadable`: it was read), and the good ones around it are exact."""
+    good = {"a@v1": make_fact(5, seed=1), "e@v1": make_fact(9, seed=2, dtype=torch.bfloat16)}
+    assert tier.put_many("mix", list(good.items())) == [True, True]
+    client = raw_client(mooncake.config)
+    try:
+        assert client.put(tier.key("mix", "c@v1"), pack(FP_A, "mix", "a@v1", good["a@v1"])) == 0  # a's KV
+        assert client.put(tier.key("mix", "d@v1"), b"garbage" * 100) == 0
+        assert client.put(tier.key("mix", "t@v1"), pack(FP_A, "mix", "t@v1", make_fact(4))[:-8]) == 0  # truncated
+    finally:
+        client.close()
+    before = dict(tier.counters)
+    ids = ["a@v1", "b@v1", "c@v1", "d@v1", "t@v1", "e@v1"]
+    got = tier.read("mix", ids)
+    assert [f is not None for f in got.facts] == [True, False, False, False, False, True]
+    assert same_bits(got.facts[0], good["a@v1"]) and same_bits(got.facts[5], good["e@v1"])
+    assert got.unreadable == [False] * 6
+    assert tier.counters["hits"] - before["hits"] == 2 and tier.counters["misses"] - before["misses"] == 4
+    assert tier.available and tier.counters["errors"] == before["errors"]
+
+
+def test_an_error_in_keep_is_the_callers_and_the_store_stays_up(tier):
+    assert tier.put_many("keeper", [("k@v1", make_fact(3))]) == [True]
+
+    def keep(kv, fact):
+        raise OSError("the caller's own failure")
+
+    with pytest.raises(OSError, match="the caller's own failure"):
+        tier.read("keeper", ["k@v1"], keep)
+    assert tier.available and tier.get_many("keeper", ["k@v1"])[0] is not None
+
+
 def test_fingerprint_names_model_dtype_and_prefix(tmp_path):
     (tmp_path / "m1").mkdir()
     (tmp_path / "m1" / "config.json").write_text('{"hidden_size": 64}')
