@@ -540,6 +540,10 @@ REASON_MEANINGS = {
                       "facts first. Never retried.",
     "REGISTRY_FULL": "Redis is at its maxmemory (noeviction): nothing was written; reads and deletes still work. "
                      "Delete facts or users, or give Redis more memory (chart `redis.maxmemory` and `redis.memory`).",
+    "WRITE_UNCONFIRMED": "The registry could not confirm a write: its Redis master failed or stalled after the write "
+                         "was sent, or no replica acknowledged it within the wait (`wait_replicas`, `wait_timeout_ms` "
+                         "in the registry URL). It may have been applied: retry after the RetryInfo delay; read before "
+                         "retrying an add (deploy.md, \"Failover\").",
 }
 
 

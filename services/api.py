@@ -23,7 +23,14 @@ from inferscale_client import codegen
 from inferscale_core.errors import InvalidIdError, UnknownFactError, UnknownUserError, check_id
 from inferscale_core.types import Mode, check_user_id
 
-from .registry import DuplicateFactError, FactRecord, Quota, QuotaExceededError, VersionConflictError
+from .registry import (
+    DuplicateFactError,
+    FactRecord,
+    Quota,
+    QuotaExceededError,
+    UnconfirmedWriteError,
+    VersionConflictError,
+)
 
 pb2, pb2_grpc = codegen.load()
 SERVICE = "inferscale.v1.Memory"
@@ -217,10 +224,8 @@ def to_api_error(err: BaseException) -> ApiError:
     if cause is not None:
         if isinstance(cause, ApiError):
             return cause
-        if registry_full(cause):
-            return REGISTRY_FULL
-        if _registry_unreachable(cause):
-            return REGISTRY_UNAVAILABLE
+        if (registry := _registry_error(cause)) is not None:
+            return registry
         if cause is err:  # the replica or actor itself failed (died, unreachable): retryable
             return unavailable(f"a backend replica is unavailable ({type(err).__name__}); retry shortly")
         return ApiError(grpc.StatusCode.INTERNAL,
@@ -237,10 +242,8 @@ def to_api_error(err: BaseException) -> ApiError:
         return ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, _clean(str(err)), quota=err, reason="QUOTA_EXCEEDED")
     if isinstance(err, (InvalidIdError, ValueError, TypeError)):
         return invalid(_clean(str(err)))
-    if registry_full(err):
-        return REGISTRY_FULL
-    if _registry_unreachable(err):
-        return REGISTRY_UNAVAILABLE
+    if (registry := _registry_error(err)) is not None:
+        return registry
     if isinstance(err, TimeoutError):
         return unavailable("a backend replica did not answer in time; retry shortly")
     return ApiError(grpc.StatusCode.INTERNAL, f"internal error ({type(err).__name__}); see the server log")
@@ -253,17 +256,48 @@ REGISTRY_FULL = ApiError(grpc.StatusCode.UNAVAILABLE, "the registry (Redis) is f
                          retry_after_s=REGISTRY_FULL_RETRY_S, reason="REGISTRY_FULL")
 
 
+def _registry_error(err: BaseException) -> ApiError | None:
+    """The registry's Redis full, unreachable, or unable to confirm a write: UNAVAILABLE, each with its retry hint;
+    None for anything else."""
+    if registry_full(err):
+        return REGISTRY_FULL
+    if isinstance(err, UnconfirmedWriteError):
+        return ApiError(grpc.StatusCode.UNAVAILABLE, f"{_clean(err.message)}; {UNCONFIRMED_ADVICE}",
+                        retry_after_s=RETRY_AFTER_S, reason="WRITE_UNCONFIRMED")
+    if _registry_unreachable(err):
+        return REGISTRY_UNAVAILABLE
+    return None
+
+
+# What a repeated request does when the first one was applied after all (docs/deploy.md, "Failover").
+UNCONFIRMED_ADVICE = ("a retry is safe for a delete (NOT_FOUND if it was applied), an update with an expected "
+                      "version (ABORTED if it was applied) and DeleteUser; read before retrying an add, which may "
+                      "store the facts twice")
+
+
 def _registry_unreachable(err: BaseException) -> bool:
     """Redis down, refusing, or not answering in time (redis-py's ConnectionError / TimeoutError); on a Redis
-    Cluster also a cluster that is down, a slot no master serves, or a slot being moved (TRYAGAIN)."""
+    Cluster also what a failover or a slot move shows while it lasts: a cluster that is down (CLUSTERDOWN,
+    MASTERDOWN), a slot no master serves, a slot being moved (TRYAGAIN) or moved (MOVED, ASK, when the redirections
+    ran out), a master demoted to a replica (READONLY), no node reachable to learn the slots from."""
     try:
-        from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
+        from redis.exceptions import (
+            AskError,
+            ClusterDownError,
+            ReadOnlyError,
+            RedisClusterException,
+            SlotNotCoveredError,
+            TryAgainError,
+        )
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
     except ImportError:
         return False
-    return isinstance(err, (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError,
-                            TryAgainError))
+    # A plain RedisClusterException: no startup node answered; its subclasses other than SlotNotCoveredError
+    # (a cross-slot transaction, a bad pipeline) are bugs.
+    return (type(err) is RedisClusterException
+            or isinstance(err, (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError,
+                                TryAgainError, AskError, ReadOnlyError)))
 
 
 def registry_full(err: BaseException) -> bool:

@@ -25,6 +25,7 @@ from .base import (
     QuotaExceededError,
     Registry,
     Tombstone,
+    UnconfirmedWriteError,
     VersionConflictError,
     fact_bytes,
 )
@@ -33,7 +34,7 @@ from .redis_backend import PASSWORD_ENV, RedisRegistry, redacted
 
 __all__ = ["ACTOR_NAMESPACE", "ACTOR_SCHEME", "ActorRegistry", "DuplicateFactError", "EmbeddedRegistry",
            "FactRecord", "NewFact", "PASSWORD_ENV", "Quota", "QuotaExceededError", "RedisRegistry", "Registry",
-           "Tombstone", "VersionConflictError", "fact_bytes", "open_registry", "redacted"]
+           "Tombstone", "UnconfirmedWriteError", "VersionConflictError", "fact_bytes", "open_registry", "redacted"]
 
 
 def open_registry(url: str | None, prefix: str = "inferscale:", index_owners: bool = False) -> Registry:

@@ -30,6 +30,21 @@ class DuplicateFactError(InferScaleError):
     the in-process registries (EmbeddedRegistry, ActorRegistry) keep one space of ids: by any user."""
 
 
+class UnconfirmedWriteError(InferScaleError):
+    """A write the registry could not confirm: it may or may not have been applied. Its Redis master failed or
+    stalled after the write was sent (no reply), or fewer replicas than required acknowledged it within the wait
+    (WAIT; applied on the master, which may still lose it if it fails before they catch up). Never retried by the
+    registry itself, since re-sending could apply it twice; a caller that retries gets the answer a repeated
+    request gets (docs/deploy.md, "Failover")."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):  # crosses process boundaries (Ray)
+        return (UnconfirmedWriteError, (self.message,))
+
+
 class QuotaExceededError(InferScaleError):
     """A write would take the user past its quota of facts, bytes or KV bytes; nothing was written. `quota_id`
     names the quota ("facts_per_user", "bytes_per_user", "kv_bytes_per_user") and `limit` its value (the API's

@@ -5,8 +5,11 @@ needs a real Redis on one machine: the pytest fixtures (tests/redis_fixture.py) 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -104,58 +107,119 @@ def free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
+@dataclasses.dataclass
+class ClusterNode:
+    """One redis-server of a local cluster: its port, its process (the tests kill and stop it) and its node id."""
+    port: int
+    proc: subprocess.Popen
+    node_id: str = ""
+    master_port: int | None = None  # a replica: the port of the master it was started for; a master: None
+
+
+@dataclasses.dataclass
+class LocalRedisCluster:
+    url: str  # the first master's: any node's URL reaches the whole cluster
+    nodes: list[ClusterNode]
+    node_timeout_ms: int
+
+    def masters(self) -> list[ClusterNode]:
+        """The nodes started as masters (after a failover a replica may have taken one's place: ask the cluster)."""
+        return [n for n in self.nodes if n.master_port is None]
+
+
 @contextlib.contextmanager
 def local_redis_cluster(masters: int = 3, start_timeout_s: float = 20.0, exe: str | None = None):
     """A Redis Cluster of `masters` redis-servers (no replicas, no persistence) on free loopback ports, its slots
     split evenly between them; yields the URL of its first node (any node's URL reaches the whole cluster).
     Stopped and its folder removed on exit."""
+    with local_redis_cluster_nodes(masters, 0, start_timeout_s=start_timeout_s, exe=exe) as cluster:
+        yield cluster.url
+
+
+@contextlib.contextmanager
+def local_redis_cluster_nodes(masters: int = 3, replicas_per_master: int = 0, node_timeout_ms: int = 5000,
+                              start_timeout_s: float = 30.0, exe: str | None = None):
+    """A Redis Cluster of `masters` masters, each with `replicas_per_master` replicas, on free loopback ports (no
+    persistence), its slots split evenly between the masters; yields a LocalRedisCluster (its URL and nodes, so a
+    test can kill or stop one). `node_timeout_ms` is cluster-node-timeout: how long a silent master takes to be
+    declared failed and its replica promoted (about that plus a second). Stopped and its folder removed on exit."""
     exe = exe or shutil.which("redis-server")
     if exe is None:
         raise RedisServerMissing("redis-server is not on PATH")
     import redis
 
     workdir = tempfile.mkdtemp(prefix="inferscale-redis-cluster-")
-    ports, procs = [free_cluster_port() for _ in range(masters)], []
+    nodes: list[ClusterNode] = []
     try:
-        for port in ports:
-            procs.append(subprocess.Popen(
+        master_ports = []
+        for i in range(masters * (1 + replicas_per_master)):
+            port = free_cluster_port()
+            # Replica validity factor 0: a replica may take over however long ago it last heard from its master.
+            proc = subprocess.Popen(
                 [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", workdir, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                 "--cluster-node-timeout", "5000"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+                 "--cluster-node-timeout", str(node_timeout_ms), "--cluster-replica-validity-factor", "0"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            if i < masters:
+                master_ports.append(port)
+                nodes.append(ClusterNode(port, proc))
+            else:
+                nodes.append(ClusterNode(port, proc, master_port=master_ports[(i - masters) % masters]))
         deadline = time.monotonic() + start_timeout_s
-        nodes = []
-        for port, proc in zip(ports, procs):
-            node = redis.Redis(host="127.0.0.1", port=port)
+        clients = {}
+        for n in nodes:
+            client = redis.Redis(host="127.0.0.1", port=n.port)
             while True:
                 try:
-                    node.ping()
+                    n.node_id = client.execute_command("CLUSTER MYID").decode()
                     break
                 except redis.ConnectionError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on port {port} (exit {proc.poll()})") from None
+                    if n.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server did not start on port {n.port} (exit {n.proc.poll()})") \
+                            from None
                     time.sleep(0.05)
-            nodes.append(node)
-        # By hand rather than `redis-cli --cluster create` (no redis-cli needed): each node takes its share of the
-        # 16384 slots, then meets the first one; gossip does the rest.
-        for i, node in enumerate(nodes):
+            clients[n.port] = client
+        # By hand rather than `redis-cli --cluster create` (no redis-cli needed): each master takes its share of the
+        # 16384 slots, every node meets the first one (gossip does the rest), then each replica follows its master.
+        for i, port in enumerate(master_ports):
             lo, hi = 16384 * i // masters, 16384 * (i + 1) // masters - 1
-            node.execute_command("CLUSTER ADDSLOTS", *range(lo, hi + 1))
-            if i:
-                node.execute_command("CLUSTER MEET", "127.0.0.1", ports[0])
-        while True:
-            infos = [n.cluster("info") for n in nodes]  # parsed by redis-py: {"cluster_state": "ok", ...}
-            if all(i.get("cluster_state") == "ok" and int(i.get("cluster_known_nodes", 0)) == masters
-                   and int(i.get("cluster_slots_ok", 0)) == 16384 for i in infos):
-                break
+            clients[port].execute_command("CLUSTER ADDSLOTS", *range(lo, hi + 1))
+        for n in nodes[1:]:
+            clients[n.port].execute_command("CLUSTER MEET", "127.0.0.1", nodes[0].port)
+        ids = {n.port: n.node_id for n in nodes}
+        for n in nodes[masters:]:
+            while True:  # a replica can follow a master only once it knows it (gossip)
+                try:
+                    clients[n.port].execute_command("CLUSTER REPLICATE", ids[n.master_port])
+                    break
+                except redis.ResponseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+
+        def up() -> bool:
+            infos = [clients[n.port].cluster("info") for n in nodes]  # parsed: {"cluster_state": "ok", ...}
+            if not all(i.get("cluster_state") == "ok" and int(i.get("cluster_known_nodes", 0)) == len(nodes)
+                       and int(i.get("cluster_slots_ok", 0)) == 16384 for i in infos):
+                return False
+            return all(clients[n.port].info("replication").get("master_link_status") == "up"
+                       for n in nodes[masters:])
+
+        while not up():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the Redis Cluster on ports {ports} did not come up: {infos}")
+                raise RuntimeError(f"the Redis Cluster on ports {[n.port for n in nodes]} did not come up")
             time.sleep(0.05)
-        for node in nodes:
-            node.close()
-        yield f"redis://127.0.0.1:{ports[0]}/0"
+        for client in clients.values():
+            client.close()
+        yield LocalRedisCluster(f"redis://127.0.0.1:{master_ports[0]}/0", nodes, node_timeout_ms)
     finally:
-        for proc in procs:
-            stop_process(proc)
+        for n in nodes:
+            if n.proc.poll() is None:
+                try:
+                    os.kill(n.proc.pid, signal.SIGCONT)  # one a test stopped (SIGSTOP) cannot stop otherwise
+                except ProcessLookupError:
+                    pass
+            stop_process(n.proc)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

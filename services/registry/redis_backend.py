@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from .base import (
     FactVersion,
     Registry,
     Tombstone,
+    UnconfirmedWriteError,
     VersionConflictError,
     _as_embedding,
     check_quota,
@@ -42,6 +43,21 @@ PASSWORD_FILE_ENV = "INFERSCALE_REDIS_PASSWORD_FILE"  # a file holding it (the c
 CONNECT_TIMEOUT_S = 1.0   # a Redis host that does not answer
 SOCKET_TIMEOUT_S = 2.0    # a command (or a new connection's handshake) without an answer: half-open, stalled
 RETRIES = 1               # connection/timeout errors retried this often (with backoff) before they are raised
+# On a Redis Cluster a master that fails is replaced by its replica within about cluster-node-timeout plus a second or
+# two; until then its slots answer nothing. Reads retry that often (about 4 s of backoff, the slot map refreshed at
+# each try) and a write re-runs until WRITE_RIDE_THROUGH_S have passed, as long as nothing of it can have been
+# applied; then UNAVAILABLE (retry hint) at the API.
+CLUSTER_RETRIES = 6
+WRITE_RIDE_THROUGH_S = 4.0
+
+# Durability: a write is acknowledged once `WAIT` says enough replicas of its master have it (see _confirm). Set in
+# the registry URL's query, e.g. redis://host:6379/0?wait_replicas=1&wait_timeout_ms=500:
+#   wait_replicas    "auto" (the default): 1 when the master has a replica (see _replicas_wanted), else 0; a number:
+#                    that many, always (a master with fewer refuses every write as unconfirmed); 0: never wait
+#   wait_timeout_ms  how long a write waits for them (default WAIT_TIMEOUT_MS), below the socket timeout
+WAIT_REPLICAS_OPTION, WAIT_TIMEOUT_OPTION = "wait_replicas", "wait_timeout_ms"
+WAIT_TIMEOUT_MS = 500
+REPLICAS_RECHECK_S = 5.0
 
 # Users are grouped into BUCKETS by a stable hash of their id (bucket_of); a bucket's keys share one hash tag, so on
 # a Redis Cluster they live in one slot, and the buckets spread over the masters. Per-bucket rather than per-user
@@ -194,6 +210,38 @@ def decode_cursor(cursor: str) -> dict[int, str]:
     return dict.fromkeys(range(BUCKETS), stream_id(cursor))
 
 
+def durability_options(url: str) -> tuple[str, int | None, int]:
+    """(the URL without the registry's own query options, replicas to wait for (None: auto), wait timeout in ms)
+    from the registry URL; ValueError naming a bad value."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in (WAIT_REPLICAS_OPTION, WAIT_TIMEOUT_OPTION)}
+    replicas, timeout_ms = ours.get(WAIT_REPLICAS_OPTION, "auto"), ours.get(WAIT_TIMEOUT_OPTION, str(WAIT_TIMEOUT_MS))
+    if replicas != "auto" and not (replicas.isdigit() and int(replicas) <= 16):
+        raise ValueError(f"registry URL option {WAIT_REPLICAS_OPTION}={replicas!r}: 'auto' or a number of replicas "
+                         "from 0 to 16")
+    limit = int(SOCKET_TIMEOUT_S * 1000) - 500  # WAIT's answer must come before the socket gives up on it
+    if not (timeout_ms.isdigit() and 1 <= int(timeout_ms) <= limit):
+        raise ValueError(f"registry URL option {WAIT_TIMEOUT_OPTION}={timeout_ms!r}: milliseconds from 1 to {limit}")
+    rest = urlencode([(k, v) for k, v in query if k not in ours])
+    return (parts._replace(query=rest).geturl(), None if replicas == "auto" else int(replicas), int(timeout_ms))
+
+
+class _HeldConnection:
+    """A connection pool of one connection that a write holds from its WATCH to its WAIT: a transaction pipeline
+    made on it runs on that connection, and WAIT counts the replicas that have the writes of the connection it is
+    sent on."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def get_connection(self, *args, **kwargs):
+        return self.conn
+
+    def release(self, conn):
+        pass  # the write gives it back to its real pool when it is done
+
+
 class RedisRegistry(Registry):
     """Keys, all under `prefix` and then the user's bucket tag T = `{b<N>}` (N = bucket_of(user_id)):
       T:fact/{user_id}/{fact_id}     hash  user_id, text, metadata (JSON), version, created_at, updated_at,
@@ -228,6 +276,8 @@ class RedisRegistry(Registry):
     supply it without it appearing in any config.
     A URL naming any node of a Redis Cluster gives a cluster client (redis.cluster.RedisCluster), found out at the
     first call, so that constructing a registry never waits for Redis.
+    Writes are acknowledged once replicated (durability_options: the URL's wait_replicas, wait_timeout_ms), and
+    run on a connection to their slot's master held from WATCH to WAIT (_on_master).
     """
 
     def __init__(self, url: str, prefix: str = "inferscale:", index_owners: bool = False):
@@ -238,6 +288,8 @@ class RedisRegistry(Registry):
             raise ValueError(f"a registry key prefix must not contain braces (the hash tag is the bucket's): "
                              f"{prefix!r}")
         self.url, self.prefix, self.index_owners = url, prefix, index_owners
+        self._redis_url, self.wait_replicas, self.wait_timeout_ms = durability_options(url)
+        self._replicas: dict[str, tuple[int, float]] = {}  # master -> (replicas connected, when asked): auto mode
         self.cluster: bool | None = None  # known after the first call
         self._client = None
         self._scripts: dict = {}
@@ -274,10 +326,10 @@ class RedisRegistry(Registry):
         kw.update(decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=SOCKET_TIMEOUT_S,
                   health_check_interval=15)
 
-        def retry():
-            return Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES)
+        def retry(retries=RETRIES):
+            return Retry(ExponentialBackoff(cap=0.5, base=0.05), retries)
 
-        cluster, parts = False, urlsplit(self.url)
+        cluster, parts = False, urlsplit(self._redis_url)
         if parts.scheme != "unix":  # asked of database 0: a cluster node refuses SELECT
             probe = redis.Redis.from_url(parts._replace(path="/0").geturl(), retry=retry(), **kw)
             try:
@@ -293,9 +345,13 @@ class RedisRegistry(Registry):
             if parts.path not in ("", "/", "/0"):
                 raise ValueError(f"a Redis Cluster has only database 0: {redacted(self.url)!r}")
             self._bucket_slots = [key_slot(k.encode()) for k in self._tomb_keys]
-            client = RedisCluster.from_url(parts._replace(path="").geturl(), retry=retry(), **kw)
+            # Reads ride through a failover: redis-py refreshes its slot map on a connection error, MOVED or
+            # CLUSTERDOWN and tries again, with backoff 0.1, 0.2, 0.4, 0.8, 1, 1 s. Writes never go through this
+            # retry (_on_master): a transaction or script re-sent after its reply was lost could apply twice.
+            client = RedisCluster.from_url(parts._replace(path="").geturl(), retry=Retry(
+                ExponentialBackoff(cap=1.0, base=0.05), CLUSTER_RETRIES), **kw)
         else:
-            client = redis.Redis.from_url(self.url, retry=retry(), **kw)
+            client = redis.Redis.from_url(self._redis_url, retry=retry(), **kw)
         self._scripts = {"delete_fact": client.register_script(DELETE_FACT),
                          "delete_user": client.register_script(DELETE_USER),
                          "remove_placement": client.register_script(REMOVE_PLACEMENT)}
@@ -303,11 +359,125 @@ class RedisRegistry(Registry):
         return client
 
     def _script(self, name: str, keys, args):
+        """A script that is safe to run twice (redis-py re-sends it after a lost reply) and is not waited for: the
+        placements, routing hints that an engine replica writes again whenever it syncs a user that changed."""
         self.r  # noqa: B018 - connects (and registers the scripts) on the first call
         return self._scripts[name](keys=keys, args=args)
 
+    def _write_script(self, name: str, keys, args):
+        """A script that writes facts: on the master of its keys' slot, sent once, then confirmed (_on_master)."""
+        self.r  # noqa: B018 - connects (and registers the scripts) on the first call
+        script = self._scripts[name]
+
+        def op(node, conn, sent):
+            import redis
+
+            sent.append(True)
+            try:
+                return _call(node, conn, "EVALSHA", script.sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:  # a master that has not seen it (new after a failover): not run
+                return _call(node, conn, "EVAL", script.script, len(keys), *keys, *args)
+
+        return self._on_master(keys[0], op)
+
     def _delete_fact(self, keys, args):  # a method of its own: tests/test_registry_full.py races it
-        return self._script("delete_fact", keys, args)
+        return self._write_script("delete_fact", keys, args)
+
+    # ------------------------------------------------------------------ writes: where, how often, how durable
+    def _on_master(self, key: str, op):
+        """Runs op(node, conn, sent) on a connection `conn` to the master of `key`'s slot (`node`: its redis.Redis),
+        held until the write is confirmed; op appends to `sent` before it sends what writes (EXEC, a script), and
+        returns its result. Then the write is confirmed on the same connection (_confirm: WAIT).
+        A watched key that moved (WatchError) runs op again. A master that cannot be reached, refuses the write for
+        the topology (MOVED, READONLY, CLUSTERDOWN, TRYAGAIN: nothing of it was applied) or drops the connection
+        before the write was sent: the slot map is refreshed and op runs again, for up to WRITE_RIDE_THROUGH_S
+        (a cluster's failover), then the error is raised (UNAVAILABLE at the API). A reply lost after the write was
+        sent (the master died or stalled): UnconfirmedWriteError, never a second send, which could apply it twice
+        (redis-py's own retry would: its cluster transaction re-sends MULTI..EXEC on a new connection, unwatched)."""
+        import redis
+
+        deadline, pause = time.monotonic() + WRITE_RIDE_THROUGH_S, 0.05
+        while True:
+            node, sent = self._master_client(key), []
+            conn = node.connection_pool.get_connection()
+            try:
+                out = op(node, conn, sent)
+                if sent:
+                    self._confirm(node, conn)
+                return out
+            except redis.WatchError as e:
+                lost = e.__context__  # redis-py turns a connection lost while watching into a WatchError
+                if not isinstance(lost, (redis.ConnectionError, redis.TimeoutError)):
+                    continue  # a watched key moved: read again
+                conn.disconnect()
+                if sent:
+                    raise _unconfirmed(node, lost) from lost
+                err = lost
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                conn.disconnect()
+                if sent:
+                    raise _unconfirmed(node, e) from e
+                err = e
+            except _refused_for_topology() as e:  # refused whole: a MULTI is aborted, a script stops at its first write
+                err = e
+            finally:
+                node.connection_pool.release(conn)
+            if time.monotonic() + pause > deadline:
+                raise err
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+            self._refresh_topology()
+
+    def _master_client(self, key: str):
+        """redis.Redis of the master that serves `key`'s slot (as far as the client's slot map knows)."""
+        r = self.r
+        if not self.cluster:
+            return r
+        return r.get_redis_connection(r.nodes_manager.get_node_from_slot(r.keyslot(key)))
+
+    def _refresh_topology(self) -> None:
+        if not self.cluster:
+            return
+        from redis.exceptions import RedisClusterException, RedisError
+
+        try:
+            self.r.nodes_manager.initialize()  # redis-py's slot map from the nodes that answer (one at a time)
+        except (RedisError, RedisClusterException):
+            pass  # none answers yet: the next try asks again
+
+    def _confirm(self, node, conn) -> None:
+        """WAIT on the write's own connection until the replicas asked for have it (its master's replication
+        offset as of the write), at most wait_timeout_ms; fewer: UnconfirmedWriteError."""
+        want = self._replicas_wanted(node)
+        if want == 0:
+            return
+        got = int(_call(node, conn, "WAIT", want, self.wait_timeout_ms))
+        if got < want:
+            raise UnconfirmedWriteError(
+                f"the registry's Redis master {_node_name(node)} applied the write but {got} of the {want} replicas "
+                f"asked for confirmed it within {self.wait_timeout_ms} ms; it may be lost if that master fails now")
+
+    def _replicas_wanted(self, node) -> int:
+        """How many replicas a write on this master waits for: the URL's wait_replicas, or (auto) 1 when the master
+        has a replica, else 0 (asked at most every REPLICAS_RECHECK_S). On a cluster a replica counts until the
+        cluster has marked it failed (CLUSTER NODES), its replication link down or not: a replica cut off from its
+        master is the one that would take over without the writes it missed, so those writes must be refused. On
+        one Redis only the replicas connected now count (ROLE: it knows no others)."""
+        if self.wait_replicas is not None:
+            return self.wait_replicas
+        name = _node_name(node)
+        known = self._replicas.get(name)
+        if known is None or time.monotonic() - known[1] > REPLICAS_RECHECK_S:
+            if self.cluster:
+                nodes = node.execute_command("CLUSTER NODES").values()  # parsed by redis-py: one dict per node
+                me = next((n for n in nodes if "myself" in n["flags"].split(",")), {"node_id": None})
+                count = sum(n["master_id"] == me["node_id"] and "fail" not in n["flags"].split(",") for n in nodes)
+            else:
+                role = node.execute_command("ROLE")  # [b"master", offset, [[host, port, offset], ...]]
+                count = len(role[2]) if role[0] == b"master" else 0
+            known = (count, time.monotonic())
+            self._replicas[name] = known
+        return min(1, known[0])
 
     # ------------------------------------------------------------------ keys
     def _bucket_key(self, bucket: int, name: str) -> str:
@@ -374,21 +544,22 @@ class RedisRegistry(Registry):
     def _transaction(self, keys: list[str], body):
         """Runs body(pipe) under WATCH keys until no watched key moved in between; returns its result.
         body reads through `pipe` (immediate mode), then calls pipe.multi() and queues its writes. The keys and
-        everything body touches are one user's: one hash slot (a cluster's transactions need that)."""
-        import redis
+        everything body touches are one user's: one hash slot, one master (_on_master: where it runs, how it is
+        retried and confirmed)."""
+        from redis.client import Pipeline
 
-        with self.r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(*keys)
-                    out = body(pipe)
-                    if len(pipe):  # writes queued after multi()
-                        pipe.execute()
-                    else:
-                        pipe.unwatch()
-                    return out
-                except redis.WatchError:
-                    continue
+        def op(node, conn, sent):
+            with Pipeline(_HeldConnection(conn), node.response_callbacks, transaction=True, shard_hint=None) as pipe:
+                pipe.watch(*keys)
+                out = body(pipe)
+                if len(pipe):  # writes queued after multi()
+                    sent.append(True)
+                    pipe.execute()
+                else:
+                    pipe.unwatch()
+                return out
+
+        return self._on_master(keys[0], op)
 
     def _bucket_nodes(self) -> list:
         """The master that holds each bucket's slot (a cluster; from redis-py's slot map), or [None] * BUCKETS."""
@@ -465,11 +636,11 @@ class RedisRegistry(Registry):
         facts_key, bytes_key = self._user_key(user_id, "facts"), self._user_key(user_id, "bytes")
         kv_key = self._user_key(user_id, "kvbytes")
         added, added_kv = sum(fact_bytes(r) for r in recs), sum(r.kv_bytes for r in recs)
-        # Creation sequence numbers first (the bucket's; gaps are harmless), then facts + listing + counters in one
-        # MULTI.
-        first = int(self.r.incrby(self._key(user_id, "seq"), len(recs))) - len(recs) + 1
 
         def body(pipe):
+            # Creation sequence numbers first (the bucket's; gaps are harmless), on the transaction's connection so
+            # that its WAIT covers them too, then facts + listing + counters in one MULTI.
+            first = int(pipe.incrby(self._key(user_id, "seq"), len(recs))) - len(recs) + 1
             taken = [r.fact_id for r, k in zip(recs, keys) if pipe.exists(k)]  # never overwrite a fact
             if taken:
                 raise DuplicateFactError(f"fact id {taken[0]!r} already exists")
@@ -737,9 +908,9 @@ class RedisRegistry(Registry):
                 self._key(user_id, "tombstones"),
                 self._user_key(user_id, "ver"),  # ver kept: replicas must still see the change
                 self._user_key(user_id, "expiry")]
-        return int(self._script("delete_user", keys, [user_id, self._fact_key(user_id, ""),
-                                                      self._history_key(user_id, ""), TOMBSTONES_PER_BUCKET,
-                                                      self._owners_key(user_id, "")]))
+        return int(self._write_script("delete_user", keys, [user_id, self._fact_key(user_id, ""),
+                                                            self._history_key(user_id, ""), TOMBSTONES_PER_BUCKET,
+                                                            self._owners_key(user_id, "")]))
 
     def user_version(self, user_id):
         check_id("user_id", user_id)
@@ -818,3 +989,25 @@ def _streams(read) -> list:
     if not read:
         return []
     return list(read.items()) if isinstance(read, dict) else [(k, e) for k, e in read]
+
+
+def _call(node, conn, *args):
+    """One command on a held connection, answered (parsed as `node` parses it); no retry."""
+    conn.send_command(*args)
+    return node.parse_response(conn, args[0])
+
+
+def _node_name(node) -> str:
+    kw = node.connection_pool.connection_kwargs
+    return f"{kw.get('host')}:{kw.get('port')}" if "host" in kw else str(kw.get("path", "?"))
+
+
+def _unconfirmed(node, err: BaseException) -> UnconfirmedWriteError:
+    return UnconfirmedWriteError(f"the registry's Redis master {_node_name(node)} did not answer a write that was "
+                                 f"sent ({type(err).__name__}): it may or may not have been applied")
+
+
+def _refused_for_topology() -> tuple:
+    from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, TryAgainError
+
+    return (AskError, ClusterDownError, ReadOnlyError, TryAgainError)  # MovedError and MasterDownError included
