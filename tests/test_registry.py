@@ -619,7 +619,8 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
 
     from inferscale_server.registry.redis_backend import bucket_of
 
-    reg = RedisRegistry(redis_cluster_url, prefix=f"slot{uuid.uuid4().hex[:8]}:")
+    # every key it may write, the owners index included (a gateway without authentication writes it)
+    reg = RedisRegistry(redis_cluster_url, prefix=f"slot{uuid.uuid4().hex[:8]}:", index_owners=True)
     users = [f"user-{i}" for i in range(40)]
     facts = {}
     for u in users:
