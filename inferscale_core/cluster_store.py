@@ -313,7 +313,9 @@ class ClusterStore:
     def _batches(self, todo: list[int], size) -> list[list[int]]:
         """`todo` cut, in order, into batches whose values fit the client's transfer buffer together (Mooncake
         stages a batch's values in it: a put_batch over it fails whole, a get_batch reads only what fits)."""
-        batches, cur, used = [], [], 0
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
         for i in todo:
             if cur and used + size(i) > self.config.buffer_bytes * BUFFER_SHARE:
                 batches.append(cur)
@@ -371,7 +373,7 @@ class ClusterStore:
             self._failed(f"get of {len(kv_ids)} facts", e)
             return ClusterRead([None] * len(kv_ids), [False] * len(kv_ids))
         out, unreadable = [], []
-        for kv, data, e in zip(kv_ids, values, exists):
+        for kv, data, exist in zip(kv_ids, values, exists):
             fact = None
             if data:
                 try:
@@ -384,7 +386,7 @@ class ClusterStore:
                     fact = None
             self.counters["hits" if fact is not None else "misses"] += 1
             out.append(fact)
-            unreadable.append(not data and e == 1)  # listed, not read; a read but wrong object is a plain miss
+            unreadable.append(not data and exist == 1)  # listed, not read; a read but wrong object is a plain miss
         return ClusterRead(out, unreadable)
 
     def remove_versions(self, user_id: str, fact_id: str, below: int | None = None) -> None:
