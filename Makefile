@@ -13,5 +13,7 @@ test:
 test-fast:  # the fast tier alone (tests/fast_tier.txt: no Serve app, no vLLM engine), about 2 minutes
 	@venv=$(VENV); $(CHECK); bash scripts/run_tests.sh $$venv --fast
 
-lint:  # the gate .ci/run runs before the tests: ruff with the rules in pyproject.toml [tool.ruff]
-	@venv=$(VENV); $(CHECK); $$venv/bin/ruff check --no-cache .
+# The gate .ci/run runs before the tests: ruff with the rules in pyproject.toml [tool.ruff], then mypy's type check
+# of inferscale_core, inferscale_server and inferscale_client ([tool.mypy]; its cache is .mypy_cache/).
+lint:
+	@venv=$(VENV); $(CHECK); $$venv/bin/ruff check --no-cache . && $$venv/bin/mypy

@@ -28,6 +28,7 @@ RetryInfo) decode with grpcio-status: `grpc_status.rpc_status.from_call(err)`. E
 """
 from __future__ import annotations
 
+import builtins
 import json
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -184,7 +185,7 @@ class MemoryClient:
             token = page.next_page_token
 
     def search(self, user_id: str, query: str, k: int = 0, filters: Mapping | None = None,
-               threshold: float | None = None) -> list:
+               threshold: float | None = None) -> builtins.list:
         return list(self.stub.Search(search_request(user_id, query, k, filters, threshold), **self._kw()).hits)
 
     def answer(self, user_id: str, query: str, k: int = 0, max_tokens: int = 0, temperature: float = 0.0,
@@ -262,7 +263,7 @@ class AsyncMemoryClient:
             token = page.next_page_token
 
     async def search(self, user_id: str, query: str, k: int = 0, filters: Mapping | None = None,
-                     threshold: float | None = None) -> list:
+                     threshold: float | None = None) -> builtins.list:
         return list((await self.stub.Search(search_request(user_id, query, k, filters, threshold),
                                             **self._kw())).hits)
 

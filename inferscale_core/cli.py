@@ -115,11 +115,11 @@ def _demo(args, out) -> int:
                 say(f"  {label} {took * 1000:7.1f} ms  prompt {ans.prompt_len} tok, "
                       f"not prefilled {ans.num_cached_tokens}, {'right' if right[mode] else 'WRONG'}: "
                       f"{texts[mode]!r}")
-            same = "identical answers" if texts["kv"] == texts["pi"] else "different words"
-            verdict = ("KV and PI agree" if right["kv"] == right["pi"] else
-                       "KV right where PI is wrong" if right["kv"] else "KV WRONG where PI is right")
+            same = "identical answers" if texts[Mode.KV] == texts[Mode.PI] else "different words"
+            verdict = ("KV and PI agree" if right[Mode.KV] == right[Mode.PI] else
+                       "KV right where PI is wrong" if right[Mode.KV] else "KV WRONG where PI is right")
             say(f"  -> {verdict} ({same})")
-            if right["pi"] and not right["kv"]:
+            if right[Mode.PI] and not right[Mode.KV]:
                 kv_wrong_pi_right.append(question)
         m = engine.metrics()
         by_source = {k.removeprefix("prompt_tokens_"): int(v) for k, v in m.items() if k.startswith("prompt_tokens_")}
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from inferscale_server import cli as service_cli  # serve / add / ask need the [serve] extra
     except ImportError:
-        service_cli = None
-    if service_cli is not None:
+        pass
+    else:
         service_cli.add_commands(sub)
     args = parser.parse_args(argv)
     return args.fn(args)

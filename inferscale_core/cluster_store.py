@@ -379,7 +379,9 @@ class ClusterStore:
         """`todo` cut, in order, into batches whose values fit `limit` bytes together: by default the client's
         transfer buffer (Mooncake stages a put_batch's values in it: a batch over it fails whole)."""
         limit = self.config.buffer_bytes * BUFFER_SHARE if limit is None else limit
-        batches, cur, used = [], [], 0
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
         for i in todo:
             if cur and used + size(i) > limit:
                 batches.append(cur)

@@ -66,6 +66,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from .connector_scheduler import SchedulerSide
+    from .connector_worker import WorkerSide
+
 CONNECTOR_NAME = "InferScaleConnector"
 CONNECTOR_MODULE = __name__
 WORKER_EXTENSION = f"{__name__}.InjectionWorkerExtension"
@@ -140,8 +143,8 @@ class InferScaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.scheduler_side = None
-        self.worker_side = None
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from .connector_scheduler import SchedulerSide
 
@@ -155,14 +158,26 @@ class InferScaleConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a consumer only: nothing is handed off when a request finishes
 
+    @property
+    def _worker(self) -> "WorkerSide":
+        if self.worker_side is None:
+            raise RuntimeError("a worker-role method was called on the scheduler's InferScaleConnector")
+        return self.worker_side
+
+    @property
+    def _scheduler(self) -> "SchedulerSide":
+        if self.scheduler_side is None:
+            raise RuntimeError("a scheduler-role method was called on a worker's InferScaleConnector")
+        return self.scheduler_side
+
     # ---- worker role
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
-        self.worker_side.register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, InjectionMetadata)
-        self.worker_side.load(forward_context, meta)
+        self._worker.load(forward_context, meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # synchronous loads complete in start_load_kv; asynchronous ones are written before get_finished
@@ -170,7 +185,7 @@ class InferScaleConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Asynchronous loads that arrived (written) or failed (vLLM computes the request instead); a failed one
         is in both sets, as vLLM asks."""
-        done, failed = self.worker_side.finished_loads(finished_req_ids)
+        done, failed = self._worker.finished_loads(finished_req_ids)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
@@ -181,34 +196,34 @@ class InferScaleConnector(KVConnectorBase_V1):
         return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_failed_blocks()
+        return self._worker.take_failed_blocks()
 
     def shutdown(self):
         if self.worker_side is not None:
             self.worker_side.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        side = self.worker_side or self.scheduler_side
+        side = self.worker_side or self._scheduler
         data = side.take_stats()
         return InjectionStats(data=data) if data else None
 
     # ---- scheduler role
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         if connector_output.failed_recving:
-            self.scheduler_side.loads_failed(connector_output.failed_recving)
+            self._scheduler.loads_failed(connector_output.failed_recving)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
-        self.scheduler_side.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, list(block_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.scheduler_side.build_connector_meta(scheduler_output)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.request_finished(request)
+        self._scheduler.request_finished(request)
         return False, None
 
     # ---- stats plumbing (class level: vLLM calls these on the class in the logging process)

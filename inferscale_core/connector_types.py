@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 PARAMS_KEY = "inferscale"  # our entry inside kv_transfer_params, so other connectors' keys never collide
 
 
-def memory_hash(token_ids: Sequence[int]) -> str:
+def memory_hash(token_ids: Sequence[int] | torch.Tensor) -> str:
     """Digest of the memory's token ids; the scheduler injects only when the prompt starts with them."""
     data = np.asarray(token_ids, dtype=np.int64).tobytes()
     return hashlib.blake2b(data, digest_size=16).hexdigest()

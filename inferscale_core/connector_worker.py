@@ -40,7 +40,7 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,8 @@ from .types import SHARED_USER_ID, EncodedFact
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+
+    from .cluster_store import ClusterStore
 
 logger = init_logger(__name__)
 
@@ -150,7 +152,8 @@ class WorkerSide:
         self.cluster_config = cluster_config_option(extra_config)  # checked here: a mistake stops the start
         self.block_size = vllm_config.cache_config.block_size
         # K and V are kept and rotated in the model's dtype; the cache may hold another (fp8: uint8 storage).
-        self.kv_dtype = vllm_config.model_config.dtype
+        # (a torch.dtype: vLLM's ModelConfig resolves "auto" and dtype names when it is built)
+        self.kv_dtype = cast(torch.dtype, vllm_config.model_config.dtype)
         self.hf_config = vllm_config.model_config.hf_text_config
         self.spec = ModelSpec.from_config(self.hf_config)  # rejects families chunked RoPE does not support
         self.extra_config = extra_config
@@ -172,7 +175,7 @@ class WorkerSide:
         # worker's process), the loads in flight, those whose request finished meanwhile (aborted: reported,
         # never written), the facts found nowhere (take_missing), and the last step's forward context (the
         # writes of get_finished go through the attention layers it holds).
-        self.cluster = None
+        self.cluster: ClusterStore | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._fetching: dict[str, tuple[LoadSpec, Future]] = {}
         self._aborted: set[str] = set()
@@ -296,6 +299,7 @@ class WorkerSide:
         for spec in meta.loads:
             if spec.fetch:
                 self._count("async_loads")
+                assert self._loader is not None  # made with the store, in register_kv_caches
                 self._fetching[spec.req_id] = (spec, self._loader.submit(self._fetch, spec.user_id,
                                                                          list(spec.kv_ids[1:])))
         self._inject(forward_context, store, [spec for spec in meta.loads if not spec.fetch])
@@ -388,6 +392,7 @@ class WorkerSide:
         ids = [check_id("kv_id", kv) for kv in kv_ids]
         self._require_store()
         if ids:
+            assert self._loader is not None  # made with the store, in register_kv_caches
             self._prefetching.append(self._loader.submit(self._fetch, user_id, ids))
         return len(ids)
 
@@ -439,6 +444,7 @@ class WorkerSide:
                 continue
             ready.append(spec)
         if ready:
+            assert self._forward_context is not None  # noted by the step that started these loads
             self._check_all_layers(self._forward_context)
             self._inject(self._forward_context, store, ready)
             self._count("injection_seconds", time.perf_counter() - t0)
@@ -508,6 +514,7 @@ class WorkerSide:
         torch.cat([piece_v for _, pieces in group for _, piece_v in pieces], dim=1, out=v)
         num_layers, n = k.shape[0], k.shape[1]
         # One fused rotation of all layers: layer l's token t sits at row l * N + t of the flattened view.
+        assert self.cos_sin_cache is not None  # made with the store, in register_kv_caches
         ops.rotary_embedding(serial_tile(pos, num_layers), k.view(num_layers * n, -1), None,
                              self.spec.head_dim, self.cos_sin_cache, True)
         offset = pos % self.block_size
@@ -533,7 +540,8 @@ class WorkerSide:
                 self._buffers = (torch.empty(size, dtype=self.kv_dtype, device=self.device),
                                  torch.empty(size, dtype=self.kv_dtype, device=self.device))
         shape = (self.spec.num_layers, n, self.spec.num_kv_heads, self.spec.head_dim)
-        return tuple(b[:n * per_token].view(shape) for b in self._buffers)
+        k, v = self._buffers
+        return k[:n * per_token].view(shape), v[:n * per_token].view(shape)
 
     def _gather(self, store: FactStore, spec: LoadSpec) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
         """Views `[L, t, H, D]` of the pre-RoPE keys and values that cover memory positions [start, end) in
@@ -548,6 +556,7 @@ class WorkerSide:
         if token_ids.numel() != spec.memory_len or memory_hash(token_ids.cpu()) != spec.memory_hash:
             raise LoadError(f"the facts {list(spec.kv_ids)} of user {spec.user_id!r} are not the memory the "
                             f"request was composed from ({token_ids.numel()} tokens, expected {spec.memory_len})")
+        assert self.cos_sin_cache is not None  # made with the store, in register_kv_caches
         if spec.end > self.cos_sin_cache.shape[0]:
             raise LoadError(f"memory position {spec.end - 1} is beyond the rotary table "
                             f"({self.cos_sin_cache.shape[0]} positions)")

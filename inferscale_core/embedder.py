@@ -94,6 +94,7 @@ class CallableEmbedder:
     def dim(self) -> int:
         if self._dim is None:
             self.embed(["dimension probe"])  # the function's output width is only known by calling it
+        assert self._dim is not None  # set by embed
         return self._dim
 
     def embed(self, texts: list[str]) -> torch.Tensor:

@@ -204,6 +204,8 @@ class AsyncMemoryEngine(AsyncInjectingEngine):
     embedding) runs in a thread so the event loop keeps streaming tokens. Tests and benchmarks; the service runs
     AsyncInjectingEngine, which never carries a Memory."""
 
+    core: MemoryCore
+
     def __init__(self, memory: Memory | None = None, model_path=None, *, dtype: torch.dtype | None = None,
                  block_size: int = 32, max_model_len: int = 4096, enable_prefix_caching: bool = True,
                  store_options: dict | None = None, stat_loggers: list | None = None, **engine_overrides):
@@ -237,12 +239,15 @@ class AsyncMemoryEngine(AsyncInjectingEngine):
         self.core.forget(user_id, None)
         await self._rpc("inferscale_delete", user_id, None)
 
-    async def generate(self, user_id: str, query: str, k: int = 10, w: int = 0, mode: Mode = Mode.KV,
-                       sampling_params=None) -> Answer:
+    # The Memory facade's generate (a user and a question, as InjectingEngine's) in place of the base class's
+    # generate(prepared, sampling_params), which streams vLLM's outputs of a prepared request.
+    async def generate(self, user_id: str, query: str, k: int = 10, w: int = 0,  # type: ignore[override]
+                       mode: Mode = Mode.KV, sampling_params=None) -> Answer:
         """Runs to completion; `Answer.ttft_s` is submit -> first token, `retrieve_s` the time before it."""
         self._started()
         p = await asyncio.to_thread(self.core.prepare, Query(user_id, query, k, w, mode))
         answer = None
         async for _, answer in self.stream(p, sampling_params):
             pass
+        assert answer is not None  # stream ends with the Answer
         return answer

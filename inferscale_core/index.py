@@ -111,7 +111,8 @@ class VectorIndex:
         """
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
-        single = _shape_of(queries) is not None and len(_shape_of(queries)) == 1
+        shape = _shape_of(queries)
+        single = shape is not None and len(shape) == 1
         q = self._normalized(queries, "query", batched=not single)
         with self._lock:
             user = self._user(user_id)

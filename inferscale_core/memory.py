@@ -88,10 +88,10 @@ class Memory:
         facts = [facts] if isinstance(facts, str) else list(facts)
         if not facts:
             raise ValueError("no facts given")
-        windows = [list(w) for w in windows] if windows is not None else [[] for _ in facts]
+        window_lists = [list(w) for w in windows] if windows is not None else [[] for _ in facts]
         ids = list(fact_ids) if fact_ids is not None else [uuid.uuid4().hex for _ in facts]
-        if len(windows) != len(facts) or len(ids) != len(facts):
-            raise ValueError(f"{len(facts)} facts but {len(windows)} windows and {len(ids)} fact ids")
+        if len(window_lists) != len(facts) or len(ids) != len(facts):
+            raise ValueError(f"{len(facts)} facts but {len(window_lists)} windows and {len(ids)} fact ids")
         for fid in ids:
             check_id("fact_id", fid)
         fact_tokens = [self.template.fact_ids(t) for t in facts]  # rejects empty facts
@@ -100,10 +100,10 @@ class Memory:
                 raise ValueError(f"fact has {len(toks)} tokens, more than the limit of "
                                  f"{self.store.max_fact_tokens}: {text[:60]!r}...")
         encoded = self.encoder.encode_batch(
-            [(toks, self.context(w)) for toks, w in zip(fact_tokens, windows)], progress=progress)
+            [(toks, self.context(w)) for toks, w in zip(fact_tokens, window_lists)], progress=progress)
         embeddings = self.embedder.embed(facts)
         with self._lock:
-            for fid, text, window, enc, emb in zip(ids, facts, windows, encoded, embeddings):
+            for fid, text, window, enc, emb in zip(ids, facts, window_lists, encoded, embeddings):
                 old = self._records.get(user_id, {}).get(fid)
                 record = MemoryRecord(fid, user_id, text.strip(), (old.version + 1) if old else 1, window,
                                       dict(metadata or {}))
@@ -203,6 +203,7 @@ class Memory:
         return self._records[user_id]
 
     def _records_path(self) -> Path:
+        assert self.store_dir is not None  # only a Memory with a store_dir keeps its records in a file
         return self.store_dir / "records.json"
 
     def _save(self, _user_id: str) -> None:

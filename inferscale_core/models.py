@@ -54,7 +54,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantized model is a plain model now; without this save_pretrained would write GGUF metadata.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = DEFAULT_MODEL_NAME
@@ -83,4 +83,5 @@ def load_model(path: str | os.PathLike | None = None, device: torch.device | str
     ModelSpec.from_config(AutoConfig.from_pretrained(p))  # fail before loading weights
     tokenizer = AutoTokenizer.from_pretrained(p)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, attn_implementation=attn_implementation)
-    return model.to(device).eval(), tokenizer
+    # transformers' decorator on PreTrainedModel.to hides its signature from type checkers
+    return model.to(device).eval(), tokenizer  # type: ignore[arg-type]

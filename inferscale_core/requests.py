@@ -6,12 +6,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .connector import InjectionParams, cache_salt, memory_hash, pack_fact
 from .errors import check_id
 from .template import PromptTemplate
 from .types import EncodedFact, Mode, kv_id
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
 
 
 def check_w(w) -> int:
@@ -46,8 +49,8 @@ class Prepared:
     salt: str | None
     retrieve_s: float  # embed + search + compose
 
-    def prompt(self) -> dict:
-        p: dict[str, Any] = {"prompt_token_ids": self.prompt_ids}
+    def prompt(self) -> TokensPrompt:
+        p: TokensPrompt = {"prompt_token_ids": self.prompt_ids}
         if self.salt is not None:
             p["cache_salt"] = self.salt
         return p

@@ -9,7 +9,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from .requests import Answer, Prepared, Query, RequestCore
 from .template import DEFAULT_INSTRUCTION, PromptTemplate
 from .types import SHARED_USER_ID, EncodedFact
 from .vllm_setup import default_dtype, default_sampling, engine_kwargs, model_folder, vllm_metrics
+
+if TYPE_CHECKING:  # vLLM's engine loads in start()
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 RPC_DEATH_CHECK_S = 1.0  # how often a call into the worker checks that the engine is still alive
 
@@ -52,7 +55,7 @@ class AsyncInjectingEngine:
         self.block_size = block_size
         self._args = engine_kwargs(path, default_dtype() if dtype is None else dtype, block_size, max_model_len,
                                    enable_prefix_caching, store_options, **engine_overrides)
-        self.engine = None
+        self.engine: AsyncLLM | None = None
 
     async def start(self) -> "AsyncInjectingEngine":
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -213,6 +216,7 @@ class AsyncInjectingEngine:
         async for final in engine.generate(prompt, sampling_params or default_sampling(),
                                            request_id=uuid.uuid4().hex):
             pass
+        assert final is not None  # generate yields at least the finished output
         c = final.outputs[0]
         return c.text, len(prompt["prompt_token_ids"]), len(c.token_ids)
 

@@ -27,6 +27,7 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +136,9 @@ class FactStore:
             raise ValueError(f"{lowest}_budget_bytes needs disk_dir: facts over the {lowest} budget "
                              "are evicted to disk, and without a disk tier they would be lost")
         self.max_fact_tokens = max_fact_tokens
-        self._shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        # None: taken from the first fact (a Mapping: never edited, replaced whole once known)
+        self._shape: Mapping[str, int | None] = {"num_layers": num_layers, "num_kv_heads": num_kv_heads,
+                                                 "head_dim": head_dim}
         self.dtype = dtype
         self._lock = threading.RLock()
         self._users: dict[str, dict[str, _Entry]] = {}
@@ -346,6 +349,7 @@ class FactStore:
         lower = self._memory_tiers[i + 1] if i + 1 < len(self._memory_tiers) else None
         if lower is not None and self._fits(lower, entry.nbytes):
             fact = entry.fact
+            assert fact is not None  # an entry in a memory tier holds its copy there
             self._unplace(entry)
             self._make_room(lower, entry.nbytes)
             self._place(entry, lower, self._to_host(fact))
@@ -390,6 +394,7 @@ class FactStore:
             self._disk_lru.move_to_end((entry.user_id, entry.fact_id))
         if entry.tier == "device":
             self._lru["device"].move_to_end((entry.user_id, entry.fact_id))
+            assert entry.fact is not None  # an entry in a memory tier holds its copy there
             return entry.fact
         if not self._fits("device", entry.nbytes):  # larger than the whole device budget: a temporary copy
             return self._device_copy(entry, entry.fact)
@@ -461,6 +466,7 @@ class FactStore:
     # ----------------------------------------------------------------- disk tier
 
     def _path(self, user_id: str, fact_id: str) -> Path:
+        assert self.disk_dir is not None  # only a store with a disk tier has fact files
         return self.disk_dir / _hash_name(user_id) / (_hash_name(fact_id) + FACT_SUFFIX)
 
     @staticmethod
@@ -525,6 +531,7 @@ class FactStore:
         this store's facts (truncated, foreign, another shape or dtype, a name that does not match its ids) is
         moved to QUARANTINE_DIR and skipped: the facts it held are re-encoded from the registry when asked for,
         where raising would keep the whole store, and the engine serving from it, from starting."""
+        assert self.disk_dir is not None  # only a store with a disk tier has fact files
         files = []
         for user_dir in sorted(p for p in self.disk_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
             for path in sorted(user_dir.glob("*" + FACT_SUFFIX)):
@@ -544,6 +551,7 @@ class FactStore:
 
     def _quarantine(self, path: Path, err: Exception) -> None:
         """Moves an unreadable fact file aside, for an operator to inspect or delete."""
+        assert self.disk_dir is not None  # only a store with a disk tier has fact files
         folder = self.disk_dir / QUARANTINE_DIR
         folder.mkdir(exist_ok=True)
         target = folder / f"{path.parent.name}-{path.name}"

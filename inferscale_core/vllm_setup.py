@@ -34,7 +34,7 @@ def default_dtype(accelerator: bool | None = None) -> torch.dtype:
     return torch.bfloat16 if accelerator else torch.float32
 
 
-def engine_kwargs(model: str, dtype: torch.dtype | str | None, block_size: int, max_model_len: int,
+def engine_kwargs(model: str, dtype: torch.dtype | str | None, block_size: int, max_model_len: int | None,
                   enable_prefix_caching: bool, store_options: dict | None, accelerator: bool | None = None,
                   **overrides) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` with the connector and its worker extension.

@@ -307,17 +307,20 @@ def build_app(cfg: ServiceConfig):
     # A user goes to its home engine replica (a hash of its stable slot), and to the next one while the home is
     # at twice its autoscaling target (services/routing.py); Serve's default router would pick any holder.
     engine_spec = cfg.deployments["EngineReplica"]
+    # Ray annotates RequestRouterConfig(**kwargs) as dict[str, Any] each (every value a dict): hence the ignores.
     opts["EngineReplica"] = {"request_router_config": RequestRouterConfig(
-        request_router_class=ROUTER_PATH, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_router_class=ROUTER_PATH,  # type: ignore[arg-type]
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,  # type: ignore[arg-type]
         request_router_kwargs={"move_at": move_threshold(engine_spec.target_ongoing_requests,
                                                          engine_spec.max_ongoing_requests)}), **opts["EngineReplica"]}
-    # One checked config per deployment: a mistake raises here, before Serve starts anything.
-    encoder = serve.deployment(EncoderPool, name="EncoderPool", **opts["EncoderPool"]).bind(cfg.encoder_pool_config())
-    retrieval = serve.deployment(Retrieval, name="Retrieval", **opts["Retrieval"]).bind(
+    # One checked config per deployment: a mistake raises here, before Serve starts anything. (The decorator
+    # form, serve.deployment(**options)(cls): the one Ray's annotations describe.)
+    encoder = serve.deployment(name="EncoderPool", **opts["EncoderPool"])(EncoderPool).bind(cfg.encoder_pool_config())
+    retrieval = serve.deployment(name="Retrieval", **opts["Retrieval"])(Retrieval).bind(
         cfg.retrieval_config(registry_url))
-    engine = serve.deployment(EngineReplica, name="EngineReplica", **opts["EngineReplica"]).bind(
+    engine = serve.deployment(name="EngineReplica", **opts["EngineReplica"])(EngineReplica).bind(
         encoder, cfg.engine_replica_config(registry_url))
-    gateway = serve.deployment(serve.ingress(http_app)(Gateway), name="Gateway", **opts["Gateway"])
+    gateway = serve.deployment(name="Gateway", **opts["Gateway"])(serve.ingress(http_app)(Gateway))
     return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
                         embedder_path=cfg.embedder_path, auth=cfg.auth, http=cfg.http)
 

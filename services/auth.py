@@ -209,9 +209,8 @@ class Authenticator:
             return ANONYMOUS_ADMIN
         token = _token_of(authorization)
         claims = self._verify(token, may_fetch)
-        sub = claims.get("sub")
         try:
-            check_user_id("sub", sub)
+            sub = check_user_id("sub", claims.get("sub"))
         except InvalidIdError:
             raise unauthenticated("the token's subject (sub) is not a valid user id") from None
         return Principal(sub, frozenset(_scopes(claims)))
@@ -231,6 +230,7 @@ class Authenticator:
                 self._jwks.refresh(kid)
             key, key_alg = self._jwks.key(kid)
         else:
+            assert self._public_key is not None  # without a JWKS here the check above leaves a public key
             key, key_alg = self._public_key
         if alg != key_alg:
             raise unauthenticated(f"token algorithm {alg!r} does not fit its key ({key_alg})")

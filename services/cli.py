@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -258,7 +259,7 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
     os.environ.update({**engine_env, **proxy_env})
     print(f"starting Ray and the InferScale app ({args.model or 'SmolLM2-135M-Instruct, embedded'}); "
           "the engine takes about a minute on a small CPU ...", flush=True)
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level=logging.ERROR,
              runtime_env={"env_vars": {**engine_env, **proxy_env}})  # for every Ray worker
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -211,7 +211,7 @@ class EncoderCore:
             return await self._encode_items(list(items))
 
     async def encode_for(self, user_id: str, facts: list[tuple[str, int, str, list[str]]]
-                         ) -> list[StoredKV | EncodedFact | EncodeFailure]:
+                         ) -> Sequence[StoredKV | EncodedFact | EncodeFailure]:
         """`(fact_id, version, text, window)` of one user's facts -> per fact StoredKV (written to the cluster
         tier), the EncodedFact (no cluster tier, or the write failed) or an EncodeFailure. Writing version v
         removes the fact's older versions from the cluster tier."""
@@ -221,7 +221,7 @@ class EncoderCore:
         good = [(i, kv_id(f, v), e) for i, ((f, v, _, _), e) in enumerate(zip(facts, encoded))
                 if not isinstance(e, EncodeFailure)]
         stored = await asyncio.to_thread(self.cluster.put_many, user_id, [(k, e) for _, k, e in good])
-        out = list(encoded)
+        out: list[StoredKV | EncodedFact | EncodeFailure] = list(encoded)
         for (i, _, e), ok in zip(good, stored):
             if ok:
                 out[i] = StoredKV(e.num_tokens)

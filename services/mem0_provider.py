@@ -22,6 +22,7 @@ worker thread, so the sink's methods are blocking.
 """
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import threading
@@ -43,6 +44,9 @@ def _mem0_env() -> None:
 
 
 _mem0_env()
+from mem0.llms.base import LLMBase  # noqa: E402 - mem0 reads the environment _mem0_env sets when first imported
+from mem0.vector_stores.base import VectorStoreBase  # noqa: E402
+
 log = logging.getLogger("inferscale.mem0")
 SUPPORTED_MEM0 = (2, 2)
 MEM0_KEYS_DROPPED = ("data", "text_lemmatized")  # payload keys kept elsewhere (text) or derivable
@@ -87,11 +91,11 @@ class FactSink(Protocol):
 
     def delete(self, user_id: str, fact_id: str) -> None: ...
 
-    def chat(self, user_id: str, messages: list[dict], max_tokens: int, temperature: float,
+    def chat(self, user_id: str, messages: builtins.list[dict], max_tokens: int, temperature: float,
              structured: dict | None) -> str:
         """Plain chat generation on the serving model for `user_id` (mem0's extraction prompt)."""
 
-    def chat_room(self, user_id: str, messages: list[dict]) -> int:
+    def chat_room(self, user_id: str, messages: builtins.list[dict]) -> int:
         """Tokens left in the serving model's context after these messages (negative: they do not fit)."""
 
 
@@ -119,13 +123,7 @@ def _metadata(payload: dict | None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- vector store
-def _vector_store_base():
-    from mem0.vector_stores.base import VectorStoreBase
-
-    return VectorStoreBase
-
-
-class InferScaleVectorStore(_vector_store_base()):
+class InferScaleVectorStore(VectorStoreBase):
     """mem0's vector store interface over InferScale, bound to one user: mem0 calls `get(id)` / `delete(id)`
     without a user, and a store that can only see its user keeps one user from touching another's facts."""
 
@@ -195,13 +193,7 @@ class InferScaleVectorStore(_vector_store_base()):
 
 
 # ------------------------------------------------------------------------------------------------------ LLM
-def _llm_base():
-    from mem0.llms.base import LLMBase
-
-    return LLMBase
-
-
-class ServingLLM(_llm_base()):
+class ServingLLM(LLMBase):
     """mem0's LLM interface over the serving model's plain chat generation, for the user of the extraction in
     progress (`user_id`, set by Mem0Extractor.add like the vector store's user)."""
 

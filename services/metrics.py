@@ -72,8 +72,8 @@ def hide_multiplexed_ids() -> None:
         original(self, *args, **kwargs)
         self.registered_model_gauge = _Discard()
 
-    __init__._inferscale_hides_ids = True
-    cls.__init__ = __init__
+    setattr(__init__, "_inferscale_hides_ids", True)
+    cls.__init__ = __init__  # type: ignore[method-assign]  # the patch this function exists for
 
 
 def code_of(e: BaseException | None) -> str:

@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from .api import ApiError
+
+if TYPE_CHECKING:  # vLLM loads with the engine replica's engine, not at import
+    from vllm import SamplingParams
 
 # What the gateway passes on to vLLM's request model (the sampling part of an OpenAI / vLLM chat request).
 # Everything else a caller sends is either read by the gateway itself (messages, model, stream, user, ...) or
@@ -48,7 +52,7 @@ def invalid(message: str, field: str | None = None) -> ApiError:
 @dataclass
 class OpenAIRequest:
     """A validated request: vLLM's SamplingParams and how its output becomes OpenAI choices."""
-    sampling: object          # vllm.SamplingParams
+    sampling: SamplingParams
     top_logprobs: int | None  # None: no logprobs asked for
     tool_choice: str | None   # a forced function's name, "required", or None (plain content)
 
@@ -92,9 +96,12 @@ def request(fields: dict, prompt_len: int, max_model_len: int, defaults: dict | 
             if req.response_format is not None or req.structured_outputs is not None:
                 raise invalid("`tool_choice` forces a tool call: it cannot be combined with `response_format` or "
                               "`structured_outputs`", "tool_choice")
-            schema = get_json_schema_from_tools(req.tool_choice, req.tools, req.parallel_tool_calls)
+            # (list is invariant: vLLM's list[Tool] does not take its own list[ChatCompletionToolsParam])
+            schema = get_json_schema_from_tools(req.tool_choice, req.tools,  # type: ignore[arg-type]
+                                                req.parallel_tool_calls)
             req.structured_outputs = StructuredOutputsParams(json=schema)
-            forced = req.tool_choice if req.tool_choice == "required" else req.tool_choice.function.name
+            # "required" or a named function ("auto" and "none" are out above)
+            forced = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.function.name
         room = max_model_len - prompt_len
         asked = req.max_completion_tokens or req.max_tokens
         sp = req.to_sampling_params(min(asked, room) if asked else room, dict(defaults or {}))
@@ -104,6 +111,7 @@ def request(fields: dict, prompt_len: int, max_model_len: int, defaults: dict | 
         raise _refusal(e) from None
     sp.output_kind = RequestOutputKind.DELTA  # streamed or not, the replica forwards pieces as they come
     top = req.top_logprobs if req.logprobs else None
+    assert sp.max_tokens is not None  # to_sampling_params was given one
     check_output_size(sp.n, sp.max_tokens, top)
     return OpenAIRequest(sp, top, forced)
 

@@ -133,9 +133,9 @@ def _bind_grpc_to(host: str) -> None:
 
     plain = default_impl.add_grpc_address
 
-    def add_grpc_address(server, address: str):
-        port = address.rsplit(":", 1)[1]
-        return plain(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    def add_grpc_address(grpc_server, server_address: str):  # Serve's parameter names: a drop-in replacement
+        port = server_address.rsplit(":", 1)[1]
+        return plain(grpc_server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
     default_impl.add_grpc_address = add_grpc_address
 
@@ -156,8 +156,8 @@ def _carry_grpc_deadline() -> None:
         left = grpc_context.time_remaining()
         setattr(self, DEADLINE_ATTR, None if left is None else time.time() + left)
 
-    __init__._inferscale_deadline = True
-    RayServegRPCContext.__init__ = __init__
+    setattr(__init__, "_inferscale_deadline", True)
+    RayServegRPCContext.__init__ = __init__  # type: ignore[method-assign]  # the patch this function exists for
 
 
 def _send_error_details() -> None:
@@ -186,7 +186,7 @@ def _send_error_details() -> None:
         if status.is_error and status.headers:  # only ever set by get_grpc_response_status above on this path
             context.set_trailing_metadata(tuple(status.headers))
 
-    get_grpc_response_status._inferscale_details = True
+    setattr(get_grpc_response_status, "_inferscale_details", True)
     proxy.get_grpc_response_status, proxy.set_grpc_code_and_details = get_grpc_response_status, set_grpc_code_and_details
 
 

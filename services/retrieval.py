@@ -70,6 +70,7 @@ class QueryBatcher:
                     self._cv.notify_all()
         if mine.error is not None:
             raise mine.error
+        assert mine.row is not None  # a batch that did not fail gave each of its queries its row
         return mine.row
 
     def _run(self, batch: list["_Query"]) -> None:
@@ -89,7 +90,9 @@ class _Query:
     __slots__ = ("text", "row", "error", "done")
 
     def __init__(self, text: str):
-        self.text, self.row, self.error, self.done = text, None, None, False
+        self.text, self.done = text, False
+        self.row: torch.Tensor | None = None
+        self.error: BaseException | None = None
 
 
 class RetrievalCore:

@@ -84,7 +84,7 @@ class UserAffinityRouter(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         user_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
-        if not user_id or not candidate_replicas:
+        if pending_request is None or not user_id or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
         move_at = self.move_at or min(r.max_ongoing_requests for r in candidate_replicas)
         order = preference_order(user_id, candidate_replicas, replica_key,

@@ -58,8 +58,10 @@ class Answering:
         from ..openai_params import logprobs_content, request, tool_calls
 
         chat = req.openai
+        assert chat is not None  # stream sends only OpenAI chat requests here
         oai = request(chat.sampling or {}, len(p.prompt_ids), self.max_model_len, self.engine.sampling_defaults())
         sp, n = oai.sampling, oai.sampling.n
+        assert sp.max_tokens is not None  # request() always sets it (the room left in the context at most)
         tokenizer = self.engine.tokenizer()
         texts, counts, finish = [""] * n, [0] * n, [None] * n
         with self.admission.admit(min(len(p.prompt_ids) + n * sp.max_tokens, n * self.max_model_len)):

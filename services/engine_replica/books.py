@@ -93,7 +93,7 @@ class ResidentKV:
             held[1] += 1
         keep = {(user_id, kv) for kv, _ in items}
         share = self.budget_bytes * USER_SHARE
-        out = []
+        out: list[tuple[str, str]] = []
         for over_share_only in (True, False):  # two passes over the LRU order: O(facts held)
             for key in list(self._lru):
                 if self.bytes <= self.budget_bytes:

@@ -211,14 +211,17 @@ class ReplicaCore:
             # Both modes serve the same facts (an A/B of injection).
             now = time.time()
             facts = [(f, held[f]) for f in req.fact_ids if f in held and now < held[f].expires_at]
-            fetch_steps, fetched = {}, []
+            fetch_steps: dict[str, float] = {}
+            fetched: list[str] = []
             if mode == Mode.KV:
                 fetch_steps, fetched = await self.kv.fetch(user_id, facts)
                 # A fact the encoder just found it cannot encode (stored by an older version) is no longer held:
                 # left out, as the sync used to leave it out before the request.
                 facts = [(f, h) for f, h in facts if held.get(f) == h]
             hops = {"user_sync": ms(t_synced - t_in), "kv_fetch": ms(time.perf_counter() - t_synced), **fetch_steps}
-            conversation, after, tools = req.conversation, (), ()
+            conversation = req.conversation
+            after: list[dict] = []
+            tools: list = []
             if req.openai is not None:
                 turns, at = req.openai.messages, req.openai.question_index
                 conversation, after, tools = turns[:at], turns[at + 1:], req.openai.tools

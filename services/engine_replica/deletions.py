@@ -99,6 +99,7 @@ class Deletions:
         return path.read_text().strip() or None if path is not None and path.is_file() else None
 
     def _save_cursor(self) -> None:
+        assert self._cursor is not None  # read or asked for before the first save
         if self.disk_dir:
             path = Path(self.disk_dir) / TOMBSTONE_CURSOR
             tmp = path.with_name(path.name + ".tmp")

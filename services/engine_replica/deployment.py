@@ -32,7 +32,8 @@ MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
 class EngineReplica:
     """`build_engine`: how the engine is made (default `start_engine`: vLLM with the connector)."""
 
-    async def __init__(self, encoder, config: EngineReplicaConfig, build_engine=None):
+    # An async __init__ (mypy allows only None): Serve awaits it before the replica takes requests.
+    async def __init__(self, encoder, config: EngineReplicaConfig, build_engine=None):  # type: ignore[misc]
         from inferscale_core.defaults import serving_store_options
         from inferscale_core.store import default_disk_budget_bytes
 

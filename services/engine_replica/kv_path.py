@@ -36,7 +36,9 @@ PUT_CHUNK_TOKENS = 512  # KV tokens per call into the engine core: its step loop
 
 def put_chunks(items: list, token_counts: list[int], max_tokens: int = PUT_CHUNK_TOKENS) -> list[list]:
     """`items` cut, in order, into runs of at most `max_tokens` tokens (an item larger than that alone)."""
-    chunks, cur, used = [], [], 0
+    chunks: list[list] = []
+    cur: list = []
+    used = 0
     for item, n in zip(items, token_counts):
         if cur and used + n > max_tokens:
             chunks.append(cur)

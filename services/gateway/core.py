@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -34,6 +34,9 @@ from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
 from ..messages import AnswerEnd, AnswerPiece, OpenAIChat
 from ..registry import FactRecord, NewFact, Registry, VersionConflictError
 from .principal_limits import PrincipalLimit, PrincipalLimits
+
+if TYPE_CHECKING:  # mem0ai loads on the first infer=true request, not at import
+    from ..mem0_provider import Mem0Extractor
 
 log = logging.getLogger("inferscale.gateway")
 # Facts read after a fact that left the memory, for the windows that hold it: NEIGHBOUR_WINDOW and as many again
@@ -101,7 +104,8 @@ class WatchSlots:
     bound a Watch gets RESOURCE_EXHAUSTED at once. Watches read the cached health state, so they cost no probe."""
 
     def __init__(self, total: int = WATCH_STREAMS_MAX, per_peer: int = WATCH_STREAMS_PER_PEER):
-        self.total, self.per_peer, self.open, self.by_peer = total, per_peer, 0, Counter()
+        self.total, self.per_peer, self.open = total, per_peer, 0
+        self.by_peer: Counter[str] = Counter()
 
     @contextmanager
     def hold(self, peer: str | None):
@@ -139,7 +143,7 @@ class GatewayCore:
         """`auth` is required: Authenticator.insecure() is the explicit way to run without it."""
         self.registry, self.backends, self.limits, self.auth = registry, backends, limits, auth
         self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
-        self._extractor = None  # inferscale_server.mem0_provider.Mem0Extractor, built on the first infer=true request
+        self._extractor: Mem0Extractor | None = None  # built on the first infer=true request
         self._extractor_lock = asyncio.Lock()
         self._sink: GatewaySink | None = None
         # Mem0 runs one extraction at a time (its vector store is bound to the call's user): one thread of its own.
@@ -378,6 +382,7 @@ class GatewayCore:
                     self._extractor = await asyncio.get_running_loop().run_in_executor(
                         self._mem0_pool, Mem0Extractor, self._sink, self.embedder_path)
             call = ExtractionCall(stamp)
+            assert self._sink is not None  # made with the extractor
             done = self._mem0_pool.submit(self._sink.running(call, self._extractor.add), user_id, messages, metadata)
             try:
                 return await api.within_deadline(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
@@ -426,7 +431,7 @@ class GatewayCore:
         """Mem0's add for an authorized user: Mem0's events ({"id", "memory", "event", "previous_memory"}).
         `created_at` (None: now) and `expires_at` (FactRecord's) are those of the memories it adds (Mem0's
         timestamp and expiration_date); memories an extraction updates keep theirs."""
-        stamp = {"created_at": created_at, "expires_at": expires_at}
+        stamp: dict[str, Any] = {"created_at": created_at, "expires_at": expires_at}
         if infer:
             return await self._extract(uid, messages, meta, stamp)
         # Mem0's infer=False: every non-system message is stored as it is, tagged with its role.
@@ -463,7 +468,7 @@ class GatewayCore:
             recs = await self._records(uid, [f for f, _ in hits])
             out = [(recs[f], s) for f, s in hits if f in recs and (threshold is None or s >= threshold)]
             if match is not None:  # up to max_facts_per_user records: matched in a worker thread, never the loop
-                out = await asyncio.to_thread(lambda out=out: [(r, s) for r, s in out if match(r)])
+                out = await asyncio.to_thread(lambda: [(r, s) for r, s in out if match(r)])
             if (len(out) >= k or match is None or len(hits) < want or want >= self.limits.max_facts_per_user
                     or (threshold is not None and hits and hits[-1][1] < threshold)):
                 return out[:k]
@@ -521,7 +526,8 @@ class GatewayCore:
         after = api.page_token(req.page_token, scope)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
-        facts, total = [], 0
+        facts: list = []  # pb2.Fact messages
+        total = 0
         for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
             if match is not None and not match(r):
                 after = seq

@@ -27,6 +27,8 @@ def is_overload(err: ApiError) -> bool:
 
 
 def retry_after_header(err: ApiError) -> dict[str, str]:
+    """For an error that is_overload: it carries a retry hint."""
+    assert err.retry_after_s is not None
     return {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))}  # whole seconds (RFC 9110)
 
 

@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
@@ -40,7 +41,7 @@ ROLES = ("system", "user", "assistant", "tool")
 GATEWAY_FIELDS = {"model", "messages", "stream", "stream_options", "user", "safety_identifier", "k",
                   "inferscale_mode"}
 # OpenAI fields that change nothing when sent with these values (SDKs send some of them by default).
-NEUTRAL_VALUES = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
+NEUTRAL_VALUES: dict[str, tuple] = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
                   "metadata": ({},)}
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -465,7 +466,7 @@ def _messages(raw, limits: Limits) -> tuple[list[dict], int]:
         if role not in ROLES:
             raise api.invalid(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
                               f"got {role!r}"[:300])
-        turn = {"role": role}
+        turn: dict[str, Any] = {"role": role}
         calls = m.get("tool_calls") if role == "assistant" else None
         content = m.get("content")
         turn["content"] = "" if content is None and calls else _text(content, f"messages[{i}].content")
@@ -525,7 +526,7 @@ def _text(content, where: str) -> str:
     return "\n".join(parts)
 
 
-async def _sse(gen, first: dict, cid: str, created: int, call: ChatCall, done):
+async def _sse(gen, first: AnswerPiece | AnswerEnd, cid: str, created: int, call: ChatCall, done):
     """Server-sent events as OpenAI (and vllm serve) stream them: a role chunk per choice, content (and
     logprobs) chunks as they come, a finish chunk per choice, then the usage chunk when asked. A forced tool
     call is sent as one tool_calls delta per choice at its end. An error after the first event ends the

@@ -435,7 +435,7 @@ def _parse(model: type[_Body], body: bytes):
         data = json.loads(body or b"{}", parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
         raise api.invalid(f"request body is not JSON ({str(e)[:200]})") from None
-    nulls = frozenset()
+    nulls: frozenset[str] = frozenset()
     if isinstance(data, dict):
         nulls = frozenset(k for k, v in data.items() if v is None and k not in model.model_fields)
         data = {k: v for k, v in data.items() if k not in nulls}
@@ -496,15 +496,15 @@ def _scope_filter(values: dict[str, str | None]) -> dict:
 
 
 def _and(*parts: dict | None) -> dict | None:
-    parts = [p for p in parts if p]
-    return None if not parts else parts[0] if len(parts) == 1 else {"AND": list(parts)}
+    given = [p for p in parts if p]
+    return None if not given else given[0] if len(given) == 1 else {"AND": given}
 
 
 def _error(err: ApiError) -> JSONResponse:
     """{"detail", "code"} with the status Mem0's client maps to its exceptions; overload is 429 with Retry-After
     (its RateLimitError), 401 carries the challenge, not implemented is 501 (the client's base MemoryError)."""
-    content = {"detail": err.message, "code": err.code.name.lower()}
-    if getattr(err, "results", None) is not None:
+    content: dict[str, object] = {"detail": err.message, "code": err.code.name.lower()}
+    if isinstance(err, BatchFailed):
         content["results"] = err.results
     if is_overload(err):
         return JSONResponse(status_code=429, headers=retry_after_header(err), content=content)
@@ -531,7 +531,7 @@ def _schema(model: type[BaseModel]) -> dict:
 
 def _doc(request_model=None, response_model=None) -> dict:
     """FastAPI route options that document a body this module parses itself (after authentication)."""
-    out = {}
+    out: dict[str, dict] = {}
     if request_model is not None:
         out["openapi_extra"] = {"requestBody": {"required": True, "content": {
             "application/json": {"schema": _schema(request_model)}}}}
@@ -664,7 +664,8 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     async def delete_matching(core, uid: str, match) -> int:
         """Deletes the user's memories that `match` keeps (read 1000 at a time, matched in a worker thread);
         one deleted meanwhile is gone either way."""
-        n, offset, doomed = 0, 0, []
+        n, doomed = 0, []
+        offset: int | None = 0
         while offset is not None:
             recs, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
             doomed += [r.fact_id for r in recs]
@@ -718,7 +719,8 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
             recs = (await asyncio.to_thread(core.registry.list, uid, first, size))[0] if first < count else []
             results = [memory_json(r) for r in recs]
         else:  # one pass over the user's facts, 1000 at a time, read and matched in a worker thread (never the loop)
-            count, results, offset = 0, [], 0
+            count, results = 0, []
+            offset: int | None = 0
             while offset is not None:
                 recs, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
                 results += [memory_json(r) for r in recs[max(0, first - count):max(0, first + size - count)]]
@@ -769,9 +771,10 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                 return memory_json(await asyncio.to_thread(core.registry.get, uid, fid))
             raise api.invalid("nothing to update: send text, metadata and/or expiration_date")
         cur = None if meta is None and expiry is None else await asyncio.to_thread(core.registry.get, uid, fid)
-        if text is None and meta is None and expiry == cur.expires_at:
+        if text is None and meta is None and cur is not None and expiry == cur.expires_at:
             return memory_json(cur)  # the expiry it has already (clearing none, say): no new version
         if meta is not None:  # Mem0 replaces the metadata; the scope fields stay what they were
+            assert cur is not None  # read above whenever metadata is sent
             meta = {**meta, **_scopes(cur)}
         rec = await core.update_fact(uid, fid, text, meta, replace_metadata=meta is not None, expires_at=expiry)
         return memory_json(rec)

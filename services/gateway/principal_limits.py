@@ -10,6 +10,7 @@ gateway replica: with R replicas a tenant has R shares, as it has R times the sl
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class PrincipalLimits:
         if task is None:  # not in a task (a direct test call): nothing to release against
             return
         self._in_flight.setdefault(caller.subject, set()).add(task)
-        task.add_done_callback(lambda t, who=caller.subject: self._release(who, t))
+        task.add_done_callback(functools.partial(self._release, caller.subject))
 
     def in_flight(self, user_id: str) -> int:
         return len(self._in_flight.get(user_id, ()))

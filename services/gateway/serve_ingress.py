@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import cast
 
 import grpc
 
@@ -136,7 +137,7 @@ def _replica() -> "Gateway":
     cannot close over module state; Serve's replica context names the instance.)"""
     from ray import serve
 
-    return serve.get_replica_context().servable_object
+    return cast("Gateway", serve.get_replica_context().servable_object)  # Serve types it as a Callable
 
 
 def _replica_core() -> GatewayCore:

@@ -38,7 +38,8 @@ class ActorRegistry(Registry):
         import ray
 
         try:
-            return ray.get(self.actor.call.remote(method, args, kwargs))
+            # Ray types an actor's methods as the plain functions unless @ray.method (ray is imported lazily here)
+            return ray.get(self.actor.call.remote(method, args, kwargs))  # type: ignore[attr-defined]
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, Exception):

@@ -2,6 +2,7 @@
 (services/registry/__init__.py lists the backends)."""
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import time
@@ -250,7 +251,8 @@ class Registry(ABC):
         """Facts in creation order from `offset`; returns (records, next offset or None at the end)."""
 
     @abstractmethod
-    def list_after(self, user_id: str, after: int, limit: int) -> tuple[list[tuple[int, FactRecord]], int | None]:
+    def list_after(self, user_id: str, after: int,
+                   limit: int) -> tuple[builtins.list[tuple[int, FactRecord]], int | None]:
         """Up to `limit` facts created after creation sequence number `after` (0: from the first), in creation
         order, each with its sequence number; and the cursor to go on from (None at the end). A cursor, not an
         offset: facts deleted meanwhile do not shift it, so a listing that deletes as it pages skips no
@@ -263,7 +265,7 @@ class Registry(ABC):
     def seq_of(self, user_id: str, fact_id: str) -> int | None:
         """The fact's creation sequence number (list_after's cursor), None when the user has no such fact."""
 
-    def latest(self, user_id: str, n: int) -> list[FactRecord]:
+    def latest(self, user_id: str, n: int) -> builtins.list[FactRecord]:
         """The user's n most recently stored facts, oldest first: the neighbours a new fact is encoded behind
         (inferscale_core/defaults.py). Backends that can do it in one read override this."""
         if n <= 0:
@@ -298,7 +300,7 @@ class Registry(ABC):
         """Bytes the user's facts count against its quota (fact_bytes summed, plus their kept earlier versions)."""
 
     @abstractmethod
-    def history(self, user_id: str, fact_id: str) -> list[FactVersion]:
+    def history(self, user_id: str, fact_id: str) -> builtins.list[FactVersion]:
         """The fact's earlier versions (text or metadata changed), oldest first, at most MAX_HISTORY; the
         current version is the record itself. Erased with the fact."""
 
@@ -307,12 +309,12 @@ class Registry(ABC):
         """KV bytes the user's facts count against Quota.max_kv_bytes (kv_bytes summed)."""
 
     @abstractmethod
-    def expired_facts(self, user_id: str, now: float) -> list[str]:
+    def expired_facts(self, user_id: str, now: float) -> builtins.list[str]:
         """Ids of the user's facts expired at `now` (expires_at <= now). RedisRegistry: one read of an index of
         the user's facts that have an expiry, however many facts the user has."""
 
     @abstractmethod
-    def owners_of(self, fact_id: str) -> list[str]:
+    def owners_of(self, fact_id: str) -> builtins.list[str]:
         """The users that have a fact of this id, sorted: at most one in the in-process registries (one space of
         ids), possibly several in RedisRegistry (a fact id is its user's own). For a caller that may act for every
         user (a server without authentication) only: it tells whose a fact id is. Its cost does not grow with the
@@ -330,11 +332,11 @@ class Registry(ABC):
         """Counter bumped by every change to the user's facts (0 for a user never written)."""
 
     @abstractmethod
-    def user_versions(self, user_ids: list[str]) -> list[int]:
+    def user_versions(self, user_ids: builtins.list[str]) -> builtins.list[int]:
         """user_version of each user, in order, in one round trip (an engine replica's watch of its users)."""
 
     @abstractmethod
-    def tombstones_after(self, cursor: str | None, limit: int = 1000) -> tuple[list[Tombstone], str]:
+    def tombstones_after(self, cursor: str | None, limit: int = 1000) -> tuple[builtins.list[Tombstone], str]:
         """Tombstones written after `cursor`, oldest first (at most `limit`), and the cursor after them. `cursor`
         None: the log's end now (no tombstones, the cursor to start from); "0": its beginning."""
 
@@ -400,9 +402,10 @@ class Registry(ABC):
                        expires_at=cur.expires_at if expires_at is None else float(expires_at))
 
     @staticmethod
-    def _new_records(user_id: str, facts: list[NewFact], now: float) -> list[FactRecord]:
+    def _new_records(user_id: str, facts: builtins.list[NewFact], now: float) -> builtins.list[FactRecord]:
         check_id("user_id", user_id)
-        out, seen = [], set()
+        out: builtins.list[FactRecord] = []
+        seen: set[str] = set()
         for i, f in enumerate(facts):
             if not isinstance(f, NewFact):
                 raise TypeError(f"facts[{i}] must be a NewFact, got {type(f).__name__}")

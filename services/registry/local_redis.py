@@ -188,6 +188,7 @@ def local_redis_cluster_nodes(masters: int = 3, replicas_per_master: int = 0, no
             clients[n.port].execute_command("CLUSTER MEET", "127.0.0.1", nodes[0].port)
         ids = {n.port: n.node_id for n in nodes}
         for n in nodes[masters:]:
+            assert n.master_port is not None  # the nodes after the masters are replicas
             while True:  # a replica can follow a master only once it knows it (gossip)
                 try:
                     clients[n.port].execute_command("CLUSTER REPLICATE", ids[n.master_port])

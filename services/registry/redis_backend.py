@@ -398,7 +398,8 @@ class RedisRegistry(Registry):
 
         deadline, pause = time.monotonic() + WRITE_RIDE_THROUGH_S, 0.05
         while True:
-            node, sent = self._master_client(key), []
+            node = self._master_client(key)
+            sent: list = []
             conn = node.connection_pool.get_connection()
             try:
                 out = op(node, conn, sent)
@@ -580,10 +581,12 @@ class RedisRegistry(Registry):
         from redis.exceptions import RedisClusterException
 
         buckets = range(BUCKETS) if buckets is None else list(buckets)
-        r, out = self.r, {}
+        r = self.r
+        out: dict = {}
         if self.cluster:
             try:
-                nodes, groups = self._bucket_nodes(), {}
+                nodes = self._bucket_nodes()
+                groups: dict[str, tuple] = {}  # node name -> (node, its buckets)
                 for b in buckets:
                     groups.setdefault(nodes[b].name, (nodes[b], []))[1].append(b)
                 for node, group in groups.values():
