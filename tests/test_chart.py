@@ -535,7 +535,8 @@ def test_grafana_dashboard_is_optional_and_every_panel_is_a_query_of_exported_me
 def test_rendered_serve_config_follows_values(helm):
     sets = ["deployments.EngineReplica.maxReplicas=7", "deployments.EncoderPool.numGpus=0.5",
             "model.path=/m/other", "redis.enabled=false", "redis.externalUrl=redis://ext:6379/1",
-            "ports.grpc=9100", "limits.max_fact_chars=4000", "auth.issuer=https://id.example"]
+            "ports.grpc=9100", "limits.max_fact_chars=4000", "auth.issuer=https://id.example",
+            "networkPolicy.egress.to[0].ports[0].port=6379"]  # the external Redis, reachable from the workers
     docs = _render(helm, *sets, release="r2")
     values = copy.deepcopy(VALUES)
     values["deployments"]["EngineReplica"]["maxReplicas"] = 7
@@ -615,13 +616,14 @@ def test_jwks_needs_issuer_and_audience_and_mounts_no_hs256_secret(helm):
     """Issue 19: with an identity provider's JWKS the chart refuses to render without issuer and audience,
     and neither makes nor mounts the HS256 secret (whoever could read it could mint tokens)."""
     for missing in ([], ["auth.issuer=https://id.example"], ["auth.audience=inferscale"]):
-        cmd = [helm, "template", "rel", str(CHART), "--set", "auth.jwksUrl=https://id.example/jwks.json"]
+        cmd = [helm, "template", "rel", str(CHART), "--set", "auth.jwksUrl=https://id.example/jwks.json",
+               "--set", "networkPolicy.egress.to[0].ports[0].port=443"]  # the JWKS host, reachable
         for s in missing:
             cmd += ["--set", s]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and "needs auth.issuer and auth.audience" in out.stderr, missing
     docs = _render(helm, "auth.jwksUrl=https://id.example/jwks.json", "auth.issuer=https://id.example",
-                   "auth.audience=inferscale")
+                   "auth.audience=inferscale", "networkPolicy.egress.to[0].ports[0].port=443")
     assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-jwt")]
     for group, pod in _pod_specs(docs).items():
         if group != "redis":
@@ -670,34 +672,71 @@ def _selects(selector: dict, labels: dict) -> bool:
 
 def test_network_policies_admit_only_the_release_to_mooncake(helm):
     """Mooncake has no authentication: by default only the release's own pods reach the master and the worker pods
-    (segments, transfer engines); from elsewhere only the Serve proxies' and the metrics ports are open."""
+    (segments, transfer engines); from elsewhere only the Serve proxies' and the metrics ports are open (and the
+    head's dashboard and GCS ports, for KubeRay's operator). Redis takes only the release's Ray pods. The worker
+    pods and Redis connect only to the release's pods and DNS; the head's egress stays open (its autoscaler calls
+    the API server)."""
     docs = _render(helm, release="np")
     labels = _pod_labels(docs)
     policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
-    assert set(policies) == {"np-mooncake-master", "np-ray-workers"}
+    assert set(policies) == {"np-mooncake-master", "np-ray-workers", "np-ray-head", "np-redis"}
     selected = {name: sorted(g for g, lab in labels.items() if _selects(p["podSelector"], lab))
                 for name, p in policies.items()}
-    assert selected == {"np-mooncake-master": ["np-mooncake"], "np-ray-workers": ["cpu-workers", "gpu-workers"]}
+    assert selected == {"np-mooncake-master": ["np-mooncake"], "np-ray-workers": ["cpu-workers", "gpu-workers"],
+                        "np-ray-head": ["ray-head"], "np-redis": ["redis"]}
     pods = _pod_specs(docs)
     for name, p in policies.items():
-        assert p["policyTypes"] == ["Ingress"]
+        assert p["policyTypes"] == {"np-mooncake-master": ["Ingress"], "np-ray-head": ["Ingress"]}.get(
+            name, ["Ingress", "Egress"]), name
         release_rules = [r for r in p["ingress"] if r.get("from") and all("podSelector" in f for f in r["from"])]
         (peer,) = [f["podSelector"] for r in release_rules for f in r["from"]]
-        assert all(_selects(peer, lab) for lab in labels.values())  # every pod of the release, none of another's
+        ray_pods = {g: lab for g, lab in labels.items() if g in ("ray-head", "cpu-workers", "gpu-workers")}
+        assert all(_selects(peer, lab) for lab in (ray_pods if name == "np-redis" else labels).values())
         assert not _selects(peer, {**labels["gpu-workers"], "app.kubernetes.io/instance": "other"})
+        if name == "np-redis":  # not even the Mooncake master
+            assert not _selects(peer, labels["np-mooncake"])
         open_to_all = {port["port"] for r in p["ingress"] if "from" not in r for port in r["ports"]}
-        assert open_to_all == (set() if name == "np-mooncake-master" else {"serve", "grpc", "metrics"})
-    for group in ("cpu-workers", "gpu-workers"):  # the named ports exist on the selected pods
+        assert open_to_all == {"np-mooncake-master": set(), "np-redis": set(), "np-ray-workers": {"serve", "grpc", "metrics"},
+                               "np-ray-head": {"serve", "grpc", "metrics", "dashboard", "gcs-server"}}[name]
+    assert policies["np-redis"]["egress"] == []
+    to_release, dns = policies["np-ray-workers"]["egress"]
+    assert [f["podSelector"] for f in to_release["to"]] == [{"matchLabels": {"app.kubernetes.io/instance": "np"}}]
+    assert "to" not in dns and {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+    for group in ("cpu-workers", "gpu-workers", "ray-head"):  # the named ports exist on the selected pods
         names = {port["name"] for c in pods[group]["containers"] for port in c.get("ports", [])}
-        assert {"serve", "grpc", "metrics"} <= names
+        assert {"serve", "grpc", "metrics"} <= names and (group != "ray-head" or {"dashboard", "gcs-server"} <= names)
     monitoring = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
-    docs = _render(helm, "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring", release="np")
-    (workers,) = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "np-ray-workers"]
-    assert [r["from"] for r in workers["ingress"] if r.get("ports") == [{"port": "metrics"}]] == [[monitoring]]
+    docs = _render(helm, "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
+                   "networkPolicy.operatorFrom[0].namespaceSelector.matchLabels.name=kuberay", release="np")
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert [r["from"] for r in policies["np-ray-workers"]["ingress"] if r.get("ports") == [{"port": "metrics"}]] == [
+        [monitoring]]
+    assert [r["from"] for r in policies["np-ray-head"]["ingress"]
+            if r.get("ports") == [{"port": "dashboard"}, {"port": "gcs-server"}]] == [
+        [{"namespaceSelector": {"matchLabels": {"name": "kuberay"}}}]]
     _validate([d for d in docs if d["kind"] == "NetworkPolicy"])
-    assert [d["metadata"]["name"] for d in _render(helm, "mooncake.enabled=false", release="np")
-            if d["kind"] == "NetworkPolicy"] == ["np-ray-workers"]
+    assert sorted(d["metadata"]["name"] for d in _render(helm, "mooncake.enabled=false", release="np")
+                  if d["kind"] == "NetworkPolicy") == ["np-ray-head", "np-ray-workers", "np-redis"]
     assert not [d for d in _render(helm, "networkPolicy.enabled=false", release="np") if d["kind"] == "NetworkPolicy"]
+    # egress off: ingress only, everywhere
+    docs = _render(helm, "networkPolicy.egress.enabled=false", release="np")
+    assert all(d["spec"]["policyTypes"] == ["Ingress"] and "egress" not in d["spec"]
+               for d in docs if d["kind"] == "NetworkPolicy")
+
+
+def test_network_policy_egress_needs_a_rule_for_what_lies_outside_the_release(helm):
+    """An external Redis or a JWKS host is outside the release: with egress limited the chart refuses to render
+    until networkPolicy.egress.to allows it (a policy that silently cut the workers off would fail at run time)."""
+    for flags, named in ((("redis.enabled=false",), "external Redis"),
+                         (("auth.jwksUrl=https://idp.example/jwks", "auth.issuer=https://idp.example",
+                           "auth.audience=inferscale"), "auth.jwksUrl")):
+        out = subprocess.run([helm, "template", "np", str(CHART), *(a for f in flags for a in ("--set", f))],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and named in out.stderr and "networkPolicy.egress.to" in out.stderr, out.stderr
+        docs = _render(helm, *flags, "networkPolicy.egress.to[0].ports[0].port=6379", release="np")
+        (workers,) = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "np-ray-workers"]
+        assert workers["egress"][-1] == {"ports": [{"port": 6379}]}
+        _validate([d for d in docs if d["kind"] == "NetworkPolicy"])
 
 
 def test_mooncake_master_and_engine_segments(helm):
