@@ -9,6 +9,7 @@ import pytest
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError
 from inferscale_server.registry import (
+    FACT_STORED_BYTES,
     ActorRegistry,
     DuplicateFactError,
     EmbeddedRegistry,
@@ -126,7 +127,8 @@ def test_update_can_change_the_window_alone(reg):
     new = reg.update("u", r.fact_id, window=("- b\n",), expected_version=1)
     got = reg.get("u", r.fact_id)
     assert new.version == got.version == 2 and got.window == ("- b\n",) and got.text == "likes tea"
-    assert got.embedding is not None and reg.user_bytes("u") == len("likes tea") + 2 + len('["- b\\n"]')
+    assert got.embedding is not None and reg.user_bytes("u") == (len("likes tea") + 2 + len('["- b\\n"]')
+                                                                 + FACT_STORED_BYTES)
     with pytest.raises(ValueError, match="window"):
         reg.update("u", r.fact_id, window=("ok", 3))
 
@@ -443,12 +445,13 @@ def test_retrieval_never_picks_an_expired_fact(redis_url):
 def test_quotas_on_facts_and_bytes(reg):
     from inferscale_server.registry import Quota, QuotaExceededError, fact_bytes
 
-    q = Quota(max_facts=3, max_bytes=200)
+    limit = 2 * FACT_STORED_BYTES + 200  # what Redis stores with two facts, and 200 bytes of their text
+    q = Quota(max_facts=3, max_bytes=limit)
     a, b = reg.create("u", [NewFact("one"), NewFact("two", {"k": "v"})], quota=q)
-    assert reg.user_bytes("u") == fact_bytes(a) + fact_bytes(b)
+    assert reg.user_bytes("u") == fact_bytes(a) + fact_bytes(b) > 2 * FACT_STORED_BYTES
     with pytest.raises(QuotaExceededError, match="limit of 3 facts per user"):
         reg.create("u", [NewFact("three"), NewFact("four")], quota=q)
-    with pytest.raises(QuotaExceededError, match="limit of 200 bytes per user"):
+    with pytest.raises(QuotaExceededError, match=f"limit of {limit} bytes per user"):
         reg.create("u", [NewFact("x" * 190)], quota=q)
     with pytest.raises(QuotaExceededError, match="bytes per user"):  # an update that grows the text counts too
         reg.update("u", a.fact_id, text="y" * 190, quota=q)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from .actor import ACTOR_NAMESPACE, ACTOR_SCHEME, ActorRegistry
 from .base import (
+    FACT_STORED_BYTES,
     DuplicateFactError,
     FactRecord,
     NewFact,
@@ -34,7 +35,7 @@ from .redis_backend import PASSWORD_ENV, RedisRegistry, redacted
 
 __all__ = ["ACTOR_NAMESPACE", "ACTOR_SCHEME", "ActorRegistry", "DuplicateFactError", "EmbeddedRegistry",
            "FactRecord", "NewFact", "PASSWORD_ENV", "Quota", "QuotaExceededError", "RedisRegistry", "Registry",
-           "Tombstone", "UnconfirmedWriteError", "VersionConflictError", "fact_bytes", "open_registry", "redacted"]
+           "Tombstone", "UnconfirmedWriteError", "VersionConflictError", "FACT_STORED_BYTES", "fact_bytes", "open_registry", "redacted"]
 
 
 def open_registry(url: str | None, prefix: str = "inferscale:", index_owners: bool = False) -> Registry:
