@@ -55,7 +55,7 @@ class Limits:
     max_metadata_value_chars: int = 1024
     max_facts_per_user: int = 100_000
     # What the user's facts take in Redis: text + metadata + window (UTF-8) and registry.FACT_STORED_BYTES a fact
-    # (embedding and Redis's own keys): ~20,000 facts of LoCoMo's size, 64 MiB of the registry's memory at most.
+    # (embedding and Redis's own keys): ~18,000 facts of LoCoMo's size, 64 MiB of the registry's memory at most.
     max_bytes_per_user: int = 64 << 20
     max_kv_bytes_per_user: int = 16 << 30  # KV of all the user's facts (tokens x the model's KV bytes per token)
     default_k: int = 5
