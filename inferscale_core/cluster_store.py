@@ -231,7 +231,10 @@ class ClusterConfig:
 class ClusterStore:
     """Facts of one fingerprint in Mooncake Store (see the module docstring). Thread-safe."""
 
-    def __init__(self, config: ClusterConfig, fingerprint: str):
+    def __init__(self, config: ClusterConfig, fingerprint: str, pending_file: str | os.PathLike | None = None):
+        """`pending_file`: where removes that arrived while the store was away are kept until they are done, so
+        that a process restarted meanwhile still does them (an engine replica's disk folder; its tombstone cursor
+        has moved past them). Read at start, and those removes are done when the store answers."""
         if not re.fullmatch(r"[0-9a-f]{8,64}", fingerprint):
             raise ValueError(f"fingerprint must be lowercase hex, got {fingerprint!r}")
         self.config, self.fingerprint = config, fingerprint
@@ -239,7 +242,8 @@ class ClusterStore:
         self._up = False           # the last call (or probe) got an answer
         self._probe: threading.Thread | None = None
         self._closed = False
-        self._pending_removes: set[str] = set()
+        self._pending_file = Path(pending_file) if pending_file is not None else None
+        self._pending_removes: set[str] = self._read_pending()
         self._lock = threading.Lock()
         # One batch at a time in the client's transfer buffer (a put, BUFFER_SHARE of it) or in the read buffer (a
         # read round: its objects are landed, unpacked and kept before the next round may land over them).
@@ -311,10 +315,14 @@ class ClusterStore:
                 continue
             with self._lock:
                 self._up, self._probe = True, None
-                pending, self._pending_removes = self._pending_removes, set()
+                pending = set(self._pending_removes)
             log.info("cluster KV tier: connected to Mooncake master %s", self.config.master)
-            for pattern in pending:  # deletes that arrived while the store was away
+            for pattern in pending:  # deletes that arrived while the store was away (or before a restart)
                 self._remove(pattern)
+            with self._lock:  # done (or, where the store went away again, added back by _remove_now)
+                if self._up:
+                    self._pending_removes -= pending
+                self._save_pending()
             return
         with self._lock:
             self._probe = None
@@ -541,20 +549,51 @@ class ClusterStore:
         """Mooncake's answer: objects removed, or _LEASE_REFUSED."""
         client = self._store()
         if client is None:  # done when the store is back: a delete is never lost
-            with self._lock:
-                self._pending_removes.add(pattern)
+            self._add_pending(pattern)
             return 0
         try:
             n = client.remove_by_regex(pattern)
             if n < 0 and n != _LEASE_REFUSED:
                 raise RuntimeError(f"remove_by_regex returned {n}")
         except Exception as e:  # noqa: BLE001
-            with self._lock:
-                self._pending_removes.add(pattern)
+            self._add_pending(pattern)
             self._failed("remove", e)
             return 0
         self.counters["removed"] += max(n, 0)
         return n
+
+    # ------------------------------------------------------------------ removes kept until done
+    def pending_removes(self) -> set[str]:
+        with self._lock:
+            return set(self._pending_removes)
+
+    def _add_pending(self, pattern: str) -> None:
+        with self._lock:
+            if pattern not in self._pending_removes:
+                self._pending_removes.add(pattern)
+                self._save_pending()
+
+    def _read_pending(self) -> set[str]:
+        if self._pending_file is None or not self._pending_file.is_file():
+            return set()
+        patterns = {line for line in self._pending_file.read_text().splitlines() if line}
+        if patterns:
+            log.info("cluster KV tier: %d removes left from before a restart; done when the store answers",
+                     len(patterns))
+        return patterns
+
+    def _save_pending(self) -> None:
+        """The pending removes on disk (under self._lock), replaced whole: a crash leaves the old list or the new."""
+        if self._pending_file is None:
+            return
+        tmp = self._pending_file.with_name(self._pending_file.name + ".tmp")
+        tmp.write_text("".join(f"{p}\n" for p in sorted(self._pending_removes)))
+        os.replace(tmp, self._pending_file)
+
+    def start(self) -> None:
+        """Connects in the background now (rather than at the first call), so removes left from before a restart
+        are done as soon as the store answers."""
+        self._store()
 
     def close(self) -> None:
         self._closed = True

@@ -350,6 +350,39 @@ def test_a_store_that_is_away_is_a_miss_at_once():
         s.close()
 
 
+def test_removes_kept_while_the_store_was_away_survive_a_restart(tier, mooncake, tmp_path):
+    """Issue 31: a delete that reached a process while the store was away is kept in its pending file (an engine
+    replica's disk folder: its tombstone cursor has moved past the delete); the process restarted in that folder
+    does it once the store answers, and the file is emptied."""
+    from inferscale_server.registry.local_redis import free_port
+
+    pending = tmp_path / "cluster-removes.pending"
+    assert tier.put_many("gone", [("f@v1", make_fact(3))]) == [True]
+    away = ClusterStore(ClusterConfig(master=f"127.0.0.1:{free_port()}", retry_s=60), FP_A, pending_file=pending)
+    try:
+        away.remove_user("gone")
+        assert pending.read_text().splitlines() == [away._user_pattern("gone")]
+    finally:
+        away.close()  # the process ends with the delete not done
+    assert tier.get_many("gone", ["f@v1"])[0] is not None
+    restarted = ClusterStore(tier.config, FP_A, pending_file=pending)
+    try:
+        assert restarted.pending_removes() == {restarted._user_pattern("gone")}
+        restarted.start()
+        deadline = time.monotonic() + 60
+        while restarted.pending_removes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not restarted.pending_removes() and pending.read_text() == ""
+        time.sleep(mooncake.config["lease_s"] + 0.6)  # the read above holds a lease: the remove's retry ends it
+        client = raw_client(mooncake.config)
+        try:
+            assert client.is_exist(tier.key("gone", "f@v1")) == 0
+        finally:
+            client.close()
+    finally:
+        restarted.close()
+
+
 def test_master_killed_reads_become_misses_fast(tier, mooncake):  # last: kills the master
     assert tier.put_many("erin", [("f@v1", make_fact(4))]) == [True]
     mooncake.stop_master()

@@ -30,6 +30,8 @@ from .engine import ServingEngine
 
 log = logging.getLogger("inferscale.engine_replica")
 TOMBSTONE_CURSOR = "tombstones.cursor"  # in the replica's disk folder: how far it applied the registry's tombstones
+# Beside it: the cluster tier's removes that could not be done yet (the store away); ClusterStore keeps the file.
+CLUSTER_REMOVES_PENDING = "cluster-removes.pending"
 
 
 class Deletions:

