@@ -300,6 +300,27 @@ def test_owners_of_names_the_users_of_a_fact_id(reg):
         reg.owners_of("bad/id")
 
 
+def test_tombstones_missed_says_when_the_log_was_trimmed_past_a_cursor(reg, monkeypatch):
+    """A replica away for more deletes than the log keeps must know it (it then reconciles what it holds): True
+    for a cursor from before tombstones that were trimmed unread, False for one the log still covers."""
+    from inferscale_server.registry import embedded, redis_backend
+
+    if isinstance(reg, ActorRegistry):
+        pytest.skip("the actor's registry runs in another process (the embedded one is tested here)")
+    monkeypatch.setattr(redis_backend, "TOMBSTONES_PER_BUCKET", 5)  # trimmed in whole stream nodes (100 entries)
+    monkeypatch.setattr(embedded, "TOMBSTONES_KEPT", 5)
+    _, before = reg.tombstones_after(None)
+    recs = reg.create("tess", [NewFact(f"note {i}") for i in range(3)])
+    reg.delete("tess", recs[0].fact_id)
+    assert not reg.tombstones_missed(before)  # a few tombstones, nothing trimmed
+    recs = reg.create("tess", [NewFact(f"more {i}") for i in range(250)])
+    for r in recs:  # one user: one bucket's stream, far past what it keeps
+        reg.delete("tess", r.fact_id)
+    assert reg.tombstones_missed(before)
+    _, now = reg.tombstones_after(None)
+    assert not reg.tombstones_missed(now)
+
+
 def test_bad_input_is_rejected(reg):
     with pytest.raises(InvalidIdError):
         reg.create("", [NewFact("a")])

@@ -603,6 +603,46 @@ def test_a_replica_that_was_down_applies_the_tombstones_at_start(parts, tmp_path
     run(go())
 
 
+def test_a_replica_whose_tombstones_were_trimmed_unread_reconciles_at_start(parts, tmp_path, monkeypatch):
+    """Issue 31: the log keeps TOMBSTONES_KEPT entries; a replica down for more deletes than that cannot learn
+    them from the log. At start it sees its cursor was trimmed past (tombstones_missed) and checks what it holds
+    against the registry: a deleted user's and a deleted fact's KV go (worker store and cluster tier), an updated
+    fact's old version goes, a fact still current stays."""
+    from inferscale_server.registry import embedded, open_registry
+    from inferscale_server.registry.base import NewFact
+
+    monkeypatch.setattr(embedded, "TOMBSTONES_KEPT", 3)
+    registry = open_registry(None)
+
+    async def go():
+        core = await started(parts, registry, disk_dir=str(tmp_path))
+        await add(parts, registry, core, "gina", {"h1": "Gina rows at dawn.", "h2": "Gina keeps a parrot.",
+                                                   "h3": "Gina reads Portuguese poetry."})
+        await add(parts, registry, core, "hugo", {"i1": "Hugo repairs clocks."})
+        await answer(core, "gina", ["h1", "h2", "h3"])
+        await answer(core, "hugo", ["i1"])
+        engine = core.engine
+        cursor = core.deletions._cursor
+        # Down; meanwhile more tombstones than the log keeps: the first ones are trimmed before anyone read them.
+        registry.delete("gina", "h1")
+        registry.update("gina", "h2", text="Gina keeps two parrots.")
+        registry.delete_user("hugo")
+        for i in range(3):
+            registry.create("ivy", [NewFact(f"Ivy's note {i}", fact_id=f"n{i}")])
+            registry.delete("ivy", f"n{i}")
+        assert registry.tombstones_missed(cursor)
+        restarted = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
+        assert restarted.counters["kv_reconciled"] == 3  # h1@v1, h2@v1 and hugo's i1@v1
+        assert engine.kvs("gina") == {kv_id("h3", 1)} and engine.kvs("hugo") == set()
+        assert await gone(parts, "gina", kv_id("h1", 1)) and await gone(parts, "hugo", kv_id("i1", 1))
+        assert not registry.tombstones_missed(restarted.deletions._cursor)
+        # a start from a cursor the log still holds does not reconcile
+        again = await started(parts, registry, disk_dir=str(tmp_path), engine=engine)
+        assert again.counters["kv_reconciled"] == 0
+
+    run(go())
+
+
 def test_the_worker_store_is_asked_only_about_facts_its_disk_tier_may_hold(parts, tmp_path):
     """Without a cluster tier a request's cold facts are encoded by the replica: it asks the worker store (a call
     into the engine core's step loop) which of them it holds only for those its disk tier listed at start or kept

@@ -75,7 +75,7 @@ class ReplicaCore:
         self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
                          "facts_evicted": 0, "facts_stale_pushes": 0, "tombstones_applied": 0,
-                         "tombstones_skipped": 0, "facts_put_failed": 0}
+                         "tombstones_skipped": 0, "facts_put_failed": 0, "kv_reconciled": 0}
         self.background = Background()
         self.kv = KVPath(engine, encoder, registry, cluster, self.books, self.resident, self.counters,
                          self.background)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from pathlib import Path
 
 from inferscale_core.cluster_store import VERSIONS_NAMED
 from inferscale_core.errors import check_id
-from inferscale_core.types import check_user_id, kv_id
+from inferscale_core.types import SHARED_USER_ID, check_user_id, kv_id
 
 from .books import ResidentKV, UserBooks
 from .engine import ServingEngine
@@ -44,10 +45,56 @@ class Deletions:
 
     async def start(self) -> None:
         """From the cursor this slot saved, else (no disk tier, a new slot) from the log's end: this replica holds
-        nothing older. Applies what it finds."""
-        self._cursor = self._saved_cursor() or (await asyncio.to_thread(self.registry.tombstones_after, None))[1]
+        nothing older. Applies what it finds. A saved cursor the log was trimmed past (the slot was away longer
+        than the log keeps) cannot say what was deleted meanwhile: the replica then checks what it holds against
+        the registry (reconcile) and reads on from the log's end as it was before that check."""
+        saved = self._saved_cursor()
+        if saved is not None and await asyncio.to_thread(self.registry.tombstones_missed, saved):
+            log.warning("the registry's tombstone log was trimmed past this slot's cursor: checking what this "
+                        "replica holds against the registry")
+            saved = None
+            end = (await asyncio.to_thread(self.registry.tombstones_after, None))[1]
+            await self.reconcile()
+            self._cursor = end
+        else:
+            self._cursor = saved or (await asyncio.to_thread(self.registry.tombstones_after, None))[1]
         await asyncio.to_thread(self._save_cursor)
         await self.apply()
+
+    async def reconcile(self) -> int:
+        """What this replica holds (its worker store's facts, memory and disk, and its books), checked user by user
+        against the registry: the KV of a fact deleted, or of a version not the current one, is removed (and a
+        deleted fact's objects from the cluster tier); a user the registry no longer has is forgotten everywhere.
+        One read per user held: for a start after missed tombstones, not a request path. Returns the KV entries
+        removed."""
+        held = await self.engine.list_encoded()
+        users = (set(held) | set(self.books.book.facts)) - {SHARED_USER_ID}
+        removed = 0
+        for user in sorted(users):
+            current = await asyncio.to_thread(self.registry.fact_versions, user)
+            async with self.books.lock(user):
+                if not current:  # deleted (DeleteUser, or every fact)
+                    self.forget_user_books(user)
+                    removed += len(held.get(user, []))
+                    await self.engine.delete_encoded(user, None)
+                    if self.cluster is not None:
+                        await asyncio.to_thread(self.cluster.remove_user, user)
+                    continue
+                book = self.books.book.facts.get(user, {})
+                for fact_id in [f for f, h in book.items() if current.get(f) != h.version]:
+                    del book[fact_id]
+                    self.books.book.synced.pop(user, None)  # the next request syncs the user again
+                stale = [kv for kv in held.get(user, []) if _version_of(kv) != current.get(_fact_of(kv))]
+                if stale:
+                    self.resident.discard(user, stale)
+                    await self.engine.delete_encoded(user, stale)
+                    removed += len(stale)
+                    gone = {_fact_of(kv) for kv in stale} - set(current)
+                    for fact_id in sorted(gone) if self.cluster is not None else ():
+                        await asyncio.to_thread(self.cluster.remove_versions, user, fact_id)
+        self.counters["kv_reconciled"] += removed
+        log.info("reconciled %d users against the registry: %d KV entries removed", len(users), removed)
+        return removed
 
     async def apply(self) -> int:
         """Applies every tombstone written since the cursor; returns how many."""
@@ -107,3 +154,13 @@ class Deletions:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(self._cursor)
             os.replace(tmp, path)
+
+
+def _fact_of(kv: str) -> str:
+    """The fact id of a worker store kv_id (`fact@vN`, inferscale_core.types.kv_id)."""
+    return kv.rpartition("@")[0]
+
+
+def _version_of(kv: str) -> int | None:
+    m = re.fullmatch(r"v(\d+)(?:w\d+)?", kv.rpartition("@")[2])
+    return int(m.group(1)) if m else None

@@ -106,6 +106,9 @@ class ActorRegistry(Registry):
     def tombstones_after(self, cursor, limit=1000):
         return self._call("tombstones_after", cursor, limit)
 
+    def tombstones_missed(self, cursor):
+        return self._call("tombstones_missed", cursor)
+
     def delete(self, user_id, fact_id):
         return self._call("delete", user_id, fact_id)
 

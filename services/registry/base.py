@@ -348,7 +348,14 @@ class Registry(ABC):
         """Tombstones written after `cursor`, oldest first (at most `limit`), and the cursor after them. `cursor`
         None: the log's end now (no tombstones, the cursor to start from); "0": its beginning."""
 
+    @abstractmethod
+    def tombstones_missed(self, cursor: str) -> bool:
+        """Whether tombstones written after `cursor` may have been trimmed from the log before they were read (a
+        replica that was away longer than the log keeps). Conservative: True costs the reader a reconcile of what
+        it holds against the registry, never a fact; False is sure."""
+
     # --- placement map: user -> engine replicas that hold the user's KV store ---
+
     @abstractmethod
     def add_placement(self, user_id: str, replica_id: str) -> None: ...
 

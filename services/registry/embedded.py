@@ -245,6 +245,10 @@ class EmbeddedRegistry(Registry):
             out = self._tombs[start - self._tombs_base:start - self._tombs_base + limit]
             return out, str(start + len(out))
 
+    def tombstones_missed(self, cursor):
+        with self._lock:
+            return int(cursor) < self._tombs_base
+
     def user_version(self, user_id):
         check_id("user_id", user_id)
         with self._lock:

@@ -786,6 +786,20 @@ class RedisRegistry(Registry):
         self._hint = (new_cursor, seen, since) if everything else ("", {}, 0.0)
         return out, new_cursor
 
+    def tombstones_missed(self, cursor):
+        """A bucket's stream is trimmed (XADD MAXLEN ~) only once it holds TOMBSTONES_PER_BUCKET entries, so a
+        bucket that holds fewer lost nothing; one that holds as many may have, when its oldest entry is newer than
+        what follows the cursor's last id there. (Conservative: the entry that follows may happen to be the oldest
+        kept.) Two reads of every bucket: for a replica's start, not its polls."""
+        last = decode_cursor(cursor)
+        lengths = self._per_bucket("tombstones", lambda pipe, k: pipe.xlen(k))
+        full = [b for b, n in lengths.items() if n >= TOMBSTONES_PER_BUCKET]
+        if not full:
+            return False
+        oldest = self._per_bucket("tombstones", lambda pipe, k: pipe.xrange(k, count=1), full)
+        return any(rows and _entry_order(rows[0][0]) > _entry_order(_next_id(last.get(b, "0-0")).encode())
+                   for b, rows in oldest.items())
+
     def fact_versions(self, user_id):
         check_id("user_id", user_id)
         ids = [x.decode() for x in self.r.zrange(self._user_key(user_id, "facts"), 0, -1)]
