@@ -27,7 +27,6 @@ import argparse
 import collections
 import concurrent.futures as cf
 import json
-import platform
 import socket
 import sys
 import tempfile
@@ -223,17 +222,6 @@ def report(log: Log, phases: list[str], args, cpu: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_line() -> str:
-    import os
-
-    from inferscale_core.vllm_env import cpu_flags
-
-    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
-    return f"{model}, {os.cpu_count()} cores, lscpu flags: {' '.join(flags)}"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=20, help="well-behaved users (default 20)")
@@ -248,7 +236,7 @@ def main() -> int:
     if not 1 <= args.users <= 100 or args.period <= 0 or args.phase <= 0 or not set(attacks) <= set(ATTACKS):
         ap.error(f"--users 1..100, --period and --phase > 0, --attacks of {', '.join(ATTACKS)}")
 
-    from bench.service import own_service
+    from bench.service import cpu_description, cpu_line, own_service
     from inferscale_client import MemoryClient
     from inferscale_server.auth import mint
 
@@ -295,7 +283,7 @@ def main() -> int:
             stop.set()
             for w in workers:
                 w.join(timeout=150)
-    text = report(log, phases, args, cpu_line())
+    text = report(log, phases, args, cpu_line(cpu_description()))
     print(text)
     if args.out:
         args.out.write_text(text)

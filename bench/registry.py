@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import platform
 import random
 import sys
 import time
@@ -129,17 +128,6 @@ def measure(name: str, url: str, cluster: bool, args) -> dict:
     return row
 
 
-def cpu_line() -> str:
-    from inferscale_core.vllm_env import cpu_flags
-
-    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
-    import os
-
-    return f"{model}, {os.cpu_count()} cores, lscpu flags: {' '.join(flags)}"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=50)
@@ -151,6 +139,7 @@ def main() -> int:
     if min(args.users, args.facts_per_user, args.threads, args.ops) < 1 or args.facts_per_user < 5:
         ap.error("--users, --threads, --ops must be >= 1 and --facts-per-user >= 5")
 
+    from bench.service import cpu_description, cpu_line
     from inferscale_server.registry.local_redis import local_redis_cluster, local_redis_server
 
     rows = []
@@ -160,7 +149,7 @@ def main() -> int:
         rows.append(measure("3-master cluster", url, True, args))
     single, cluster = rows
     lines = [f"# Registry: one Redis vs a 3-master Redis Cluster ({time.strftime('%Y-%m-%d')})", "",
-             f"CPU: {cpu_line()}. CPU times; both servers and the client on this machine (loopback).",
+             f"CPU: {cpu_line(cpu_description())}. CPU times; both servers and the client on this machine (loopback).",
              f"Command: `python bench/registry.py --users {args.users} --facts-per-user {args.facts_per_user} "
              f"--threads {args.threads} --ops {args.ops}`", "",
              "| backend | facts | bytes/fact | text | window | embedding | Redis overhead | +history/update | "
