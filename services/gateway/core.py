@@ -350,7 +350,8 @@ class GatewayCore:
             recs = [fixed.get(r.fact_id, r) for r in recs]
         return recs
 
-    async def _extract(self, user_id: str, messages: list[dict], metadata: dict, stamp: dict) -> list[dict]:
+    async def _extract(self, user_id: str, messages: list[dict], metadata: dict,
+                       stamp: dict | None = None) -> list[dict]:
         """Mem0's add with inference (services/mem0_provider.py) on the gateway's own extraction thread, never
         the default pool the other RPCs' registry calls use. At most MEM0_QUEUE extractions wait behind the
         running one; more get RESOURCE_EXHAUSTED at once. One that has not finished after MEM0_TIMEOUT_S
