@@ -184,6 +184,21 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
         raise ValueError(name)
 
 
+def warm_up(svc) -> None:
+    """One small call of each route the attacks use (Mem0's listing, OpenAI chat, extraction), as the abuser."""
+    import httpx
+    import openai
+
+    http = f"http://127.0.0.1:{svc.http_port}"
+    t0 = time.monotonic()
+    httpx.post(f"{http}/v3/memories/", json={"filters": {"n": {"in": [1]}}},
+               headers={"authorization": f"Token {svc.token(ABUSER)}"}, timeout=300).raise_for_status()
+    openai.OpenAI(base_url=f"{http}/v1", api_key=svc.token(ABUSER), max_retries=0, timeout=300).chat.completions.create(
+        model="inferscale", max_completion_tokens=4, messages=[{"role": "user", "content": "Hello"}])
+    svc.client(ABUSER).add_memory(ABUSER, [{"role": "user", "content": "I like sailing."}], infer=True)
+    print(f"# routes warmed up in {time.monotonic() - t0:.0f} s", flush=True)
+
+
 # ------------------------------------------------------------------------------------------------ report
 def pct(values: list[float], q: float) -> float | None:
     if not values:
@@ -257,6 +272,7 @@ def main() -> int:
         for u in [*users, ABUSER]:  # every user's memory, encoded before any phase
             (clients.get(u) or svc.client(u)).add_facts(u, facts_of(u))
         print(f"# {len(users) + 1} users' facts added in {time.monotonic() - t0:.0f} s", flush=True)
+        warm_up(svc)  # every route the attacks use, once: a phase measures the attack, not a first call's loading
         stop = threading.Event()
         workers = [threading.Thread(target=well_behaved, args=(clients[u], u, log, stop, args.period,
                                                                args.period * i / len(users)), daemon=True)
@@ -287,6 +303,9 @@ def main() -> int:
     print(text)
     if args.out:
         args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(
+            [{"phase": ph, "who": who, "op": op, "s": round(secs, 4), "code": code}
+             for ph, who, op, secs, code in log.rows]))
     return 0
 
 
