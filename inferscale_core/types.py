@@ -1,6 +1,7 @@
 """Value types shared by every stage of the pipeline (encode -> store -> index -> compose -> inject)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -35,6 +36,13 @@ def kv_id(fact_id: str, version: int, w: int | None = None) -> str:
     id within the user in every KV tier (the worker store in memory and on disk) and, with the fingerprint and
     user, the cluster tier's key (`ClusterStore.key`), so KV is only ever used for the exact version named."""
     return f"{fact_id}@v{int(version)}" + ("" if w is None else f"w{int(w)}")
+
+
+def kv_id_parts(kv: str) -> tuple[str, int | None]:
+    """kv_id's inverse: (fact_id, version); version None for a name kv_id does not make (the prefix chunk's)."""
+    fact_id, _, tail = kv.rpartition("@")
+    m = re.fullmatch(r"v(\d+)(?:w\d+)?", tail)
+    return fact_id, int(m.group(1)) if fact_id and m else None
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 from pathlib import Path
 
 from inferscale_core.cluster_store import VERSIONS_NAMED
 from inferscale_core.errors import check_id
-from inferscale_core.types import SHARED_USER_ID, check_user_id, kv_id
+from inferscale_core.types import SHARED_USER_ID, check_user_id, kv_id, kv_id_parts
 
 from .books import ResidentKV, UserBooks
 from .engine import ServingEngine
@@ -84,12 +83,12 @@ class Deletions:
                 for fact_id in [f for f, h in book.items() if current.get(f) != h.version]:
                     del book[fact_id]
                     self.books.book.synced.pop(user, None)  # the next request syncs the user again
-                stale = [kv for kv in held.get(user, []) if _version_of(kv) != current.get(_fact_of(kv))]
+                stale = [kv for kv in held.get(user, []) if kv_id_parts(kv)[1] != current.get(kv_id_parts(kv)[0])]
                 if stale:
                     self.resident.discard(user, stale)
                     await self.engine.delete_encoded(user, stale)
                     removed += len(stale)
-                    gone = {_fact_of(kv) for kv in stale} - set(current)
+                    gone = {kv_id_parts(kv)[0] for kv in stale} - set(current)
                     for fact_id in sorted(gone) if self.cluster is not None else ():
                         await asyncio.to_thread(self.cluster.remove_versions, user, fact_id)
         self.counters["kv_reconciled"] += removed
@@ -155,12 +154,3 @@ class Deletions:
             tmp.write_text(self._cursor)
             os.replace(tmp, path)
 
-
-def _fact_of(kv: str) -> str:
-    """The fact id of a worker store kv_id (`fact@vN`, inferscale_core.types.kv_id)."""
-    return kv.rpartition("@")[0]
-
-
-def _version_of(kv: str) -> int | None:
-    m = re.fullmatch(r"v(\d+)(?:w\d+)?", kv.rpartition("@")[2])
-    return int(m.group(1)) if m else None
