@@ -46,17 +46,20 @@ def parse_args(argv=None):
     ap.add_argument("--data", type=Path, default=default_data_path(), help="LoCoMo-format JSON file")
     ap.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--questions", type=int, default=12, help="questions per k")
+    ap.add_argument("--questions", type=int, default=None, help="questions per k (default 12; --quick: 3)")
     ap.add_argument("--max-facts", type=int, default=None, help="use only the first N facts of the conversation")
     ap.add_argument("--sample-id", default=None, help="the conversation (default: the one with the most facts)")
     ap.add_argument("--dates", action="store_true", help="facts carry their session date, as in bench/locomo.py")
     add_recompute_arguments(ap)
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="memory sizes k, comma-separated (default 5,10,20,50)")
-    ap.add_argument("--quick", action="store_true", help="3 questions per k, k in {5, 20}, 100 facts")
+    ap.add_argument("--quick", action="store_true",
+                    help="k in {5, 20}; 3 questions per k and 100 facts unless --questions / --max-facts say otherwise")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="vLLM's context (default: the model's own, 8,192 for SmolLM2: room for k=200)")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     args = ap.parse_args(argv)
+    if args.questions is not None and args.questions < 1:
+        ap.error(f"--questions must be at least 1, got {args.questions}")
     require_data_path(args.data)
     return args
 
@@ -73,7 +76,7 @@ def main(argv=None) -> dict:
     from inferscale_core.vllm_setup import default_sampling
 
     ks = (5, 20) if args.quick else tuple(int(k) for k in args.ks.split(","))
-    n_questions = 3 if args.quick else args.questions
+    n_questions = args.questions or (3 if args.quick else 12)
     max_facts = args.max_facts or (100 if args.quick else None)
     dtype = getattr(torch, args.dtype)
     convs = load_locomo(args.data)

@@ -16,13 +16,18 @@ from inferscale_server.api import pb2
 from inferscale_server.auth import SCOPE_ADMIN, USER_SCOPES, mint
 
 
-@pytest.fixture(scope="module")
-def jwt_secret(tmp_path_factory) -> tuple[Path, bytes]:
-    """(secret file, secret) for one test module."""
+def new_jwt_secret(tmp_path_factory) -> tuple[Path, bytes]:
+    """(secret file, secret): a fresh HS256 secret in a file of its own."""
     path = tmp_path_factory.mktemp("auth") / "jwt-secret"
     secret = secrets.token_urlsafe(48).encode()
     path.write_bytes(secret)
     return path, secret
+
+
+@pytest.fixture(scope="module")
+def jwt_secret(tmp_path_factory) -> tuple[Path, bytes]:
+    """(secret file, secret) for one test module."""
+    return new_jwt_secret(tmp_path_factory)
 
 
 def token_gateway(registry, jwt_secret, limits):

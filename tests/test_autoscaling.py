@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from local_service import service_on_local_ray
 from serve_specs import spec_with
 from test_multi_replica import NAMES, facts_of
 
@@ -32,7 +33,6 @@ UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of th
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):
-    from test_service_e2e import service_on_local_ray
 
     from inferscale_server.app import ServiceConfig
     from inferscale_server.registry.local_redis import free_port

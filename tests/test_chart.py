@@ -509,7 +509,7 @@ def test_autoscaled_gpu_pool_with_tls_ingress_and_pod_monitor(helm):
 def test_grafana_dashboard_is_optional_and_every_panel_is_a_query_of_exported_metrics(helm):
     """Off by default; on, a ConfigMap for Grafana's sidecar holding files/grafana-dashboard.json, whose panels
     (TTFT, queues, KV-cache use, injected tokens, shed requests, per-hop timings) are PromQL over the ray_*
-    metrics Ray's agent exports (tests/test_metrics.py checks each one is in a real scrape)."""
+    metrics Ray's agent exports (tests/one_app/test_metrics.py checks each one is in a real scrape)."""
     import sys
 
     sys.path.insert(0, str(CHART.parents[1] / "bench"))

@@ -1,6 +1,6 @@
 """The light client's own behaviour (inferscale_client): its gRPC retry policy and its argument checks. The
 clients against the real service: tests/test_packaging.py (installed alone, registry-only gateway) and
-tests/test_service_e2e.py (the whole app, answers with `messages`)."""
+tests/one_app/test_service_e2e.py (the whole app, answers with `messages`)."""
 from __future__ import annotations
 
 import threading

@@ -2,7 +2,7 @@
 
 The gateway runs in registry-only mode (no Ray deployments): everything here is decided by validation and by
 the registry, before any engine would be involved. The same gateway behind Ray Serve's proxies is
-tests/test_grpc_serve_proxy.py; the end-to-end test with the engine is tests/test_service_e2e.py.
+tests/test_grpc_serve_proxy.py; the end-to-end test with the engine is tests/one_app/test_service_e2e.py.
 Auth is on, as deployed: these tests call with an admin token (tests/test_auth.py covers refusals).
 """
 from __future__ import annotations

@@ -4,13 +4,14 @@ module: EngineReplica autoscales between 1 and 2 replicas (a second one only und
 test), each with a disk tier in its slot's folder, two users per replica (Serve's LRU). In order:
 
   facts are written by the encoder pool to the cluster tier (the bytes are there, under the fingerprint) and the
-  first answer's k facts are read from it by the connector's worker (no KV through the engine core's RPC channel) -> the engine replica is killed (and its disk lost): the new one serves
-  the user from the cluster tier with 0 facts re-encoded and the same greedy text -> an update and DeleteUser
+  first answer's k facts are read from it by the connector's worker (no KV through the engine core's RPC channel)
+  -> the engine replica is killed (and the user's disk files lost): the new one serves the user from the cluster
+  tier with 0 facts re-encoded and the same greedy text, and applies a DeleteUser that ran while no replica was up
+  (no object or file of that user is left) -> an update and DeleteUser
   remove the objects and the files (the bytes) -> concurrent updates of one fact: only the registry's last text
   is injected, no older version is left anywhere -> KV under another fingerprint (another dtype) is a miss,
   never injected -> scale 1 -> 2 under load: the users the new replica wins are served from the cluster tier,
-  nothing re-encoded -> DeleteUser while the user's replica is down: once it is back (it applies the registry's
-  tombstones before serving), no object or file of the user is left -> the Mooncake master is killed: answers
+  nothing re-encoded -> the Mooncake master is killed: answers
   continue (computed by vLLM, one re-encode queued, then injected again), no error reaches the client.
 """
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from local_service import engine_actor, service_on_local_ray, wait_gone, wait_running
 from serve_specs import spec_with
 from test_kv_tier import raw_client
-from test_service_e2e import _engine_actor, _wait_gone, _wait_running
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -46,7 +47,6 @@ SCALE_THREADS, SCALE_BY_S = 6, 360  # clients during the scale-up; bound on the 
 
 @pytest.fixture(scope="module")
 def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
-    from test_service_e2e import service_on_local_ray
 
     from inferscale_server.app import ServiceConfig, single_node_deployments
     from inferscale_server.registry.local_redis import free_port
@@ -150,21 +150,40 @@ def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, m
     service.answers["alice"] = text
 
 
-def test_a_restarted_replica_serves_from_the_cluster_tier_without_encoding(service):
+def test_a_restarted_replica_reads_the_cluster_tier_and_applies_the_deletes_it_missed(service, mooncake):
+    """The engine replica is killed and comes back in its slot without alice's files on its disk (as on another
+    node): it serves her from the cluster tier, nothing re-encoded, the same greedy text. Ida's DeleteUser ran
+    while it was down: the replacement (same slot, same disk folder) applies the registry's tombstones before it
+    serves, and no object or file of hers is left."""
+    from inferscale_core.store import _hash_name
+
+    c = service.client
+    ida = [f.fact_id for f in c.add_facts("ida", ["Ida collects old maps.", "Ida's sister lives in Quebec."])]
+    ask(service, "ida", "What does Ida collect?", k=2, max_tokens=4)
     old = engine_stats("alice")
+    assert fact_file(old, "ida", ida[0], 1).is_file()  # her KV is on the replica's disk
     encoder_before = _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
-    ray.kill(_engine_actor(), no_restart=True)
-    _wait_gone(old["pid"])  # before the rmtree: a live replica writes its tombstone cursor into the folder
-    shutil.rmtree(old["disk_dir"])  # a replica restarted without its disk (another node): only the cluster tier
+    ray.kill(engine_actor(), no_restart=True)
+    wait_gone(old["pid"])  # before the rmtree: a live replica writes into its folder
+    shutil.rmtree(Path(old["disk_dir"]) / _hash_name("alice"))  # alice's KV only in the cluster tier now
+    assert c.delete_user("ida") == 2  # while no replica runs
     time.sleep(2)
-    _wait_running("EngineReplica")
+    wait_running("EngineReplica")
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     new = engine_stats("alice")
-    assert new["pid"] != old["pid"] and new["slot"] == old["slot"] and new["facts_from_disk"] == 0
-    assert new["engine"]["worker"]["load_failures"] == 0  # the worker's load found every fact
+    assert new["pid"] != old["pid"] and new["slot"] == old["slot"] and new["disk_dir"] == old["disk_dir"]
+    assert new["facts_from_disk"] == 0 and new["engine"]["worker"]["load_failures"] == 0  # the worker found all
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0 and new["facts_from_cluster"] == 3
     assert _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)["puts"] == encoder_before["puts"]
     assert text == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
+    assert new["tombstones_applied"] >= 1 and user_files(service.kv_dir, "ida") == []
+    keys = object_keys("ida", [(f, 1) for f in ida])
+    client = raw_client(mooncake.config)
+    try:
+        lease_wait(mooncake)
+        assert [client.get(k) for k in keys] == [b""] * len(keys)
+    finally:
+        client.close()
 
 
 def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):
@@ -346,41 +365,6 @@ def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
     new = engine_stats(moved[0])
     assert new["pid"] != first["pid"] and new["facts_from_cluster"] >= 2  # a moved user's k=2 facts, at least
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0  # read, never re-encoded
-
-
-def test_delete_user_while_its_replica_is_down(service, mooncake):
-    """The user's replica is killed, DeleteUser runs while it is down; the replacement (same slot, same disk
-    folder) applies the registry's tombstones before it serves: no object or file of the user is left."""
-    c = service.client
-    ids = [f.fact_id for f in c.add_facts("ida", ["Ida collects old maps.", "Ida's sister lives in Quebec."])]
-    ask(service, "ida", "What does Ida collect?", k=2, max_tokens=4)
-    home = engine_stats("ida")
-    assert fact_file(home, "ida", ids[0], 1).is_file()  # her KV is on that replica's disk
-    named = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith(home["serve_replica_id"])]
-    assert len(named) == 1, named
-    ray.kill(ray.get_actor(named[0]["name"], namespace=named[0]["namespace"]), no_restart=True)
-    assert c.delete_user("ida") == 2
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:  # the replacement in the same slot
-        try:
-            back = engine_stats("ida")
-            if back["slot"] == home["slot"] and back["pid"] != home["pid"]:
-                break
-        except Exception:  # noqa: BLE001 - the router still knows the dead replica for a moment
-            pass
-        time.sleep(2)
-    else:
-        raise AssertionError("the killed engine replica was not replaced in its slot")
-    assert back["tombstones_applied"] >= 1 and back["disk_dir"] == home["disk_dir"]
-    assert user_files(service.kv_dir, "ida") == []
-    keys = object_keys("ida", [(f, 1) for f in ids])
-    client = raw_client(mooncake.config)
-    try:
-        lease_wait(mooncake)
-        assert [client.get(k) for k in keys] == [b""] * len(keys)
-    finally:
-        client.close()
 
 
 def test_mooncake_master_killed_answers_continue(service, mooncake):  # last: kills the master

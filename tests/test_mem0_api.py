@@ -6,7 +6,7 @@ redis-server; one more without authentication (--insecure-no-auth).
 No Ray here (registry-only mode, seconds): every call that needs no engine, and every call the client knows that
 this server does not serve (501 naming the call, never 404), checked against docs/mem0.md's compatibility table,
 itself checked against the installed client's source. Search with filters and threshold and add with inference run
-on the whole service in tests/test_service_e2e.py (test_mem0_client_search_filters_and_threshold_on_the_running_service
+on the whole service in tests/one_app/test_service_e2e.py (test_mem0_client_search_filters_and_threshold_on_the_running_service
 and the infer=true test). Also here: the registry's history of a fact (both backends), filters / scopes / DeleteUser
 on gRPC (the core, and the light client over a real grpc server), and CORS preflights for the API's methods.
 """

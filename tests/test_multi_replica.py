@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from local_service import service_on_local_ray
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -57,7 +58,6 @@ def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):
-    from test_service_e2e import service_on_local_ray
 
     from inferscale_server.app import DeploymentSpec, ServiceConfig, single_node_deployments
     from inferscale_server.registry.local_redis import free_port

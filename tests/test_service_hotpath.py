@@ -16,6 +16,7 @@ import uuid
 import grpc
 import pytest
 from auth_fixture import token_for
+from local_service import service_on_local_ray
 
 APP = "inferscale"
 KV_BLOCKS, BLOCK = 16, 32  # the engine replicas' KV cache: 512 tokens (plus vLLM's null block)
@@ -121,7 +122,6 @@ def test_a_slow_sync_of_one_user_does_not_block_another_users_search(redis_url):
 @pytest.fixture(scope="module")
 def service(redis_url, tmp_path_factory, jwt_secret):
     pytest.importorskip("ray")
-    from test_service_e2e import service_on_local_ray
 
     from inferscale_server.app import ServiceConfig, single_node_deployments
     from inferscale_server.registry.local_redis import free_port

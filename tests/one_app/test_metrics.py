@@ -1,14 +1,12 @@
 """Observability of the running service: the Prometheus endpoint of Ray's metrics agent (the node's metrics export
 port, 127.0.0.1) is scraped after real traffic (gRPC and HTTP, several users) and must carry every deployment's
 metrics, vLLM's own metrics from the engine replica and every metric the chart's Grafana dashboard reads, and no
-user id anywhere; an engine replica whose vLLM engine core dies fails Serve's health check and
-is replaced. One application for the module (started as tests/test_service_e2e.py starts it).
+user id anywhere. The app is the one this folder shares (tests/one_app/conftest.py; its metrics export port); that an
+engine replica whose vLLM engine core dies fails Serve's health check and is replaced is test_service_e2e's.
 """
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import time
 import urllib.request
@@ -17,12 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 from auth_fixture import token_for
-from test_service_e2e import running_service
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from dashboard_snapshot import DASHBOARD, dashboard_metrics
-
-from inferscale_server.registry.local_redis import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -31,15 +26,6 @@ ray = pytest.importorskip("ray")
 USERS = {"metrics-user-7f3a9c": ["Ines grows tomatoes on her balcony.", "Ines plays the cello."],
          "metrics-user-b41d02": ["Tariq drives a green van.", "Tariq has two daughters."]}
 SCRAPE_TIMEOUT_S = 120  # Ray's agent exports every ~10 s; a loaded machine is slower
-
-
-@pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):
-    metrics_port = free_port()
-    with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
-                         _metrics_export_port=metrics_port) as svc:
-        svc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        yield svc
 
 
 def _scrape(url: str) -> tuple[str, list]:
@@ -118,28 +104,3 @@ def test_every_deployment_exports_metrics_without_user_ids(service):
     # Serve's per-model gauge would label each user id: it is not exported at all
     assert not any(s.name.startswith("ray_serve_registered_multiplexed_model_id") and s.labels.get("model_id")
                    for s in samples)
-
-
-def test_a_replica_whose_engine_died_fails_its_health_check_and_is_replaced(service):
-    import psutil
-
-    user = next(iter(USERS))
-    old_pid = service.engine_stats(user)["pid"]
-    cores = [p for p in psutil.Process(old_pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())
-             or "EngineCore" in p.name()]
-    assert cores, "no vLLM engine-core process under the engine replica"
-    for p in cores:
-        os.kill(p.pid, signal.SIGKILL)  # the engine dies; the replica process itself lives on
-    t, deadline = time.monotonic(), time.monotonic() + 600
-    while True:
-        try:
-            new_pid = service.engine_stats(user)["pid"]
-            if new_pid != old_pid:
-                break
-        except Exception:  # noqa: BLE001 - no replica while Serve starts the replacement
-            pass
-        assert time.monotonic() < deadline, "the replica with a dead engine was never replaced"
-        time.sleep(5)
-    _, final = service.ask(user, "What does Ines play?", k=2, max_tokens=4)
-    assert final.fact_ids  # answered from memory by the replacement
-    print(f"\nengine core killed -> replica replaced and answering after {time.monotonic() - t:.0f} s")

