@@ -22,7 +22,10 @@ call answered UNAVAILABLE (a replica restarting, the server not up yet) or RESOU
 load) with exponential backoff, within the call's deadline. The server decides with gRPC's retry pushback
 trailer: an error with google.rpc RetryInfo (overload) is retried after its delay, and every other UNAVAILABLE or
 RESOURCE_EXHAUSTED (a per-user quota, a size limit: QuotaFailure / BadRequest) carries
-`grpc-retry-pushback-ms: -1` and is never retried. The details themselves (ErrorInfo, BadRequest, QuotaFailure,
+`grpc-retry-pushback-ms: -1` and is never retried. An add is sent with an idempotency key (a new UUID per
+add_facts call unless the caller passes its own), which every retry of the call repeats: a retry after an answer
+that was lost, or an UNAVAILABLE WRITE_UNCONFIRMED whose write was applied after all, gets the facts the first try
+stored instead of storing them twice. A caller that retries an add itself passes the same `idempotency_key`. The details themselves (ErrorInfo, BadRequest, QuotaFailure,
 RetryInfo) decode with grpcio-status: `grpc_status.rpc_status.from_call(err)`. Every call has a deadline
 (`timeout_s`), which the server honours end to end (it stops its backend calls when the deadline passes).
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
@@ -84,12 +88,14 @@ def messages_pb(messages: Sequence[Mapping[str, str]] | None) -> list:
 
 
 def add_facts_request(user_id: str, texts: Sequence[str], metadata: Mapping[str, str] | None,
-                      windows: Sequence[Sequence[str]] | None):
+                      windows: Sequence[Sequence[str]] | None, idempotency_key: str | None = None):
+    """`idempotency_key` None: a new one (a UUID), which the channel's retries of this request repeat."""
     if isinstance(texts, str):
         raise TypeError("texts must be a sequence of strings, not one string")
     windows = windows or [[] for _ in texts]
     facts = [pb2.FactInput(text=t, metadata=dict(metadata or {}), window=list(w)) for t, w in zip(texts, windows)]
-    return pb2.AddFactsRequest(user_id=user_id, facts=facts)
+    return pb2.AddFactsRequest(user_id=user_id, facts=facts,
+                               idempotency_key=uuid.uuid4().hex if idempotency_key is None else idempotency_key)
 
 
 def add_memory_request(user_id: str, messages: Sequence[Mapping[str, str]], infer: bool,
@@ -150,8 +156,10 @@ class MemoryClient:
 
     # ---- writes
     def add_facts(self, user_id: str, texts: Sequence[str], metadata: Mapping[str, str] | None = None,
-                  windows: Sequence[Sequence[str]] | None = None) -> list:
-        return list(self.stub.AddFacts(add_facts_request(user_id, texts, metadata, windows), **self._kw()).facts)
+                  windows: Sequence[Sequence[str]] | None = None, idempotency_key: str | None = None) -> list:
+        """`idempotency_key`: the add's (None: a new UUID; "": none); pass the same one to repeat this add."""
+        req = add_facts_request(user_id, texts, metadata, windows, idempotency_key)
+        return list(self.stub.AddFacts(req, **self._kw()).facts)
 
     def add_memory(self, user_id: str, messages: Sequence[Mapping[str, str]], infer: bool = True,
                    metadata: Mapping[str, str] | None = None) -> list:
@@ -227,9 +235,9 @@ class AsyncMemoryClient:
         await self.close()
 
     async def add_facts(self, user_id: str, texts: Sequence[str], metadata: Mapping[str, str] | None = None,
-                        windows: Sequence[Sequence[str]] | None = None) -> list:
-        return list((await self.stub.AddFacts(add_facts_request(user_id, texts, metadata, windows),
-                                              **self._kw())).facts)
+                        windows: Sequence[Sequence[str]] | None = None, idempotency_key: str | None = None) -> list:
+        req = add_facts_request(user_id, texts, metadata, windows, idempotency_key)
+        return list((await self.stub.AddFacts(req, **self._kw())).facts)
 
     async def add_memory(self, user_id: str, messages: Sequence[Mapping[str, str]], infer: bool = True,
                          metadata: Mapping[str, str] | None = None) -> list:

@@ -339,6 +339,10 @@ ENV_MEANINGS = {
                                    "replica, Serve's LRU); beyond it the least recently used user is unloaded.",
     "INFERSCALE_RETRIEVAL_MAX_USERS": "Users one retrieval replica keeps an index for at once (least recently used "
                                       "dropped beyond it).",
+    "INFERSCALE_RETRIEVAL_MAX_INDEX_BYTES": "Bytes of embeddings one retrieval replica keeps (facts x 384 x 4 B; a "
+                                            "100,000-fact user ~150 MB): beyond it the least recently used users' "
+                                            "indices are dropped, and rebuilt from the registry's stored embeddings "
+                                            "at their next search. A whole number >= 1; default 2 GiB.",
     "MEM0_TELEMETRY": "Mem0's telemetry to PostHog: set to `false` where unset before mem0 is imported (the service "
                       "never phones home).",
     "MEM0_DIR": "Mem0's own files: set to `<InferScale cache>/mem0` where unset.",
@@ -542,8 +546,14 @@ REASON_MEANINGS = {
                      "Delete facts or users, or give Redis more memory (chart `redis.maxmemory` and `redis.memory`).",
     "WRITE_UNCONFIRMED": "The registry could not confirm a write: its Redis master failed or stalled after the write "
                          "was sent, or no replica acknowledged it within the wait (`wait_replicas`, `wait_timeout_ms` "
-                         "in the registry URL). It may have been applied: retry after the RetryInfo delay; read before "
-                         "retrying an add (deploy.md, \"Failover\").",
+                         "in the registry URL). It may have been applied: retry after the RetryInfo delay; an add "
+                         "is safe to retry with its idempotency key (inferscale_client sends one), without one read "
+                         "before retrying it (deploy.md, \"Failover\").",
+    "IDEMPOTENCY_KEY_REUSED": "An add's idempotency key was used by an earlier add of the user with other facts "
+                             "(texts, metadata, windows, times): one key names one add. Send a new key for a new "
+                             "add; nothing was stored.",
+    "IDEMPOTENT_ADD_DELETED": "The add with this idempotency key was applied earlier, and some of its facts have "
+                             "been deleted since (the message names them); nothing was stored again.",
 }
 
 
@@ -691,7 +701,7 @@ def fixed_sections() -> list[str]:
     admission = cite("services/admission.py", "EngineAtCapacity")
     caller = cite("services/gateway/principal_limits.py", "PrincipalLimits")
     full = cite("services/api.py", "registry_full")
-    redis_cluster = cite("services/registry/redis_backend.py", "RedisRegistry._connect", "cluster_enabled")
+    redis_cluster = cite("services/registry/redis_backend.py", "RedisRegistry._probe", "cluster_enabled")
     buckets = cite("services/registry/redis_backend.py", "bucket_of")
     overload = cite("services/gateway/http_common.py", "is_overload")
     reasons = error_reasons()

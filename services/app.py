@@ -270,11 +270,20 @@ def auth_args_for(values: dict) -> dict:
             if a.get(key)}
 
 
+REDIS_TLS_DIR = "/var/run/secrets/inferscale/redis-tls"  # the chart's mount of redis.tls.caSecret
+
+
 def registry_url_for(values: dict, release: str) -> str:
-    """Redis inside the release (the chart's StatefulSet), or the external URL the values name."""
-    if values["redis"]["enabled"]:
-        return f"redis://{release}-redis:{values['redis']['port']}/0"
-    return values["redis"]["externalUrl"]
+    """Redis inside the release (the chart's StatefulSet), or the external URL the values name with their seeds
+    and TLS CA (the chart's inferscale.registryUrl, which also refuses bad values)."""
+    redis = values["redis"]
+    if redis["enabled"]:
+        return f"redis://{release}-redis:{redis['port']}/0"
+    tls = redis.get("tls") or {}
+    opts = ([f"seeds={','.join(redis['seeds'])}"] if redis.get("seeds") else []) + (
+        [f"ssl_ca_certs={REDIS_TLS_DIR}/{tls.get('caKey', 'ca.crt')}"] if tls.get("caSecret") else [])
+    url = redis["externalUrl"]
+    return f"{url}{'&' if '?' in url else '?'}{'&'.join(opts)}" if opts else url
 
 
 def deployment_options(cfg: ServiceConfig) -> dict[str, dict]:

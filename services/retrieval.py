@@ -7,15 +7,20 @@ diffs fact versions and (re)indexes only what changed. So a write that reached a
 registry, so a replica that loads the user later does not embed them again.
 
 Users are multiplexed (`multiplexed_model_id` = user id): Serve routes a user to a replica that has the
-user's index loaded, and each replica keeps at most MAX_USERS indices (LRU), dropping the rest from memory.
+user's index loaded, and each replica keeps at most MAX_USERS indices (Serve's LRU) and at most MAX_INDEX_BYTES
+of embeddings (RetrievalCore's own LRU, by bytes: a user with 100,000 facts holds ~150 MB, as much as 100,000
+users with one), dropping the rest from memory. An index dropped for bytes is rebuilt from the registry the next
+time its user searches here, from the embeddings stored there (nothing is embedded again).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,7 +34,22 @@ from inferscale_core.index import VectorIndex
 from .registry import Registry
 from .user_sync import UserBook
 
+log = logging.getLogger("inferscale.retrieval")
 MAX_USERS = int(os.environ.get("INFERSCALE_RETRIEVAL_MAX_USERS", "1024"))
+MAX_INDEX_BYTES_ENV = "INFERSCALE_RETRIEVAL_MAX_INDEX_BYTES"
+# ~1.4 million facts of all-MiniLM-L6-v2 (384 float32, 1,536 B) per replica: well within a replica's memory on
+# the chart's default pod, and bounded whatever the users' sizes.
+DEFAULT_MAX_INDEX_BYTES = 2 << 30
+
+
+def max_index_bytes(environ=os.environ) -> int:
+    """The byte budget of one replica's indices from $INFERSCALE_RETRIEVAL_MAX_INDEX_BYTES (default
+    DEFAULT_MAX_INDEX_BYTES); ValueError naming the variable for a value that is not a whole number >= 1."""
+    raw = environ.get(MAX_INDEX_BYTES_ENV, str(DEFAULT_MAX_INDEX_BYTES))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"${MAX_INDEX_BYTES_ENV}={raw!r}: the bytes of embeddings one retrieval replica keeps, a "
+                         "whole number >= 1 (e.g. 2147483648 for 2 GiB)")
+    return int(raw)
 
 
 QUERY_BATCH = 64  # queries embedded in one call at most (the Embedder's own batch size)
@@ -101,9 +121,22 @@ class RetrievalCore:
     Locking is per user: syncing one user (registry reads, embedding its new facts) never holds up another
     user's search. The query is embedded before any user lock is taken, in a batch with the queries waiting
     beside it (QueryBatcher). Embedding itself runs one call at a time (`_embed_lock`: a fast tokenizer is not
-    safe to call from two threads at once); VectorIndex guards its own matrices."""
+    safe to call from two threads at once); VectorIndex guards its own matrices.
 
-    def __init__(self, registry: Registry, embedder, device: str | torch.device = "cpu"):
+    Memory: the indices' embeddings (VectorIndex.nbytes: facts x dim x 4) stay within `max_bytes`: after a request
+    that read or grew a user's index, the least recently used other users are unloaded until they fit (a user
+    busy in another thread is passed over, never waited for). One user alone over the budget keeps its index
+    while it is the one in use. Each user's matrix grows by doubling, so what is allocated may reach twice the
+    counted bytes."""
+
+    def __init__(self, registry: Registry, embedder, device: str | torch.device = "cpu",
+                 max_bytes: int = DEFAULT_MAX_INDEX_BYTES):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._recent: OrderedDict[str, None] = OrderedDict()  # users with an index here, least recently used first
+        self._recent_lock = threading.Lock()
+        self.evicted = 0  # users unloaded to fit max_bytes (tests, benchmarks)
         self.registry = registry
         self.embedder = embedder
         self.index = VectorIndex(embedder.dim, device=device)
@@ -175,7 +208,32 @@ class RetrievalCore:
             found = self.registry.find_many(user_id, [fid for fid, _, _ in facts])  # deleted meanwhile: absent
             recs = [found[fid] for fid, version, _ in facts if fid in found and found[fid].version == version]
             self._add_records(user_id, recs)
-            return len(recs)
+        self._used(user_id)
+        return len(recs)
+
+    def _used(self, user_id: str) -> None:
+        """The user's index was just read or grown (outside its lock): most recently used now; then the others,
+        least recently used first, are unloaded until the indices fit max_bytes."""
+        with self._recent_lock:
+            self._recent[user_id] = None
+            self._recent.move_to_end(user_id)
+            if self.index.nbytes() <= self.max_bytes:
+                return
+            victims = [u for u in self._recent if u != user_id]
+        for victim in victims:
+            lock = self._lock(victim)
+            if not lock.acquire(blocking=False):  # in use in another thread: not the least recently used now
+                continue
+            try:
+                self._unload(victim)
+            finally:
+                lock.release()
+            self.evicted += 1
+            if self.index.nbytes() <= self.max_bytes:
+                return
+        log.warning("retrieval: the indices hold %d bytes of embeddings, over the replica's budget of %d "
+                    "($%s), with every other user unloaded or in use", self.index.nbytes(), self.max_bytes,
+                    MAX_INDEX_BYTES_ENV)
 
     def forget(self, user_id: str, fact_ids: list[str]) -> None:
         with self._lock(user_id):
@@ -185,18 +243,25 @@ class RetrievalCore:
     def unload(self, user_id: str) -> None:
         """Drop the user's index from memory (LRU eviction or DeleteUser); the registry keeps everything."""
         with self._lock(user_id):
-            self.book.forget(user_id)
-            self.expiring.pop(user_id, None)
-            try:
-                self.index.remove_user(user_id)
-            except UnknownUserError:
-                pass
+            self._unload(user_id)
+
+    def _unload(self, user_id: str) -> None:  # under the user's lock
+        self.book.forget(user_id)
+        self.expiring.pop(user_id, None)
+        with self._recent_lock:
+            self._recent.pop(user_id, None)
+        try:
+            self.index.remove_user(user_id)
+        except UnknownUserError:
+            pass
 
     # -------------------------------------------------------------------------------- reads
     def search(self, user_id: str, query: str, k: int) -> list[tuple[str, float]]:
         """Top-k `(fact_id, score)` of the user's facts not expired now, best first; [] for a user with none."""
         q = self.queries.embed(query)  # before the user's lock: a search never waits on another's sync
-        return self._search(user_id, q, k)
+        hits = self._search(user_id, q, k)
+        self._used(user_id)
+        return hits
 
     def search_vector(self, user_id: str, vector, k: int) -> list[tuple[str, float]]:
         """Top-k by a query embedding computed elsewhere (same model); normalized here like ours."""
@@ -204,7 +269,9 @@ class RetrievalCore:
         if q.shape != (self.index.dim,):
             raise ValueError(f"query vector has shape {tuple(q.shape)}, the index holds {self.index.dim}-d vectors")
         q = q / q.norm().clamp_min(1e-12)
-        return self._search(user_id, q.to(self.index.device), k)
+        hits = self._search(user_id, q.to(self.index.device), k)
+        self._used(user_id)
+        return hits
 
     def _search(self, user_id: str, q: torch.Tensor, k: int) -> list[tuple[str, float]]:
         with self._lock(user_id):
@@ -264,7 +331,7 @@ class Retrieval:
             raise RuntimeError(f"retrieval replica asked for device {device!r} but no GPU is visible")
         one_thread_beside_the_engine(device)
         self.core = RetrievalCore(open_registry(config.registry_url), Embedder(config.embedder_path, device=device),
-                                  device)
+                                  device, max_index_bytes())
         # Searches run on threads of their own, as many as a query batch holds: asyncio's default pool has
         # cores + 4 threads, which would cap a batch there and queue the other searches unbatched behind it.
         # A search's thread mostly waits for its batch's row.

@@ -768,3 +768,45 @@ def test_mooncake_master_and_engine_segments(helm):
     assert not [d for d in off if "mooncake" in d["metadata"]["name"]]
     assert "mooncake" not in yaml.safe_dump_all(off)
     assert yaml.safe_load(_rayservice(off)["spec"]["serveConfigV2"])["applications"][0]["args"]["cluster_store"] == {}
+
+
+def test_an_external_redis_cluster_with_seeds_tls_and_a_password_secret(helm):
+    """redis.enabled=false with a Redis Cluster: the registry URL names one node, the seeds and the mounted CA
+    (the same URL services/app.py builds from the values, and the one the registry parses: its seeds), the
+    password and the CA reach every Ray pod as files from their Secrets; values that cannot work are refused."""
+    from inferscale_server.registry.redis_backend import seed_nodes
+
+    base = ["redis.enabled=false", "redis.externalUrl=rediss://redis-0.redis:6379/0?ssl_check_hostname=true",
+            "redis.seeds={redis-1.redis:6379,redis-2.redis:6380}", "redis.tls.caSecret=redis-ca",
+            "redis.auth.existingSecret=redis-pw", "networkPolicy.egress.to[0].ports[0].port=6379"]
+    docs = _render(helm, *base, release="rc")
+    values = copy.deepcopy(VALUES)
+    values["redis"].update(enabled=False, externalUrl="rediss://redis-0.redis:6379/0?ssl_check_hostname=true",
+                           seeds=["redis-1.redis:6379", "redis-2.redis:6380"],
+                           tls={"caSecret": "redis-ca", "caKey": "ca.crt"}, auth={"existingSecret": "redis-pw",
+                                                                                  "key": "password"})
+    url = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]["registry_url"]
+    assert url == service_app.registry_url_for(values, "rc") == (
+        "rediss://redis-0.redis:6379/0?ssl_check_hostname=true&seeds=redis-1.redis:6379,redis-2.redis:6380"
+        "&ssl_ca_certs=/var/run/secrets/inferscale/redis-tls/ca.crt")
+    assert seed_nodes(url)[1] == [("redis-1.redis", 6379), ("redis-2.redis", 6380)]
+    assert not [d for d in docs if d["kind"] in ("StatefulSet", "Secret") and "redis" in d["metadata"]["name"]]
+    for group, pod in _pod_specs(docs).items():
+        _assert_secret_is_a_file(pod, "redis-secret", "redis-pw", "INFERSCALE_REDIS_PASSWORD", "password")
+        (tls,) = [v for v in pod["volumes"] if v["name"] == "redis-tls"]
+        assert tls["secret"]["secretName"] == "redis-ca" and tls["secret"]["items"][0]["key"] == "ca.crt", group
+        assert {"name": "redis-tls", "mountPath": "/var/run/secrets/inferscale/redis-tls", "readOnly": True} in (
+            pod["containers"][0]["volumeMounts"]), group
+    _validate(docs)
+    refused = {("redis.seeds={a:1}",): "set redis.enabled to false",
+               ("redis.tls.caSecret=ca",): "set redis.enabled to false",
+               (*base[:2], "redis.seeds={redis-1}", base[-1]): 'got "redis-1"',
+               ("redis.enabled=false", "redis.externalUrl=redis://r:6379/0", "redis.tls.caSecret=ca",
+                base[-1]): "must be rediss://",
+               ("redis.enabled=false", "redis.externalUrl=redis://:secret@r:6379/0", base[-1]): "must not hold a "
+                                                                                                   "password",
+               ("redis.enabled=false", "redis.externalUrl=http://r:6379", base[-1]): "redis:// or rediss://"}
+    for flags, named in refused.items():
+        out = subprocess.run([helm, "template", "bad", str(CHART), *(a for f in flags for a in ("--set", f))],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and named in out.stderr, (flags, out.stderr)

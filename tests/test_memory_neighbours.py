@@ -143,11 +143,11 @@ class _RacedWrites(EmbeddedRegistry):
         super().__init__()
         self.before_create = None
 
-    def create(self, user_id, facts, quota=None):
+    def create(self, user_id, facts, quota=None, idempotent=None):
         if self.before_create is not None:
             race, self.before_create = self.before_create, None
             race()
-        return super().create(user_id, facts, quota)
+        return super().create(user_id, facts, quota, idempotent)
 
 
 def test_a_neighbour_deleted_or_changed_while_an_add_runs_survives_in_no_window():

@@ -462,6 +462,42 @@ def test_retrieval_never_picks_an_expired_fact(redis_url):
     reg.close()
 
 
+def test_retrieval_keeps_its_indices_within_a_byte_budget(redis_url):
+    """A retrieval replica's indices stay within their byte budget (embeddings: facts x 384 x 4 B), whatever the
+    number of users: the least recently used users are unloaded for a bigger one; one unloaded is rebuilt from the
+    registry's stored embeddings at its next search, with the same answers; a user alone over the budget is still
+    served."""
+    from inferscale_core.embedder import default_embedder
+    from inferscale_server.retrieval import RetrievalCore, max_index_bytes
+
+    reg = RedisRegistry(redis_url, prefix=f"budget{uuid.uuid4().hex[:8]}:")
+    row = 384 * 4
+    core = RetrievalCore(reg, default_embedder(), max_bytes=6 * row)
+    facts = {"a": ["My dog is called Rex", "I like green tea", "I live in Oslo"],
+             "b": ["My cat is called Tom", "I drink coffee", "I live in Rome"],
+             "c": ["My bird is called Kiwi", "I live in Lima"]}
+    ids = {u: [r.fact_id for r in reg.create(u, [NewFact(t) for t in texts])] for u, texts in facts.items()}
+    dog = core.search("a", "what is my dog's name?", 1)
+    core.search("b", "pet", 1)
+    assert sorted(core.index.users()) == ["a", "b"] and core.index.nbytes() == 6 * row and core.evicted == 0
+    core.search("c", "pet", 1)  # 8 rows: a, the least recently used, leaves
+    assert sorted(core.index.users()) == ["b", "c"] and core.index.nbytes() == 5 * row and core.evicted == 1
+    embedded, embed = [], core._embed  # the facts' embedder (the queries' batcher holds its own reference)
+    core._embed = lambda texts: embedded.extend(texts) or embed(texts)
+    assert core.search("a", "what is my dog's name?", 1) == dog and dog[0][0] == ids["a"][0]  # rebuilt
+    assert embedded == []  # from the embeddings the registry stores: nothing embedded again
+    assert sorted(core.index.users()) == ["a", "c"] and core.index.nbytes() <= 6 * row  # b was the oldest then
+    small = RetrievalCore(reg, default_embedder(), max_bytes=2 * row)
+    assert small.search("a", "what is my dog's name?", 1)[0][0] == ids["a"][0]  # alone over the budget: served
+    assert small.index.users() == ["a"]
+    with pytest.raises(ValueError, match="INFERSCALE_RETRIEVAL_MAX_INDEX_BYTES='2GB'"):
+        max_index_bytes({"INFERSCALE_RETRIEVAL_MAX_INDEX_BYTES": "2GB"})
+    assert max_index_bytes({"INFERSCALE_RETRIEVAL_MAX_INDEX_BYTES": "1048576"}) == 1 << 20
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 1"):
+        RetrievalCore(reg, default_embedder(), max_bytes=0)
+    reg.close()
+
+
 # ------------------------------------------------------------------------------------------ quotas
 def test_quotas_on_facts_and_bytes(reg):
     from inferscale_server.registry import Quota, QuotaExceededError, fact_bytes
@@ -645,10 +681,14 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
 
     # every key it may write, the owners index included (a gateway without authentication writes it)
     reg = RedisRegistry(redis_cluster_url, prefix=f"slot{uuid.uuid4().hex[:8]}:", index_owners=True)
+    from inferscale_server.registry import IdempotentAdd
+
     users = [f"user-{i}" for i in range(40)]
     facts = {}
     for u in users:
-        a, b = reg.create(u, [NewFact("one"), NewFact("two")])
+        # the first user's add under an idempotency key: its keys' hash and expiry index too, in the same slot
+        a, b = reg.create(u, [NewFact("one"), NewFact("two")],
+                          idempotent=IdempotentAdd("add-1", "fp") if u == users[0] else None)
         if u == users[0]:  # an expiring fact: its user's expiry index too, in the same slot
             reg.update(u, b.fact_id, expires_at=2e9)
         reg.update(u, a.fact_id, text="uno")  # a history entry and a tombstone
@@ -660,7 +700,7 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
             written |= {k.decode() for k in node.scan_iter(match=f"{reg.prefix}*", count=1000)}
     expected = {k for u in users for k in reg.user_keys(u, facts[u])} - {
         reg._history_key(u, facts[u][1]) for u in users} - {  # the second fact was never updated: no history
-        reg._user_key(u, "expiry") for u in users[1:]}  # their facts do not expire: no expiry index
+        reg._user_key(u, k) for u in users[1:] for k in ("expiry", "idem", "idemexp")}  # no expiry, no key
     assert written == expected  # nothing global, nothing unnamed
     with redis.Redis.from_url(redis_cluster_url) as node:
         for u in users[:8]:
@@ -697,6 +737,24 @@ def test_open_registry_on_any_node_of_a_cluster(redis_cluster_url):
         r.close()
     with pytest.raises(ValueError, match="database 0"):
         RedisRegistry(redis_cluster_url.replace("/0", "/3")).ping()
+
+
+def test_seed_nodes_reach_a_cluster_whose_first_node_does_not_answer(redis_cluster_url, redis_url):
+    """`?seeds=HOST:PORT,...`: more nodes of a Redis Cluster to start from (a deployment lists several, so that one
+    node down at start does not keep the service from its registry); refused on a single Redis and when malformed."""
+    from inferscale_server.registry.local_redis import free_port
+
+    nodes = _cluster_nodes(redis_cluster_url)
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    reg = RedisRegistry(f"redis://{dead}/0?seeds={nodes[1]},{nodes[2]}&wait_replicas=0",
+                        prefix=f"seeds{uuid.uuid4().hex[:8]}:")
+    (rec,) = reg.create("u", [NewFact("reached through a seed")])
+    assert reg.cluster is True and reg.get("u", rec.fact_id).text == "reached through a seed"
+    reg.close()
+    with pytest.raises(ValueError, match="is a single Redis"):
+        RedisRegistry(f"{redis_url}?seeds={nodes[0]}").ping()
+    with pytest.raises(ValueError, match="seeds='redis-1'"):
+        RedisRegistry(f"redis://{nodes[0]}/0?seeds=redis-1")
 
 
 def test_tombstones_from_another_writer_reach_a_polling_reader(any_redis_url):
@@ -740,3 +798,93 @@ def test_tombstones_from_another_writer_reach_a_polling_reader(any_redis_url):
         reader.tombstones_after("b:99999=1-0")
     writer.close()
     reader.close()
+
+
+def test_an_idempotency_key_stores_an_add_once(reg):
+    """An add under a key keeps key -> its fact ids with the facts (same atomic step), its bytes in the user's
+    byte quota; a repeat of the key writes nothing and names the earlier add; keys are per user; a key released
+    (an undone add) or erased with the user can be used again."""
+    from inferscale_server.registry import (
+        IdempotentAdd,
+        IdempotentRepeatError,
+        Quota,
+        QuotaExceededError,
+        fact_bytes,
+    )
+
+    first = reg.create("u", [NewFact("one"), NewFact("two")], idempotent=IdempotentAdd("key-1", "fp-a"))
+    ids = tuple(r.fact_id for r in first)
+    held = reg.idempotent_add("u", "key-1")
+    assert held.fact_ids == ids and held.fingerprint == "fp-a" and held.key == "key-1"
+    assert reg.user_bytes("u") == sum(fact_bytes(r) for r in first) + held.stored_bytes()
+    before = (reg.count("u"), reg.user_version("u"), reg.user_bytes("u"))
+    with pytest.raises(IdempotentRepeatError) as e:  # the same key again, even with other facts: nothing written
+        reg.create("u", [NewFact("one"), NewFact("two"), NewFact("three")], idempotent=IdempotentAdd("key-1", "fp-b"))
+    assert e.value.earlier == held
+    assert (reg.count("u"), reg.user_version("u"), reg.user_bytes("u")) == before
+    other = reg.create("v", [NewFact("one")], idempotent=IdempotentAdd("key-1", "fp-a"))  # another user's key
+    assert reg.idempotent_add("v", "key-1").fact_ids == (other[0].fact_id,) and reg.idempotent_add("w", "key-1") is None
+
+    facts_only = Quota(max_facts=10, max_bytes=reg.user_bytes("u") + fact_bytes(first[0]))  # no room for a key
+    with pytest.raises(QuotaExceededError, match="bytes per user"):
+        reg.create("u", [NewFact("one")], quota=facts_only, idempotent=IdempotentAdd("key-2", "fp-c"))
+    assert reg.idempotent_add("u", "key-2") is None and reg.count("u") == 2
+
+    reg.release_idempotency_key("u", "key-1")
+    reg.release_idempotency_key("u", "never-used")  # nothing to forget: nothing happens
+    assert reg.idempotent_add("u", "key-1") is None
+    assert reg.user_bytes("u") == sum(fact_bytes(r) for r in first)
+    again = reg.create("u", [NewFact("three")], idempotent=IdempotentAdd("key-1", "fp-d"))
+    assert reg.idempotent_add("u", "key-1").fact_ids == (again[0].fact_id,)
+    reg.delete_user("u")
+    assert reg.idempotent_add("u", "key-1") is None and reg.user_bytes("u") == 0
+    reg.create("u", [NewFact("four")], idempotent=IdempotentAdd("key-1", "fp-e"))  # erased: usable again
+    for bad in ("", "has space", "x" * 129, "naïve"):
+        with pytest.raises(ValueError, match="idempotency key"):
+            reg.create("u", [NewFact("five")], idempotent=IdempotentAdd(bad, "fp"))
+    assert reg.count("u") == 1
+
+
+def test_expired_idempotency_keys_are_forgotten_with_their_bytes(reg, monkeypatch):
+    """A key is kept IDEMPOTENCY_TTL_S: after it a lookup does not find it, the key can name a new add, and the
+    user's next add forgets it and gives its bytes back."""
+    import time
+
+    from inferscale_server.registry import IdempotentAdd, IdempotentRepeatError, base, fact_bytes
+
+    if isinstance(reg, ActorRegistry):
+        pytest.skip("the TTL is read in the actor's process; the actor runs the EmbeddedRegistry tested here")
+    monkeypatch.setattr(base, "IDEMPOTENCY_TTL_S", 0.5)
+    (a,) = reg.create("u", [NewFact("one")], idempotent=IdempotentAdd("old", "fp"))
+    (b,) = reg.create("u", [NewFact("two")], idempotent=IdempotentAdd("reused", "fp"))
+    assert reg.idempotent_add("u", "old", now=time.time() + 1) is None  # a lookup after the TTL: gone
+    with pytest.raises(IdempotentRepeatError):
+        reg.create("u", [NewFact("two")], idempotent=IdempotentAdd("reused", "fp"))
+    time.sleep(0.6)
+    assert reg.idempotent_add("u", "old") is None
+    (c,) = reg.create("u", [NewFact("three")], idempotent=IdempotentAdd("reused", "fp-new"))  # a new add now
+    fresh = reg.idempotent_add("u", "reused")
+    assert fresh.fact_ids == (c.fact_id,) and fresh.fingerprint == "fp-new"
+    # "old" and the first "reused" were forgotten with that add: only the new key's bytes are counted
+    assert reg.user_bytes("u") == sum(fact_bytes(r) for r in (a, b, c)) + fresh.stored_bytes()
+    assert reg.count("u") == 3
+
+
+def test_concurrent_adds_under_one_key_store_once(reg):
+    """Writers racing with one key (a client's retry beside its first try): one add stores its facts, every other
+    is refused as a repeat of it (the key is checked in the create's atomic step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from inferscale_server.registry import IdempotentAdd, IdempotentRepeatError
+
+    def add(i: int):
+        try:
+            return [r.fact_id for r in reg.create("racer", [NewFact("a fact"), NewFact("another")],
+                                                  idempotent=IdempotentAdd("one-key", "fp"))]
+        except IdempotentRepeatError as e:
+            return e.earlier.fact_ids
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(add, range(8)))
+    assert reg.count("racer") == 2
+    assert {tuple(a) for a in answers} == {tuple(r.fact_id for r in reg.list("racer")[0])}

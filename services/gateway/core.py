@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 import threading
@@ -32,7 +34,15 @@ from .. import api, filters
 from ..api import ApiError, Limits, pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
 from ..messages import AnswerEnd, AnswerPiece, OpenAIChat
-from ..registry import FactRecord, NewFact, Registry, VersionConflictError
+from ..registry import (
+    FactRecord,
+    IdempotentAdd,
+    IdempotentRepeatError,
+    NewFact,
+    Registry,
+    VersionConflictError,
+    check_idempotency_key,
+)
 from .principal_limits import PrincipalLimit, PrincipalLimits
 
 if TYPE_CHECKING:  # mem0ai loads on the first infer=true request, not at import
@@ -137,6 +147,14 @@ def _read(fn, *args):
     return api.within_deadline(asyncio.to_thread(fn, *args))
 
 
+def _fingerprint(facts: list[NewFact]) -> str:
+    """What an add asked for, as an idempotency key's repeat must ask it again: each fact's text, metadata, own
+    window, id, creation and expiry time, before the server adds anything (default windows: the user's latest
+    facts, which the add itself changes)."""
+    asked = [[f.text, f.metadata, list(f.window), f.fact_id, f.created_at, repr(f.expires_at)] for f in facts]
+    return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
+
+
 class GatewayCore:
     def __init__(self, registry: Registry, backends: Backends | None = None, limits: Limits = Limits(),
                  embedder_path: str | None = None, *, auth: Authenticator):
@@ -199,15 +217,29 @@ class GatewayCore:
                 raise api.too_big(f"{name} {why}; nothing was stored", name)
         return [int(n or 0) for n in checked]
 
-    async def _store_facts(self, user_id: str, facts: list[api.FactIn], names: list[str]) -> list[FactRecord]:
-        return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window) for f in facts], names)
+    async def _store_facts(self, user_id: str, facts: list[api.FactIn], names: list[str],
+                           idempotency_key: str = "") -> list[FactRecord]:
+        return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window) for f in facts], names,
+                                    idempotency_key)
 
-    async def store_new(self, user_id: str, facts: list[NewFact], names: list[str] | None = None) -> list[FactRecord]:
+    async def store_new(self, user_id: str, facts: list[NewFact], names: list[str] | None = None,
+                        idempotency_key: str = "") -> list[FactRecord]:
         """All or nothing: checked, then registry rows (quota checked atomically), then KV + index; if those
-        fail, the rows are removed again and the error says nothing was stored."""
+        fail, the rows are removed again and the error says nothing was stored. `idempotency_key` ("": none): a
+        repeat of an add the user made under this key answers with that add's facts, and stores and encodes
+        nothing (_repeated_add)."""
         names = names or [f"facts[{i}].text" for i in range(len(facts))]
         for f, name in zip(facts, names):
             api.text_field(f.text, name, self.limits.max_fact_chars)
+        idem = None
+        if idempotency_key:
+            try:
+                idem = IdempotentAdd(check_idempotency_key(idempotency_key), _fingerprint(facts))
+            except ValueError as e:
+                raise api.invalid(str(e), "idempotency_key") from None
+            earlier = await _blocking(self.registry.idempotent_add, user_id, idem.key)
+            if earlier is not None:  # before anything is encoded
+                return await self._repeated_add(user_id, idem, earlier)
         # The shipped encoding default: each fact behind the facts its user stored most recently, this call's
         # earlier ones included (a caller's own window wins). Stored with the fact: a re-encode reproduces it.
         behind = (await _blocking(self.registry.latest, user_id, NEIGHBOUR_WINDOW)
@@ -223,14 +255,18 @@ class GatewayCore:
                               "was stored", "facts")
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
-        recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota())
+        try:
+            recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota(), idempotent=idem)
+        except IdempotentRepeatError as e:  # the same key's add stored meanwhile (a concurrent repeat)
+            assert idem is not None  # only a create with a key raises it
+            return await self._repeated_add(user_id, idem, e.earlier)
         if behind:
             recs = await self._behind_changed(user_id, behind, recs)
         if self.backends is not None:
             try:
                 await self.backends.index_facts(user_id, recs)
             except Exception as e:  # undone, then reported
-                left = await self._undo_create(user_id, recs)
+                left = await self._undo_create(user_id, recs, idem)
                 err = api.to_api_error(e)
                 if err.code == grpc.StatusCode.INTERNAL:
                     log.exception("storing %d facts failed; undone", len(recs))
@@ -245,11 +281,36 @@ class GatewayCore:
                                retry_after_s=err.retry_after_s, quota=err.quota, reason=err.reason) from None
         return recs
 
-    async def _undo_create(self, user_id: str, recs: list[FactRecord]) -> list[str]:
-        """Removes the rows of a write whose KV/index step failed; returns the ids it could not remove (the
-        registry failing now too, after UNDO_ATTEMPTS tries), which the caller reports instead of "nothing was
-        stored"."""
+    async def _repeated_add(self, user_id: str, idem: IdempotentAdd, earlier: IdempotentAdd) -> list[FactRecord]:
+        """The answer to an add whose idempotency key an earlier add of the user holds: that add's facts as they
+        are now, if the request is the same and they are all still stored; nothing is written or encoded (the
+        replicas index and encode stored facts they lack at their next sync, as after any push that failed)."""
+        if earlier.fingerprint != idem.fingerprint:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"idempotency_key {idem.key!r} was used by an earlier add of this user with other facts "
+                           "(texts, metadata, windows or times); one key names one add: send a new key for a new "
+                           "add; nothing was stored", field="idempotency_key", reason="IDEMPOTENCY_KEY_REUSED")
+        found = await _blocking(self.registry.find_many, user_id, list(earlier.fact_ids))
+        gone = [f for f in earlier.fact_ids if f not in found]
+        if gone:
+            raise ApiError(grpc.StatusCode.ALREADY_EXISTS,
+                           f"the add with idempotency_key {idem.key!r} was already applied, and {len(gone)} of its "
+                           f"{len(earlier.fact_ids)} facts have been deleted since ({', '.join(gone[:8])}"
+                           f"{', ...' if len(gone) > 8 else ''}); nothing was stored",
+                           field="idempotency_key", reason="IDEMPOTENT_ADD_DELETED")
+        return [found[f] for f in earlier.fact_ids]
+
+    async def _undo_create(self, user_id: str, recs: list[FactRecord], idem: IdempotentAdd | None = None) -> list[str]:
+        """Removes the rows of a write whose KV/index step failed, and first its idempotency key (a retry under the
+        key must store the facts again: the caller is told nothing was stored); returns the ids it could not
+        remove (the registry failing now too, after UNDO_ATTEMPTS tries), which the caller reports instead of
+        "nothing was stored"."""
         removed, left = [], []
+        if idem is not None:
+            try:
+                await _blocking(self.registry.release_idempotency_key, user_id, idem.key)
+            except Exception:  # the registry failing: a retry under the key then gets IDEMPOTENT_ADD_DELETED
+                log.exception("undoing a failed write: its idempotency key could not be released")
         for r in recs:
             for attempt in range(UNDO_ATTEMPTS):
                 try:
@@ -413,7 +474,8 @@ class GatewayCore:
         scope = filters.scope_metadata(agent_id=req.agent_id, run_id=req.run_id)
         if scope:
             facts = [dataclasses.replace(f, metadata={**f.metadata, **scope}) for f in facts]
-        recs = await self._store_facts(uid, facts, [f"facts[{i}].text" for i in range(len(facts))])
+        recs = await self._store_facts(uid, facts, [f"facts[{i}].text" for i in range(len(facts))],
+                                       req.idempotency_key)
         return pb2.AddFactsResponse(facts=[api.fact_pb(r) for r in recs])
 
     async def AddMemory(self, raw, caller: Principal):  # noqa: N802
@@ -428,11 +490,18 @@ class GatewayCore:
                             previous_text=e.get("previous_memory") or "") for e in events])
 
     async def add_memory(self, uid: str, messages: list[dict], meta: dict, infer: bool,
-                         created_at: float | None = None, expires_at: float = math.inf) -> list[dict]:
+                         created_at: float | None = None, expires_at: float = math.inf,
+                         idempotency_key: str = "") -> list[dict]:
         """Mem0's add for an authorized user: Mem0's events ({"id", "memory", "event", "previous_memory"}).
         `created_at` (None: now) and `expires_at` (FactRecord's) are those of the memories it adds (Mem0's
-        timestamp and expiration_date); memories an extraction updates keep theirs."""
+        timestamp and expiration_date); memories an extraction updates keep theirs. `idempotency_key`: store_new's,
+        for infer=false only (an extraction's adds, updates and deletes are no one atomic write to repeat)."""
         stamp: dict[str, Any] = {"created_at": created_at, "expires_at": expires_at}
+        if infer and idempotency_key:
+            raise api.invalid("an idempotency key applies to an add that stores the messages as they are "
+                              "(infer=false); an extraction (infer=true) adds, updates and deletes memories in "
+                              "steps that cannot be repeated as one: send infer=false or no key",
+                              "idempotency_key")
         if infer:
             return await self._extract(uid, messages, meta, stamp)
         # Mem0's infer=False: every non-system message is stored as it is, tagged with its role.
@@ -442,7 +511,7 @@ class GatewayCore:
         if not facts:
             raise api.invalid("messages hold only system messages; with infer=false nothing would be stored",
                               "messages")
-        recs = await self.store_new(uid, facts, [f"messages[{i}].content" for i, _ in kept])
+        recs = await self.store_new(uid, facts, [f"messages[{i}].content" for i, _ in kept], idempotency_key)
         return [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in recs]
 
     async def Search(self, raw, caller: Principal):  # noqa: N802

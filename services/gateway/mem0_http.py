@@ -50,6 +50,7 @@ from .http_common import (
 )
 
 DEFAULT_TOP_K = 10   # Mem0's default for search
+IDEMPOTENCY_HEADER = "idempotency-key"  # add's idempotency key (infer=false), as the IETF httpapi draft names it
 DEPLOYMENT_ID = "inferscale"  # ping's org_id and project_id: MemoryClient needs both; one deployment is one project
 PREFIX = "mem0."     # metric names of these routes (services/metrics.py)
 WILDCARD = "*"       # Mem0's "every": a user_id of every user the caller may act for, a scope value of any value
@@ -699,7 +700,9 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         meta = {**_metadata(body.metadata, core.limits), **scope_of(body, flt)}
         created_at = None if body.timestamp is None else created_at_of(body.timestamp, time.time())
         expires_at = math.inf if body.expiration_date is None else expires_at_of(body.expiration_date)
-        events = await core.add_memory(uid, messages, meta, body.infer, created_at, expires_at)
+        # The IETF draft's Idempotency-Key header (core.store_new: a repeat answers with the first add's memories)
+        events = await core.add_memory(uid, messages, meta, body.infer, created_at, expires_at,
+                                       request.headers.get(IDEMPOTENCY_HEADER, ""))
         return {"results": [{"id": e["id"], "memory": e.get("memory", ""), "event": e.get("event", "ADD"),
                              **({"previous_memory": e["previous_memory"]} if e.get("previous_memory") else {})}
                             for e in events]}

@@ -19,8 +19,12 @@ from __future__ import annotations
 from .actor import ACTOR_NAMESPACE, ACTOR_SCHEME, ActorRegistry
 from .base import (
     FACT_STORED_BYTES,
+    IDEMPOTENCY_TTL_S,
+    MAX_IDEMPOTENCY_KEY_CHARS,
     DuplicateFactError,
     FactRecord,
+    IdempotentAdd,
+    IdempotentRepeatError,
     NewFact,
     Quota,
     QuotaExceededError,
@@ -28,14 +32,17 @@ from .base import (
     Tombstone,
     UnconfirmedWriteError,
     VersionConflictError,
+    check_idempotency_key,
     fact_bytes,
 )
 from .embedded import EmbeddedRegistry
 from .redis_backend import PASSWORD_ENV, RedisRegistry, redacted
 
 __all__ = ["ACTOR_NAMESPACE", "ACTOR_SCHEME", "ActorRegistry", "DuplicateFactError", "EmbeddedRegistry",
-           "FactRecord", "NewFact", "PASSWORD_ENV", "Quota", "QuotaExceededError", "RedisRegistry", "Registry",
-           "Tombstone", "UnconfirmedWriteError", "VersionConflictError", "FACT_STORED_BYTES", "fact_bytes", "open_registry", "redacted"]
+           "FactRecord", "IDEMPOTENCY_TTL_S", "IdempotentAdd", "IdempotentRepeatError", "MAX_IDEMPOTENCY_KEY_CHARS",
+           "NewFact", "PASSWORD_ENV", "Quota", "QuotaExceededError", "RedisRegistry", "Registry", "Tombstone",
+           "UnconfirmedWriteError", "VersionConflictError", "FACT_STORED_BYTES", "check_idempotency_key",
+           "fact_bytes", "open_registry", "redacted"]
 
 
 def open_registry(url: str | None, prefix: str = "inferscale:", index_owners: bool = False) -> Registry:

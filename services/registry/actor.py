@@ -46,8 +46,14 @@ class ActorRegistry(Registry):
                 raise cause from None  # the registry's own error (UnknownFactError, ...), not Ray's wrapper
             raise
 
-    def create(self, user_id, facts, quota=None):
-        return self._call("create", user_id, facts, quota)
+    def create(self, user_id, facts, quota=None, idempotent=None):
+        return self._call("create", user_id, facts, quota, idempotent)
+
+    def idempotent_add(self, user_id, key, now=None):
+        return self._call("idempotent_add", user_id, key, now)
+
+    def release_idempotency_key(self, user_id, key):
+        return self._call("release_idempotency_key", user_id, key)
 
     def get(self, user_id, fact_id):
         return self._call("get", user_id, fact_id)

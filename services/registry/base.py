@@ -74,6 +74,66 @@ class Tombstone:
 TOMBSTONES_KEPT = 1_000_000  # the log's length: a replica down for more deletes than this misses the oldest
 
 
+# An add's idempotency key (Registry.create's `idempotent`): chosen by the client, kept per user for
+# IDEMPOTENCY_TTL_S after the add, so that a retry of an add whose answer was lost (a dropped connection,
+# UNAVAILABLE WRITE_UNCONFIRMED) finds the facts the first try stored instead of storing them again.
+IDEMPOTENCY_TTL_S = 24 * 3600
+MAX_IDEMPOTENCY_KEY_CHARS = 128  # a UUID is 36; visible ASCII only (it travels as an HTTP header too)
+# What Redis keeps for a key beyond its name and value: a hash field and a sorted-set entry (the expiry) with the
+# key's name twice (counted: len(key) again) and their own overhead (~80 B, as a fact's hash field costs). Counted
+# in the user's byte quota with the key, so a client that sends a new key with every add cannot grow Redis past it.
+IDEMPOTENCY_STORED_BYTES = 80
+# A create forgets at most this many of its user's expired keys (RedisRegistry: one bounded read in the create's
+# transaction); a user adds one key per create, so its expired keys cannot pile up faster than they are forgotten.
+IDEMPOTENCY_PURGE_PER_CREATE = 64
+
+
+def check_idempotency_key(key) -> str:
+    """The key, or ValueError naming what is wrong with it."""
+    if not isinstance(key, str) or not key:
+        raise ValueError("an idempotency key must be a non-empty string")
+    if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        raise ValueError(f"an idempotency key is at most {MAX_IDEMPOTENCY_KEY_CHARS} characters, got {len(key)}")
+    if not all("!" <= c <= "~" for c in key):
+        raise ValueError("an idempotency key holds visible ASCII characters only (no spaces), e.g. a UUID")
+    return key
+
+
+@dataclass(frozen=True)
+class IdempotentAdd:
+    """What an add with an idempotency key stored: the key, a fingerprint of the request (the caller's: a repeat
+    of the key must send the same request), the ids of the facts it stored, in order, and until when the key is
+    kept (Unix time)."""
+    key: str
+    fingerprint: str
+    fact_ids: tuple[str, ...] = ()
+    expires_at: float = 0.0
+
+    def to_json(self) -> bytes:
+        """As stored; with the key, what it counts against the user's byte quota (stored_bytes)."""
+        return json.dumps({"fp": self.fingerprint, "ids": list(self.fact_ids), "exp": self.expires_at}).encode()
+
+    @classmethod
+    def from_json(cls, key: str, raw: bytes) -> "IdempotentAdd":
+        d = json.loads(raw)
+        return cls(key, d["fp"], tuple(d["ids"]), float(d["exp"]))
+
+    def stored_bytes(self) -> int:
+        return 2 * len(self.key.encode()) + len(self.to_json()) + IDEMPOTENCY_STORED_BYTES
+
+
+class IdempotentRepeatError(InferScaleError):
+    """create() with an idempotency key the user's earlier add still holds: nothing was written. `earlier` is
+    that add (its fingerprint and fact ids): the caller answers with its facts, or refuses a different request."""
+
+    def __init__(self, earlier: IdempotentAdd):
+        super().__init__(f"idempotency key {earlier.key!r} was used by an earlier add of this user")
+        self.earlier = earlier
+
+    def __reduce__(self):  # crosses process boundaries (ActorRegistry)
+        return (IdempotentRepeatError, (self.earlier,))
+
+
 @dataclass(frozen=True)
 class Quota:
     """Per-user bounds checked atomically with the write (concurrent writers cannot overshoot them): facts, stored
@@ -239,8 +299,23 @@ class Registry(ABC):
 
     # --- facts ---
     @abstractmethod
-    def create(self, user_id: str, facts: list[NewFact], quota: Quota | None = None) -> list[FactRecord]:
-        """All the facts or none; QuotaExceededError if they would take the user past `quota`."""
+    def create(self, user_id: str, facts: list[NewFact], quota: Quota | None = None,
+               idempotent: IdempotentAdd | None = None) -> list[FactRecord]:
+        """All the facts or none; QuotaExceededError if they would take the user past `quota`. `idempotent` (its
+        key and fingerprint; fact_ids and expires_at are the registry's): kept with the facts in the same atomic
+        step for IDEMPOTENCY_TTL_S, its bytes counted in the user's byte quota; if the user still holds the key,
+        nothing is written and IdempotentRepeatError names the earlier add. Each create also forgets some of the
+        user's expired keys (and their bytes)."""
+
+    @abstractmethod
+    def idempotent_add(self, user_id: str, key: str, now: float | None = None) -> IdempotentAdd | None:
+        """The user's earlier add under this idempotency key, None when there is none or it expired (at `now`,
+        default the time of the call)."""
+
+    @abstractmethod
+    def release_idempotency_key(self, user_id: str, key: str) -> None:
+        """Forgets the key (and its bytes), so that the add can be sent again: for an add undone after its
+        facts were stored (the caller was told nothing was stored). A key the user does not hold: nothing."""
 
     @abstractmethod
     def get(self, user_id: str, fact_id: str) -> FactRecord: ...
@@ -333,7 +408,8 @@ class Registry(ABC):
 
     @abstractmethod
     def delete_user(self, user_id: str) -> int:
-        """Removes every fact of the user and its placements; returns how many facts were removed."""
+        """Removes every fact of the user, its placements and idempotency keys; returns how many facts were
+        removed."""
 
     @abstractmethod
     def user_version(self, user_id: str) -> int:
@@ -415,6 +491,17 @@ class Registry(ABC):
                        window=cur.window if window is None else tuple(window),
                        kv_bytes=cur.kv_bytes if kv_bytes is None else _check_kv_bytes(kv_bytes),
                        expires_at=cur.expires_at if expires_at is None else float(expires_at))
+
+    @staticmethod
+    def _kept_add(idempotent: "IdempotentAdd | None", recs: builtins.list[FactRecord],
+                  now: float) -> "IdempotentAdd | None":
+        """What a create stores for its idempotency key: the key checked, its facts' ids, its expiry."""
+        if idempotent is None:
+            return None
+        if not isinstance(idempotent, IdempotentAdd):
+            raise TypeError(f"idempotent must be an IdempotentAdd, got {type(idempotent).__name__}")
+        return replace(idempotent, key=check_idempotency_key(idempotent.key),
+                       fact_ids=tuple(r.fact_id for r in recs), expires_at=now + IDEMPOTENCY_TTL_S)
 
     @staticmethod
     def _new_records(user_id: str, facts: builtins.list[NewFact], now: float) -> builtins.list[FactRecord]:

@@ -10,9 +10,12 @@ from dataclasses import replace
 from inferscale_core.errors import UnknownFactError, check_id
 
 from .base import (
+    IDEMPOTENCY_PURGE_PER_CREATE,
     MAX_HISTORY,
     TOMBSTONES_KEPT,
     DuplicateFactError,
+    IdempotentAdd,
+    IdempotentRepeatError,
     Registry,
     Tombstone,
     VersionConflictError,
@@ -37,6 +40,8 @@ class EmbeddedRegistry(Registry):
         self._tombs_base = 0
         self._ver: dict[str, int] = {}
         self._placement: dict[str, set[str]] = {}
+        # user -> idempotency key -> the add that used it, in the order written (so oldest, first to expire, first)
+        self._idem: dict[str, dict[str, IdempotentAdd]] = {}
 
     def _owned(self, user_id, fact_id):
         rec = self._facts.get(fact_id)
@@ -53,26 +58,57 @@ class EmbeddedRegistry(Registry):
             self._tombs.pop(0)
             self._tombs_base += 1
 
-    def create(self, user_id, facts, quota=None):
-        recs = self._new_records(user_id, facts, time.time())
+    def create(self, user_id, facts, quota=None, idempotent=None):
+        now = time.time()
+        recs = self._new_records(user_id, facts, now)
+        if not recs:
+            return []
+        kept = self._kept_add(idempotent, recs, now)
         added = sum(fact_bytes(r) for r in recs)
         with self._lock:
+            held = self._idem.get(user_id, {})
+            earlier = held.get(kept.key) if kept is not None else None
+            if earlier is not None and earlier.expires_at > now:
+                raise IdempotentRepeatError(earlier)
             taken = [r.fact_id for r in recs if r.fact_id in self._facts]
             if taken:
                 raise DuplicateFactError(f"fact id {taken[0]!r} already exists")
+            # The user's expired keys leave with this write (at most IDEMPOTENCY_PURGE_PER_CREATE, oldest first;
+            # the one this write reuses among them), their bytes with them.
+            expired = [a for a in list(held.values())[:IDEMPOTENCY_PURGE_PER_CREATE] if a.expires_at <= now]
+            if earlier is not None and earlier not in expired:
+                expired.append(earlier)
+            grown = added - sum(a.stored_bytes() for a in expired) + (kept.stored_bytes() if kept else 0)
             added_kv = sum(r.kv_bytes for r in recs)
             check_quota(quota, user_id, len(self._order.get(user_id, [])), self._bytes.get(user_id, 0), len(recs),
-                        added, self._kv_bytes.get(user_id, 0), added_kv)
+                        grown, self._kv_bytes.get(user_id, 0), added_kv)
             for r in recs:
                 self._facts[r.fact_id] = r
                 self._order.setdefault(user_id, []).append(r.fact_id)
                 self._last_seq += 1
                 self._seq[r.fact_id] = self._last_seq
-            if recs:
-                self._bytes[user_id] = self._bytes.get(user_id, 0) + added
-                self._kv_bytes[user_id] = self._kv_bytes.get(user_id, 0) + added_kv
-                self._bump(user_id)
+            for a in expired:
+                del held[a.key]
+            if kept is not None:
+                self._idem.setdefault(user_id, held)[kept.key] = kept
+            self._bytes[user_id] = self._bytes.get(user_id, 0) + grown
+            self._kv_bytes[user_id] = self._kv_bytes.get(user_id, 0) + added_kv
+            self._bump(user_id)
         return recs
+
+    def idempotent_add(self, user_id, key, now=None):
+        check_id("user_id", user_id)
+        now = time.time() if now is None else now
+        with self._lock:
+            earlier = self._idem.get(user_id, {}).get(key)
+            return earlier if earlier is not None and earlier.expires_at > now else None
+
+    def release_idempotency_key(self, user_id, key):
+        check_id("user_id", user_id)
+        with self._lock:
+            earlier = self._idem.get(user_id, {}).pop(key, None)
+            if earlier is not None:
+                self._bytes[user_id] = self._bytes.get(user_id, 0) - earlier.stored_bytes()
 
     def get(self, user_id, fact_id):
         check_id("user_id", user_id)
@@ -227,6 +263,7 @@ class EmbeddedRegistry(Registry):
             self._bytes.pop(user_id, None)
             self._kv_bytes.pop(user_id, None)
             self._placement.pop(user_id, None)
+            self._idem.pop(user_id, None)
             self._tomb(Tombstone(user_id, gone=True))
             self._bump(user_id)
             return len(ids)

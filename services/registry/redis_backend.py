@@ -23,11 +23,14 @@ import numpy as np
 from inferscale_core.errors import UnknownFactError, check_id
 
 from .base import (
+    IDEMPOTENCY_PURGE_PER_CREATE,
     MAX_HISTORY,
     TOMBSTONES_KEPT,
     DuplicateFactError,
     FactRecord,
     FactVersion,
+    IdempotentAdd,
+    IdempotentRepeatError,
     Registry,
     Tombstone,
     UnconfirmedWriteError,
@@ -58,6 +61,10 @@ WRITE_RIDE_THROUGH_S = 4.0
 WAIT_REPLICAS_OPTION, WAIT_TIMEOUT_OPTION = "wait_replicas", "wait_timeout_ms"
 WAIT_TIMEOUT_MS = 500
 REPLICAS_RECHECK_S = 5.0
+# More nodes of a Redis Cluster to start from when the URL's own host does not answer (a cluster client learns
+# every node from any one): redis://node-a:6379/0?seeds=node-b:6379,node-c:6379. They share the URL's scheme,
+# password and TLS options.
+SEEDS_OPTION = "seeds"
 
 # Users are grouped into BUCKETS by a stable hash of their id (bucket_of); a bucket's keys share one hash tag, so on
 # a Redis Cluster they live in one slot, and the buckets spread over the masters. Per-bucket rather than per-user
@@ -129,10 +136,10 @@ return 1
 # ones it was: every Redis does (only the scripting docs' advice is stricter).
 DELETE_USER = """
 -- KEYS: user's facts (zset), user bytes, user kv bytes, placement, placed users, tombstones, user version,
---       user's expiring facts (zset)
+--       user's expiring facts (zset), user's idempotency keys (hash), their expiry (zset)
 -- ARGV: user_id, fact key prefix, history key prefix, tombstones kept, owners key prefix
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[8])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[8], KEYS[9], KEYS[10])
 for _, f in ipairs(ids) do
   redis.call('DEL', ARGV[2] .. f, ARGV[3] .. f)
   redis.call('SREM', ARGV[5] .. f, ARGV[1])
@@ -210,6 +217,24 @@ def decode_cursor(cursor: str) -> dict[int, str]:
     return dict.fromkeys(range(BUCKETS), stream_id(cursor))
 
 
+def seed_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """(the URL without its `seeds` option, the seed nodes it names as (host, port)); ValueError naming a bad one."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    seeds = []
+    for k, v in query:
+        if k != SEEDS_OPTION:
+            continue
+        for node in filter(None, v.split(",")):
+            host, colon, port = node.rpartition(":")
+            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"registry URL option {SEEDS_OPTION}={v!r}: comma-separated HOST:PORT nodes of a "
+                                 f"Redis Cluster, e.g. {SEEDS_OPTION}=redis-1:6379,redis-2:6379; {node!r} is not one")
+            seeds.append((host.strip("[]"), int(port)))
+    rest = urlencode([(k, v) for k, v in query if k != SEEDS_OPTION])
+    return parts._replace(query=rest).geturl(), seeds
+
+
 def durability_options(url: str) -> tuple[str, int | None, int]:
     """(the URL without the registry's own query options, replicas to wait for (None: auto), wait timeout in ms)
     from the registry URL; ValueError naming a bad value."""
@@ -254,6 +279,10 @@ class RedisRegistry(Registry):
       T:user/{user_id}/kvbytes  int   kv_bytes of the user's facts (the KV quota)
       T:user/{user_id}/ver      int   the user's change counter
       T:user/{user_id}/expiry   zset  fact_id -> expires_at, for the user's facts that expire (expired_facts)
+      T:user/{user_id}/idem     hash  idempotency key -> the add that used it (IdempotentAdd JSON: fingerprint,
+                                      fact ids, expiry), written in the create's transaction
+      T:user/{user_id}/idemexp  zset  idempotency key -> its expiry: what a create forgets (the hash's field and
+                                      its bytes) once it has passed; a key is never read after it
       T:owners/{fact_id}        set   the users of T's bucket that have a fact of this id (owners_of)
       T:placement/{user_id}     set   engine replica ids
     and per bucket (shared by the bucket's users):
@@ -288,7 +317,8 @@ class RedisRegistry(Registry):
             raise ValueError(f"a registry key prefix must not contain braces (the hash tag is the bucket's): "
                              f"{prefix!r}")
         self.url, self.prefix, self.index_owners = url, prefix, index_owners
-        self._redis_url, self.wait_replicas, self.wait_timeout_ms = durability_options(url)
+        redis_url, self.seeds = seed_nodes(url)
+        self._redis_url, self.wait_replicas, self.wait_timeout_ms = durability_options(redis_url)
         self._replicas: dict[str, tuple[int, float]] = {}  # master -> (replicas connected, when asked): auto mode
         self.cluster: bool | None = None  # known after the first call
         self._client = None
@@ -331,15 +361,12 @@ class RedisRegistry(Registry):
 
         cluster, parts = False, urlsplit(self._redis_url)
         if parts.scheme != "unix":  # asked of database 0: a cluster node refuses SELECT
-            probe = redis.Redis.from_url(parts._replace(path="/0").geturl(), retry=retry(), **kw)
-            try:
-                cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-            except redis.ResponseError:  # INFO refused (a managed Redis that renames it): no cluster
-                cluster = False
-            finally:
-                probe.close()
+            cluster, parts = self._probe(parts, retry(), kw)
+        if self.seeds and not cluster:
+            raise ValueError(f"registry URL option {SEEDS_OPTION}= names nodes of a Redis Cluster, and "
+                             f"{redacted(parts.geturl())!r} is a single Redis")
         if cluster:
-            from redis.cluster import RedisCluster
+            from redis.cluster import ClusterNode, RedisCluster
             from redis.crc import key_slot
 
             if parts.path not in ("", "/", "/0"):
@@ -348,8 +375,9 @@ class RedisRegistry(Registry):
             # Reads ride through a failover: redis-py refreshes its slot map on a connection error, MOVED or
             # CLUSTERDOWN and tries again, with backoff 0.1, 0.2, 0.4, 0.8, 1, 1 s. Writes never go through this
             # retry (_on_master): a transaction or script re-sent after its reply was lost could apply twice.
+            others = [ClusterNode(h, p) for h, p in self.seeds if (h, p) != (parts.hostname, parts.port or 6379)]
             client = RedisCluster.from_url(parts._replace(path="").geturl(), retry=Retry(
-                ExponentialBackoff(cap=1.0, base=0.05), CLUSTER_RETRIES), **kw)
+                ExponentialBackoff(cap=1.0, base=0.05), CLUSTER_RETRIES), startup_nodes=others or None, **kw)
         else:
             client = redis.Redis.from_url(self._redis_url, retry=retry(), **kw)
         self._scripts = {"delete_fact": client.register_script(DELETE_FACT),
@@ -357,6 +385,29 @@ class RedisRegistry(Registry):
                          "remove_placement": client.register_script(REMOVE_PLACEMENT)}
         self.cluster = cluster
         return client
+
+    def _probe(self, parts, retry, kw) -> tuple:
+        """(whether the node answers as a Redis Cluster node, the URL parts of the node that answered): the URL's
+        node, else each seed in turn; none answering raises the URL node's error."""
+        import redis
+
+        first_error = None
+        nodes = [(parts.hostname, parts.port)] + self.seeds
+        for host, port in nodes:
+            netloc = parts.netloc.rpartition("@")
+            node = parts._replace(netloc=f"{netloc[0]}{netloc[1]}{f'[{host}]' if ':' in host else host}:"
+                                        f"{port or 6379}") if (host, port) != nodes[0] else parts
+            probe = redis.Redis.from_url(node._replace(path="/0").geturl(), retry=retry, **kw)
+            try:
+                return int(probe.info("cluster").get("cluster_enabled", 0)) == 1, node
+            except redis.ResponseError:  # INFO refused (a managed Redis that renames it): no cluster
+                return False, node
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                first_error = first_error or e
+            finally:
+                probe.close()
+        assert first_error is not None  # every node was tried and none answered
+        raise first_error
 
     def _script(self, name: str, keys, args):
         """A script that is safe to run twice (redis-py re-sends it after a lost reply) and is not waited for: the
@@ -506,7 +557,8 @@ class RedisRegistry(Registry):
 
     def user_keys(self, user_id: str, fact_ids=()) -> list[str]:
         """Every key the registry may write for the user and these facts (one hash slot; what the tests check)."""
-        return [*(self._user_key(user_id, k) for k in ("facts", "bytes", "kvbytes", "ver", "expiry")),
+        return [*(self._user_key(user_id, k) for k in ("facts", "bytes", "kvbytes", "ver", "expiry", "idem",
+                                                       "idemexp")),
                 self._placement_key(user_id), *(self._key(user_id, n) for n in ("seq", "tombstones", "placed")),
                 *(k for f in fact_ids for k in (self._fact_key(user_id, f), self._history_key(user_id, f),
                                                 self._owners_key(user_id, f)))]
@@ -631,23 +683,42 @@ class RedisRegistry(Registry):
             return pipe.execute()
 
     # ------------------------------------------------------------------ facts
-    def create(self, user_id, facts, quota=None):
-        recs = self._new_records(user_id, facts, time.time())
+    def create(self, user_id, facts, quota=None, idempotent=None):
+        now = time.time()
+        recs = self._new_records(user_id, facts, now)
         if not recs:
             return []
+        kept = self._kept_add(idempotent, recs, now)
         keys = [self._fact_key(user_id, r.fact_id) for r in recs]
         facts_key, bytes_key = self._user_key(user_id, "facts"), self._user_key(user_id, "bytes")
         kv_key = self._user_key(user_id, "kvbytes")
+        idem_key, idem_exp_key = self._user_key(user_id, "idem"), self._user_key(user_id, "idemexp")
         added, added_kv = sum(fact_bytes(r) for r in recs), sum(r.kv_bytes for r in recs)
 
         def body(pipe):
+            earlier = None
+            if kept is not None:  # a repeat writes nothing, not even a creation sequence number
+                raw = pipe.hget(idem_key, kept.key)
+                earlier = None if raw is None else IdempotentAdd.from_json(kept.key, raw)
+                if earlier is not None and earlier.expires_at > now:
+                    raise IdempotentRepeatError(earlier)
             # Creation sequence numbers first (the bucket's; gaps are harmless), on the transaction's connection so
             # that its WAIT covers them too, then facts + listing + counters in one MULTI.
             first = int(pipe.incrby(self._key(user_id, "seq"), len(recs))) - len(recs) + 1
             taken = [r.fact_id for r, k in zip(recs, keys) if pipe.exists(k)]  # never overwrite a fact
             if taken:
                 raise DuplicateFactError(f"fact id {taken[0]!r} already exists")
-            check_quota(quota, user_id, int(pipe.zcard(facts_key)), int(pipe.get(bytes_key) or 0), len(recs), added,
+            # The user's expired idempotency keys leave with this write (a bounded number, oldest first; the one this
+            # write reuses among them), their bytes with them.
+            expired = {k.decode() for k in pipe.zrangebyscore(idem_exp_key, "-inf", repr(now), start=0,
+                                                              num=IDEMPOTENCY_PURGE_PER_CREATE)}
+            if earlier is not None:
+                expired.add(earlier.key)
+            expired_list = sorted(expired)
+            values = pipe.hmget(idem_key, expired_list) if expired_list else []
+            freed = sum(IdempotentAdd.from_json(k, v).stored_bytes() for k, v in zip(expired_list, values) if v)
+            grown = added - freed + (kept.stored_bytes() if kept is not None else 0)
+            check_quota(quota, user_id, int(pipe.zcard(facts_key)), int(pipe.get(bytes_key) or 0), len(recs), grown,
                         int(pipe.get(kv_key) or 0), added_kv)
             pipe.multi()
             for r, k in zip(recs, keys):
@@ -658,12 +729,40 @@ class RedisRegistry(Registry):
             expiring = {r.fact_id: r.expires_at for r in recs if r.expires_at != math.inf}
             if expiring:
                 pipe.zadd(self._user_key(user_id, "expiry"), expiring)
-            pipe.incrby(bytes_key, added)
+            if expired_list:
+                pipe.hdel(idem_key, *expired_list)
+                pipe.zrem(idem_exp_key, *expired_list)
+            if kept is not None:
+                pipe.hset(idem_key, kept.key, kept.to_json())
+                pipe.zadd(idem_exp_key, {kept.key: kept.expires_at})
+            pipe.incrby(bytes_key, grown)
             pipe.incrby(kv_key, added_kv)
             pipe.incr(self._user_key(user_id, "ver"))
 
-        self._transaction([*keys, facts_key, bytes_key, kv_key], body)
+        self._transaction([*keys, facts_key, bytes_key, kv_key, idem_key, idem_exp_key], body)
         return recs
+
+    def idempotent_add(self, user_id, key, now=None):
+        check_id("user_id", user_id)
+        now = time.time() if now is None else now
+        raw = self.r.hget(self._user_key(user_id, "idem"), key)
+        earlier = None if raw is None else IdempotentAdd.from_json(key, raw)
+        return earlier if earlier is not None and earlier.expires_at > now else None
+
+    def release_idempotency_key(self, user_id, key):
+        check_id("user_id", user_id)
+        idem_key, bytes_key = self._user_key(user_id, "idem"), self._user_key(user_id, "bytes")
+
+        def body(pipe):
+            raw = pipe.hget(idem_key, key)
+            if raw is None:
+                return
+            pipe.multi()
+            pipe.hdel(idem_key, key)
+            pipe.zrem(self._user_key(user_id, "idemexp"), key)
+            pipe.decrby(bytes_key, IdempotentAdd.from_json(key, raw).stored_bytes())
+
+        self._transaction([idem_key, bytes_key], body)
 
     def get(self, user_id, fact_id):
         check_id("user_id", user_id)
@@ -924,7 +1023,8 @@ class RedisRegistry(Registry):
                 self._user_key(user_id, "kvbytes"), self._placement_key(user_id), self._key(user_id, "placed"),
                 self._key(user_id, "tombstones"),
                 self._user_key(user_id, "ver"),  # ver kept: replicas must still see the change
-                self._user_key(user_id, "expiry")]
+                self._user_key(user_id, "expiry"), self._user_key(user_id, "idem"),
+                self._user_key(user_id, "idemexp")]
         return int(self._write_script("delete_user", keys, [user_id, self._fact_key(user_id, ""),
                                                             self._history_key(user_id, ""), TOMBSTONES_PER_BUCKET,
                                                             self._owners_key(user_id, "")]))

@@ -11,10 +11,38 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* Same rule as services/app.py:registry_url_for. */}}
 {{- define "inferscale.registryUrl" -}}
-{{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis:%v/0" (include "inferscale.fullname" .) .Values.redis.port -}}
+{{- $r := .Values.redis -}}
+{{- if $r.enabled -}}
+{{- if or $r.seeds $r.tls.caSecret -}}
+{{- fail "redis.seeds and redis.tls.caSecret describe an external Redis: set redis.enabled to false and redis.externalUrl" -}}
+{{- end -}}
+{{- printf "redis://%s-redis:%v/0" (include "inferscale.fullname" .) $r.port -}}
 {{- else -}}
-{{- required "redis.externalUrl is required when redis.enabled is false" .Values.redis.externalUrl -}}
+{{- $url := required "redis.externalUrl is required when redis.enabled is false" $r.externalUrl | toString -}}
+{{- if not (regexMatch "^rediss?://" $url) -}}
+{{- fail (printf "redis.externalUrl must be a redis:// or rediss:// URL, got %q" $url) -}}
+{{- end -}}
+{{- if regexMatch "^rediss?://[^/@]*:[^/@]*@" $url -}}
+{{- fail "redis.externalUrl must not hold a password (it would land in the Serve config): put it in a Secret named by redis.auth.existingSecret" -}}
+{{- end -}}
+{{- $opts := list -}}
+{{- range $r.seeds -}}
+{{- if not (regexMatch "^[A-Za-z0-9.-]+:[0-9]{1,5}$" (toString .)) -}}
+{{- fail (printf "redis.seeds entries are HOST:PORT nodes of the external Redis Cluster, got %q" (toString .)) -}}
+{{- end -}}
+{{- end -}}
+{{- if $r.seeds -}}{{- $opts = append $opts (printf "seeds=%s" (join "," $r.seeds)) -}}{{- end -}}
+{{- if $r.tls.caSecret -}}
+{{- if not (hasPrefix "rediss://" $url) -}}
+{{- fail (printf "redis.tls.caSecret is for a TLS connection: redis.externalUrl must be rediss://, got %q" $url) -}}
+{{- end -}}
+{{- $opts = append $opts (printf "ssl_ca_certs=%s/%s" (include "inferscale.redisTlsDir" .) $r.tls.caKey) -}}
+{{- end -}}
+{{- if $opts -}}
+{{- printf "%s%s%s" $url (ternary "&" "?" (contains "?" $url)) (join "&" $opts) -}}
+{{- else -}}
+{{- $url -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -132,6 +160,8 @@ securityContext:
 {{- define "inferscale.jwtSecretDir" -}}/var/run/secrets/inferscale/jwt{{- end -}}
 {{- define "inferscale.jwtSecretMounted" -}}{{ not (or .Values.auth.insecureNoAuth .Values.auth.jwksUrl) }}{{- end -}}
 {{- define "inferscale.redisSecretDir" -}}/var/run/secrets/inferscale/redis{{- end -}}
+{{- define "inferscale.redisTlsDir" -}}/var/run/secrets/inferscale/redis-tls{{- end -}}
+{{- define "inferscale.redisTlsMounted" -}}{{ if and (not .Values.redis.enabled) .Values.redis.tls.caSecret }}true{{ else }}false{{ end }}{{- end -}}
 {{- define "inferscale.redisSecretMounted" -}}{{ if or .Values.redis.enabled .Values.redis.auth.existingSecret }}true{{ else }}false{{ end }}{{- end -}}
 
 {{- define "inferscale.modelsReadOnly" -}}
@@ -207,7 +237,8 @@ livenessProbe:
 {{- $pvc := eq .ctx.Values.model.source "pvc" -}}
 {{- $jwt := eq (include "inferscale.jwtSecretMounted" .ctx) "true" -}}
 {{- $redis := eq (include "inferscale.redisSecretMounted" .ctx) "true" -}}
-{{- if or $pvc $jwt $redis (and .worker .ctx.Values.kvStore.volume) }}
+{{- $redisTls := eq (include "inferscale.redisTlsMounted" .ctx) "true" -}}
+{{- if or $pvc $jwt $redis $redisTls (and .worker .ctx.Values.kvStore.volume) }}
 volumes:
 {{- if $redis }}
   - name: redis-secret
@@ -215,6 +246,13 @@ volumes:
       secretName: {{ include "inferscale.redisSecret" .ctx }}
       defaultMode: 0440   # group-read: the pod's fsGroup (the Ray user) reads it
       items: [{key: {{ .ctx.Values.redis.auth.key }}, path: {{ .ctx.Values.redis.auth.key }}}]
+{{- end }}
+{{- if $redisTls }}
+  - name: redis-tls
+    secret:
+      secretName: {{ .ctx.Values.redis.tls.caSecret }}
+      defaultMode: 0440   # group-read: the pod's fsGroup (the Ray user) reads it
+      items: [{key: {{ .ctx.Values.redis.tls.caKey }}, path: {{ .ctx.Values.redis.tls.caKey }}}]
 {{- end }}
 {{- if $jwt }}
   - name: jwt-secret
@@ -252,10 +290,14 @@ volumes:
 {{- $pvc := eq .ctx.Values.model.source "pvc" -}}
 {{- $jwt := eq (include "inferscale.jwtSecretMounted" .ctx) "true" -}}
 {{- $redis := eq (include "inferscale.redisSecretMounted" .ctx) "true" -}}
-{{- if or $pvc $jwt $redis (and .worker .ctx.Values.kvStore.volume) }}
+{{- $redisTls := eq (include "inferscale.redisTlsMounted" .ctx) "true" -}}
+{{- if or $pvc $jwt $redis $redisTls (and .worker .ctx.Values.kvStore.volume) }}
 volumeMounts:
 {{- if $redis }}
   - {name: redis-secret, mountPath: {{ include "inferscale.redisSecretDir" .ctx }}, readOnly: true}
+{{- end }}
+{{- if $redisTls }}
+  - {name: redis-tls, mountPath: {{ include "inferscale.redisTlsDir" .ctx }}, readOnly: true}
 {{- end }}
 {{- if $jwt }}
   - {name: jwt-secret, mountPath: {{ include "inferscale.jwtSecretDir" .ctx }}, readOnly: true}
