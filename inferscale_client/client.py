@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import math
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -87,21 +88,30 @@ def messages_pb(messages: Sequence[Mapping[str, str]] | None) -> list:
     return out
 
 
+def expiry_field(expires_at: float | None) -> dict:
+    """The proto's optional expires_at: {} for None (unset), 0 for math.inf (never expires), else the Unix time."""
+    if expires_at is None:
+        return {}
+    return {"expires_at": 0.0 if expires_at == math.inf else expires_at}
+
+
 def add_facts_request(user_id: str, texts: Sequence[str], metadata: Mapping[str, str] | None,
-                      windows: Sequence[Sequence[str]] | None, idempotency_key: str | None = None):
+                      windows: Sequence[Sequence[str]] | None, idempotency_key: str | None = None,
+                      expires_at: float | None = None):
     """`idempotency_key` None: a new one (a UUID), which the channel's retries of this request repeat."""
     if isinstance(texts, str):
         raise TypeError("texts must be a sequence of strings, not one string")
     windows = windows or [[] for _ in texts]
-    facts = [pb2.FactInput(text=t, metadata=dict(metadata or {}), window=list(w)) for t, w in zip(texts, windows)]
+    facts = [pb2.FactInput(text=t, metadata=dict(metadata or {}), window=list(w), **expiry_field(expires_at))
+             for t, w in zip(texts, windows)]
     return pb2.AddFactsRequest(user_id=user_id, facts=facts,
                                idempotency_key=uuid.uuid4().hex if idempotency_key is None else idempotency_key)
 
 
 def add_memory_request(user_id: str, messages: Sequence[Mapping[str, str]], infer: bool,
-                       metadata: Mapping[str, str] | None):
+                       metadata: Mapping[str, str] | None, expires_at: float | None = None):
     return pb2.AddMemoryRequest(user_id=user_id, infer=infer, metadata=dict(metadata or {}),
-                                messages=messages_pb(messages))
+                                messages=messages_pb(messages), **expiry_field(expires_at))
 
 
 def search_request(user_id: str, query: str, k: int, filters: Mapping | None, threshold: float | None):
@@ -113,9 +123,10 @@ def search_request(user_id: str, query: str, k: int, filters: Mapping | None, th
 
 
 def update_request(user_id: str, fact_id: str, text: str | None, metadata: Mapping[str, str] | None,
-                   expected_version: int, replace_metadata: bool):
+                   expected_version: int, replace_metadata: bool, expires_at: float | None = None):
     req = pb2.UpdateMemoryRequest(user_id=user_id, fact_id=fact_id, metadata=dict(metadata or {}),
-                                  expected_version=expected_version, replace_metadata=replace_metadata)
+                                  expected_version=expected_version, replace_metadata=replace_metadata,
+                                  **expiry_field(expires_at))
     if text is not None:
         req.text = text
     return req
@@ -156,19 +167,23 @@ class MemoryClient:
 
     # ---- writes
     def add_facts(self, user_id: str, texts: Sequence[str], metadata: Mapping[str, str] | None = None,
-                  windows: Sequence[Sequence[str]] | None = None, idempotency_key: str | None = None) -> list:
-        """`idempotency_key`: the add's (None: a new UUID; "": none); pass the same one to repeat this add."""
-        req = add_facts_request(user_id, texts, metadata, windows, idempotency_key)
+                  windows: Sequence[Sequence[str]] | None = None, idempotency_key: str | None = None,
+                  expires_at: float | None = None) -> list:
+        """`idempotency_key`: the add's (None: a new UUID; "": none); pass the same one to repeat this add.
+        `expires_at`: the Unix time from which these facts are no longer served (None: never)."""
+        req = add_facts_request(user_id, texts, metadata, windows, idempotency_key, expires_at)
         return list(self.stub.AddFacts(req, **self._kw()).facts)
 
     def add_memory(self, user_id: str, messages: Sequence[Mapping[str, str]], infer: bool = True,
-                   metadata: Mapping[str, str] | None = None) -> list:
-        return list(self.stub.AddMemory(add_memory_request(user_id, messages, infer, metadata), **self._kw()).results)
+                   metadata: Mapping[str, str] | None = None, expires_at: float | None = None) -> list:
+        req = add_memory_request(user_id, messages, infer, metadata, expires_at)
+        return list(self.stub.AddMemory(req, **self._kw()).results)
 
     def update(self, user_id: str, fact_id: str, text: str | None = None, metadata: Mapping[str, str] | None = None,
-               expected_version: int = 0, replace_metadata: bool = False):
-        """A new text and/or metadata (merged, or replacing it with replace_metadata); expected_version 0: any."""
-        req = update_request(user_id, fact_id, text, metadata, expected_version, replace_metadata)
+               expected_version: int = 0, replace_metadata: bool = False, expires_at: float | None = None):
+        """A new text, metadata (merged, or replacing it with replace_metadata) and/or expiry (a Unix time;
+        math.inf: never expires; None: as it is); expected_version 0: any."""
+        req = update_request(user_id, fact_id, text, metadata, expected_version, replace_metadata, expires_at)
         return self.stub.UpdateMemory(req, **self._kw())
 
     def delete(self, user_id: str, fact_id: str) -> None:
@@ -181,12 +196,15 @@ class MemoryClient:
     def get(self, user_id: str, fact_id: str):
         return self.stub.GetMemory(pb2.GetMemoryRequest(user_id=user_id, fact_id=fact_id), **self._kw())
 
-    def list(self, user_id: str, page_size: int = 0, filters: Mapping | None = None) -> Iterator:
-        """Every fact of the user (that `filters` keeps: docs/mem0.md), page by page."""
+    def list(self, user_id: str, page_size: int = 0, filters: Mapping | None = None,
+             show_expired: bool = False) -> Iterator:
+        """Every fact of the user (that `filters` keeps: docs/mem0.md), page by page; expired facts only with
+        show_expired."""
         token, flt = "", json.dumps(filters) if filters else ""
         while True:
             page = self.stub.ListMemories(pb2.ListMemoriesRequest(user_id=user_id, page_size=page_size,
-                                                                  page_token=token, filters=flt), **self._kw())
+                                                                  page_token=token, filters=flt,
+                                                                  show_expired=show_expired), **self._kw())
             yield from page.facts
             if not page.next_page_token:
                 return
@@ -235,19 +253,20 @@ class AsyncMemoryClient:
         await self.close()
 
     async def add_facts(self, user_id: str, texts: Sequence[str], metadata: Mapping[str, str] | None = None,
-                        windows: Sequence[Sequence[str]] | None = None, idempotency_key: str | None = None) -> list:
-        req = add_facts_request(user_id, texts, metadata, windows, idempotency_key)
+                        windows: Sequence[Sequence[str]] | None = None, idempotency_key: str | None = None,
+                        expires_at: float | None = None) -> list:
+        req = add_facts_request(user_id, texts, metadata, windows, idempotency_key, expires_at)
         return list((await self.stub.AddFacts(req, **self._kw())).facts)
 
     async def add_memory(self, user_id: str, messages: Sequence[Mapping[str, str]], infer: bool = True,
-                         metadata: Mapping[str, str] | None = None) -> list:
-        return list((await self.stub.AddMemory(add_memory_request(user_id, messages, infer, metadata),
-                                               **self._kw())).results)
+                         metadata: Mapping[str, str] | None = None, expires_at: float | None = None) -> list:
+        req = add_memory_request(user_id, messages, infer, metadata, expires_at)
+        return list((await self.stub.AddMemory(req, **self._kw())).results)
 
     async def update(self, user_id: str, fact_id: str, text: str | None = None,
                      metadata: Mapping[str, str] | None = None, expected_version: int = 0,
-                     replace_metadata: bool = False):
-        req = update_request(user_id, fact_id, text, metadata, expected_version, replace_metadata)
+                     replace_metadata: bool = False, expires_at: float | None = None):
+        req = update_request(user_id, fact_id, text, metadata, expected_version, replace_metadata, expires_at)
         return await self.stub.UpdateMemory(req, **self._kw())
 
     async def delete(self, user_id: str, fact_id: str) -> None:
@@ -259,11 +278,13 @@ class AsyncMemoryClient:
     async def get(self, user_id: str, fact_id: str):
         return await self.stub.GetMemory(pb2.GetMemoryRequest(user_id=user_id, fact_id=fact_id), **self._kw())
 
-    async def list(self, user_id: str, page_size: int = 0, filters: Mapping | None = None) -> AsyncIterator:
+    async def list(self, user_id: str, page_size: int = 0, filters: Mapping | None = None,
+                   show_expired: bool = False) -> AsyncIterator:
         token, flt = "", json.dumps(filters) if filters else ""
         while True:
             page = await self.stub.ListMemories(pb2.ListMemoriesRequest(user_id=user_id, page_size=page_size,
-                                                                        page_token=token, filters=flt), **self._kw())
+                                                                        page_token=token, filters=flt,
+                                                                        show_expired=show_expired), **self._kw())
             for fact in page.facts:
                 yield fact
             if not page.next_page_token:

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import hashlib
 import hmac
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -517,9 +518,13 @@ def wire_mode(mode: Mode) -> str:
 
 # --------------------------------------------------------------------------------------- conversion
 def fact_pb(rec: FactRecord):
-    return pb2.Fact(fact_id=rec.fact_id, user_id=rec.user_id, text=rec.text,
-                    metadata={str(k): str(v) for k, v in rec.metadata.items()}, version=rec.version,
-                    created_at=rec.created_at, updated_at=rec.updated_at, unservable_reason=rec.unservable_reason)
+    """A record as the wire's Fact; expires_at unset when the record never expires (FactRecord's inf)."""
+    pb = pb2.Fact(fact_id=rec.fact_id, user_id=rec.user_id, text=rec.text,
+                  metadata={str(k): str(v) for k, v in rec.metadata.items()}, version=rec.version,
+                  created_at=rec.created_at, updated_at=rec.updated_at, unservable_reason=rec.unservable_reason)
+    if rec.expires_at != math.inf:
+        pb.expires_at = rec.expires_at
+    return pb
 
 
 # ------------------------------------------------------------------------------- grpc registration

@@ -8,7 +8,10 @@ Auth is on, as deployed: these tests call with an admin token (tests/test_auth.p
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 import uuid
+from datetime import datetime, timezone
 
 import grpc
 import pytest
@@ -266,6 +269,102 @@ def test_python_client(channel):
     with pytest.raises(grpc.RpcError) as e:
         c.get(uid, facts[0].fact_id)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ------------------------------------------------------------------ expiry (issue 34: Mem0's expiration_date)
+def test_expired_facts_are_kept_dated_and_not_listed(stub, core, admin_token):
+    """expires_at on AddFacts (per fact), AddMemory and UpdateMemory; every Fact carries its expiry. An expired fact
+    is kept: GetMemory answers it (as Mem0's get by id), ListMemories leaves it out unless show_expired; 0 means
+    never (and clears it on an update). The Mem0 API reads a gRPC expiry as the last day the fact is served."""
+    from fastapi.testclient import TestClient
+
+    uid, now = _user(), time.time()
+    past, later = now - 60, now + 3600
+    gone, kept, never, zero = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[
+        pb2.FactInput(text="had a trial subscription", expires_at=past),
+        pb2.FactInput(text="is on holiday this week", expires_at=later),
+        pb2.FactInput(text="likes green tea"), pb2.FactInput(text="owns a bike", expires_at=0)])).facts
+    assert gone.expires_at == past and kept.expires_at == later
+    assert not never.HasField("expires_at") and not zero.HasField("expires_at")  # unset and 0: never
+    (event,) = stub.AddMemory(pb2.AddMemoryRequest(user_id=uid, infer=False, expires_at=later, messages=[
+        pb2.Message(role="user", content="I am in Oslo until Friday")])).results
+
+    def listed(**kw):
+        return [f.fact_id for f in stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, **kw)).facts]
+
+    assert listed() == [kept.fact_id, never.fact_id, zero.fact_id, event.fact_id]
+    first = stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, page_size=1))  # as a filter: a page may be short
+    assert list(first.facts) == [] and listed(page_size=1, page_token=first.next_page_token) == [kept.fact_id]
+    assert listed(show_expired=True) == [gone.fact_id, kept.fact_id, never.fact_id, zero.fact_id, event.fact_id]
+    got = stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=gone.fact_id))
+    assert got.text == "had a trial subscription" and got.expires_at == past  # get by id: expired and dated
+    assert stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=event.fact_id)).expires_at == later
+
+    moved = stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id=kept.fact_id, expires_at=past))
+    assert moved.version == 2 and moved.expires_at == past and moved.text == kept.text
+    cleared = stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id=gone.fact_id, expires_at=0))
+    assert not cleared.HasField("expires_at") and cleared.version == 2
+    assert listed() == [gone.fact_id, never.fact_id, zero.fact_id, event.fact_id]
+    texted = stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id=event.fact_id, text="I am in Oslo"))
+    assert texted.expires_at == later  # unset on an update: the expiry stays
+
+    noon = datetime(2031, 3, 5, 12, tzinfo=timezone.utc).timestamp()
+    stub.UpdateMemory(pb2.UpdateMemoryRequest(user_id=uid, fact_id=never.fact_id, expires_at=noon))
+    http = TestClient(build_http_app(lambda: core), headers={"authorization": f"Bearer {admin_token}"})
+    r = http.get(f"/v1/memories/{never.fact_id}/", params={"user_id": uid})
+    assert r.status_code == 200 and r.json()["expiration_date"] == "2031-03-05"  # served during that day
+    stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid))
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, -math.inf, 253402300800.5, 1e300])
+def test_a_bad_expiry_is_invalid_argument_naming_the_field(stub, bad):
+    uid = _user()
+    calls = {
+        "facts[1].expires_at": lambda: stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[
+            pb2.FactInput(text="fine"), pb2.FactInput(text="not fine", expires_at=bad)])),
+        "expires_at": lambda: stub.AddMemory(pb2.AddMemoryRequest(user_id=uid, infer=False, expires_at=bad,
+                                                                  messages=[pb2.Message(role="user", content="x")])),
+    }
+    for field, call in calls.items():
+        code, details, _ = rich_refusal(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert [v.field for v in details["BadRequest"].field_violations] == [field]
+        assert "Unix time" in details["BadRequest"].field_violations[0].description
+    assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, show_expired=True)).facts) == 0  # none stored
+    (fact,) = stub.AddFacts(pb2.AddFactsRequest(user_id=uid, facts=[pb2.FactInput(text="fine")])).facts
+    code, details, _ = rich_refusal(lambda: stub.UpdateMemory(pb2.UpdateMemoryRequest(
+        user_id=uid, fact_id=fact.fact_id, expires_at=bad)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in details["BadRequest"].field_violations] == ["expires_at"]
+    assert stub.GetMemory(pb2.GetMemoryRequest(user_id=uid, fact_id=fact.fact_id)).version == 1  # untouched
+    stub.DeleteUser(pb2.DeleteUserRequest(user_id=uid))
+
+
+def test_python_client_sets_and_clears_expiry(channel, core, admin_token):
+    from inferscale_client import AsyncMemoryClient, MemoryClient
+
+    c, uid, soon = MemoryClient(channel=channel), _user(), time.time() + 3600
+    a, b = c.add_facts(uid, ["a", "b"], expires_at=time.time() - 1)
+    (e,) = c.add_memory(uid, [{"role": "user", "content": "c"}], infer=False, expires_at=soon)
+    assert c.get(uid, e.fact_id).expires_at == soon
+    assert [f.fact_id for f in c.list(uid)] == [e.fact_id]
+    assert [f.fact_id for f in c.list(uid, show_expired=True)] == [a.fact_id, b.fact_id, e.fact_id]
+    assert not c.update(uid, a.fact_id, expires_at=math.inf).HasField("expires_at")  # inf: never expires
+    assert c.update(uid, e.fact_id, text="C").expires_at == soon  # None: as it is
+
+    async def run(port: int):
+        async with AsyncMemoryClient(f"127.0.0.1:{port}", token=admin_token) as ac:
+            (f,) = await ac.add_facts(uid, ["d"], expires_at=soon)
+            assert (await ac.update(uid, b.fact_id, expires_at=soon)).expires_at == soon
+            return f, [x.fact_id async for x in ac.list(uid)]
+
+    srv = ServerThread(core)
+    try:
+        f, listed = asyncio.run(run(srv.port))
+    finally:
+        srv.stop()
+    assert f.expires_at == soon and listed == [a.fact_id, b.fact_id, e.fact_id, f.fact_id]
+    assert c.delete_user(uid) == 4
 
 
 def test_health_reports_a_dead_registry():

