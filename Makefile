@@ -10,7 +10,7 @@ demo:  # the engine's own log lines go to ~/.cache/inferscale/demo.log (`infersc
 test:
 	@venv=$(VENV); $(CHECK); bash scripts/run_tests.sh $$venv
 
-test-fast:  # the fast tier alone (tests/fast_tier.txt: no Serve app, no vLLM engine), about 2 minutes
+test-fast:  # tests/unit alone (no Serve app, no vLLM engine; tests/README.md), about 3 minutes
 	@venv=$(VENV); $(CHECK); bash scripts/run_tests.sh $$venv --fast
 
 # The gate .ci/run runs before the tests: ruff with the rules in pyproject.toml [tool.ruff], then mypy's type check

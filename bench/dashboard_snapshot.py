@@ -50,7 +50,7 @@ FORMS = [
 
 def parse_expr(expr: str) -> dict:
     """One of the dashboard's PromQL forms -> {"form", "metric", "matchers", "by", "agg", "q", "window"};
-    ValueError for anything else (tests/test_chart.py checks every panel parses)."""
+    ValueError for anything else (tests/packaging/test_chart.py checks every panel parses)."""
     for form, rx in FORMS:
         m = rx.match(expr.strip())
         if m:

@@ -389,7 +389,7 @@ class ReplicaSampler:
 # ------------------------------------------------------------------------------------------ the client
 def compile_client(workdir: Path) -> Path:
     """memory.proto compiled by grpcio-tools into a folder of its own, with the load client beside it
-    (the approach of tests/test_grpc_interop.py)."""
+    (the approach of tests/unit/test_grpc_interop.py)."""
     from grpc_tools import protoc
 
     src, out = workdir / "protos", workdir / "client"

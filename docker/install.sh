@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs InferScale from its wheel into a virtualenv: the one install step of docker/Dockerfile.cpu and
-# docker/Dockerfile.cuda, and what tests/test_images.py runs on the development machine (cpu variant).
+# docker/Dockerfile.cuda, and what tests/packaging/test_images.py runs on the development machine (cpu variant).
 #
 #   docker/install.sh --variant cpu|cuda --venv DIR --wheel FILE [--cache DIR] [--python EXE]
 #

@@ -187,7 +187,7 @@ class Memory:
         Anything that encodes facts for this Memory's compositions must use the same rule."""
         return ([self.template.prefix_ids] if self.prefix_window else []) + list(window)
 
-    _context = context  # the earlier private name (tests/test_memory.py uses it)
+    _context = context  # the earlier private name (tests/engine/test_memory.py uses it)
 
     # ------------------------------------------------------------------ internals
 

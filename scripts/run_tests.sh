@@ -9,18 +9,21 @@ export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 
 export VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}"
 export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+cd "$(dirname "$0")/.."
 # --durations=30: the CI log shows where the suite's 30-minute budget goes (a later --durations=N wins).
 # --show-capture=no: a failure's report ends with its assertion, not with megabytes of Ray and vLLM worker logs
 # (CI shows only the end of a report); run one test with -s to see them.
 pytest=("$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 --show-capture=no)
-# The fast tier (tests/fast_tier.txt: no Serve app, no vLLM engine): `--fast` runs it alone; with no arguments it runs
-# first and the other modules after it, so a broken unit fails in minutes; other arguments go to pytest as they are.
-mapfile -t fast < <(grep -v "^#" "$(dirname "$0")/../tests/fast_tier.txt" | grep .)
+# The tiers are folders (tests/README.md): unit (no Serve app, no vLLM engine), engine (a vLLM engine or the model
+# in this process), service (Ray Serve apps, real servers and clusters), packaging (wheel, install script, chart).
+# `--fast` runs tests/unit alone; with no arguments tests/unit runs first, so a broken unit fails in minutes, then
+# the other tiers; other arguments go to pytest as they are.
+tiers=(tests/unit tests/engine tests/service tests/packaging)
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec "${pytest[@]}" "${fast[@]}" "$@"
+  exec "${pytest[@]}" "${tiers[0]}" "$@"
 elif [ $# -eq 0 ]; then
-  "${pytest[@]}" "${fast[@]}"
-  exec "${pytest[@]}" $(printf -- '--ignore=%s ' "${fast[@]}")
+  "${pytest[@]}" "${tiers[0]}"
+  exec "${pytest[@]}" "${tiers[@]:1}"
 fi
 exec "${pytest[@]}" "$@"

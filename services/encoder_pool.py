@@ -189,7 +189,7 @@ class FactEncoder:
 
 class EncoderCore:
     """The encoder pool without Serve: a FactEncoder and the cluster tier it writes to. Tests and the engine
-    replica's unit tests call it directly (tests/test_replica_core.py); EncoderPool below is the Serve deployment,
+    replica's unit tests call it directly (tests/unit/test_replica_core.py); EncoderPool below is the Serve deployment,
     which batches concurrent requests into one forward."""
 
     def __init__(self, fe: FactEncoder, cluster=None, metrics=None):

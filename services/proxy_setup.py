@@ -20,7 +20,7 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
 
 The last two patch Ray Serve 2.60 internals (`RayServegRPCContext.__init__`; `get_grpc_response_status` and
 `set_grpc_code_and_details` as ray.serve._private.proxy uses them): check them when Ray is upgraded;
-tests/test_grpc_serve_proxy.py fails if either stops working.
+tests/service/test_grpc_serve_proxy.py fails if either stops working.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ likely that the replica it picks already holds the user:
   3. When the load falls the user goes home again (the home still holds it, or reads it from the cluster).
 Requests without a user (plain chat, health) keep Serve's power-of-two choice.
 
-`preference_order` is the whole policy, a pure function (tests/test_routing.py tests it without Ray).
+`preference_order` is the whole policy, a pure function (tests/unit/test_routing.py tests it without Ray).
 """
 from __future__ import annotations
 

@@ -6,12 +6,14 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).parent))  # tiny_models and the fixture modules below
+sys.path.insert(0, str(Path(__file__).parent))  # the support package (tests/support/)
 
 # Fixtures every module may ask for by name, declared once: a redis-server (redis_url, redis_password_url), a
 # 3-master Redis Cluster (redis_cluster_url), a Mooncake Store (mooncake), an HS256 secret and an admin token
-# (jwt_secret, admin_token). Their helpers (token_for, refused, ...) are imported from these modules as functions.
-pytest_plugins = ("redis_fixture", "redis_cluster_fixture", "auth_fixture", "mooncake_fixture")
+# (jwt_secret, admin_token), the independent gRPC client's compiled folder (client_dir). Their helpers (token_for,
+# refused, ...) are imported from these modules as functions.
+pytest_plugins = ("support.redis_fixture", "support.redis_cluster_fixture", "support.auth_fixture",
+                  "support.mooncake_fixture", "support.grpc_interop")
 
 
 @pytest.fixture(scope="session")
@@ -31,17 +33,17 @@ def smollm2(smollm2_path):
 
 @pytest.fixture(scope="session")
 def source_copy(tmp_path_factory):
-    """A copy of the checkout's package sources (tests/wheel_build.py), made once per session."""
-    from wheel_build import copy_sources
+    """A copy of the checkout's package sources (tests/support/wheel_build.py), made once per session."""
+    from support.wheel_build import copy_sources
 
     return copy_sources(tmp_path_factory.mktemp("pkg") / "src")
 
 
 @pytest.fixture(scope="session")
 def wheel(source_copy):
-    """The inferscale wheel, built once per session from an sdist of this checkout: tests/test_packaging.py and
-    tests/test_images.py install the same file."""
-    from wheel_build import sdist_then_wheel
+    """The inferscale wheel, built once per session from an sdist of this checkout: tests/packaging/test_packaging.py and
+    tests/packaging/test_images.py install the same file."""
+    from support.wheel_build import sdist_then_wheel
 
     return sdist_then_wheel(source_copy, "inferscale")
 
@@ -49,6 +51,6 @@ def wheel(source_copy):
 @pytest.fixture(scope="session")
 def client_wheel(source_copy):
     """The inferscale-client wheel (client/), built once per session the same way."""
-    from wheel_build import sdist_then_wheel
+    from support.wheel_build import sdist_then_wheel
 
     return sdist_then_wheel(source_copy / "client", "inferscale_client")

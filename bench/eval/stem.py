@@ -5,7 +5,7 @@ NLTK_EXTENSIONS: Porter's 1980 algorithm plus a few documented departures). NLTK
 of this project, so this module implements the same algorithm from its published description:
 M. F. Porter, "An algorithm for suffix stripping", Program 14(3), 1980, plus the NLTK_EXTENSIONS rules
 (irregular forms, "ies"/"ied" on 4-letter words, "alli"/"fulli"/"logi" in step 2, the "bli" rule,
-the stricter step 1c and the 2-letter CVC case). tests/test_eval.py checks it against stems NLTK
+the stricter step 1c and the 2-letter CVC case). tests/engine/test_eval.py checks it against stems NLTK
 produced for the LoCoMo answer vocabulary.
 """
 

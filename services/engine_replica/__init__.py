@@ -10,7 +10,7 @@ plus the KV of the users routed here. Small parts, one job each:
     deletions.py   Deletions: one path for deletes and updates, the registry's tombstone log
     answering.py   Answering: admission and streaming of answers (gRPC, OpenAI chat), plain chat
     placement.py   Serve slot and ids, CPU binding, the node-local disk folder, the multiplexed user handle
-    core.py        ReplicaCore: the replica's logic over those parts, without Serve (tests/test_replica_core.py)
+    core.py        ReplicaCore: the replica's logic over those parts, without Serve (tests/unit/test_replica_core.py)
     deployment.py  EngineReplica: the Serve deployment holding a ReplicaCore
 
 Requests between deployments are typed messages (services/messages.py): AnswerRequest, FactWrite, FactRef in;

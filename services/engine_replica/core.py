@@ -1,7 +1,7 @@
 """`ReplicaCore`: one engine replica's logic over its parts, without Serve: the user books, the KV path, deletions,
 answering. Built from an engine that satisfies `ServingEngine` (vLLM with the connector, or a test double), the
 encoder pool's handle, a registry and the cluster tier, so tests run it without vLLM or Ray
-(tests/test_replica_core.py); deployment.py is the Serve deployment that holds it.
+(tests/unit/test_replica_core.py); deployment.py is the Serve deployment that holds it.
 
 Syncing a user reads the registry's list of the user's servable facts, versions and texts (one read of the
 version counter when nothing moved since the last sync); it moves no KV. The hot path: the replica keeps, per held

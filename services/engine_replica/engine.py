@@ -1,6 +1,6 @@
 """What the engine replica asks of its serving engine: the `ServingEngine` protocol, which AsyncInjectingEngine
 (inferscale_core/serving_engine.py: vLLM with the injection connector) implements and the test double of
-tests/test_replica_core.py is checked against; how the real one is started; how its deaths and timings read.
+tests/unit/test_replica_core.py is checked against; how the real one is started; how its deaths and timings read.
 
 The replica never reaches past this protocol into vLLM (its AsyncLLM, its model config, the request core's
 tokenizer): everything it needs is a method here, so a test engine that is not vLLM is a complete one."""

@@ -84,7 +84,7 @@ REFUSED_OPTIONS = {
 
 # The client's routes this server does not serve: (method, path, the client calls that send it, why). Each answers
 # 501 with {"detail", "code": "unimplemented", "call"}; any other path under the client's prefixes (is_mem0_path)
-# answers 501 too. docs/mem0.md's table lists them; tests/test_mem0_api.py checks it against the installed client.
+# answers 501 too. docs/mem0.md's table lists them; tests/unit/test_mem0_api.py checks it against the installed client.
 _PROJECT = "/api/v1/orgs/organizations/{org_id}/projects/{project_id}/"
 _NO_EXPORTS = "no export jobs: page through get_all (POST /v3/memories/) instead"
 _NO_PROFILES = "no memory profiles"

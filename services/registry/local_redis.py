@@ -1,7 +1,7 @@
 """A throwaway redis-server on a free loopback port (no persistence), for the tests and the benchmarks.
 
 The service itself only ever connects to a URL (`registry.redis_url`); this starts a local one for the code that
-needs a real Redis on one machine: the pytest fixtures (tests/redis_fixture.py) and bench/service.py."""
+needs a real Redis on one machine: the pytest fixtures (tests/support/redis_fixture.py) and bench/service.py."""
 from __future__ import annotations
 
 import contextlib

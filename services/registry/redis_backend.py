@@ -131,7 +131,7 @@ return 1
 # The fact, history and owners keys of the user's facts are built in the script from their prefixes (the ids are read
 # there, in the same atomic step), not passed as KEYS. On a Redis Cluster a script may touch only keys of the node
 # it runs on, and (Redis 7, a script without flags) of the slot of its declared KEYS: these keys carry the user's
-# bucket tag, as the declared ones do, so they are in the same slot (tests/test_registry.py checks it on a real
+# bucket tag, as the declared ones do, so they are in the same slot (tests/unit/test_registry.py checks it on a real
 # cluster). What this relies on is Redis running a script that names keys it was not given, in the slot of the
 # ones it was: every Redis does (only the scripting docs' advice is stricter).
 DELETE_USER = """
@@ -431,7 +431,7 @@ class RedisRegistry(Registry):
 
         return self._on_master(keys[0], op)
 
-    def _delete_fact(self, keys, args):  # a method of its own: tests/test_registry_full.py races it
+    def _delete_fact(self, keys, args):  # a method of its own: tests/unit/test_registry_full.py races it
         return self._write_script("delete_fact", keys, args)
 
     # ------------------------------------------------------------------ writes: where, how often, how durable

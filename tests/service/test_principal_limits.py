@@ -1,0 +1,142 @@
+"""Each caller's share of a gateway replica (services/gateway/principal_limits.py): requests in flight and a request
+rate per token subject, refused with RESOURCE_EXHAUSTED and a retry hint (HTTP 429 with Retry-After), other callers
+untouched, admins exempt. The wiring is checked through the real gRPC server and the real Mem0 HTTP app."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import httpx
+import pytest
+from support.auth_fixture import refused, token_channel, token_for
+from support.grpc_thread import ServerThread
+from support.http_thread import HttpThread
+
+from inferscale_server.api import ApiError, Limits, pb2, pb2_grpc
+from inferscale_server.auth import AuthConfig, Authenticator, Principal
+from inferscale_server.gateway import GatewayCore, build_http_app
+from inferscale_server.gateway.principal_limits import PrincipalLimit, PrincipalLimits
+from inferscale_server.registry import RedisRegistry
+
+ALICE, BOB = Principal("alice", frozenset({"memory:read"})), Principal("bob", frozenset({"memory:read"}))
+ADMIN = Principal("ops", frozenset({"memory:read", "memory:admin"}))
+
+
+def test_requests_in_flight_are_bounded_per_caller_and_given_back_when_the_task_ends():
+    limits = PrincipalLimits(PrincipalLimit(max_in_flight=2, rate_per_s=1000, burst=1000))
+
+    async def go():
+        release = asyncio.Event()
+
+        async def request(caller):
+            limits.admit(caller)
+            limits.admit(caller)  # the same request checked twice counts once
+            await release.wait()
+
+        held = [asyncio.create_task(request(ALICE)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert limits.in_flight("alice") == 2
+        with pytest.raises(ApiError) as e:
+            await request(ALICE)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.reason == "CALLER_CONCURRENCY"
+        assert e.value.retry_after_s and "limit per caller is 2" in e.value.message
+        others = [asyncio.create_task(request(who)) for who in (BOB, BOB, ADMIN, ADMIN, ADMIN)]
+        await asyncio.sleep(0)
+        assert all(not t.done() for t in others) and limits.in_flight("bob") == 2
+        held[0].cancel()  # a request that ends however it ends gives its slot back
+        await asyncio.gather(held[0], return_exceptions=True)
+        await asyncio.sleep(0)  # its done-callback
+        assert limits.in_flight("alice") == 1
+        release.set()
+        await asyncio.gather(held[1], *others)
+        assert limits.in_flight("alice") == limits.in_flight("bob") == 0 and limits.refused["in_flight"] == 1
+        await request(ALICE)
+
+    asyncio.run(go())
+
+
+def test_the_rate_is_a_bucket_per_caller_with_a_retry_hint():
+    limits = PrincipalLimits(PrincipalLimit(max_in_flight=100, rate_per_s=10.0, burst=3))
+    for _ in range(3):
+        limits.admit(ALICE)
+    with pytest.raises(ApiError) as e:
+        limits.admit(ALICE)
+    assert e.value.reason == "CALLER_RATE" and 0 < e.value.retry_after_s <= 0.1 + 1e-9
+    limits.admit(BOB)  # another caller has its own bucket
+    for _ in range(50):
+        limits.admit(ADMIN)  # admins are not limited
+    time.sleep(e.value.retry_after_s + 0.02)
+    limits.admit(ALICE)  # the hint was enough
+    with pytest.raises(ValueError, match="positive"):
+        PrincipalLimit(max_in_flight=0)
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_url, jwt_secret):
+    reg = RedisRegistry(redis_url, prefix=f"caller{uuid.uuid4().hex[:8]}:")
+    limits = Limits(requests_per_s_per_caller=0.5, request_burst_per_caller=3)
+    core = GatewayCore(reg, limits=limits, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
+    grpc_server, http_server = ServerThread(core), HttpThread(build_http_app(lambda: core))
+    yield core, grpc_server, http_server, jwt_secret[1]
+    http_server.stop()
+    grpc_server.stop()
+    reg.close()
+
+
+def test_both_doors_refuse_a_caller_over_its_rate_and_serve_the_others(gateway):
+    core, grpc_server, http_server, secret = gateway
+    ch = grpc_server.channel()
+    carol, dave = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("carol", "dave"))
+    stub = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, carol)))
+    for _ in range(3):  # the burst
+        stub.ListMemories(pb2.ListMemoriesRequest(user_id=carol))
+    code, details = refused(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id=carol)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "request rate" in details
+    other = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, dave)))
+    assert list(other.ListMemories(pb2.ListMemoriesRequest(user_id=dave)).facts) == []
+    headers = {"authorization": f"Token {token_for(secret, dave)}"}
+    for _ in range(2):  # dave's bucket: 1 used on gRPC, 2 more here, then over
+        assert httpx.post(f"{http_server.url}/v3/memories/", json={}, headers=headers).status_code == 200
+    r = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers=headers)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 and "request rate" in r.text
+    tokenless = httpx.post(f"{http_server.url}/v3/memories/", json={})
+    assert tokenless.status_code == 401  # authentication comes first: no bucket for a caller without a token
+    assert core.caller_limits.refused["rate"] == 2
+    ch.close()
+
+
+def test_one_user_takes_at_most_its_share_of_the_extraction_queue():
+    """Mem0 extraction (infer=true) runs one at a time per gateway replica with MEM0_QUEUE waiting: one user may
+    hold MEM0_PER_USER of those places; its next call is refused at once while another user's is queued."""
+    import threading
+
+    from inferscale_server.gateway.core import MEM0_PER_USER, GatewaySink
+    from inferscale_server.registry import EmbeddedRegistry
+
+    release = threading.Event()
+
+    class HeldExtraction:  # stands in for mem0's extraction (test_service_e2e.py runs the real one)
+        def add(self, user_id, messages, metadata):
+            release.wait(30)
+            return [{"id": "x", "memory": user_id, "event": "ADD"}]
+
+    async def go():
+        core = GatewayCore(EmbeddedRegistry(), auth=Authenticator.insecure())
+        core.backends = object()  # extraction needs the backends deployed; this test never reaches them
+        core._sink, core._extractor = GatewaySink(core, asyncio.get_running_loop()), HeldExtraction()
+        mine = [asyncio.create_task(core._extract("ann", [], {})) for _ in range(MEM0_PER_USER)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as e:
+            await core._extract("ann", [], {})
+        assert e.value.reason == "EXTRACTION_QUEUE_FULL" and "this user" in e.value.message and e.value.retry_after_s
+        other = asyncio.create_task(core._extract("bob", [], {}))
+        await asyncio.sleep(0.05)
+        release.set()
+        done = await asyncio.gather(*mine, other)
+        assert [d[0]["memory"] for d in done] == ["ann"] * MEM0_PER_USER + ["bob"]
+        assert not core._mem0_by_user and core._mem0_pending == 0
+        core._mem0_pool.shutdown(wait=True)
+
+    asyncio.run(go())

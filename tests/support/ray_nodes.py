@@ -1,0 +1,68 @@
+"""Ray clusters of several nodes on this machine, started with the `ray` CLI as a cluster file's commands do
+(tests/service/test_ray_cluster.py, test_node_failure.py), and ended without `ray stop` (which would end every Ray here)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def ray_cli(*args: str, env: dict, timeout: float = 180) -> None:
+    out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, f"ray {' '.join(args)}: {out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+
+
+def reload_ray_auth() -> None:
+    """Make this process's Ray re-read RAY_AUTH_MODE / RAY_AUTH_TOKEN (it caches both)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def stop_ray(markers: list[str]) -> None:
+    """Ends this test's Ray processes only: those whose command line names its temp dir or GCS address, and
+    their children (`ray stop` would end every Ray on the machine, other people's included)."""
+    def procs() -> dict[int, tuple[int, str]]:
+        out = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                out[int(d.name)] = (ppid, cmd)
+        return out
+
+    table = procs()
+    mine = {pid for pid, (_, cmd) in table.items() if any(m in cmd for m in markers) and pid != os.getpid()}
+    grew = True
+    while grew:
+        children = {pid for pid, (ppid, _) in table.items() if ppid in mine} - mine - {os.getpid()}
+        grew = bool(children)
+        mine |= children
+    # A short grace for SIGTERM: the cluster is thrown away, and its raylets, GCS, log monitor and runtime-env
+    # agents outwait any grace (measured: the 15 s it had, every time); SIGKILL ends them within a second.
+    for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 15)):
+        for pid in mine:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(running(p) for p in mine):
+            time.sleep(0.5)
+
+
+def running(pid: int) -> bool:
+    """pid is a process that has not exited: a zombie (exited, not yet reaped by its parent) does not count, so
+    stop_ray does not wait out a grace period for processes that are already dead."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

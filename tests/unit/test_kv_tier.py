@@ -1,0 +1,426 @@
+"""The cluster KV tier (inferscale_core/cluster_store.py) on a real Mooncake Store on 127.0.0.1: bit-exact round
+trips, fingerprints that keep models apart, removes that really remove, and a store that is away is a miss."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from support.fact_store import assert_same, make_fact
+from support.mooncake_fixture import raw_client
+
+from inferscale_core.cluster_store import P2P_METADATA, ClusterConfig, ClusterStore, kv_fingerprint, pack, unpack
+
+FP_A, FP_B = "a" * 16, "b" * 16
+
+
+@pytest.fixture(scope="module")
+def tier(mooncake):
+    s = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_A)
+    assert s.wait_available(60)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(tier, dtype):
+    user = f"alice-{dtype}"  # objects are immutable: another dtype under the same key would not replace it
+    facts = {f"f{i}@v1": make_fact(5 + i, dtype=dtype, seed=i) for i in range(3)}
+    assert tier.put_many(user, list(facts.items())) == [True] * 3
+    got = tier.get_many(user, list(facts))
+    for want, have in zip(facts.values(), got):
+        assert have is not None
+        assert_same(want, have)
+    assert have.k_pre.is_contiguous() and have.token_ids.dtype == torch.int64
+    assert_same(tier.get_many(user, ["f2@v1"])[0], facts["f2@v1"])  # read again: the same bytes
+
+
+def test_writes_and_reads_larger_than_the_transfer_buffer(mooncake):
+    """A user's facts (AddFacts of 100+) or a request's k facts can take more than the client's transfer buffer,
+    where Mooncake stages a batch: a put_batch over it fails whole, a get_batch reads only what fits. Both are cut
+    into batches (and reads repeated), so every fact is stored and read; a fact over the buffer alone is refused
+    by itself, and the store stays up for the others."""
+    from inferscale_core.cluster_store import BUFFER_SHARE
+
+    buffer = 1 << 20
+    s = ClusterStore(ClusterConfig.from_dict({**mooncake.config, "buffer_bytes": buffer}), FP_A)
+    assert s.wait_available(60)
+    try:
+        facts = {f"f{i}@v1": make_fact(100, seed=i) for i in range(40)}  # 40 x 38 KB: 1.5 buffers
+        assert sum(len(pack(FP_A, "big", k, f)) for k, f in facts.items()) > 1.4 * buffer
+        assert s.put_many("big", list(facts.items())) == [True] * 40
+        got = s.get_many("big", list(facts))
+        for want, have in zip(facts.values(), got):
+            assert have is not None
+            assert_same(want, have)
+        huge = make_fact(int(buffer * BUFFER_SHARE) // (2 * 4 * 3 * 2 * 8) + 1, seed=99)
+        assert s.put_many("big", [("huge@v1", huge), ("small@v1", make_fact(3))]) == [False, True]
+        assert s.available and s.counters["put_failures"] == 1 and s.counters["errors"] == 0
+        got = s.read("big", ["f0@v1", "huge@v1", "f39@v1"])
+        assert [f is not None for f in got.facts] == [True, False, True]
+        assert got.unreadable == [False, False, False]  # read, absent, read: none listed but unread
+    finally:
+        s.close()
+
+
+def test_the_object_is_self_describing_and_checked():
+    f = make_fact(4, dtype=torch.bfloat16)
+    head, back = unpack(pack(FP_A, "u", "x@v2", f))
+    assert head["fingerprint"] == FP_A and head["user_id"] == "u" and head["kv_id"] == "x@v2"
+    assert head["dtype"] == "bfloat16" and head["shape"] == list(f.k_pre.shape)
+    assert_same(f, back)
+    with pytest.raises(ValueError, match="does not match its header"):
+        unpack(pack(FP_A, "u", "x@v2", f)[:-1])
+    with pytest.raises(ValueError, match="not an InferScale KV object"):
+        unpack(b"garbage" * 10)
+
+
+def test_another_fingerprint_user_or_version_is_a_miss(tier, mooncake):
+    f = make_fact(6, seed=7)
+    assert tier.put_many("bob", [("cat@v1", f)]) == [True]
+    other = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_B)  # another model / dtype / prefix
+    assert other.wait_available(60)
+    try:
+        assert other.get_many("bob", ["cat@v1"]) == [None]
+        assert tier.get_many("carol", ["cat@v1"]) == [None]     # another user's fact of the same id
+        assert tier.get_many("bob", ["cat@v2"]) == [None]       # a version not written
+        # A value under our key that holds another fact's KV (a bug, a collision) is a miss, never served.
+        client = raw_client(mooncake.config)
+        assert client.put(tier.key("bob", "dog@v1"), pack(FP_A, "bob", "cat@v1", f)) == 0
+        client.close()
+        assert tier.get_many("bob", ["dog@v1"]) == [None]
+    finally:
+        other.close()
+
+
+def same_bits(a, b) -> bool:
+    """Bit for bit (NaN payloads and signed zeros included), not numerically."""
+    return all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8),
+                                                                         y.contiguous().view(torch.uint8))
+               for x, y in ((a.token_ids, b.token_ids), (a.k_pre, b.k_pre), (a.v, b.v)))
+
+
+def test_a_read_lands_in_the_registered_buffer_and_is_what_the_writer_put(tier):
+    """Mooncake writes the objects into the store's registered read buffer (batch_get_into): `keep` is handed views
+    of that memory, bit for bit the writer's tensors, and the buffer is reused by the next read (no new
+    registration, same address)."""
+    facts = {f"z{i}@v1": make_fact(7 + i, dtype=dt, seed=20 + i)
+             for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16])}
+    facts["z0@v1"].k_pre[0, 0, 0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    assert tier.put_many("zed", list(facts.items())) == [True] * 3
+    seen = {}
+
+    def keep(kv, fact):
+        base, end = tier.read_buffer.memory.data_ptr(), tier.read_buffer.memory.data_ptr() + tier.read_buffer.limit
+        seen[kv] = all(base <= t.data_ptr() < end for t in (fact.token_ids, fact.k_pre, fact.v))
+        return same_bits(fact, facts[kv])
+
+    got = tier.read("zed", list(facts), keep)
+    assert got.facts == [True] * 3 and got.unreadable == [False] * 3
+    assert seen == {kv: True for kv in facts}  # views of the registered buffer: no copy before `keep`
+    registrations, address = tier.read_buffer.registrations, tier.read_buffer.memory.data_ptr()
+    for _ in range(3):
+        copies = tier.get_many("zed", list(facts))  # the default keep: a private copy
+        assert all(same_bits(c, facts[kv]) for c, kv in zip(copies, facts))
+        assert all(c.k_pre.data_ptr() != address for c in copies)
+    assert (tier.read_buffer.registrations, tier.read_buffer.memory.data_ptr()) == (registrations, address)
+
+
+def test_a_read_larger_than_the_buffer_grows_it_and_one_larger_than_its_limit_takes_rounds(mooncake):
+    from inferscale_core.cluster_store import BUFFER_SHARE, ReadBuffer
+
+    mib = ReadBuffer.GRAIN_BYTES
+    s = ClusterStore(ClusterConfig.from_dict({**mooncake.config, "buffer_bytes": 4 * mib}), FP_A)
+    assert s.wait_available(60)
+    try:
+        buf = s.read_buffer
+        assert buf.limit == int(4 * mib * BUFFER_SHARE) and buf.memory is None  # nothing before the first read
+        facts = {f"g{i}@v1": make_fact(1000, seed=40 + i) for i in range(12)}  # 12 x 392 KB
+        assert s.put_many("grow", list(facts.items())) == [True] * 12
+        ids = list(facts)
+
+        def read_exactly(n):
+            assert all(same_bits(f, facts[kv]) for f, kv in zip(s.get_many("grow", ids[:n]), ids[:n]))
+            return buf.registrations, buf.memory.numel()
+
+        assert read_exactly(1) == (1, mib)  # one fact: one grain
+        assert read_exactly(2) == (1, mib)  # still fits: reused
+        assert read_exactly(4) == (2, 2 * mib)  # 1.6 MB: grown
+        assert sum(len(pack(FP_A, "grow", kv, f)) for kv, f in facts.items()) > 1.4 * buf.limit
+        # Over the limit: read in rounds, through a buffer that grows to the limit and no further.
+        assert read_exactly(12) == (3, buf.limit)
+        assert read_exactly(12) == (3, buf.limit) and read_exactly(3) == (3, buf.limit)
+        assert s.counters["errors"] == 0
+    finally:
+        s.close()
+    assert buf.memory is None  # unregistered with the client
+
+
+def test_misses_and_foreign_or_corrupt_objects_in_one_read(tier, mooncake):
+    """In one read: a fact, an absent one, another fact's object under this key, bytes that are no InferScale
+    object, an object that lies about its size, and a fact again. Each bad one is a plain miss (never served, not
+    `unreadable`: it was read), and the good ones around it are exact."""
+    good = {"a@v1": make_fact(5, seed=1), "e@v1": make_fact(9, seed=2, dtype=torch.bfloat16)}
+    assert tier.put_many("mix", list(good.items())) == [True, True]
+    client = raw_client(mooncake.config)
+    try:
+        assert client.put(tier.key("mix", "c@v1"), pack(FP_A, "mix", "a@v1", good["a@v1"])) == 0  # a's KV
+        assert client.put(tier.key("mix", "d@v1"), b"garbage" * 100) == 0
+        assert client.put(tier.key("mix", "t@v1"), pack(FP_A, "mix", "t@v1", make_fact(4))[:-8]) == 0  # truncated
+    finally:
+        client.close()
+    before = dict(tier.counters)
+    ids = ["a@v1", "b@v1", "c@v1", "d@v1", "t@v1", "e@v1"]
+    got = tier.read("mix", ids)
+    assert [f is not None for f in got.facts] == [True, False, False, False, False, True]
+    assert same_bits(got.facts[0], good["a@v1"]) and same_bits(got.facts[5], good["e@v1"])
+    assert got.unreadable == [False] * 6
+    assert tier.counters["hits"] - before["hits"] == 2 and tier.counters["misses"] - before["misses"] == 4
+    assert tier.available and tier.counters["errors"] == before["errors"]
+
+
+def test_an_error_in_keep_is_the_callers_and_the_store_stays_up(tier):
+    assert tier.put_many("keeper", [("k@v1", make_fact(3))]) == [True]
+
+    def keep(kv, fact):
+        raise OSError("the caller's own failure")
+
+    with pytest.raises(OSError, match="the caller's own failure"):
+        tier.read("keeper", ["k@v1"], keep)
+    assert tier.available and tier.get_many("keeper", ["k@v1"])[0] is not None
+
+
+def test_fingerprint_names_model_dtype_and_prefix(tmp_path):
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m1" / "config.json").write_text('{"hidden_size": 64}')
+    (tmp_path / "m2").mkdir()
+    (tmp_path / "m2" / "config.json").write_text('{"hidden_size": 128}')
+    base = kv_fingerprint(tmp_path / "m1", torch.float32, [1, 2, 3])
+    assert base == kv_fingerprint(str(tmp_path / "m1"), torch.float32, (1, 2, 3))
+    assert len({base, kv_fingerprint(tmp_path / "m2", torch.float32, [1, 2, 3]),
+                kv_fingerprint(tmp_path / "m1", torch.bfloat16, [1, 2, 3]),
+                kv_fingerprint(tmp_path / "m1", torch.float32, [1, 2])}) == 4
+
+
+def test_remove_really_removes(tier, mooncake):
+    client = raw_client(mooncake.config)
+    try:
+        facts = [(f"dog@v{v}", make_fact(3, seed=v)) for v in (1, 2, 3)] + [("owl@v1", make_fact(3, seed=9))]
+        assert tier.put_many("dave", facts) == [True] * 4
+        tier.get_many("dave", ["dog@v1"])  # a read starts a lease: the remove must still happen
+        other = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_B)
+        assert other.wait_available(60)
+        other.put_many("dave", [("dog@v1", make_fact(3, seed=1))])
+        other.close()
+        keys = {kv: tier.key("dave", kv) for kv, _ in facts}
+        tier.remove_versions("dave", "dog", below=3)  # an update to v3: v1 and v2 go, under every fingerprint
+        time.sleep(mooncake.config["lease_s"] + 0.6)
+        assert [client.is_exist(keys[k]) for k in ("dog@v1", "dog@v2", "dog@v3", "owl@v1")] == [0, 0, 1, 1]
+        assert client.get(ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_B).key("dave", "dog@v1")) == b""
+        tier.remove_user("dave")  # DeleteUser
+        time.sleep(mooncake.config["lease_s"] + 0.6)
+        assert [client.is_exist(k) for k in keys.values()] == [0, 0, 0, 0]
+        assert [client.get(k) for k in keys.values()] == [b""] * 4  # the bytes, not only the books
+        assert tier.get_many("dave", list(keys)) == [None] * 4
+    finally:
+        client.close()
+
+
+def test_a_read_between_two_remove_attempts_does_not_keep_the_object(tier, mooncake):
+    """Mooncake answers 0 to a remove whose only objects are leased (measured): a read that starts after the
+    first attempt (a request that looked the facts up before the delete) must not end the retries."""
+    client = raw_client(mooncake.config)
+    lease_s = mooncake.config["lease_s"]
+    try:
+        assert tier.put_many("eve", [("cat@v1", make_fact(3))]) == [True]
+        key = tier.key("eve", "cat@v1")
+        assert tier.get_many("eve", ["cat@v1"])[0] is not None  # leased
+        t0 = time.monotonic()
+        tier.remove_user("eve")  # refused now; again after the lease (lease_s + 0.2)
+        time.sleep(lease_s * 0.7)
+        tier.get_many("eve", ["cat@v1"])  # a new lease over the second attempt (None if that ran already)
+        time.sleep(max(0.0, t0 + 3 * lease_s + 1.0 - time.monotonic()))  # past the third attempt
+        assert client.is_exist(key) == 0 and client.get(key) == b""
+    finally:
+        client.close()
+
+
+def test_the_master_listens_on_loopback_only_and_runs_no_metadata_server(tier, mooncake):
+    """Segments find each other peer to peer (P2PHANDSHAKE): the master's listeners are its RPC port and its
+    metrics port, both on 127.0.0.1 (an HTTP metadata server would add one that Mooncake binds to 0.0.0.0
+    whatever --http_metadata_server_host says), and the tier works through it (the fixture's `tier`)."""
+    import psutil
+
+    assert tier.put_many("u", [("f@v1", make_fact(2))]) == [True] and tier.get_many("u", ["f@v1"])[0] is not None
+    listening = [c.laddr for c in psutil.Process(mooncake.master.pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    rpc_port = int(mooncake.config["master"].rpartition(":")[2])
+    assert rpc_port in {a.port for a in listening} and len(listening) == 2, listening
+    assert {a.ip for a in listening} == {"127.0.0.1"}, listening
+    assert mooncake.config["metadata"] == P2P_METADATA
+
+
+def test_config_is_validated():
+    assert ClusterConfig.from_dict({}) is None
+    with pytest.raises(ValueError, match="unknown cluster_store keys \\['mastr'\\]"):
+        ClusterConfig.from_dict({"mastr": "x", "metadata": "y"})
+    with pytest.raises(ValueError, match="cluster_store.master must be set"):
+        ClusterConfig.from_dict({"metadata": "http://x/metadata"})
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="cluster_store.replicas must be an integer >= 1"):
+            ClusterConfig.from_dict({"master": "x:1", "metadata": "http://x/metadata", "replicas": bad})
+    assert ClusterConfig.from_dict({"master": "x:1", "metadata": "http://x/metadata"}).replicas == 2
+    assert ClusterConfig.from_dict({"master": "x:1"}).metadata == P2P_METADATA  # no metadata server by default
+    for bad in ("", None, 5):
+        with pytest.raises(ValueError, match="cluster_store.metadata must be 'P2PHANDSHAKE'"):
+            ClusterConfig.from_dict({"master": "x:1", "metadata": bad})
+
+
+def test_serve_flags_name_the_master_and_default_to_peer_to_peer_metadata():
+    """`inferscale serve --mooncake-master`: no metadata server unless --mooncake-metadata names one."""
+    from types import SimpleNamespace
+
+    from inferscale_server.cli import cluster_store_settings
+
+    def settings(master, metadata=None):
+        return cluster_store_settings(SimpleNamespace(mooncake_master=master, mooncake_metadata=metadata))
+
+    assert settings(None) == {}
+    assert settings("10.0.0.5:50051") == {"master": "10.0.0.5:50051"}
+    assert ClusterConfig.from_dict(settings("10.0.0.5:50051")).metadata == P2P_METADATA
+    assert settings("m:1", "http://m:8080/metadata") == {"master": "m:1", "metadata": "http://m:8080/metadata"}
+    for bad in (("m", None), (None, "http://m:8080/metadata")):
+        with pytest.raises(SystemExit, match="--mooncake-m"):
+            settings(*bad)
+
+
+def test_serve_starts_a_mooncake_store_when_asked():
+    """`inferscale serve --local-mooncake` runs the cluster's KV path on one machine: a master on 127.0.0.1 and a
+    segment (stopped with serve), where facts written are read back; without the flag it starts none."""
+    import contextlib
+    import socket
+    from types import SimpleNamespace
+
+    from inferscale_server.cli import local_cluster_tier
+
+    args = SimpleNamespace(local_mooncake=False, mooncake_segment_gib=0.25)
+    with contextlib.ExitStack() as stack:
+        assert local_cluster_tier(args, stack) == {}
+    args.local_mooncake = True
+    with contextlib.ExitStack() as stack:
+        config = local_cluster_tier(args, stack)
+        assert config["master"].startswith("127.0.0.1:") and config["metadata"] == P2P_METADATA
+        assert args.local_mooncake_gib == 0.25
+        store = ClusterStore(ClusterConfig.from_dict(config), FP_A)
+        try:
+            assert store.wait_available(60)
+            fact = make_fact(6, seed=5)
+            assert store.put_many("alice", [("f@v1", fact)]) == [True]
+            assert_same(store.get_many("alice", ["f@v1"])[0], fact)
+        finally:
+            store.close()
+    host, port = config["master"].split(":")
+    with socket.socket() as s:  # the master is gone with serve
+        assert s.connect_ex((host, int(port))) != 0
+
+
+def test_a_store_that_is_away_is_a_miss_at_once():
+    """Nothing listens: every call answers at once (the connect runs in a background thread; Mooncake's own
+    setup retries for ~90 s) and a delete is kept until the store is reachable."""
+    from inferscale_server.registry.local_redis import free_port
+
+    port = free_port()
+    s = ClusterStore(ClusterConfig(master=f"127.0.0.1:{port}", retry_s=60), FP_A)
+    try:
+        t = time.monotonic()
+        assert s.put_many("u", [("f@v1", make_fact(2))]) == [False]
+        assert s.get_many("u", ["f@v1"]) == [None]
+        s.remove_user("u")
+        assert time.monotonic() - t < 1.0 and not s.available
+        assert s._pending_removes == {s._user_pattern("u")}
+    finally:
+        s.close()
+
+
+def test_removes_kept_while_the_store_was_away_survive_a_restart(tier, mooncake, tmp_path):
+    """Issue 31: a delete that reached a process while the store was away is kept in its pending file (an engine
+    replica's disk folder: its tombstone cursor has moved past the delete); the process restarted in that folder
+    does it once the store answers, and the file is emptied."""
+    from inferscale_server.registry.local_redis import free_port
+
+    pending = tmp_path / "cluster-removes.pending"
+    assert tier.put_many("gone", [("f@v1", make_fact(3))]) == [True]
+    away = ClusterStore(ClusterConfig(master=f"127.0.0.1:{free_port()}", retry_s=60), FP_A, pending_file=pending)
+    try:
+        away.remove_user("gone")
+        assert pending.read_text().splitlines() == [away._user_pattern("gone")]
+    finally:
+        away.close()  # the process ends with the delete not done
+    assert tier.get_many("gone", ["f@v1"])[0] is not None
+    restarted = ClusterStore(tier.config, FP_A, pending_file=pending)
+    try:
+        assert restarted.pending_removes() == {restarted._user_pattern("gone")}
+        restarted.start()
+        deadline = time.monotonic() + 60
+        while restarted.pending_removes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not restarted.pending_removes() and pending.read_text() == ""
+        time.sleep(mooncake.config["lease_s"] + 0.6)  # the read above holds a lease: the remove's retry ends it
+        client = raw_client(mooncake.config)
+        try:
+            assert client.is_exist(tier.key("gone", "f@v1")) == 0
+        finally:
+            client.close()
+    finally:
+        restarted.close()
+
+
+def test_master_killed_reads_become_misses_fast(tier, mooncake):  # last: kills the master
+    assert tier.put_many("erin", [("f@v1", make_fact(4))]) == [True]
+    mooncake.stop_master()
+    first = tier.get_many("erin", ["f@v1"])  # Mooncake's own RPC timeout (~4 s here) on the first call
+    t = time.monotonic()
+    for _ in range(20):
+        assert tier.get_many("erin", ["f@v1"]) == [None]
+        assert tier.put_many("erin", [("g@v1", make_fact(4))]) == [False]
+    assert first == [None] and time.monotonic() - t < 1.0  # then down: misses at once, no RPC
+    assert tier.counters["errors"] >= 1
+
+
+def test_the_replicas_resident_kv_is_bounded_lru():
+    from inferscale_server.engine_replica import ResidentKV
+
+    r = ResidentKV(budget_bytes=300)
+    assert r.add("a", [("f@v1", 100), ("g@v1", 100)]) == []
+    r.touch("a", ["f@v1"])                                  # g is now the least recently used
+    assert r.add("b", [("h@v1", 150)]) == [("a", "g@v1")]   # over 300: g leaves, never h (just added)
+    assert (r.bytes, r.count()) == (250, 2) and r.has("a", "f@v1") and not r.has("a", "g@v1")
+    assert r.add("c", [("big@v1", 1000)]) == [("a", "f@v1"), ("b", "h@v1")]  # alone over budget: kept, the rest go
+    # unknown size (found in the disk tier) counts as the average fact (1000): big leaves for it
+    assert r.add("c", [("disk@v1", None)]) == [("c", "big@v1")] and r.bytes == 1000
+    r.drop_user("c")
+    assert (r.bytes, r.count()) == (0, 0)
+    with pytest.raises(ValueError, match="KV budget"):
+        ResidentKV(-1)
+
+
+def test_one_user_naming_ever_new_facts_recycles_its_own_share():
+    """Over budget, the facts of users above USER_SHARE of it leave first: a tenant whose requests name ever new
+    facts evicts its own, not the KV of the users beside it; alone, a user may still use the whole budget."""
+    from inferscale_server.engine_replica.books import USER_SHARE, ResidentKV
+
+    r = ResidentKV(budget_bytes=1000)
+    assert USER_SHARE == 0.25
+    for user in ("a", "b", "c"):
+        assert r.add(user, [(f"{user}1@v1", 100), (f"{user}2@v1", 100)]) == []
+    evicted = []
+    for i in range(50):  # the flood: 50 new facts of 100 bytes
+        evicted += r.add("flood", [(f"x{i}@v1", 100)])
+    assert {u for u, _ in evicted} == {"flood"} and r.bytes <= 1000
+    assert all(r.has(u, f"{u}{n}@v1") for u in "abc" for n in (1, 2))
+    assert r.user_bytes("flood") == 400 and r.user_bytes("a") == 200
+    alone = ResidentKV(budget_bytes=1000)
+    assert alone.add("solo", [(f"s{i}@v1", 100) for i in range(10)]) == []  # the whole budget, no one else
+    assert alone.add("solo", [("s10@v1", 100)]) == [("solo", "s0@v1")]
+    r.drop_user("flood")
+    assert r.user_bytes("flood") == 0 and r.bytes == 600
