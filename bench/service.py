@@ -464,9 +464,9 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     from inferscale_core.requests import Query
     from inferscale_core.serving_engine import AsyncInjectingEngine
     from inferscale_core.types import kv_id
-    from inferscale_server.api import WIRE_MODES
     from inferscale_server.app import ServiceConfig
     from inferscale_server.encoder_pool import FactEncoder, dtype_of
+    from inferscale_server.modes import WIRE_MODES
 
     defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
     # Ray starts its workers, the service's replicas among them, at niceness 15 (its worker_niceness default):

@@ -35,7 +35,7 @@ import grpc
 from inferscale_core.errors import InvalidIdError
 from inferscale_core.types import check_user_id
 
-from .api import ApiError
+from .errors import ApiError
 
 SCOPE_READ, SCOPE_WRITE, SCOPE_ADMIN = "memory:read", "memory:write", "memory:admin"
 USER_SCOPES = (SCOPE_READ, SCOPE_WRITE)

@@ -27,8 +27,9 @@ import httpx
 import pytest
 from auth_fixture import token_for, token_gateway
 
-from inferscale_server.api import Limits, pb2
+from inferscale_server.api import pb2
 from inferscale_server.gateway import build_http_app, mem0_http
+from inferscale_server.limits import Limits
 from inferscale_server.registry import EmbeddedRegistry, NewFact, RedisRegistry
 
 os.environ.setdefault("MEM0_TELEMETRY", "false")  # mem0ai's client would post telemetry events

@@ -52,7 +52,7 @@ def test_overload_crosses_processes_as_itself_and_maps_to_429():
     import pickle
 
     from inferscale_server.admission import EngineAtCapacity
-    from inferscale_server.api import ApiError
+    from inferscale_server.errors import ApiError
     from inferscale_server.gateway.http_front import error_response
 
     err = pickle.loads(pickle.dumps(EngineAtCapacity("the engine is at capacity (9 tokens in flight of 8)")))

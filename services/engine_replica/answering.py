@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import grpc
 
 from ..admission import Admission
-from ..api import ApiError, wire_mode
+from ..errors import ApiError
 from ..messages import AnswerEnd, AnswerPiece, AnswerRequest, Choice
+from ..modes import wire_mode
 from .engine import ServingEngine, engine_timings, ms
 
 

@@ -29,8 +29,8 @@ from inferscale_core.errors import check_id
 from inferscale_core.types import Mode, kv_id
 
 from ..admission import Admission
-from ..api import RETRY_AFTER_S, ApiError
 from ..encoder_pool import EncodeFailure, StoredKV
+from ..errors import RETRY_AFTER_S, ApiError
 from ..messages import AnswerRequest, FactRef, FactWrite
 from .answering import Answering
 from .books import HeldFact, ResidentKV, UserBooks

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import grpc
 
-from ..api import RETRY_AFTER_S, ApiError
+from ..errors import RETRY_AFTER_S, ApiError
 
 if TYPE_CHECKING:  # typing only: vLLM and torch load when the replica starts its engine, not at import
     import asyncio

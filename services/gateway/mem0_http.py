@@ -37,7 +37,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError
 
 from .. import api, filters
-from ..api import ApiError, pb2
+from ..api import pb2
+from ..errors import ApiError
 from ..registry import FactRecord
 from .http_common import (
     HTTP_STATUS,
