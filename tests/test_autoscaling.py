@@ -35,7 +35,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):
     from test_service_e2e import service_on_local_ray
 
     from inferscale_server.app import ServiceConfig
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     deployments = {name: spec_with(autoscaling=FAST_METRICS, min_replicas=1, max_replicas=2,
                                    target_ongoing_requests=1, num_cpus=0.25, **DELAYS) for name in SCALED}

@@ -149,7 +149,7 @@ def test_serve_binds_loopback_and_refuses_open_auth_on_a_network():
 
 
 def test_serve_with_an_unreachable_redis_does_not_report_ready():
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     t = time.monotonic()

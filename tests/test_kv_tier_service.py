@@ -49,7 +49,7 @@ def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
     from test_service_e2e import service_on_local_ray
 
     from inferscale_server.app import ServiceConfig, single_node_deployments
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     deployments = single_node_deployments()
     deployments["EngineReplica"] = spec_with(autoscaling=ENGINE_AUTOSCALING, min_replicas=1, max_replicas=2,

@@ -22,7 +22,7 @@ from test_service_e2e import running_service
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from dashboard_snapshot import DASHBOARD, dashboard_metrics
 
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")

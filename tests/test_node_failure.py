@@ -38,7 +38,7 @@ from test_kv_tier import raw_client
 from test_multi_replica import APP, NAMES, facts_of, stats_by_replica
 from test_ray_cluster import _ray, _reload_ray_auth, _stop_ray
 
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RAW = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())

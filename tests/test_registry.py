@@ -618,7 +618,7 @@ def test_a_password_that_looks_like_an_option_still_starts_the_server():
     next option and the server exits (seen once in a full run): the password goes in a config file instead."""
     import redis
 
-    from inferscale_server.registry.local_redis import local_redis_server
+    from bench.local_redis import local_redis_server
 
     with local_redis_server("--requirepass-lookalike") as url:
         assert redis.Redis.from_url(url).ping()

@@ -22,7 +22,7 @@ import pytest
 from auth_fixture import refused, token_for
 
 from inferscale_core.defaults import RECOMPUTE_TOKENS
-from inferscale_server.registry.local_redis import free_port, port_is_free
+from inferscale_server.local_processes import free_port, port_is_free
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")

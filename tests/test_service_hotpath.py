@@ -124,7 +124,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):
     from test_service_e2e import service_on_local_ray
 
     from inferscale_server.app import ServiceConfig, single_node_deployments
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     deps = single_node_deployments()
     deps["EngineReplica"].min_replicas = deps["EngineReplica"].max_replicas = 2
