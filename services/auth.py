@@ -29,6 +29,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -434,8 +435,6 @@ def mint(secret: bytes, subject: str, scopes=USER_SCOPES, ttl_s: float = 24 * 36
 
 
 def _https_or_local(url: str) -> bool:
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     return parts.scheme == "https" or (parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1"))
 

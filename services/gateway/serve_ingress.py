@@ -16,8 +16,10 @@ from ..deadlines import caller_deadline, time_left, within_deadline
 from ..errors import to_api_error
 from ..limits import Limits
 from ..messages import AnswerEnd, AnswerRequest, FactRef, FactWrite
+from ..metrics import GatewayMetrics
 from ..modes import wire_mode
 from ..proxy_setup import DEADLINE_ATTR
+from ..registry import open_registry
 from .core import GatewayCore
 from .grpc_front import health_check, health_watch, metadata_value, status_of
 from .http_front import HttpConfig, build_http_app
@@ -167,8 +169,6 @@ class Gateway:
     def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
                  limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None,
                  http: dict | None = None):
-        from ..metrics import GatewayMetrics
-        from ..registry import open_registry
 
         # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
         handles = (encoder, retrieval, engine)
