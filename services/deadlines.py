@@ -1,4 +1,4 @@
-"""The caller's deadline: set by the front door for the call's task, what is left of it bounds every backend call."""
+"""How long a backend call may take: the server's cap, or what is left of the caller's deadline when that is shorter."""
 from __future__ import annotations
 
 import asyncio

@@ -32,7 +32,6 @@ class ApiError(Exception):
                                                       "quota": self.quota, "reason": self.reason})
 
 
-
 RETRY_AFTER_S = 1.0  # RetryInfo of a backend that is restarting or unreachable: worth one more try after this
 
 

@@ -1,4 +1,4 @@
-"""The API's names of the answer modes and inferscale_core's Mode they stand for."""
+"""The API's names of the answer modes ("inject", "prompt")."""
 from __future__ import annotations
 
 from inferscale_core.types import Mode
