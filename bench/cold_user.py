@@ -95,8 +95,8 @@ def loopback_service(dtype: str, workdir: Path, env: dict[str, str], segment_byt
     from ray import serve
 
     from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments, start_service
-    from inferscale_server.registry.local_mooncake import local_mooncake
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_mooncake import local_mooncake
+    from inferscale_server.local_processes import free_port
 
     secret = os.urandom(32).hex().encode()
     (workdir / "jwt-secret").write_bytes(secret)

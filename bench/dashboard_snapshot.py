@@ -214,9 +214,10 @@ def service(workdir: Path):
     import ray
     from ray import serve
 
+    from bench.local_redis import local_redis_server
     from inferscale_core.vllm_env import vllm_cpu_env
     from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments, start_service
-    from inferscale_server.registry.local_redis import free_port, local_redis_server
+    from inferscale_server.local_processes import free_port
 
     secret = secrets.token_urlsafe(48).encode()
     (workdir / "jwt").write_bytes(secret)

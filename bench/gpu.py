@@ -34,9 +34,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from bench.hf_inject import as_past_key_values
 from inferscale_core.compose import compose
 from inferscale_core.encoder import PreRopeEncoder
-from inferscale_core.hf_inject import as_past_key_values
 from inferscale_core.index import VectorIndex
 from inferscale_core.model_spec import ModelSpec
 from inferscale_core.rope import ChunkedRope

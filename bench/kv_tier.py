@@ -29,7 +29,7 @@ import torch
 from inferscale_core.cluster_store import ClusterConfig, ClusterStore, unpack
 from inferscale_core.store import FactStore
 from inferscale_core.types import EncodedFact
-from inferscale_server.registry.local_mooncake import local_mooncake
+from inferscale_server.local_mooncake import local_mooncake
 
 LAYERS, HEADS, DIM = 30, 3, 64
 

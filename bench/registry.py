@@ -139,8 +139,8 @@ def main() -> int:
     if min(args.users, args.facts_per_user, args.threads, args.ops) < 1 or args.facts_per_user < 5:
         ap.error("--users, --threads, --ops must be >= 1 and --facts-per-user >= 5")
 
+    from bench.local_redis import local_redis_cluster, local_redis_server
     from bench.service import cpu_description, cpu_line
-    from inferscale_server.registry.local_redis import local_redis_cluster, local_redis_server
 
     rows = []
     with local_redis_server() as url:

@@ -67,11 +67,11 @@ def imprint(sample_id: str, n_facts: int, data: str) -> dict:
 
 
 def registry_pass(users_facts: list[int]) -> list[dict]:
-    from inferscale_server.api import Limits
+    from bench.local_redis import local_redis_server
     from inferscale_server.auth import Authenticator
     from inferscale_server.gateway import GatewayCore
+    from inferscale_server.limits import Limits
     from inferscale_server.registry import NewFact, RedisRegistry
-    from inferscale_server.registry.local_redis import local_redis_server
 
     out = []
     with local_redis_server() as url:

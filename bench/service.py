@@ -268,7 +268,7 @@ def make_cells(args, users: list[BenchUser], tokens: dict[str, str]) -> list[Cel
 @contextlib.contextmanager
 def redis_server():
     """A throwaway redis-server on a free loopback port (no persistence); yields its URL."""
-    from inferscale_server.registry.local_redis import RedisServerMissing, local_redis_server
+    from bench.local_redis import RedisServerMissing, local_redis_server
 
     try:
         with local_redis_server() as url:
@@ -311,7 +311,7 @@ def own_service(args, workdir: Path):
     from ray import serve
 
     from inferscale_server.app import ServiceConfig, serve_start_env, start_service
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     secret = secrets.token_urlsafe(48).encode()
     secret_file = workdir / "jwt-secret"
@@ -321,7 +321,7 @@ def own_service(args, workdir: Path):
         registry_url = stack.enter_context(redis_server()) if args.registry == "redis" else None
         cluster = {}
         if args.cluster_tier:
-            from inferscale_server.registry.local_mooncake import local_mooncake
+            from inferscale_server.local_mooncake import local_mooncake
 
             cluster = dict(stack.enter_context(local_mooncake(segment_bytes=int(args.segment_gib * (1 << 30)))).config)
         deps = deployments(args)
@@ -464,9 +464,9 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     from inferscale_core.requests import Query
     from inferscale_core.serving_engine import AsyncInjectingEngine
     from inferscale_core.types import kv_id
-    from inferscale_server.api import WIRE_MODES
     from inferscale_server.app import ServiceConfig
     from inferscale_server.encoder_pool import FactEncoder, dtype_of
+    from inferscale_server.modes import WIRE_MODES
 
     defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
     # Ray starts its workers, the service's replicas among them, at niceness 15 (its worker_niceness default):

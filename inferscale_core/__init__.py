@@ -1,7 +1,8 @@
 """InferScale core: encode memory facts once as pre-RoPE KV, store and index them, compose with chunked RoPE.
 
 Pipeline: encode (encoder.PreRopeEncoder) -> store (store.FactStore) -> index (index.VectorIndex) ->
-compose (compose.compose) -> inject (connector.InferScaleConnector in vLLM, hf_inject for transformers).
+compose (compose.compose) -> inject (connector.InferScaleConnector in vLLM; bench/hf_inject.py does it for a
+transformers model, the reference the tests compare against).
 
 The names below are imported on first use (PEP 562), so that importing a light submodule
 (`inferscale_core.errors`, `inferscale_core.vllm_env`) does not import torch.

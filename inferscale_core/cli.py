@@ -138,8 +138,18 @@ def _demo(args, out) -> int:
     return 0
 
 
+# The benchmark scripts live in the repository's bench/, beside this package in a checkout; a wheel does not carry
+# them (nor the test fixtures and reference code they import).
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
 def bench(args) -> int:
-    script = Path(__file__).resolve().parent.parent / "bench" / f"{args.name}.py"
+    if not BENCH_DIR.is_dir():
+        print("inferscale bench runs the benchmark scripts of a source checkout (bench/), which an installed wheel "
+              "does not carry: clone the repository, `pip install -e '.[serve,bench]'` there and run "
+              f"`inferscale bench {args.name}` from it", file=sys.stderr)
+        return 2
+    script = BENCH_DIR / f"{args.name}.py"
     if not script.exists():
         print(f"no benchmark named {args.name!r} (looked for {script})", file=sys.stderr)
         return 2
@@ -161,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the engine's INFO/WARNING lines go (default: <inferscale cache>/demo.log; "
                         "'-': the terminal)")
     p.set_defaults(fn=demo)
-    p = sub.add_parser("bench", help="run a benchmark script from bench/ (encode, ttft, locomo, gpu)")
+    p = sub.add_parser("bench", help="run a benchmark script from bench/ (encode, ttft, locomo, gpu): in a source "
+                                     "checkout only")
     p.add_argument("name")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=bench)

@@ -21,7 +21,7 @@ below 0) for ~35 ms of TTFT on a 2-core CPU; at k=10-50 injecting everything los
 cost TTFT where the 10x target is measured (k=50). Measured on all 1,035 LoCoMo
 development questions (7 conversations, SmolLM2-135M, bf16), conversation by conversation: BENCHMARKS.md, "Facts
 added one at a time", with what was tried before (recomputing the last 32 tokens, windows of conversation turns).
-The service's default k is 5 (services/api.py), so the default request recomputes one fact.
+The service's default k is 5 (services/limits.py), so the default request recomputes one fact.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from .errors import InvalidIdError, check_id
 
 class Mode(StrEnum):
     """How a request's memory reaches the model: KV injection, or the same token ids prefilled as prompt text (the
-    Mem0-style baseline). The API's own names for them ("inject", "prompt") are mapped in services/api.py only."""
+    Mem0-style baseline). The API's own names for them ("inject", "prompt") are mapped in services/modes.py only."""
     KV = "kv"
     PI = "pi"
 

@@ -601,10 +601,10 @@ def requires_python() -> str:
 
 def render() -> str:
     from inferscale_core.cluster_store import ClusterConfig
-    from inferscale_server.api import Limits
     from inferscale_server.app import ServiceConfig
     from inferscale_server.auth import AuthConfig
     from inferscale_server.gateway.http_front import HttpConfig
+    from inferscale_server.limits import Limits
 
     out: list[str] = [
         "# Configuration reference",
@@ -644,7 +644,7 @@ def render() -> str:
 
     limits = dataclass_rows(Limits)
     out += ["## API limits (`Limits`)", "",
-            f"{len(limits)} limits (services/api.py `Limits`), the same on gRPC, the OpenAI door and Mem0's door. "
+            f"{len(limits)} limits (services/limits.py `Limits`), the same on gRPC, the OpenAI door and Mem0's door. "
             "Override them with `ServiceConfig.limits` or the chart's `limits` (e.g. `max_fact_chars: 4000`); a "
             "misspelled name is refused when the application is built. Over a size bound: RESOURCE_EXHAUSTED "
             "(HTTP 413); out of a range: INVALID_ARGUMENT (400).", ""]
@@ -700,7 +700,7 @@ def fixed_sections() -> list[str]:
     disk_dir = cite("services/engine_replica/placement.py", "replica_disk_dir", 'f"kv-{fingerprint}"')
     admission = cite("services/admission.py", "EngineAtCapacity")
     caller = cite("services/gateway/principal_limits.py", "PrincipalLimits")
-    full = cite("services/api.py", "registry_full")
+    full = cite("services/errors.py", "registry_full")
     redis_cluster = cite("services/registry/redis_backend.py", "RedisRegistry._probe", "cluster_enabled")
     buckets = cite("services/registry/redis_backend.py", "bucket_of")
     overload = cite("services/gateway/http_common.py", "is_overload")

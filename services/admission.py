@@ -18,7 +18,7 @@ import math
 
 import grpc
 
-from .api import ApiError
+from .errors import ApiError
 
 DEFAULT_QUEUE_FACTOR = 2.0
 RETRY_AFTER_S = 1

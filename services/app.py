@@ -22,8 +22,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from .api import SERVICER_FUNCTION, Limits
+from .api import SERVICER_FUNCTION
 from .gateway.core import WATCH_STREAMS_MAX
+from .limits import Limits
 
 # TRANSPORT_MAX_MESSAGE_BYTES: a gRPC message or an HTTP body; one request: Limits (1 MiB)
 from .proxy_setup import GRPC_HOST_ENV, TRANSPORT_MAX_MESSAGE_BYTES
@@ -146,7 +147,7 @@ class ServiceConfig:
     max_model_len: int | None = None     # None: the model's own context (8,192 for SmolLM2)
     http_port: int = 8000
     grpc_port: int = 9000
-    limits: dict = field(default_factory=dict)  # overrides of api.Limits
+    limits: dict = field(default_factory=dict)  # overrides of limits.Limits
     engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args, e.g. gpu_memory_utilization
     # Engine replica admission: tokens in flight (prompt + max_tokens) may reach the KV cache's size times
     # this before requests are refused with RESOURCE_EXHAUSTED / 429 (services/admission.py).

@@ -29,13 +29,14 @@ import time
 import urllib.request
 from dataclasses import dataclass, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 
 from inferscale_core.errors import InvalidIdError
 from inferscale_core.types import check_user_id
 
-from .api import ApiError
+from .errors import ApiError
 
 SCOPE_READ, SCOPE_WRITE, SCOPE_ADMIN = "memory:read", "memory:write", "memory:admin"
 USER_SCOPES = (SCOPE_READ, SCOPE_WRITE)
@@ -434,8 +435,6 @@ def mint(secret: bytes, subject: str, scopes=USER_SCOPES, ttl_s: float = 24 * 36
 
 
 def _https_or_local(url: str) -> bool:
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     return parts.scheme == "https" or (parts.scheme == "http" and parts.hostname in ("127.0.0.1", "localhost", "::1"))
 

@@ -178,7 +178,7 @@ def local_cluster_tier(args, stack: contextlib.ExitStack) -> dict:
     core's RPC channel. Not the default: Mooncake's transfer and handshake ports listen on every interface
     (MC_TCP_BIND_ADDRESS does not bind them in 0.3.13), and serve's default binds nothing beyond loopback.
     {} otherwise (the RPC path)."""
-    from .registry.local_mooncake import MooncakeMissing, local_mooncake, mooncake_binary
+    from .local_mooncake import MooncakeMissing, local_mooncake, mooncake_binary
 
     if not args.local_mooncake:
         return {}

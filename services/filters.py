@@ -23,8 +23,9 @@ import json
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-from . import api
+from . import validation
 from .auth import permission_denied
+from .errors import invalid, too_big
 from .registry import FactRecord
 
 SCOPE_FIELDS = ("agent_id", "run_id", "app_id")  # Mem0's scopes below a user, kept in the fact's metadata
@@ -43,11 +44,11 @@ def parse_json(text: str, name: str = "filters") -> dict | None:
     if not text:
         return None
     if len(text) > MAX_FILTER_BYTES:
-        raise api.too_big(f"{name} is {len(text)} characters, the limit is {MAX_FILTER_BYTES}")
+        raise too_big(f"{name} is {len(text)} characters, the limit is {MAX_FILTER_BYTES}")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise api.invalid(f"{name} is not JSON ({e})") from None
+        raise invalid(f"{name} is not JSON ({e})") from None
 
 
 def scope_metadata(**scopes: str | None) -> dict[str, str]:
@@ -60,8 +61,8 @@ def scope_metadata(**scopes: str | None) -> dict[str, str]:
         if value is None or value == "":
             continue
         if not isinstance(value, str):
-            raise api.invalid(f"{name} must be a string")
-        out[name] = api.user_id(value, name)  # the same rules as ids: bounded, printable
+            raise invalid(f"{name} must be a string")
+        out[name] = validation.user_id(value, name)  # the same rules as ids: bounded, printable
     return out
 
 
@@ -90,13 +91,13 @@ class _Size:
     def node(self, where: str) -> None:
         self.nodes += 1
         if self.nodes > MAX_NODES:
-            raise api.too_big(f"{self.name} has more than {MAX_NODES} conditions and list items (at {where[:80]})")
+            raise too_big(f"{self.name} has more than {MAX_NODES} conditions and list items (at {where[:80]})")
 
     def text(self, value) -> None:
         if isinstance(value, str):
             self.chars += len(value)
             if self.chars > MAX_FILTER_BYTES:
-                raise api.too_big(f"{self.name} holds more than {MAX_FILTER_BYTES} characters of keys and values")
+                raise too_big(f"{self.name} holds more than {MAX_FILTER_BYTES} characters of keys and values")
 
 
 def user_of(filters) -> str | None:
@@ -108,17 +109,17 @@ def user_of(filters) -> str | None:
         if isinstance(sub, dict) and "user_id" in sub:
             found.append(sub["user_id"])
     if len({json.dumps(f, sort_keys=True) for f in found}) > 1:
-        raise api.invalid("filters name more than one user_id")
+        raise invalid("filters name more than one user_id")
     if found and not isinstance(found[0], str):
-        raise api.invalid("filters.user_id must be a string: the one user the request acts for")
+        raise invalid("filters.user_id must be a string: the one user the request acts for")
     return found[0] if found else None
 
 
 def _compile(f, owner: str, where: str, depth: int, size: _Size, top: bool = False) -> Predicate:
     if depth > MAX_DEPTH:
-        raise api.invalid(f"{where} nests AND/OR/NOT deeper than {MAX_DEPTH} levels")
+        raise invalid(f"{where} nests AND/OR/NOT deeper than {MAX_DEPTH} levels")
     if not isinstance(f, dict) or not f:
-        raise api.invalid(f"{where} must be a non-empty object of conditions")
+        raise invalid(f"{where} must be a non-empty object of conditions")
     preds = []
     for key, cond in f.items():
         at = f"{where}.{key}"
@@ -126,19 +127,19 @@ def _compile(f, owner: str, where: str, depth: int, size: _Size, top: bool = Fal
         size.text(key)
         if key in LOGICAL:
             if not isinstance(cond, list) or not cond:
-                raise api.invalid(f"{at} must be a non-empty list of filter objects")
+                raise invalid(f"{at} must be a non-empty list of filter objects")
             subs = [_compile(c, owner, f"{at}[{i}]", depth + 1, size, top=top and key == "AND")
                     for i, c in enumerate(cond)]
             preds.append(_logical(key, subs))
         elif key == "user_id":
             if not top:
-                raise api.invalid(f"{at}: user_id may only be named at the top of the filter or in a top-level AND "
-                                  "(a request acts for one user)")
+                raise invalid(f"{at}: user_id may only be named at the top of the filter or in a top-level AND "
+                              "(a request acts for one user)")
             if cond != owner:
                 raise permission_denied(f"{at} names another user than the one this request acts for")
         elif key == "metadata":
             if not isinstance(cond, dict) or not cond:
-                raise api.invalid(f"{at} must be a non-empty object of metadata key -> condition")
+                raise invalid(f"{at} must be a non-empty object of metadata key -> condition")
             for mkey, mcond in cond.items():
                 size.node(f"{at}.{mkey}")
                 size.text(mkey)
@@ -146,8 +147,8 @@ def _compile(f, owner: str, where: str, depth: int, size: _Size, top: bool = Fal
         elif key in TIME_FIELDS:
             preds.append(_field(lambda r, k=key: getattr(r, k), cond, at, True, size))
         elif key in ("categories", "keywords", "memory", "text", "id", "hash"):
-            raise api.invalid(f"{at}: filtering on {key!r} is not supported (scope fields, created_at, updated_at "
-                              "and metadata are)")
+            raise invalid(f"{at}: filtering on {key!r} is not supported (scope fields, created_at, updated_at "
+                          "and metadata are)")
         else:  # a scope field or any other metadata key
             preds.append(_field(lambda r, k=key: r.metadata.get(k), cond, at, False, size))
     return lambda r: all(p(r) for p in preds)
@@ -170,11 +171,11 @@ def _field(get, cond, where: str, is_time: bool, size: _Size) -> Predicate:
         want = _time(cond, where) if is_time else _scalar(cond, where)
         return lambda r: get(r) == want
     if not cond:
-        raise api.invalid(f"{where} has an empty condition object")
+        raise invalid(f"{where} has an empty condition object")
     checks = []
     for op, value in cond.items():
         if op not in OPERATORS:
-            raise api.invalid(f"{where}: unknown operator {str(op)[:40]!r}; use one of {', '.join(OPERATORS)} or \"*\"")
+            raise invalid(f"{where}: unknown operator {str(op)[:40]!r}; use one of {', '.join(OPERATORS)} or \"*\"")
         size.node(f"{where}.{op}")
         size.text(op)
         checks.append(_op(op, value, f"{where}.{op}", is_time, size))
@@ -185,7 +186,7 @@ def _op(op: str, value, where: str, is_time: bool, size: _Size):
     conv = (lambda v, w: _time(v, w)) if is_time else _scalar
     if op in ("in", "nin"):
         if not isinstance(value, list):
-            raise api.invalid(f"{where} must be a list")
+            raise invalid(f"{where} must be a list")
         for i, v in enumerate(value):  # counted before anything is converted
             size.node(f"{where}[{i}]")
             size.text(v)
@@ -194,7 +195,7 @@ def _op(op: str, value, where: str, is_time: bool, size: _Size):
     size.text(value)
     if op in ("contains", "icontains"):
         if is_time or not isinstance(value, str):
-            raise api.invalid(f"{where} must be a string (and applies to text metadata)")
+            raise invalid(f"{where} must be a string (and applies to text metadata)")
         low = value.lower()
         if op == "contains":
             return lambda x: (value in x) if isinstance(x, (str, list)) else False
@@ -206,7 +207,7 @@ def _op(op: str, value, where: str, is_time: bool, size: _Size):
     if op == "ne":
         return lambda x: x != v
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise api.invalid(f"{where} must be a number or a string")
+        raise invalid(f"{where} must be a number or a string")
     cmp = {"gt": lambda a, b: a > b, "gte": lambda a, b: a >= b, "lt": lambda a, b: a < b,
            "lte": lambda a, b: a <= b}[op]
     number = isinstance(v, (int, float))
@@ -229,7 +230,7 @@ def _member(x, values: frozenset) -> bool:
 
 def _scalar(v, where: str):
     if isinstance(v, (dict, list)):
-        raise api.invalid(f"{where} must be a string, number, boolean or null, or an {{operator: value}} object")
+        raise invalid(f"{where} must be a string, number, boolean or null, or an {{operator: value}} object")
     return v
 
 
@@ -244,4 +245,4 @@ def _time(v, where: str) -> float:
             pass
         else:
             return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
-    raise api.invalid(f"{where} must be unix seconds or an ISO-8601 date, got {str(v)[:40]!r}")
+    raise invalid(f"{where} must be unix seconds or an ISO-8601 date, got {str(v)[:40]!r}")

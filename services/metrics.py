@@ -80,7 +80,7 @@ def code_of(e: BaseException | None) -> str:
     """The gRPC status code name an exception is answered with (what the client sees)."""
     if e is None:
         return grpc.StatusCode.OK.name
-    from .api import to_api_error
+    from .errors import to_api_error
 
     return to_api_error(e).code.name
 

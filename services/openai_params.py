@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from .api import ApiError
+from .errors import ApiError
 
 if TYPE_CHECKING:  # vLLM loads with the engine replica's engine, not at import
     from vllm import SamplingParams

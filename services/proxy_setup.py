@@ -13,10 +13,10 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
   RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, in the same environment.)
 - gRPC deadlines: the context Serve sends to the Gateway replica carries no deadline; the caller's (the
   `grpc-timeout` it sent) is noted on it as DEADLINE_ATTR (unix time), so the replica's backend calls stop
-  when the caller gives up (services/api.py:time_left).
+  when the caller gives up (services/deadlines.py:time_left).
 - gRPC error details: Serve's proxy answers an error the Gateway raised with its code and message only; for
-  the Gateway's errors (api.ApiError) it also sends their google.rpc details and retry pushback
-  (services/api.py:error_trailers), unary and streaming RPCs alike.
+  the Gateway's errors (errors.ApiError) it also sends their google.rpc details and retry pushback
+  (services/error_details.py:error_trailers), unary and streaming RPCs alike.
 
 The last two patch Ray Serve 2.60 internals (`RayServegRPCContext.__init__`; `get_grpc_response_status` and
 `set_grpc_code_and_details` as ray.serve._private.proxy uses them): check them when Ray is upgraded;
@@ -162,7 +162,7 @@ def _carry_grpc_deadline() -> None:
 
 def _send_error_details() -> None:
     """The proxy's status of a failed gRPC call carries the Gateway's google.rpc trailers when the error is an
-    api.ApiError (Serve wraps it in gRPCStatusError: the Gateway set the code on its context). Idempotent."""
+    errors.ApiError (Serve wraps it in gRPCStatusError: the Gateway set the code on its context). Idempotent."""
     import dataclasses
 
     from ray.serve._private import proxy
@@ -173,7 +173,8 @@ def _send_error_details() -> None:
         return
 
     def get_grpc_response_status(exc, request_timeout_s, request_id):
-        from .api import ApiError, error_trailers
+        from .error_details import error_trailers
+        from .errors import ApiError
 
         status = plain_status(exc, request_timeout_s, request_id)
         original = exc.original_exception if isinstance(exc, gRPCStatusError) else None

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import grpc
 
 from ..admission import Admission
-from ..api import ApiError, wire_mode
+from ..errors import ApiError
 from ..messages import AnswerEnd, AnswerPiece, AnswerRequest, Choice
+from ..modes import wire_mode
+from ..openai_params import logprobs_content, request, tool_calls
 from .engine import ServingEngine, engine_timings, ms
 
 
@@ -55,7 +57,6 @@ class Answering:
     async def _stream_openai(self, p, req: AnswerRequest, t_in: float, hops: dict[str, float]):
         """An OpenAI chat request's answer: vLLM's SamplingParams from the request (n choices, logprobs, stop,
         structured outputs, forced tool calls), streamed by choice."""
-        from ..openai_params import logprobs_content, request, tool_calls
 
         chat = req.openai
         assert chat is not None  # stream sends only OpenAI chat requests here

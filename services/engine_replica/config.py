@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from inferscale_core.cluster_store import ClusterConfig
+from inferscale_core.vllm_env import machine_memory_bytes, usable_cpus
 
 from ..admission import DEFAULT_QUEUE_FACTOR, check_queue_factor
 from ..encoder_pool import dtype_of, positive_int
@@ -15,7 +16,6 @@ def default_kv_budget_bytes(node_share: float = 1.0) -> int:
     """KV bytes one engine replica keeps in its worker store: $INFERSCALE_ENGINE_KV_BUDGET_BYTES, else a quarter of
     the machine's memory (the rest is for vLLM's own KV cache, the model, the other deployments) times
     `node_share`, the replica's share of the node when engine replicas split it (`node_share_of`)."""
-    from inferscale_core.vllm_env import machine_memory_bytes
 
     env = os.environ.get("INFERSCALE_ENGINE_KV_BUDGET_BYTES")
     if env:
@@ -28,7 +28,6 @@ def node_share_of(engine_cpu_cores: int) -> float:
     `engine_cpu_cores` = c of the node's n usable cores, the node holds n // c replicas and each takes that
     fraction of the memory defaults too: at a quarter of the machine each, two replicas' budgets alone would
     be half of it, beside two vLLM KV caches (BENCHMARKS.md: such a node ran out of memory at k=50)."""
-    from inferscale_core.vllm_env import usable_cpus
 
     replicas = len(usable_cpus()) // engine_cpu_cores if engine_cpu_cores else 1
     return 1.0 / max(1, replicas)

@@ -29,9 +29,10 @@ from inferscale_core.errors import check_id
 from inferscale_core.types import Mode, kv_id
 
 from ..admission import Admission
-from ..api import RETRY_AFTER_S, ApiError
 from ..encoder_pool import EncodeFailure, StoredKV
+from ..errors import RETRY_AFTER_S, ApiError
 from ..messages import AnswerRequest, FactRef, FactWrite
+from ..metrics import EngineMetrics
 from .answering import Answering
 from .books import HeldFact, ResidentKV, UserBooks
 from .config import EngineReplicaConfig
@@ -54,7 +55,6 @@ class ReplicaCore:
                  disk_dir: str | None = None, metrics=None, disk_budget_bytes: int | None = None, hold=None):
         """`engine`: started; `encoder`: the encoder pool's handle (`encoder.encode_for.remote(...)` awaited);
         `disk_budget_bytes`: the worker store's disk tier budget, if it has one."""
-        from ..metrics import EngineMetrics
 
         self.config = config
         self.metrics = metrics if metrics is not None else EngineMetrics()

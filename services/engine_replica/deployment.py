@@ -18,6 +18,7 @@ from ray import serve
 from inferscale_core.cluster_store import ClusterStore
 
 from ..messages import AnswerRequest, FactRef, FactWrite
+from ..metrics import EngineMetrics, hide_multiplexed_ids
 from ..registry import open_registry
 from ..routing import IN_FLIGHT, SLOT
 from .config import EngineReplicaConfig
@@ -37,8 +38,6 @@ class EngineReplica:
     async def __init__(self, encoder, config: EngineReplicaConfig, build_engine=None):  # type: ignore[misc]
         from inferscale_core.defaults import serving_store_options
         from inferscale_core.store import default_disk_budget_bytes
-
-        from ..metrics import EngineMetrics, hide_multiplexed_ids
 
         hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
         # The encoder pool's fingerprint (the pool defines how facts are encoded) keys both KV tiers below.

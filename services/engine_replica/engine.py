@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import grpc
 
-from ..api import RETRY_AFTER_S, ApiError
+from ..encoder_pool import dtype_of
+from ..errors import RETRY_AFTER_S, ApiError
+from ..metrics import vllm_stat_loggers
 
 if TYPE_CHECKING:  # typing only: vLLM and torch load when the replica starts its engine, not at import
     import asyncio
@@ -61,9 +63,6 @@ async def start_engine(config: EngineReplicaConfig, prefix, store_options: dict)
     """The serving engine: vLLM with the injection connector (AsyncInjectingEngine) over the encoder pool's prefix
     chunk, started."""
     from inferscale_core.serving_engine import AsyncInjectingEngine
-
-    from ..encoder_pool import dtype_of
-    from ..metrics import vllm_stat_loggers
 
     engine = AsyncInjectingEngine(model_path=config.model_path, prefix=prefix, dtype=dtype_of(config.dtype),
                                   block_size=config.block_size, max_model_len=config.max_model_len,

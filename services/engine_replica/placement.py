@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ray import serve
 
+from inferscale_core.vllm_env import engine_bind_env, engine_cpus, usable_cpus
+
 log = logging.getLogger("inferscale.engine_replica")
 
 
@@ -42,7 +44,6 @@ def replica_local_rank() -> int:
 def bind_engine_cpus(cores_per_engine: int) -> list[int] | None:
     """Before vLLM starts (its engine core process inherits the environment): bind its compute threads to this
     replica's own cores when replicas share the node; None, environment untouched, otherwise."""
-    from inferscale_core.vllm_env import engine_bind_env, engine_cpus, usable_cpus
 
     cpus = usable_cpus()
     mine = engine_cpus(cores_per_engine, replica_local_rank(), cpus)

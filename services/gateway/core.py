@@ -1,7 +1,7 @@
 """GatewayCore: the logic behind both front doors, transport-free.
 
 Every RPC runs in this order: the front door authenticates the caller (services/auth.py; Health is open),
-the request is parsed and validated (services/api.py), the caller is authorized for the request's user,
+the request is parsed and validated (services/api.py, validation.py), the caller is authorized for the request's user,
 and only then is anything read or written. Writes are all or nothing: a fact is checked against the
 encoder's real limits before the registry (the source of truth) is written, and if the KV or index push
 that follows fails, the registry rows are removed again. The gateway never holds KV: encoder output
@@ -30,10 +30,15 @@ from inferscale_core.defaults import NEIGHBOUR_WINDOW, default_windows, rewindow
 from inferscale_core.errors import UnknownFactError
 from inferscale_core.types import Mode
 
-from .. import api, filters
-from ..api import ApiError, Limits, pb2
+from .. import api, filters, validation
+from ..api import pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
+from ..deadlines import within_deadline
+from ..errors import ApiError, invalid, to_api_error, too_big
+from ..limits import Limits
 from ..messages import AnswerEnd, AnswerPiece, OpenAIChat
+from ..modes import answer_mode
+from ..page_tokens import next_page_token, page_token
 from ..registry import (
     FactRecord,
     IdempotentAdd,
@@ -113,8 +118,8 @@ def expires_at_in(msg, name: str) -> float | None:
     if t == 0:
         return math.inf
     if not 0 < t <= MAX_EXPIRES_AT:  # NaN fails too
-        raise api.invalid(f"{name} must be a Unix time in seconds up to {MAX_EXPIRES_AT:.0f} (the end of year 9999), "
-                          f"or 0 for never, got {t!r}", name)
+        raise invalid(f"{name} must be a Unix time in seconds up to {MAX_EXPIRES_AT:.0f} (the end of year 9999), "
+                      f"or 0 for never, got {t!r}", name)
     return float(t)
 
 
@@ -164,7 +169,7 @@ def _blocking(fn, *args, **kw):
 def _read(fn, *args):
     """A registry read, waited for until the caller's deadline at most (the thread finishes its command). Writes
     use _blocking: one is never abandoned halfway."""
-    return api.within_deadline(asyncio.to_thread(fn, *args))
+    return within_deadline(asyncio.to_thread(fn, *args))
 
 
 def _fingerprint(facts: list[NewFact]) -> str:
@@ -206,7 +211,7 @@ class GatewayCore:
 
     def _owner(self, caller: Principal, rpc: str, user_id: str, field_name: str = "user_id") -> str:
         """The request's user id, validated, once the caller may act for it (before anything is read)."""
-        uid = api.user_id(user_id, field_name)
+        uid = validation.user_id(user_id, field_name)
         self.auth.authorize(caller, uid, RPC_SCOPES[rpc])
         return uid
 
@@ -234,10 +239,10 @@ class GatewayCore:
         checked = await self.backends.check_facts(texts)
         for name, why in zip(names, checked):
             if isinstance(why, str):
-                raise api.too_big(f"{name} {why}; nothing was stored", name)
+                raise too_big(f"{name} {why}; nothing was stored", name)
         return [int(n or 0) for n in checked]
 
-    async def _store_facts(self, user_id: str, facts: list[api.FactIn], names: list[str],
+    async def _store_facts(self, user_id: str, facts: list[validation.FactIn], names: list[str],
                            expiries: list[float], idempotency_key: str = "") -> list[FactRecord]:
         return await self.store_new(user_id, [NewFact(f.text, f.metadata, window=f.window, expires_at=e)
                                               for f, e in zip(facts, expiries)], names, idempotency_key)
@@ -250,13 +255,13 @@ class GatewayCore:
         nothing (_repeated_add)."""
         names = names or [f"facts[{i}].text" for i in range(len(facts))]
         for f, name in zip(facts, names):
-            api.text_field(f.text, name, self.limits.max_fact_chars)
+            validation.text_field(f.text, name, self.limits.max_fact_chars)
         idem = None
         if idempotency_key:
             try:
                 idem = IdempotentAdd(check_idempotency_key(idempotency_key), _fingerprint(facts))
             except ValueError as e:
-                raise api.invalid(str(e), "idempotency_key") from None
+                raise invalid(str(e), "idempotency_key") from None
             earlier = await _blocking(self.registry.idempotent_add, user_id, idem.key)
             if earlier is not None:  # before anything is encoded
                 return await self._repeated_add(user_id, idem, earlier)
@@ -269,10 +274,10 @@ class GatewayCore:
         facts = [dataclasses.replace(f, window=win) for f, win in zip(facts, windows)]
         encoded = sum(len(f.text) + sum(len(turn) for turn in f.window) for f in facts)
         if encoded > self.limits.max_encode_chars_per_request:
-            raise api.too_big(f"this write would have the encoder pool encode {encoded} characters (the facts and the "
-                              f"windows they are encoded behind), the limit per request is "
-                              f"{self.limits.max_encode_chars_per_request}: send fewer facts per request; nothing "
-                              "was stored", "facts")
+            raise too_big(f"this write would have the encoder pool encode {encoded} characters (the facts and the "
+                          f"windows they are encoded behind), the limit per request is "
+                          f"{self.limits.max_encode_chars_per_request}: send fewer facts per request; nothing "
+                          "was stored", "facts")
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         try:
@@ -287,7 +292,7 @@ class GatewayCore:
                 await self.backends.index_facts(user_id, recs)
             except Exception as e:  # undone, then reported
                 left = await self._undo_create(user_id, recs, idem)
-                err = api.to_api_error(e)
+                err = to_api_error(e)
                 if err.code == grpc.StatusCode.INTERNAL:
                     log.exception("storing %d facts failed; undone", len(recs))
                 if left:  # the registry failed the undo too: say what may still be stored
@@ -355,7 +360,7 @@ class GatewayCore:
         sync, as of a metadata change (the version moved)."""
         old = kv_bytes = None
         if text is not None:
-            api.text_field(text, "text", self.limits.max_fact_chars)
+            validation.text_field(text, "text", self.limits.max_fact_chars)
             (kv_bytes,) = await self._check_encodable([text], ["text"])
             old = await _blocking(self.registry.get, user_id, fact_id)
             seq = await _blocking(self.registry.seq_of, user_id, fact_id)
@@ -467,7 +472,7 @@ class GatewayCore:
             assert self._sink is not None  # made with the extractor
             done = self._mem0_pool.submit(self._sink.running(call, self._extractor.add), user_id, messages, metadata)
             try:
-                return await api.within_deadline(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
+                return await within_deadline(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
             except (asyncio.TimeoutError, asyncio.CancelledError, ApiError) as e:  # ApiError: the caller's deadline
                 await call.stop(done)
                 if isinstance(e, asyncio.CancelledError):
@@ -490,7 +495,7 @@ class GatewayCore:
     async def AddFacts(self, raw, caller: Principal):  # noqa: N802 (RPC names)
         req = api.parse("AddFacts", raw, self.limits)
         uid = self._owner(caller, "AddFacts", req.user_id)
-        facts = api.facts_in(req.facts, self.limits)
+        facts = validation.facts_in(req.facts, self.limits)
         expiries = [expires_at_in(f, f"facts[{i}].expires_at") for i, f in enumerate(req.facts)]
         scope = filters.scope_metadata(agent_id=req.agent_id, run_id=req.run_id)
         if scope:
@@ -502,8 +507,8 @@ class GatewayCore:
     async def AddMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("AddMemory", raw, self.limits)
         uid = self._owner(caller, "AddMemory", req.user_id)
-        messages = api.messages_in(req.messages, self.limits)
-        meta = {**api.metadata(req.metadata, "metadata", self.limits),
+        messages = validation.messages_in(req.messages, self.limits)
+        meta = {**validation.metadata(req.metadata, "metadata", self.limits),
                 **filters.scope_metadata(agent_id=req.agent_id, run_id=req.run_id)}
         expires_at = expires_at_in(req, "expires_at")
         events = await self.add_memory(uid, messages, meta, req.infer if req.HasField("infer") else True,
@@ -521,18 +526,19 @@ class GatewayCore:
         for infer=false only (an extraction's adds, updates and deletes are no one atomic write to repeat)."""
         stamp: dict[str, Any] = {"created_at": created_at, "expires_at": expires_at}
         if infer and idempotency_key:
-            raise api.invalid("an idempotency key applies to an add that stores the messages as they are "
-                              "(infer=false); an extraction (infer=true) adds, updates and deletes memories in "
-                              "steps that cannot be repeated as one: send infer=false or no key",
-                              "idempotency_key")
+            raise invalid("an idempotency key applies to an add that stores the messages as they are "
+                          "(infer=false); an extraction (infer=true) adds, updates and deletes memories in "
+                          "steps that cannot be repeated as one: send infer=false or no key",
+                          "idempotency_key")
         if infer:
             return await self._extract(uid, messages, meta, stamp)
         # Mem0's infer=False: every non-system message is stored as it is, tagged with its role.
         kept = [(i, m) for i, m in enumerate(messages) if m["role"] != "system"]
-        facts = [NewFact(api.text_field(m["content"], f"messages[{i}].content", self.limits.max_fact_chars).strip(),
+        facts = [NewFact(validation.text_field(m["content"], f"messages[{i}].content",
+                                               self.limits.max_fact_chars).strip(),
                          {**meta, "role": m["role"]}, **stamp) for i, m in kept]
         if not facts:
-            raise api.invalid("messages hold only system messages; with infer=false nothing would be stored",
+            raise invalid("messages hold only system messages; with infer=false nothing would be stored",
                               "messages")
         recs = await self.store_new(uid, facts, [f"messages[{i}].content" for i, _ in kept], idempotency_key)
         return [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in recs]
@@ -540,8 +546,8 @@ class GatewayCore:
     async def Search(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("Search", raw, self.limits)
         uid = self._owner(caller, "Search", req.user_id)
-        query = api.text_field(req.query, "query", self.limits.max_query_chars)
-        k = api.bounded_int(req.k, "k", 1, self.limits.max_k, self.limits.default_k)
+        query = validation.text_field(req.query, "query", self.limits.max_query_chars)
+        k = validation.bounded_int(req.k, "k", 1, self.limits.max_k, self.limits.default_k)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         threshold = req.threshold if req.HasField("threshold") else None
         hits = await self.search_records(uid, query, k, match, threshold)
@@ -554,7 +560,7 @@ class GatewayCore:
         or the user's facts run out: a filter never hides a match that ranks below k unfiltered facts."""
         backends = self._need("Search")
         if threshold is not None and threshold != threshold:  # NaN
-            raise api.invalid("threshold must be a number")
+            raise invalid("threshold must be a number")
         want = k
         while True:
             hits = await backends.search(uid, query, want)
@@ -588,15 +594,15 @@ class GatewayCore:
         and temperature."""
         req = api.parse("Answer", raw, self.limits)
         uid = self._owner(caller, "Answer", req.user_id)
-        query = api.text_field(req.query, "query", self.limits.max_message_chars if openai is not None
-                               else self.limits.max_query_chars)
-        k = api.bounded_int(req.k, "k", 1, self.limits.max_k, self.limits.default_k)
-        max_tokens = api.bounded_int(req.max_tokens, "max_tokens", 1, self.limits.max_max_tokens,
+        query = validation.text_field(req.query, "query", self.limits.max_message_chars if openai is not None
+                                      else self.limits.max_query_chars)
+        k = validation.bounded_int(req.k, "k", 1, self.limits.max_k, self.limits.default_k)
+        max_tokens = validation.bounded_int(req.max_tokens, "max_tokens", 1, self.limits.max_max_tokens,
                                      self.limits.default_max_tokens)
         if not 0.0 <= req.temperature <= 2.0:  # also refuses NaN
-            raise api.invalid(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
-        mode = api.answer_mode(req.mode)
-        conversation = api.messages_in(req.messages, self.limits) if req.messages else None
+            raise invalid(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
+        mode = answer_mode(req.mode)
+        conversation = validation.messages_in(req.messages, self.limits) if req.messages else None
         backends = self._need("Answer")
         extra = {"openai": openai} if openai is not None else {}
         async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation,
@@ -606,17 +612,17 @@ class GatewayCore:
     async def GetMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("GetMemory", raw, self.limits)
         uid = self._owner(caller, "GetMemory", req.user_id)
-        rec = await _read(self.registry.get, uid, api.fact_id(req.fact_id))
+        rec = await _read(self.registry.get, uid, validation.fact_id(req.fact_id))
         return api.fact_pb(rec)
 
     async def ListMemories(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("ListMemories", raw, self.limits)
         uid = self._owner(caller, "ListMemories", req.user_id)
-        size = api.bounded_int(req.page_size, "page_size", 1, self.limits.max_page_size,
-                               self.limits.default_page_size)
+        size = validation.bounded_int(req.page_size, "page_size", 1, self.limits.max_page_size,
+                                      self.limits.default_page_size)
         # A token answers only the listing that issued it: this user, these filters.
         scope = "\n".join((uid, req.filters, req.agent_id, req.run_id))
-        after = api.page_token(req.page_token, scope)
+        after = page_token(req.page_token, scope)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
         facts: list = []  # pb2.Fact messages
@@ -632,20 +638,20 @@ class GatewayCore:
                 break
             facts.append(pb)
             after = seq
-        return pb2.ListMemoriesResponse(facts=facts, next_page_token=api.next_page_token(nxt, scope))
+        return pb2.ListMemoriesResponse(facts=facts, next_page_token=next_page_token(nxt, scope))
 
     async def UpdateMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("UpdateMemory", raw, self.limits)
         uid = self._owner(caller, "UpdateMemory", req.user_id)
-        fid = api.fact_id(req.fact_id)
-        text = (api.text_field(req.text, "text", self.limits.max_fact_chars).strip()
+        fid = validation.fact_id(req.fact_id)
+        text = (validation.text_field(req.text, "text", self.limits.max_fact_chars).strip()
                 if req.HasField("text") else None)
-        meta = api.metadata(req.metadata, "metadata", self.limits)
+        meta = validation.metadata(req.metadata, "metadata", self.limits)
         expires_at = expires_at_in(req, "expires_at")
         if text is None and not meta and not req.replace_metadata and expires_at is None:
-            raise api.invalid("nothing to update: set text, metadata and/or expires_at", "text")
+            raise invalid("nothing to update: set text, metadata and/or expires_at", "text")
         if req.expected_version < 0:
-            raise api.invalid(f"expected_version must be >= 0, got {req.expected_version}", "expected_version")
+            raise invalid(f"expected_version must be >= 0, got {req.expected_version}", "expected_version")
         rec = await self.update_fact(uid, fid, text, meta if (meta or req.replace_metadata) else None,
                                      req.replace_metadata, req.expected_version, expires_at=expires_at)
         return api.fact_pb(rec)
@@ -653,7 +659,7 @@ class GatewayCore:
     async def DeleteMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("DeleteMemory", raw, self.limits)
         uid = self._owner(caller, "DeleteMemory", req.user_id)
-        fid = api.fact_id(req.fact_id)
+        fid = validation.fact_id(req.fact_id)
         await self.delete_fact(uid, fid)
         return pb2.DeleteMemoryResponse(fact_id=fid)
 

@@ -10,6 +10,9 @@ import time
 import grpc
 
 from .. import api
+from ..deadlines import caller_deadline
+from ..error_details import error_trailers
+from ..errors import ApiError, invalid, to_api_error
 from .core import UNARY, GatewayCore
 
 log = logging.getLogger("inferscale.gateway")
@@ -37,11 +40,11 @@ async def health_check(core: GatewayCore, raw: bytes, watching: bool = False):
     try:
         req.ParseFromString(raw)
     except DecodeError:
-        raise api.invalid("the request is not a valid grpc.health.v1.HealthCheckRequest") from None
+        raise invalid("the request is not a valid grpc.health.v1.HealthCheckRequest") from None
     if req.service not in ("", api.SERVICE):
         if watching:
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-        raise api.ApiError(grpc.StatusCode.NOT_FOUND, f"unknown service {req.service[:100]!r}; this server has "
+        raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown service {req.service[:100]!r}; this server has "
                                                       f"{api.SERVICE!r} (and '' for the whole server)")
     serving = (await core.health_state()).status == "SERVING"
     return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING if serving
@@ -63,17 +66,17 @@ async def health_watch(core: GatewayCore, raw: bytes, peer: str | None = None):
             await asyncio.sleep(WATCH_PERIOD_S)
 
 
-def status_of(name: str, e: BaseException) -> api.ApiError:
+def status_of(name: str, e: BaseException) -> ApiError:
     """ApiError -> itself; a bug -> INTERNAL without internals (logged with its traceback here)."""
-    err = api.to_api_error(e)
+    err = to_api_error(e)
     if err.code == grpc.StatusCode.INTERNAL:
         log.error("%s failed", name, exc_info=e)
     return err
 
 
-async def abort(context, err: api.ApiError):
+async def abort(context, err: ApiError):
     """Ends a grpc.aio call with `err`: status code, message and the error_trailers."""
-    await context.abort(err.code, err.message, trailing_metadata=api.error_trailers(err))
+    await context.abort(err.code, err.message, trailing_metadata=error_trailers(err))
 
 
 class GrpcServicer:
@@ -87,7 +90,7 @@ class GrpcServicer:
     def _unary(self, name: str):
         async def handler(raw, context):
             try:
-                with api.caller_deadline(context.time_remaining()):
+                with caller_deadline(context.time_remaining()):
                     caller = await self.core.authenticate(name, metadata_value(context.invocation_metadata(),
                                                                                "authorization"))
                     return await getattr(self.core, name)(raw, caller)
@@ -98,7 +101,7 @@ class GrpcServicer:
 
     async def Answer(self, raw, context):  # noqa: N802
         try:
-            with api.caller_deadline(context.time_remaining()):
+            with caller_deadline(context.time_remaining()):
                 caller = await self.core.authenticate("Answer", metadata_value(context.invocation_metadata(),
                                                                                "authorization"))
                 async for chunk in self.core.Answer(raw, caller):

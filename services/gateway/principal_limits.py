@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..api import ApiError
 from ..auth import Principal
+from ..errors import ApiError
 
 TRACKED_PRINCIPALS = 65_536  # rate buckets kept (LRU): a bucket left out refills to full, the generous answer
 

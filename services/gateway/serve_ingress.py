@@ -11,10 +11,15 @@ from typing import cast
 
 import grpc
 
-from ..api import Limits, caller_deadline, time_left, to_api_error, wire_mode, within_deadline
 from ..auth import AuthConfig, Authenticator
+from ..deadlines import caller_deadline, time_left, within_deadline
+from ..errors import to_api_error
+from ..limits import Limits
 from ..messages import AnswerEnd, AnswerRequest, FactRef, FactWrite
+from ..metrics import GatewayMetrics
+from ..modes import wire_mode
 from ..proxy_setup import DEADLINE_ATTR
+from ..registry import open_registry
 from .core import GatewayCore
 from .grpc_front import health_check, health_watch, metadata_value, status_of
 from .http_front import HttpConfig, build_http_app
@@ -22,7 +27,7 @@ from .http_front import HttpConfig, build_http_app
 log = logging.getLogger("inferscale.gateway")
 ANSWER_RETRIES = 2  # an Answer whose engine replica was lost before its first piece is tried this often again
 RETRY_WAIT_S = 0.5
-BACKEND_TIMEOUT_S = 120.0  # the server's cap on one backend call; a caller's shorter deadline wins (api.time_left)
+BACKEND_TIMEOUT_S = 120.0  # the server's cap on one backend call; a caller's shorter deadline wins (deadlines.time_left)
 
 
 def _replica_lost(e: BaseException) -> bool:
@@ -164,8 +169,6 @@ class Gateway:
     def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
                  limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None,
                  http: dict | None = None):
-        from ..metrics import GatewayMetrics
-        from ..registry import open_registry
 
         # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
         handles = (encoder, retrieval, engine)

@@ -83,7 +83,7 @@ CURSOR_TAG = "b:"  # a tombstone cursor: "b:" then "bucket=last-id" for the buck
 # The registry counts as full (Registry.is_full: Health says so) this close to Redis' maxmemory: a write is refused
 # when used memory with the write's own request buffered passes maxmemory, and a refused MULTI is dropped whole, so
 # a Redis that refuses creates can sit below maxmemory (redis 6.2: by 23 KB after a refused 8-fact create). One
-# request is at most 1 MiB (api.Limits.max_request_bytes). On a cluster: any master that close.
+# request is at most 1 MiB (services/limits.py: Limits.max_request_bytes). On a cluster: any master that close.
 FULL_WITHIN_BYTES = 1 << 20
 
 

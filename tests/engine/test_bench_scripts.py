@@ -183,7 +183,7 @@ def test_resident_memory_finds_the_service_processes_by_role():
 
     assert dict(os.environ) == env_before  # importing the bench sets no vLLM environment in the test process
 
-    from inferscale_server.registry.local_redis import RedisServerMissing, local_redis_server
+    from bench.local_redis import RedisServerMissing, local_redis_server
 
     try:
         with local_redis_server():

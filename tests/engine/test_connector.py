@@ -229,7 +229,7 @@ def test_injected_kv_never_reaches_other_requests_through_prefix_cache(harness):
     # Same tokens, no composition: prefilled from scratch, and equal to a fresh model prefill.
     (plain,) = h.run(h.plain(prompt))
     assert plain.num_cached_tokens == 0
-    from inferscale_core.hf_inject import greedy_prompt
+    from bench.hf_inject import greedy_prompt
 
     assert list(plain.outputs[0].token_ids) == greedy_prompt(h.model, prompt, 16)
 

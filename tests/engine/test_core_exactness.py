@@ -4,9 +4,9 @@ import pytest
 import torch
 from support.tiny_models import FAMILIES, tiny_model
 
+from bench.hf_inject import block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits
 from inferscale_core.compose import compose
 from inferscale_core.encoder import PreRopeEncoder, capture_pre_rope
-from inferscale_core.hf_inject import block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits
 from inferscale_core.rope import ChunkedRope
 from inferscale_core.template import PromptTemplate
 

@@ -90,7 +90,7 @@ def test_kv_mode_injects_the_composed_memory_exactly(engine):
 
 
 def test_pi_mode_is_the_same_token_ids_as_text(engine):
-    from inferscale_core.hf_inject import greedy_prompt
+    from bench.hf_inject import greedy_prompt
 
     q = "Where does Tom live?"
     kv, pi = engine.prepare("alice", q, k=4, mode="kv"), engine.prepare("alice", q, k=4, mode="pi")

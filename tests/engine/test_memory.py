@@ -3,8 +3,8 @@ everything comes back after a restart, bad input is named."""
 import pytest
 import torch
 
+from bench.hf_inject import greedy_with_injection
 from inferscale_core.errors import InferScaleError, UnknownFactError, UnknownUserError
-from inferscale_core.hf_inject import greedy_with_injection
 from inferscale_core.memory import Memory
 
 ALICE = ["Alice adopted a grey cat named Miso in March.", "Alice works as a nurse at the city hospital.",

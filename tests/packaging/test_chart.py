@@ -20,7 +20,7 @@ import yaml
 
 from inferscale_server import app as service_app
 from inferscale_server.app import DEPLOYMENTS, DeploymentSpec, ServiceConfig, chart_serve_config, dump, serve_config
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "inferscale"
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -38,6 +38,10 @@ def test_wheel_carries_the_generated_grpc_code(wheel):
     # benchmark-only code (LoCoMo loading, scoring, statistics, reports) lives in bench/eval, never in the product
     assert not any("/eval/" in n or n.startswith("eval/") for n in names), sorted(n for n in names if "eval/" in n)
     assert not any(n.endswith(".lock") for n in names)
+    # what only the tests and benchmarks use lives in bench/ (a local Redis, the transformers injection reference);
+    # the local Mooncake Store is the product's (`inferscale serve --local-mooncake`)
+    assert not any(n.endswith(("/local_redis.py", "/hf_inject.py")) for n in names)
+    assert "inferscale_server/local_mooncake.py" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "inferscale = inferscale_core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -107,6 +111,10 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     # the console script of the wheel, from that venv
     help_text = run([str(venv / "bin" / "inferscale"), "--help"], run_dir, env=env)
     assert "serve" in help_text and "ask" in help_text
+    # the benchmarks are not in the wheel: `inferscale bench` says so and where to run it
+    bench = subprocess.run([str(venv / "bin" / "inferscale"), "bench", "ttft"], cwd=run_dir, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 2 and "source checkout" in bench.stderr, (bench.returncode, bench.stderr[-2000:])
 
     # docs/deploy.md's step for a Ray cluster: the Serve config generated from the installed wheel (no charts/
     # beside it) is the chart's committed one

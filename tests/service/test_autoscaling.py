@@ -34,7 +34,7 @@ UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of th
 def service(redis_url, tmp_path_factory, jwt_secret):
 
     from inferscale_server.app import ServiceConfig
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     deployments = {name: spec_with(autoscaling=FAST_METRICS, min_replicas=1, max_replicas=2,
                                    target_ongoing_requests=1, num_cpus=0.25, **DELAYS) for name in SCALED}

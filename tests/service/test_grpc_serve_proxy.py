@@ -13,8 +13,8 @@ from support.grpc_interop import check_interop, run_client
 
 from inferscale_server import api
 from inferscale_server.api import pb2, pb2_grpc
+from inferscale_server.local_processes import free_port
 from inferscale_server.proxy_setup import BODY_TIMEOUT_ENV
-from inferscale_server.registry.local_redis import free_port
 
 BODY_TIMEOUT_S = 3  # the proxies' body deadline in this module
 

@@ -49,7 +49,7 @@ SCALE_THREADS, SCALE_BY_S = 6, 360  # clients during the scale-up; bound on the 
 def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
 
     from inferscale_server.app import ServiceConfig, single_node_deployments
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     deployments = single_node_deployments()
     deployments["EngineReplica"] = spec_with(autoscaling=ENGINE_AUTOSCALING, min_replicas=1, max_replicas=2,

@@ -120,7 +120,9 @@ def test_what_one_write_asks_the_encoder_to_encode_is_bounded():
     """A caller's window is at most max_window_chars, and one write at most max_encode_chars_per_request of text
     and windows (the user's latest facts count: they are encoded again behind each new fact), refused before
     anything is written."""
-    from inferscale_server.api import ApiError, Limits, facts_in
+    from inferscale_server.errors import ApiError
+    from inferscale_server.limits import Limits
+    from inferscale_server.validation import facts_in
 
     limits = Limits(max_encode_chars_per_request=1000, max_window_chars=300)
     core = GatewayCore(EmbeddedRegistry(), backends=None, limits=limits, auth=Authenticator.insecure())

@@ -30,7 +30,7 @@ SERVE_ROUTER = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoices
 def service(redis_url, tmp_path_factory, jwt_secret):
 
     from inferscale_server.app import DeploymentSpec, ServiceConfig, single_node_deployments
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     if os.environ.get("INFERSCALE_MEASURE_SERVE_ROUTER"):  # a measurement, not the test: Serve's own router
         import inferscale_server.routing

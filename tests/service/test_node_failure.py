@@ -38,7 +38,7 @@ from support.mooncake_fixture import raw_client
 from support.ray_nodes import ray_cli, reload_ray_auth, stop_ray
 from support.serve_specs import spec_with
 
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")

@@ -14,10 +14,12 @@ from support.auth_fixture import refused, token_channel, token_for
 from support.grpc_thread import ServerThread
 from support.http_thread import HttpThread
 
-from inferscale_server.api import ApiError, Limits, pb2, pb2_grpc
+from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.auth import AuthConfig, Authenticator, Principal
+from inferscale_server.errors import ApiError
 from inferscale_server.gateway import GatewayCore, build_http_app
 from inferscale_server.gateway.principal_limits import PrincipalLimit, PrincipalLimits
+from inferscale_server.limits import Limits
 from inferscale_server.registry import RedisRegistry
 
 ALICE, BOB = Principal("alice", frozenset({"memory:read"})), Principal("bob", frozenset({"memory:read"}))

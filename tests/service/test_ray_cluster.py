@@ -14,7 +14,7 @@ import pytest
 import yaml
 from support.ray_nodes import ray_cli, reload_ray_auth, stop_ray
 
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RAW = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())

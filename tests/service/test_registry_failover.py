@@ -3,7 +3,7 @@ replica of its master has it (WAIT), a write no replica confirms in time is refu
 SIGKILLed under 10 concurrent writers loses no acknowledged write or delete while the writers see UNAVAILABLE (with
 a retry hint) at most, and only until its replica has taken over (even when that replica was cut off from it just before).
 
-At the registry level, through RedisRegistry and the API's error mapping (api.to_api_error): the issue's
+At the registry level, through RedisRegistry and the API's error mapping (errors.to_api_error): the issue's
 whole-service version (Ray, vLLM, Mooncake) is too heavy for these machines' shared CPUs."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from inferscale_core.errors import UnknownFactError
-from inferscale_server import api
+from inferscale_server.errors import ApiError, to_api_error
 from inferscale_server.registry import NewFact, RedisRegistry, UnconfirmedWriteError, VersionConflictError, fact_bytes
 from inferscale_server.registry.redis_backend import WAIT_TIMEOUT_MS
 
@@ -70,7 +70,7 @@ class Writer(threading.Thread):
         self.live: dict[str, tuple[str, int]] = {}  # acknowledged: fact id -> (text, version)
         self.gone: set[str] = set()                  # acknowledged deletes
         self.uncertain: set[str] = set()
-        self.errors: list[tuple[float, api.ApiError]] = []
+        self.errors: list[tuple[float, ApiError]] = []
         self.acks: list[float] = []
         self.n = 0
 
@@ -93,7 +93,7 @@ class Writer(threading.Thread):
                     self.gone.add(fid)
                 self.acks.append(time.monotonic())
             except Exception as e:  # noqa: BLE001 - every error is checked by the test, as the API maps it
-                self.errors.append((time.monotonic(), api.to_api_error(e)))
+                self.errors.append((time.monotonic(), to_api_error(e)))
                 self.live.pop(fid, None)
                 self.uncertain.add(fid)
                 time.sleep(0.05)
@@ -198,7 +198,7 @@ def test_a_write_no_replica_confirms_in_time_is_refused_as_unconfirmed(redis_rep
                 write()
             took = time.monotonic() - started
             assert WAIT_TIMEOUT_MS / 1000 <= took < WAIT_TIMEOUT_MS / 1000 + 2.0, took
-            err = api.to_api_error(refused.value)
+            err = to_api_error(refused.value)
             assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "WRITE_UNCONFIRMED") and err.retry_after_s
             assert "may" in err.message and "retry" in err.message
         # Without waiting (wait_replicas=0) the same master acknowledges at once; more replicas than it has: refused.

@@ -53,7 +53,7 @@ def test_overload_crosses_processes_as_itself_and_maps_to_429():
     import pickle
 
     from inferscale_server.admission import EngineAtCapacity
-    from inferscale_server.api import ApiError
+    from inferscale_server.errors import ApiError
     from inferscale_server.gateway.http_front import error_response
 
     err = pickle.loads(pickle.dumps(EngineAtCapacity("the engine is at capacity (9 tokens in flight of 8)")))
@@ -124,7 +124,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):
     pytest.importorskip("ray")
 
     from inferscale_server.app import ServiceConfig, single_node_deployments
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     deps = single_node_deployments()
     deps["EngineReplica"].min_replicas = deps["EngineReplica"].max_replicas = 2

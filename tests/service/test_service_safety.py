@@ -24,7 +24,7 @@ from support.auth_fixture import refused
 from support.fact_texts import LONG_FACT, text_of_tokens
 from support.fuzz_inputs import fuzz_grpc, snapshot
 
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray")

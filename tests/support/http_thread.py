@@ -11,7 +11,7 @@ class HttpThread:
     def __init__(self, app):
         import uvicorn
 
-        from inferscale_server.registry.local_redis import free_port
+        from inferscale_server.local_processes import free_port
 
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import ray
 
-from inferscale_server.registry.local_redis import free_port, port_is_free
+from inferscale_server.local_processes import free_port, port_is_free
 from support.auth_fixture import token_for
 
 APP = "inferscale"

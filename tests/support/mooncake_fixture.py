@@ -1,11 +1,11 @@
 """A real Mooncake Store (mooncake_master + one segment-holding mooncake_client) on free loopback ports for one
 test module, stopped afterwards. A pytest plugin (tests/conftest.py): ask for `mooncake` by name; the fixture
-yields inferscale_server.registry.local_mooncake.LocalMooncake (`.config` is a ServiceConfig's cluster_store)."""
+yields inferscale_server.local_mooncake.LocalMooncake (`.config` is a ServiceConfig's cluster_store)."""
 from __future__ import annotations
 
 import pytest
 
-from inferscale_server.registry.local_mooncake import MooncakeMissing, local_mooncake
+from inferscale_server.local_mooncake import MooncakeMissing, local_mooncake
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferscale_server.registry.local_redis import RedisServerMissing, local_redis_cluster, local_redis_cluster_nodes
+from bench.local_redis import RedisServerMissing, local_redis_cluster, local_redis_cluster_nodes
 
 REPLICA_CLUSTER_NODE_TIMEOUT_MS = 1500
 

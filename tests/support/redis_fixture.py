@@ -9,12 +9,12 @@ import secrets
 
 import pytest
 
-from inferscale_server.registry.local_redis import RedisServerMissing, local_redis_server
+from bench.local_redis import RedisServerMissing, local_redis_server
 
 
 @contextlib.contextmanager
 def redis_server(password: str | None = None):
-    """inferscale_server.registry.local_redis.local_redis_server; a missing redis-server fails the test, naming it."""
+    """bench.local_redis.local_redis_server; a missing redis-server fails the test, naming it."""
     try:
         with local_redis_server(password) as url:
             yield url

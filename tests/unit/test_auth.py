@@ -22,7 +22,7 @@ import pytest
 from support.auth_fixture import one_call_per_rpc, refused, token_channel, token_for
 from support.grpc_thread import ServerThread
 
-from inferscale_server.api import ApiError, pb2, pb2_grpc
+from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.auth import (
     SCOPE_READ,
     AuthConfig,
@@ -32,6 +32,7 @@ from inferscale_server.auth import (
     ensure_dev_secret,
     mint,
 )
+from inferscale_server.errors import ApiError
 from inferscale_server.gateway import GatewayCore, build_http_app
 from inferscale_server.registry import RedisRegistry
 

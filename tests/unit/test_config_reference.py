@@ -70,8 +70,8 @@ def test_the_sections_hold_what_the_code_defines(generated):
     """Spot checks against the code itself, so a broken generator cannot pass by writing an empty table."""
     import dataclasses
 
-    from inferscale_server.api import Limits
     from inferscale_server.app import ServiceConfig
+    from inferscale_server.limits import Limits
 
     flags = _section(generated, "`inferscale serve` flags")
     for flag in ("--redis-url", "--kv-dir", "--local-mooncake", "--insecure-no-auth", "--max-model-len"):

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from inferscale_server import filters
-from inferscale_server.api import ApiError
+from inferscale_server.errors import ApiError
 from inferscale_server.registry import FactRecord
 
 OWNER = "alice"

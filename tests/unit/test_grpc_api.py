@@ -20,9 +20,10 @@ from support.grpc_thread import ServerThread
 
 from inferscale_client import codegen
 from inferscale_server import api
-from inferscale_server.api import Limits, pb2, pb2_grpc
+from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.auth import Authenticator
 from inferscale_server.gateway import GatewayCore, build_http_app
+from inferscale_server.limits import Limits
 from inferscale_server.registry import RedisRegistry
 
 LIMITS = Limits(max_facts_per_user=5)
@@ -592,23 +593,24 @@ def test_the_callers_deadline_bounds_the_servers_work(stub, registry, redis_url)
 
 
 def test_backend_calls_take_the_callers_time_capped_by_the_servers():
-    """ServeBackends' bound on a backend call (api.within_deadline): the caller's remaining time when shorter
+    """ServeBackends' bound on a backend call (deadlines.within_deadline): the caller's remaining time when shorter
     than the server's cap (DEADLINE_EXCEEDED), else the cap (TimeoutError: UNAVAILABLE, retryable)."""
     import time
 
-    from inferscale_server.api import caller_deadline, to_api_error, within_deadline
+    from inferscale_server.deadlines import caller_deadline, within_deadline
+    from inferscale_server.errors import ApiError, to_api_error
 
     async def run(deadline_s, cap_s):
         with caller_deadline(deadline_s):
             return await within_deadline(asyncio.sleep(5), cap_s)
 
     t0 = time.monotonic()
-    with pytest.raises(api.ApiError) as e:
+    with pytest.raises(ApiError) as e:
         asyncio.run(run(0.3, 120.0))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1
     with pytest.raises(TimeoutError) as t:
         asyncio.run(run(30.0, 0.2))
     assert to_api_error(t.value).code == grpc.StatusCode.UNAVAILABLE
-    with pytest.raises(api.ApiError) as e:  # already past: refused before the backend is called
+    with pytest.raises(ApiError) as e:  # already past: refused before the backend is called
         asyncio.run(run(0.0, 120.0))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -12,9 +12,10 @@ import pytest
 import torch
 from support.fact_texts import LONG_FACT, text_of_tokens
 
-from inferscale_server.api import ApiError, pb2
+from inferscale_server.api import pb2
 from inferscale_server.auth import Authenticator
 from inferscale_server.encoder_pool import EncodeFailure
+from inferscale_server.errors import ApiError
 from inferscale_server.gateway import GatewayCore
 from inferscale_server.registry import RedisRegistry
 
@@ -142,7 +143,8 @@ def test_the_kv_quota_counts_the_encoders_measure_before_the_write(pool, redis_u
     """The gateway counts each fact's KV bytes (the serving tokenizer's tokens x the model's KV bytes per token,
     as the encoder pool measures them) against the user's KV quota in the registry's write: over it, the request
     is refused whole (RESOURCE_EXHAUSTED naming the limit) and nothing is written or pushed."""
-    from inferscale_server.api import Limits, to_api_error
+    from inferscale_server.errors import to_api_error
+    from inferscale_server.limits import Limits
     from inferscale_server.registry import QuotaExceededError
 
     texts = ["Dora keeps bees on the roof.", "Dora's hives are painted yellow."]
@@ -155,7 +157,7 @@ def test_the_kv_quota_counts_the_encoders_measure_before_the_write(pool, redis_u
                        auth=Authenticator.insecure())
     caller = asyncio.run(core.authenticate("AddFacts", None))
     req = pb2.AddFactsRequest(user_id="dora", facts=[pb2.FactInput(text=t) for t in texts])
-    with pytest.raises(QuotaExceededError) as e:  # the front doors map it (api.to_api_error)
+    with pytest.raises(QuotaExceededError) as e:  # the front doors map it (errors.to_api_error)
         asyncio.run(core.AddFacts(req.SerializeToString(), caller))
     err = to_api_error(e.value)
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"limit of {sum(sizes) - 1} KV bytes" in err.message

@@ -327,7 +327,7 @@ def test_serve_starts_a_mooncake_store_when_asked():
 def test_a_store_that_is_away_is_a_miss_at_once():
     """Nothing listens: every call answers at once (the connect runs in a background thread; Mooncake's own
     setup retries for ~90 s) and a delete is kept until the store is reachable."""
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     port = free_port()
     s = ClusterStore(ClusterConfig(master=f"127.0.0.1:{port}", retry_s=60), FP_A)
@@ -346,7 +346,7 @@ def test_removes_kept_while_the_store_was_away_survive_a_restart(tier, mooncake,
     """Issue 31: a delete that reached a process while the store was away is kept in its pending file (an engine
     replica's disk folder: its tombstone cursor has moved past the delete); the process restarted in that folder
     does it once the store answers, and the file is emptied."""
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     pending = tmp_path / "cluster-removes.pending"
     assert tier.put_many("gone", [("f@v1", make_fact(3))]) == [True]

@@ -30,8 +30,9 @@ from support.http_thread import HttpThread
 from support.mem0_table import doc_table, norm_route
 from support.paths import REPO
 
-from inferscale_server.api import Limits, pb2
+from inferscale_server.api import pb2
 from inferscale_server.gateway import build_http_app, mem0_http
+from inferscale_server.limits import Limits
 from inferscale_server.registry import EmbeddedRegistry, NewFact, RedisRegistry
 
 os.environ.setdefault("MEM0_TELEMETRY", "false")  # mem0ai's client would post telemetry events

@@ -654,7 +654,7 @@ def test_a_password_that_looks_like_an_option_still_starts_the_server():
     next option and the server exits (seen once in a full run): the password goes in a config file instead."""
     import redis
 
-    from inferscale_server.registry.local_redis import local_redis_server
+    from bench.local_redis import local_redis_server
 
     with local_redis_server("--requirepass-lookalike") as url:
         assert redis.Redis.from_url(url).ping()
@@ -742,7 +742,7 @@ def test_open_registry_on_any_node_of_a_cluster(redis_cluster_url):
 def test_seed_nodes_reach_a_cluster_whose_first_node_does_not_answer(redis_cluster_url, redis_url):
     """`?seeds=HOST:PORT,...`: more nodes of a Redis Cluster to start from (a deployment lists several, so that one
     node down at start does not keep the service from its registry); refused on a single Redis and when malformed."""
-    from inferscale_server.registry.local_redis import free_port
+    from inferscale_server.local_processes import free_port
 
     nodes = _cluster_nodes(redis_cluster_url)
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there

@@ -14,11 +14,14 @@ from support.auth_fixture import refused, rich_refusal, token_channel, token_gat
 from support.grpc_thread import ServerThread
 
 from inferscale_core.errors import UnknownFactError
-from inferscale_server import api
-from inferscale_server.api import Limits, pb2, pb2_grpc
+from inferscale_server import errors
+from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.auth import Authenticator
+from inferscale_server.error_details import PUSHBACK_KEY, error_trailers
+from inferscale_server.errors import ApiError
 from inferscale_server.gateway import GatewayCore
 from inferscale_server.gateway.core import REGISTRY_FULL
+from inferscale_server.limits import Limits
 from inferscale_server.registry import EmbeddedRegistry, NewFact, RedisRegistry, Tombstone, fact_bytes
 from inferscale_server.registry.redis_backend import FULL_WITHIN_BYTES
 
@@ -61,7 +64,7 @@ def fill(reg: RedisRegistry, raw) -> None:
             try:
                 reg.create("filler", _facts(n))
             except redis.exceptions.ResponseError as e:
-                assert api.registry_full(e), e
+                assert errors.registry_full(e), e
                 break
         else:
             pytest.fail("Redis never refused a create")
@@ -71,12 +74,12 @@ def _tombstones(reg, cursor) -> list[Tombstone]:
     return reg.tombstones_after(cursor)[0]
 
 
-def refused_as_full(call) -> api.ApiError:
+def refused_as_full(call) -> ApiError:
     """`call` must raise the error of a full Redis (which form depends on where Redis refused it); its API error."""
     with pytest.raises(redis.exceptions.ResponseError) as e:
         call()
-    assert api.registry_full(e.value), e.value
-    return api.to_api_error(e.value)
+    assert errors.registry_full(e.value), e.value
+    return errors.to_api_error(e.value)
 
 
 def test_a_full_redis_refuses_a_create_as_unavailable_registry_full(reg, raw):
@@ -86,8 +89,8 @@ def test_a_full_redis_refuses_a_create_as_unavailable_registry_full(reg, raw):
     assert reg.count("alice") == before  # nothing of it written
     assert err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "REGISTRY_FULL"
     assert "is full" in err.message and "deletes still work" in err.message
-    assert err.retry_after_s == api.REGISTRY_FULL_RETRY_S
-    assert dict(api.error_trailers(err))[api.PUSHBACK_KEY] == str(int(api.REGISTRY_FULL_RETRY_S * 1000))
+    assert err.retry_after_s == errors.REGISTRY_FULL_RETRY_S
+    assert dict(error_trailers(err))[PUSHBACK_KEY] == str(int(errors.REGISTRY_FULL_RETRY_S * 1000))
 
 
 @pytest.mark.parametrize("message", [
@@ -101,12 +104,12 @@ def test_every_form_of_the_oom_error_is_registry_full(message):
     OutOfMemoryError or a plain ResponseError (a Lua script on Redis 6); in the replica or in a Ray task."""
     for err in (redis.exceptions.OutOfMemoryError(message), redis.exceptions.ResponseError(
             f"Error running script (call to f_0): @user_script:1: -OOM {message}")):
-        assert api.registry_full(err) and api.to_api_error(err) is api.REGISTRY_FULL
+        assert errors.registry_full(err) and errors.to_api_error(err) is errors.REGISTRY_FULL
     ray_exceptions = pytest.importorskip("ray.exceptions")  # imported only: no Ray is started
     wrapped = ray_exceptions.RayTaskError("add", "Traceback ...", redis.exceptions.OutOfMemoryError(message))
-    assert api.to_api_error(wrapped) is api.REGISTRY_FULL
-    assert not api.registry_full(redis.exceptions.ResponseError("WRONGTYPE Operation against a key"))
-    assert api.to_api_error(redis.exceptions.ConnectionError("gone")) is api.REGISTRY_UNAVAILABLE
+    assert errors.to_api_error(wrapped) is errors.REGISTRY_FULL
+    assert not errors.registry_full(redis.exceptions.ResponseError("WRONGTYPE Operation against a key"))
+    assert errors.to_api_error(redis.exceptions.ConnectionError("gone")) is errors.REGISTRY_UNAVAILABLE
 
 
 @pytest.mark.parametrize("margin", [None, 0, 4 << 10, 16 << 10, -(64 << 10)],
@@ -158,9 +161,9 @@ def test_an_update_on_a_full_redis_works_or_is_refused_whole(reg, raw):
     try:
         f = reg.update("alice", f.fact_id, text="a longer text " * 40)
     except redis.exceptions.ResponseError as e:
-        assert api.to_api_error(e) is api.REGISTRY_FULL
+        assert errors.to_api_error(e) is errors.REGISTRY_FULL
     raw.config_set("maxmemory", _used(raw) - (64 << 10))
-    assert refused_as_full(lambda: reg.update("alice", f.fact_id, text="another text")) is api.REGISTRY_FULL
+    assert refused_as_full(lambda: reg.update("alice", f.fact_id, text="another text")) is errors.REGISTRY_FULL
     cur = reg.get("alice", f.fact_id)
     assert (cur.version, cur.text) == (f.version, f.text) and len(reg.history("alice", f.fact_id)) == f.version - 1
 
@@ -210,7 +213,7 @@ def test_health_reports_a_full_registry_and_the_grpc_api_answers_unavailable(reg
         code, details, trailers = rich_refusal(lambda: stub.AddFacts(pb2.AddFactsRequest(
             user_id="alice", facts=[pb2.FactInput(text="one more fact " * 100)] * 8)))
         assert code == grpc.StatusCode.UNAVAILABLE and details["ErrorInfo"].reason == "REGISTRY_FULL"
-        assert details["RetryInfo"].retry_delay.seconds == int(api.REGISTRY_FULL_RETRY_S)
+        assert details["RetryInfo"].retry_delay.seconds == int(errors.REGISTRY_FULL_RETRY_S)
         code, message = refused(lambda: stub.AddFacts(pb2.AddFactsRequest(
             user_id="alice", facts=[pb2.FactInput(text="one more fact " * 100)] * 8)))
         assert code == grpc.StatusCode.UNAVAILABLE and "is full" in message, message

@@ -14,8 +14,9 @@ import httpx
 import pytest
 from support.grpc_thread import ServerThread
 
-from inferscale_server.api import ApiError, pb2
+from inferscale_server.api import pb2
 from inferscale_server.auth import Authenticator
+from inferscale_server.errors import ApiError
 from inferscale_server.gateway import GatewayCore, build_http_app
 from inferscale_server.registry import RedisRegistry, UnconfirmedWriteError
 

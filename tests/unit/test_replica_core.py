@@ -710,8 +710,8 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
     import time
 
     from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+    from inferscale_server.local_mooncake import local_mooncake
     from inferscale_server.registry import open_registry
-    from inferscale_server.registry.local_mooncake import local_mooncake
 
     registry = open_registry(None)
     user, ttl_s = "gina", 5

@@ -20,7 +20,7 @@ from support.auth_fixture import new_jwt_secret
 from support.local_service import running_service
 from support.redis_fixture import redis_server
 
-from inferscale_server.registry.local_redis import free_port
+from inferscale_server.local_processes import free_port
 
 MAX_USERS = 2  # per engine replica
 HTTP = {"served_model_names": ["inferscale", "smollm2-memory"], "cors_allow_origins": ["https://app.example"]}

@@ -253,7 +253,7 @@ def test_output_is_bounded_before_the_engine_runs():
     before vLLM runs it: one caller cannot make the engine generate, or the gateway gather, gigabytes."""
     import grpc
 
-    from inferscale_server.api import ApiError
+    from inferscale_server.errors import ApiError
     from inferscale_server.openai_params import MAX_LOGPROB_ENTRIES, MAX_OUTPUT_TOKENS, request
 
     ok = request({"n": 8, "max_completion_tokens": 8000}, prompt_len=100, max_model_len=8192)
@@ -335,8 +335,8 @@ def test_nothing_is_dropped():
     refused by name: none is silently dropped."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from inferscale_server.api import ApiError
     from inferscale_server.auth import Principal
+    from inferscale_server.errors import ApiError
     from inferscale_server.gateway.http_front import GATEWAY_FIELDS, chat_call
     from inferscale_server.openai_params import SAMPLING_FIELDS
 

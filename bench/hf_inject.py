@@ -1,10 +1,11 @@
 """KV injection into a plain transformers model (`past_key_values`): the reference the vLLM path is tested
-against, and the injection path of the GPU benchmark (which has no vLLM)."""
+against (tests/test_core_exactness.py, test_connector.py, ...), and the injection path of the GPU benchmark
+(bench/gpu.py, which has no vLLM). Not part of the product: the service injects through vLLM's connector only."""
 from __future__ import annotations
 
 import torch
 
-from .compose import Composition
+from inferscale_core.compose import Composition
 
 
 def as_past_key_values(comp: Composition):

@@ -1,8 +1,8 @@
-"""A throwaway Mooncake Store on free loopback ports, for the tests and the benchmarks: `mooncake_master` (no
-metadata server: clients exchange segment descriptors peer to peer, as the chart and the cluster file run it)
-and one `mooncake_client` that contributes the memory segment objects live in. The service itself only ever
-connects to addresses (`cluster_store` = inferscale_core.cluster_store
-.ClusterConfig); this starts local ones, like local_redis.py does for Redis."""
+"""A throwaway Mooncake Store on free loopback ports, for `inferscale serve --local-mooncake` (services/cli.py), the
+tests and the benchmarks: `mooncake_master` (no metadata server: clients exchange segment descriptors peer to peer,
+as the chart and the cluster file run it) and one `mooncake_client` that contributes the memory segment objects
+live in. The service itself otherwise only connects to addresses (`cluster_store` =
+inferscale_core.cluster_store.ClusterConfig); this starts local ones, like bench/local_redis.py does for Redis."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from inferscale_core.cluster_store import P2P_METADATA
 
-from .local_redis import free_port, stop_process
+from .local_processes import free_port, stop_process
 
 
 class MooncakeMissing(RuntimeError):

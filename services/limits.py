@@ -1,0 +1,44 @@
+"""Per-request bounds of the API (the same on gRPC, the OpenAI door and Mem0's door) and the per-user quotas."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .registry import Quota
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request bounds. Over a size bound: RESOURCE_EXHAUSTED; out of a range: INVALID_ARGUMENT."""
+    max_request_bytes: int = 1 << 20        # serialized request
+    max_fact_chars: int = 2000
+    max_facts_per_request: int = 256
+    max_messages: int = 100
+    max_message_chars: int = 16000
+    max_window_turns: int = 16
+    max_window_chars: int = 16000          # a caller's window, all turns together: what one fact is encoded behind
+    # What one write asks the shared encoder pool to encode: the facts' texts and the windows they are encoded
+    # behind (the caller's, or the user's latest facts), ~4 characters a token: about 32 forwards of 4k tokens.
+    max_encode_chars_per_request: int = 524_288
+    max_query_chars: int = 4000
+    max_metadata_entries: int = 32
+    max_metadata_key_chars: int = 128
+    max_metadata_value_chars: int = 1024
+    max_facts_per_user: int = 100_000
+    # What the user's facts take in Redis: text + metadata + window (UTF-8) and registry.FACT_STORED_BYTES a fact
+    # (embedding and Redis's own keys): ~18,000 facts of LoCoMo's size, 64 MiB of the registry's memory at most.
+    max_bytes_per_user: int = 64 << 20
+    max_kv_bytes_per_user: int = 16 << 30  # KV of all the user's facts (tokens x the model's KV bytes per token)
+    default_k: int = 5
+    max_k: int = 200  # Mem0 retrieves up to 200 facts per query (~7K tokens): the size KV injection is for
+    default_max_tokens: int = 256
+    max_max_tokens: int = 4096
+    default_page_size: int = 100
+    max_page_size: int = 1000
+    # Each caller's (token subject's) share of a gateway replica; admins are not limited
+    # (services/gateway/principal_limits.py): requests at once, and a rate with its burst.
+    max_in_flight_per_caller: int = 64
+    requests_per_s_per_caller: float = 100.0
+    request_burst_per_caller: int = 200
+
+    def quota(self) -> Quota:
+        return Quota(self.max_facts_per_user, self.max_bytes_per_user, self.max_kv_bytes_per_user)
