@@ -11,13 +11,14 @@ So an engine replica takes every request whose tokens fit, and refuses the rest 
 A request that does not fit while others run gets `EngineAtCapacity` (gRPC RESOURCE_EXHAUSTED, HTTP 429 with
 Retry-After). A request alone is always admitted, whatever its size (vLLM refuses what can never fit).
 
-Each user's share (issue 31): vLLM serves what it was given first come first served, so a tenant that keeps the
-limit full makes every other user's request wait behind its tokens (or be refused). While several users have
-requests in flight, a user's share is limit / (users with requests in flight, itself included); a request that
-would take its user past that share is refused, with the same EngineAtCapacity, even when the engine has room.
-What is left unused stays free for the other users' next requests instead of queueing behind the heavy one. A user
-with nothing in flight is never refused by its share (its first request is always its share, whatever its size:
-never below one request), and a user alone has the whole limit.
+Each user's share (issue 31): what fits in the KV cache runs at once; beyond it vLLM queues first come first
+served, so a tenant that keeps the limit full makes every other user's request wait behind its tokens (or be
+refused). When a request would take the tokens in flight past the KV cache (the engine is contended: it would
+queue), a user's share is limit / (users with requests in flight, itself included), and a request that would
+take its user past that share is refused, with the same EngineAtCapacity, though the limit has room. What is left
+stays free for the other users' next requests instead of queueing behind the heavy one. A user with nothing in
+flight is never refused by its share (its first request is always its share, whatever its size: never below one
+request), a user alone has the whole limit, and below the KV cache's size no share applies.
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ class Admission:
     @contextlib.contextmanager
     def admit(self, user_id: str, tokens: int):
         """Holds `tokens` for `user_id` for the body's duration (also when the client goes away), or raises
-        EngineAtCapacity: the engine is full, or the user already holds requests and this one would take it past
-        its share."""
+        EngineAtCapacity: the limit is full, or this request would queue in vLLM and take its user, who already
+        holds requests, past its share."""
         if tokens < 1:
             raise ValueError(f"a request holds at least 1 token, got {tokens}")
         if self.in_flight and self.in_flight_tokens + tokens > self.limit_tokens:
@@ -83,12 +84,13 @@ class Admission:
             raise EngineAtCapacity(f"the engine is at capacity ({self.in_flight_tokens} tokens in flight of "
                                    f"{self.limit_tokens}); retry later")
         held = self._by_user.get(user_id, 0)
-        if held and held + tokens > (share := self.share_tokens(user_id)):
+        contended = self.in_flight_tokens + tokens > self.capacity_tokens
+        if contended and held and held + tokens > (share := self.share_tokens(user_id)):
             self.refused += 1
             self.refused_over_share += 1
-            raise EngineAtCapacity(f"the engine is shared by {len(self._by_user)} users with requests in flight; "
-                                   f"this user holds {held} tokens of its share of {share} (this request: "
-                                   f"{tokens}); retry later")
+            raise EngineAtCapacity(f"the engine is contended and shared by {len(self._by_user)} users with requests "
+                                   f"in flight; this user holds {held} tokens of its share of {share} (this "
+                                   f"request: {tokens}); retry later")
         self.in_flight_tokens += tokens
         self.in_flight += 1
         self._by_user[user_id] = held + tokens

@@ -21,11 +21,13 @@ def test_a_user_past_its_share_is_refused_while_another_user_is_still_admitted()
     with contextlib.ExitStack() as held:
         held.enter_context(adm.admit("heavy", 400))
         held.enter_context(adm.admit("light", 10))  # two users in flight: a share is 500 tokens each
-        with pytest.raises(EngineAtCapacity) as e:  # 400 + 200 > 500, though the engine has 590 tokens free
+        # 400 + 200 > 500, and 610 in flight would pass the KV cache (it would queue), though the limit has room
+        with pytest.raises(EngineAtCapacity) as e:
             held.enter_context(adm.admit("heavy", 200))
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.reason == "ENGINE_AT_CAPACITY"
         assert e.value.retry_after_s >= 1
         assert "this user holds 400 tokens of its share of 500 (this request: 200)" in e.value.message
+        assert "contended" in e.value.message
         held.enter_context(adm.admit("light", 200))  # the other user is still admitted
         held.enter_context(adm.admit("heavy", 100))  # within its share: 500
         assert adm.stats()["users_in_flight"] == 2 and adm.stats()["in_flight_tokens"] == 710
@@ -46,6 +48,18 @@ def test_a_user_alone_has_the_whole_limit_and_anyone_gets_one_request():
         with pytest.raises(EngineAtCapacity, match="share of 47"):  # 1,000 // 21 users
             held.enter_context(adm.admit("big", 1))
         assert adm.share_tokens("newcomer") == 1000 // 22
+
+
+def test_below_the_kv_caches_size_no_share_applies():
+    adm = Admission(capacity_tokens=500, queue_factor=2.0)
+    with contextlib.ExitStack() as held:
+        for u in range(20):  # 20 users: a share would be 47 tokens
+            held.enter_context(adm.admit(f"user{u}", 10))
+        held.enter_context(adm.admit("busy", 50))
+        held.enter_context(adm.admit("busy", 100))  # 350 in flight: everything runs at once, nobody waits
+        with pytest.raises(EngineAtCapacity, match="share of 47"):  # 501 would queue: the share applies
+            held.enter_context(adm.admit("busy", 151))
+    assert adm.stats()["refused_over_share"] == 1
 
 
 def test_a_share_grows_back_as_the_other_users_finish():
