@@ -64,7 +64,7 @@ class Admission:
         self.in_flight = 0
         self.admitted = 0
         self.refused = 0
-        self.refused_over_share = 0  # of `refused`: the engine had room, the user was past its share
+        self.refused_over_share = 0  # of `refused`: the limit had room, the user was past its share
         self._by_user: dict[str, int] = {}  # user id -> tokens in flight (users with nothing in flight absent)
 
     def share_tokens(self, user_id: str) -> int:
