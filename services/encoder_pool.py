@@ -191,6 +191,15 @@ class FactEncoder:
             out.append(PreparedFact(self.template.fact_ids(text), context[-keep:] if len(context) > keep else context))
         return out
 
+    def encode(self, items: Sequence[tuple[str, Sequence[str]]]) -> list[EncodedFact | EncodeFailure]:
+        """`(fact text, window turns)` pairs -> EncodedFact on the CPU (or EncodeFailure), in input order, at once
+        (no scheduler: the benchmarks' in-process encodes)."""
+        out: list = self.prepare(items)
+        todo = [i for i, p in enumerate(out) if isinstance(p, PreparedFact)]
+        for i, enc in zip(todo, self.encode_prepared([out[i] for i in todo])):
+            out[i] = enc
+        return out
+
     def encode_prepared(self, prepared: Sequence[PreparedFact]) -> list[EncodedFact | EncodeFailure]:
         """Prepared facts -> EncodedFact on the CPU (or EncodeFailure), in input order."""
         def forwards(facts):

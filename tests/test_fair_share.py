@@ -231,6 +231,8 @@ def test_the_pool_encodes_facts_as_the_encoder_does_and_charges_the_window(tiny_
     expected = fe.encoder.encode_batch([
         (fe.template.fact_ids(text), [fe.template.prefix_ids] + [fe.template.text_ids(w) for w in window])
         for text, window in items[:3]], progress=False)
-    for g, e in zip(got, expected):
-        assert torch.equal(g.token_ids, e.token_ids) and torch.equal(g.k_pre, e.k_pre) and torch.equal(g.v, e.v)
-    assert isinstance(alice[2], EncodeFailure)
+    direct = fe.encode(items)  # in-process, unscheduled (the benchmarks' path)
+    for g, d, e in zip(got, direct, expected):
+        for t in (g, d):
+            assert torch.equal(t.token_ids, e.token_ids) and torch.equal(t.k_pre, e.k_pre) and torch.equal(t.v, e.v)
+    assert isinstance(alice[2], EncodeFailure) and isinstance(direct[3], EncodeFailure)
