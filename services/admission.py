@@ -10,6 +10,15 @@ So an engine replica takes every request whose tokens fit, and refuses the rest 
 
 A request that does not fit while others run gets `EngineAtCapacity` (gRPC RESOURCE_EXHAUSTED, HTTP 429 with
 Retry-After). A request alone is always admitted, whatever its size (vLLM refuses what can never fit).
+
+Each user's share (issue 31): what fits in the KV cache runs at once; beyond it vLLM queues first come first
+served, so a tenant that keeps the limit full makes every other user's request wait behind its tokens (or be
+refused). When a request would take the tokens in flight past the KV cache (the engine is contended: it would
+queue), a user's share is limit / (users with requests in flight, itself included), and a request that would
+take its user past that share is refused, with the same EngineAtCapacity, though the limit has room. What is left
+stays free for the other users' next requests instead of queueing behind the heavy one. A user with nothing in
+flight is never refused by its share (its first request is always its share, whatever its size: never below one
+request), a user alone has the whole limit, and below the KV cache's size no share applies.
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ def check_queue_factor(queue_factor) -> float:
 
 
 class Admission:
-    """Tokens in flight against the limit. Single event loop (the replica's): no lock needed."""
+    """Tokens in flight against the limit, in all and per user. Single event loop (the replica's): no lock."""
 
     def __init__(self, capacity_tokens: int, queue_factor: float = DEFAULT_QUEUE_FACTOR):
         if capacity_tokens < 1:
@@ -55,24 +64,50 @@ class Admission:
         self.in_flight = 0
         self.admitted = 0
         self.refused = 0
+        self.refused_over_share = 0  # of `refused`: the limit had room, the user was past its share
+        self._by_user: dict[str, int] = {}  # user id -> tokens in flight (users with nothing in flight absent)
+
+    def share_tokens(self, user_id: str) -> int:
+        """What `user_id` may hold now: the limit divided among the users with requests in flight and it."""
+        users = len(self._by_user) + (user_id not in self._by_user)
+        return self.limit_tokens // users
 
     @contextlib.contextmanager
-    def admit(self, tokens: int):
-        """Holds `tokens` for the body's duration (also when the client goes away), or raises EngineAtCapacity."""
+    def admit(self, user_id: str, tokens: int):
+        """Holds `tokens` for `user_id` for the body's duration (also when the client goes away), or raises
+        EngineAtCapacity: the limit is full, or this request would queue in vLLM and take its user, who already
+        holds requests, past its share."""
+        if tokens < 1:
+            raise ValueError(f"a request holds at least 1 token, got {tokens}")
         if self.in_flight and self.in_flight_tokens + tokens > self.limit_tokens:
             self.refused += 1
             raise EngineAtCapacity(f"the engine is at capacity ({self.in_flight_tokens} tokens in flight of "
                                    f"{self.limit_tokens}); retry later")
+        held = self._by_user.get(user_id, 0)
+        contended = self.in_flight_tokens + tokens > self.capacity_tokens
+        if contended and held and held + tokens > (share := self.share_tokens(user_id)):
+            self.refused += 1
+            self.refused_over_share += 1
+            raise EngineAtCapacity(f"the engine is contended and shared by {len(self._by_user)} users with requests "
+                                   f"in flight; this user holds {held} tokens of its share of {share} (this "
+                                   f"request: {tokens}); retry later")
         self.in_flight_tokens += tokens
         self.in_flight += 1
+        self._by_user[user_id] = held + tokens
         self.admitted += 1
         try:
             yield
         finally:
             self.in_flight_tokens -= tokens
             self.in_flight -= 1
+            left = self._by_user[user_id] - tokens
+            if left:
+                self._by_user[user_id] = left
+            else:
+                del self._by_user[user_id]
 
     def stats(self) -> dict:
         return {"capacity_tokens": self.capacity_tokens, "limit_tokens": self.limit_tokens,
                 "in_flight_tokens": self.in_flight_tokens, "in_flight": self.in_flight,
-                "admitted": self.admitted, "refused": self.refused}
+                "users_in_flight": len(self._by_user), "admitted": self.admitted, "refused": self.refused,
+                "refused_over_share": self.refused_over_share}

@@ -1,8 +1,12 @@
 """Encoder pool deployment: turns new facts into pre-RoPE KV (one forward over [prefix | window | fact]).
 
-Stateless and autoscaled on ongoing requests (services/app.py). Concurrent requests are merged by
-`@serve.batch` into one encode call, which runs a forward per fact (inferscale_core/encoder.py
-ENCODE_BATCH_SIZE: a fact's KV never depends on what it was encoded with). The result is a list of
+Stateless and autoscaled on ongoing requests (services/app.py). Concurrent requests, of any users, are merged
+into encode calls by a fair scheduler (services/fair_queue.py): each user's facts wait in the user's own queue,
+and batches of about ROUND_TOKENS tokens are filled by deficit round robin over the waiting users, by each fact's
+forward tokens (fact + window + prefix), so one user's 256-fact add or facts behind 4k-token windows cannot make
+another user's 1-fact add wait behind all of it (issue 31). A batch runs a forward per fact
+(inferscale_core/encoder.py ENCODE_BATCH_SIZE: a fact's KV never depends on what it was encoded with). Facts are
+tokenized before they queue (their cost is known), in a thread beside the batch that runs. The result is a list of
 `EncodedFact` on the CPU: Serve stores it in the Ray object store and the engine replica that asked for it
 (through the gateway's unresolved response) reads it from there. Facts are encoded exactly as
 `inferscale_core.memory.Memory.add` does — fact tokens from the prompt template, behind the instruction prefix
@@ -25,9 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from ray import serve
 
 from inferscale_core.types import EncodedFact, kv_id
+
+from .fair_queue import FairBatcher
 
 log = logging.getLogger("inferscale.encoder_pool")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,6 +110,25 @@ class EncoderPoolConfig:
 
 
 TRANSIENT_RETRIES = 2  # a fact whose encode raised is tried this often more, alone, before it is reported
+# The fair scheduler's sizes, in forward tokens. A batch of ROUND_TOKENS (a second or so of forwards for a small
+# model on a few CPU cores) is what a fact arriving behind another user's work waits for at most, besides its own
+# turn; a user alone still has its facts merged into batches of that size. QUANTUM_TOKENS per user per turn: a
+# short fact with its window goes in one turn, a 4k-token window in a few.
+ROUND_TOKENS = 2048
+QUANTUM_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class PreparedFact:
+    """A fact tokenized for its forward: the fact's tokens and what it is encoded behind (the prefix and the
+    window turns, cut to the encoder's max_window_tokens as the encoder cuts them)."""
+    fact_ids: list[int]
+    context_ids: list[int]
+
+    @property
+    def cost(self) -> int:
+        """The forward's tokens: what the fair scheduler charges the user."""
+        return len(self.fact_ids) + len(self.context_ids)
 
 
 class FactEncoder:
@@ -152,70 +176,92 @@ class FactEncoder:
                 len(self.template.fact_ids(t)), self.encoder.store_dtype))
         return out
 
-    def _prepared(self, text: str, window: Sequence[str]):
-        # Window turns are user text too: tokenized as text (no special token can come from them).
-        context = ([self.template.prefix_ids] if self.prefix_window else []) + [
-            self.template.text_ids(w) if isinstance(w, str) else w for w in window]
-        return self.template.fact_ids(text), context
-
-    def encode(self, items: Sequence[tuple[str, Sequence[str]]]) -> list[EncodedFact | EncodeFailure]:
-        """`(fact text, window turns)` pairs -> EncodedFact on the CPU (or EncodeFailure), in input order."""
-        out: list[EncodedFact | EncodeFailure | None] = [None] * len(items)
-        todo = []
-        for i, (text, window) in enumerate(items):
+    def prepare(self, items: Sequence[tuple[str, Sequence[str]]]) -> list[PreparedFact | EncodeFailure]:
+        """`(fact text, window turns)` pairs -> what their forwards take (or why the fact cannot be encoded)."""
+        out: list[PreparedFact | EncodeFailure] = []
+        keep = self.encoder.max_window_tokens
+        for text, window in items:
             why = self.problem(text)
             if why is not None:
-                out[i] = EncodeFailure(f"the fact {why}")
-            else:
-                todo.append(i)
+                out.append(EncodeFailure(f"the fact {why}"))
+                continue
+            # Window turns are user text too: tokenized as text (no special token can come from them).
+            context = (list(self.template.prefix_ids) if self.prefix_window else []) + [
+                t for w in window for t in (self.template.text_ids(w) if isinstance(w, str) else w)]
+            out.append(PreparedFact(self.template.fact_ids(text), context[-keep:] if len(context) > keep else context))
+        return out
+
+    def encode(self, items: Sequence[tuple[str, Sequence[str]]]) -> list[EncodedFact | EncodeFailure]:
+        """`(fact text, window turns)` pairs -> EncodedFact on the CPU (or EncodeFailure), in input order, at once
+        (no scheduler: the benchmarks' in-process encodes)."""
+        out: list = self.prepare(items)
+        todo = [i for i, p in enumerate(out) if isinstance(p, PreparedFact)]
+        for i, enc in zip(todo, self.encode_prepared([out[i] for i in todo])):
+            out[i] = enc
+        return out
+
+    def encode_prepared(self, prepared: Sequence[PreparedFact]) -> list[EncodedFact | EncodeFailure]:
+        """Prepared facts -> EncodedFact on the CPU (or EncodeFailure), in input order."""
+        def forwards(facts):
+            return self.encoder.encode_batch([(p.fact_ids, [p.context_ids]) for p in facts], progress=False)
+
         try:
-            encoded = self.encoder.encode_batch([self._prepared(*items[i]) for i in todo], progress=False)
-            for i, enc in zip(todo, encoded):
-                out[i] = enc.to("cpu")
+            return [enc.to("cpu") for enc in forwards(prepared)]
         except Exception:  # one item broke the batch: encode one by one to find it
-            log.exception("batch of %d facts failed to encode; retrying one by one", len(todo))
-            for i in todo:
-                for attempt in range(1 + TRANSIENT_RETRIES):
-                    try:
-                        out[i] = self.encoder.encode_batch([self._prepared(*items[i])], progress=False)[0].to("cpu")
-                        break
-                    except Exception as e:  # reported per fact, transient: checked before
-                        log.exception("fact failed to encode (attempt %d of %d)", attempt + 1, 1 + TRANSIENT_RETRIES)
-                        # problem() passed, so the fact is within every limit: the failure is the encoder's
-                        out[i] = EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})",
-                                               transient=True)
-        return out  # type: ignore[return-value]
+            log.exception("batch of %d facts failed to encode; retrying one by one", len(prepared))
+        out: list[EncodedFact | EncodeFailure] = []
+        for p in prepared:
+            for attempt in range(1 + TRANSIENT_RETRIES):
+                try:
+                    out.append(forwards([p])[0].to("cpu"))
+                    break
+                except Exception as e:  # reported per fact, transient: checked before
+                    log.exception("fact failed to encode (attempt %d of %d)", attempt + 1, 1 + TRANSIENT_RETRIES)
+                    if attempt == TRANSIENT_RETRIES:
+                        # prepare() passed, so the fact is within every limit: the failure is the encoder's
+                        out.append(EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})",
+                                                 transient=True))
+        return out
 
 
 class EncoderCore:
     """The encoder pool without Serve: a FactEncoder and the cluster tier it writes to. Tests and the engine
-    replica's unit tests call it directly (tests/unit/test_replica_core.py); EncoderPool below is the Serve deployment,
-    which batches concurrent requests into one forward."""
+    replica's unit tests call it directly (tests/unit/test_replica_core.py); EncoderPool below is the Serve deployment
+    built from a config. Every user's facts go through one fair scheduler (`batcher`): one batch runs at a time."""
 
     def __init__(self, fe: FactEncoder, cluster=None, metrics=None):
         from .metrics import EncoderMetrics
 
         self.fe, self.cluster = fe, cluster
         self.metrics = metrics if metrics is not None else EncoderMetrics()
+        self.batcher: FairBatcher[PreparedFact, EncodedFact | EncodeFailure] = FairBatcher(
+            self._encode_batch, ROUND_TOKENS, QUANTUM_TOKENS)
         if self.cluster is not None:
             self.cluster.available  # noqa: B018 - starts connecting in the background
 
-    async def _encode_items(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
-        self.metrics.batch.observe(len(items))
-        return await asyncio.to_thread(self.fe.encode, items)
+    async def _encode_batch(self, prepared: list[PreparedFact]) -> list[EncodedFact | EncodeFailure]:
+        self.metrics.batch.observe(len(prepared))
+        return await asyncio.to_thread(self.fe.encode_prepared, prepared)
 
-    async def encode(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
+    async def encode(self, user_id: str, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
+        """`(fact text, window turns)` pairs of `user_id` -> EncodedFact on the CPU (or EncodeFailure), in input
+        order, encoded in the fair scheduler's batches among every user's facts."""
         with self.metrics.request("encode"):
             if not items:
                 return []
-            return await self._encode_items(list(items))
+            out: list = await asyncio.to_thread(self.fe.prepare, list(items))
+            todo = [i for i, p in enumerate(out) if isinstance(p, PreparedFact)]
+            encoded = await self.batcher.submit(user_id, [out[i] for i in todo], [out[i].cost for i in todo])
+            for i, enc in zip(todo, encoded):
+                out[i] = enc
+            return out
 
     async def encode_for(self, user_id: str, facts: list[tuple[str, int, str, list[str]]]
                          ) -> Sequence[StoredKV | EncodedFact | EncodeFailure]:
         """`(fact_id, version, text, window)` of one user's facts -> per fact StoredKV (written to the cluster
         tier), the EncodedFact (no cluster tier, or the write failed) or an EncodeFailure. Writing version v
         removes the fact's older versions from the cluster tier."""
-        encoded = await self.encode([(text, list(window)) for _, _, text, window in facts])
+        encoded = await self.encode(user_id, [(text, list(window)) for _, _, text, window in facts])
         if self.cluster is None:
             return encoded
         good = [(i, kv_id(f, v), e) for i, ((f, v, _, _), e) in enumerate(zip(facts, encoded))
@@ -249,7 +295,7 @@ class EncoderCore:
 
 
 class EncoderPool(EncoderCore):
-    """The Serve deployment (options in services/app.py)."""
+    """The Serve deployment (options in services/app.py): concurrent requests share the fair scheduler's batches."""
 
     def __init__(self, config: EncoderPoolConfig | None = None):
         from inferscale_core.cluster_store import ClusterConfig, ClusterStore
@@ -259,17 +305,3 @@ class EncoderPool(EncoderCore):
                          config.max_fact_tokens)
         cluster = ClusterConfig.from_dict(config.cluster_store or None)
         super().__init__(fe, ClusterStore(cluster, fe.fingerprint) if cluster else None)
-
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _encode_requests(self, requests: list[list[tuple[str, list[str]]]]) -> list[list]:
-        # Several requests (possibly of several users) in one encode call; failures come back per item.
-        flat = [item for req in requests for item in req]
-        encoded = await EncoderCore._encode_items(self, flat)
-        out, i = [], 0
-        for req in requests:
-            out.append(encoded[i:i + len(req)])
-            i += len(req)
-        return out
-
-    async def _encode_items(self, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
-        return await self._encode_requests(items)

@@ -12,7 +12,7 @@ chart's PodMonitor) with Ray's `ray_` prefix: `inferscale_requests_total` is scr
     inferscale_injected_tokens_total       engine: prompt tokens vLLM loaded through the KV connector
     inferscale_store_hits_total{tier}      engine: fact-store hits per tier (device, host, disk)
     inferscale_resident_bytes{tier}        engine: KV bytes resident per tier
-    inferscale_encoder_batch_size          encoder pool: facts per encode call (after @serve.batch)
+    inferscale_encoder_batch_size          encoder pool: facts per encode call (a batch of its fair scheduler)
 
 vLLM's own metrics (queue, KV-cache use, TTFT and the other latency histograms, prompt tokens by source: the
 injected ones are `source="external_kv_transfer"`) are exported from every
@@ -179,4 +179,4 @@ class EncoderMetrics(DeploymentMetrics):
         from ray.serve import metrics
 
         self.batch = metrics.Histogram("inferscale_encoder_batch_size", boundaries=BATCH_BUCKETS,
-                                       description="Facts per encode call (requests merged by @serve.batch).")
+                                       description="Facts per encode call (a batch of the fair scheduler).")

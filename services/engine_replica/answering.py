@@ -41,7 +41,7 @@ class Answering:
                 yield piece
             return
         sp = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens)
-        with self.admission.admit(min(len(p.prompt_ids) + req.max_tokens, self.max_model_len)):
+        with self.admission.admit(req.user_id, min(len(p.prompt_ids) + req.max_tokens, self.max_model_len)):
             t_submit = time.perf_counter()
             async for text, ans in self.engine.stream(p, sp):
                 if ans is None:
@@ -65,7 +65,7 @@ class Answering:
         assert sp.max_tokens is not None  # request() always sets it (the room left in the context at most)
         tokenizer = self.engine.tokenizer()
         texts, counts, finish = [""] * n, [0] * n, [None] * n
-        with self.admission.admit(min(len(p.prompt_ids) + n * sp.max_tokens, n * self.max_model_len)):
+        with self.admission.admit(req.user_id, min(len(p.prompt_ids) + n * sp.max_tokens, n * self.max_model_len)):
             t_submit = time.perf_counter()
             ttft, final = None, None
             try:
@@ -111,7 +111,7 @@ class Answering:
         sp = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                             structured_outputs=StructuredOutputsParams(**structured) if structured else None)
         prompt = await asyncio.to_thread(self.engine.chat_prompt, messages, user_id)
-        with self.admission.admit(min(len(prompt["prompt_token_ids"]) + max_tokens, self.max_model_len)):
+        with self.admission.admit(user_id, min(len(prompt["prompt_token_ids"]) + max_tokens, self.max_model_len)):
             text, _, _ = await self.engine.chat(prompt, sp)
         return text
 

@@ -30,21 +30,21 @@ def test_admission_refuses_what_does_not_fit_and_releases_on_exit():
     from inferscale_server.admission import Admission, EngineAtCapacity
 
     adm = Admission(capacity_tokens=100, queue_factor=1.5)  # limit 150
-    with adm.admit(400):  # alone: always admitted, whatever its size
+    with adm.admit("u1", 400):  # alone: always admitted, whatever its size
         with pytest.raises(EngineAtCapacity, match=r"at capacity \(400 tokens in flight of 150\); retry later"):
-            with adm.admit(1):
+            with adm.admit("u2", 1):
                 pass
-    with adm.admit(100), adm.admit(50):
+    with adm.admit("u1", 100), adm.admit("u1", 50):  # a user alone has the whole limit
         assert adm.stats()["in_flight_tokens"] == 150
         with pytest.raises(EngineAtCapacity) as e:
-            with adm.admit(1):
+            with adm.admit("u2", 1):
                 pass
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(RuntimeError):  # released when the body fails (a client gone, an engine error)
-        with adm.admit(150):
+        with adm.admit("u1", 150):
             raise RuntimeError("boom")
     assert adm.stats() == {"capacity_tokens": 100, "limit_tokens": 150, "in_flight_tokens": 0, "in_flight": 0,
-                           "admitted": 4, "refused": 2}
+                           "users_in_flight": 0, "admitted": 4, "refused": 2, "refused_over_share": 0}
     with pytest.raises(ValueError, match="queue_factor"):
         Admission(100, queue_factor=0.5)
 

@@ -1,5 +1,5 @@
 """Input that can never poison a user, below the service level: the encoder pool's per-fact failures (one
-bad fact, or one bad request in a @serve.batch, never fails the others), the encoder's own limit as the
+bad fact, or one bad request among several users' requests, never fails the others), the encoder's own limit as the
 gateway checks it, and all-or-nothing writes in the gateway when the push after the registry write fails.
 The same properties on the running service: tests/service/test_service_safety.py."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def pool():
     from inferscale_server.encoder_pool import EncoderPool
 
-    return EncoderPool()  # the deployment class, called directly: the real model and its @serve.batch
+    return EncoderPool()  # the deployment class, called directly: the real model and its fair scheduler
 
 
 def test_the_limit_is_measured_with_the_serving_tokenizer(pool):
@@ -40,9 +40,11 @@ def test_the_limit_is_measured_with_the_serving_tokenizer(pool):
 
 
 def _batch(pool, requests):
-    """What @serve.batch runs for requests that arrived together (Serve merges them; outside a replica the
-    decorator cannot run, so the merged call is made directly)."""
-    return asyncio.run(type(pool)._encode_requests.__wrapped__(pool, requests))
+    """Requests of several users sent at once (the fair scheduler merges what waits together into its batches)."""
+    async def together():
+        return await asyncio.gather(*(pool.encode(f"user{i}", items) for i, items in enumerate(requests)))
+
+    return asyncio.run(together())
 
 
 def test_one_bad_fact_fails_only_itself(pool):

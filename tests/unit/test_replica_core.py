@@ -474,7 +474,7 @@ def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
 
         recs = registry.create("carol", [NewFact(text="Carol speaks Estonian.", fact_id="c1")])
         # Without a cluster tier the pool answers the EncodedFact itself and the replica puts it now.
-        plain = await asyncio.to_thread(parts.fe.encode, [(recs[0].text, [])])
+        plain = await parts.encoder.encode("carol", [(recs[0].text, [])])
         await writer.put_facts("carol", [FactWrite("c1", 1, recs[0].text)], plain)
         assert writer.engine.kvs("carol") == {kv_id("c1", 1)}
         other = await started(parts, registry, cluster=False)  # never saw carol: encodes during the request

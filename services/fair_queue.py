@@ -1,0 +1,115 @@
+"""Fair batching of one shared worker among users (issue 31): the encoder pool's facts, so that one user's
+256-fact add or facts behind huge windows cannot make another user's 1-fact add wait behind all of it.
+
+Every user has a queue of items, each with a cost (for the encoder: the tokens of its forward). Batches are
+formed by deficit round robin over the users with items waiting (Shreedhar and Varghese, 1995): on its turn a
+user's deficit grows by `quantum` and its items are taken while their cost fits the deficit, so over time every
+waiting user gets the same cost per round whatever the size of its items or how many it sent. A batch closes at
+`batch_cost` (an item costlier than that goes alone); one batch runs at a time, and the next is formed from what
+is waiting when the last one ends, so an item that arrives behind another user's work waits at most the batch
+that is running and its own turn in the next. Arrival order is kept within a user.
+
+One event loop (the deployment's): no lock. An item whose caller went away (its future cancelled) is dropped when
+its turn comes, uncharged.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class _Waiting:
+    payload: Any
+    cost: int
+    result: asyncio.Future
+
+
+class FairBatcher(Generic[T, R]):
+    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], batch_cost: int, quantum: int):
+        """`run`: encodes one batch, answering a result per item in order. `batch_cost`: the cost at which a batch
+        closes. `quantum`: the cost a waiting user is granted per turn."""
+        for name, value in (("batch_cost", batch_cost), ("quantum", quantum)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self._run, self.batch_cost, self.quantum = run, batch_cost, quantum
+        self._queues: dict[str, deque[_Waiting]] = {}
+        self._deficit: dict[str, int] = {}
+        self._ring: deque[str] = deque()  # users with items waiting; the front one has the turn
+        self._turn_granted = False  # the front user's quantum for this turn was added (a batch closed mid-turn)
+        self._worker: asyncio.Task | None = None
+        self.batches = 0
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    async def submit(self, key: str, payloads: Sequence[T], costs: Sequence[int]) -> list[R]:
+        """Queues `payloads` (with their costs) for user `key`; their results in order once all ran."""
+        if len(payloads) != len(costs):
+            raise ValueError(f"{len(payloads)} items but {len(costs)} costs")
+        if not payloads:
+            return []
+        loop = asyncio.get_running_loop()
+        items = [_Waiting(p, max(1, int(c)), loop.create_future()) for p, c in zip(payloads, costs)]
+        if key not in self._queues:
+            self._queues[key], self._deficit[key] = deque(), 0
+            self._ring.append(key)
+        self._queues[key].extend(items)
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._work())
+        return list(await asyncio.gather(*(i.result for i in items)))
+
+    async def _work(self) -> None:
+        while self._ring:
+            batch = self._next_batch()
+            if not batch:  # every item taken had been cancelled
+                continue
+            self.batches += 1
+            try:
+                results = await self._run([i.payload for i in batch])
+            except Exception as e:  # noqa: BLE001 - handed to each item's caller
+                for i in batch:
+                    if not i.result.done():
+                        i.result.set_exception(e)
+                continue
+            for i, r in zip(batch, results):
+                if not i.result.done():
+                    i.result.set_result(r)
+
+    def _next_batch(self) -> list[_Waiting]:
+        batch: list[_Waiting] = []
+        cost = 0
+        while self._ring:
+            key = self._ring[0]
+            queue = self._queues[key]
+            if not self._turn_granted:
+                self._deficit[key] += self.quantum
+                self._turn_granted = True
+            while queue:
+                head = queue[0]
+                if head.result.done():  # its caller went away: dropped, not charged
+                    queue.popleft()
+                    continue
+                if head.cost > self._deficit[key]:
+                    break
+                if batch and cost + head.cost > self.batch_cost:
+                    return batch  # the batch is full; this user's turn goes on in the next one
+                queue.popleft()
+                batch.append(head)
+                cost += head.cost
+                self._deficit[key] -= head.cost
+            self._ring.popleft()
+            self._turn_granted = False
+            if queue:
+                self._ring.append(key)  # its turn is over: the next user's
+            else:  # nothing left: an idle user keeps no credit
+                del self._queues[key], self._deficit[key]
+            if cost >= self.batch_cost:
+                return batch
+        return batch
