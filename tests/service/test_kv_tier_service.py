@@ -7,15 +7,16 @@ test), each with a disk tier in its slot's folder, two users per replica (Serve'
   first answer's k facts are read from it by the connector's worker (no KV through the engine core's RPC channel)
   -> the engine replica is killed (and the user's disk files lost): the new one serves the user from the cluster
   tier with 0 facts re-encoded and the same greedy text, and applies a DeleteUser that ran while no replica was up
-  (no object or file of that user is left) -> an update and DeleteUser
-  remove the objects and the files (the bytes) -> concurrent updates of one fact: only the registry's last text
-  is injected, no older version is left anywhere -> KV under another fingerprint (another dtype) is a miss,
-  never injected -> scale 1 -> 2 under load: the users the new replica wins are served from the cluster tier,
-  nothing re-encoded -> the Mooncake master is killed: answers
-  continue (computed by vLLM, one re-encode queued, then injected again), no error reaches the client.
+  (no object or file of that user is left) -> an update, and Mem0's delete_users, remove the objects and the files
+  (the bytes) -> concurrent updates of one fact: only the registry's last text is injected, no older version is
+  left anywhere -> KV under another fingerprint (another dtype) is a miss, never injected -> scale 1 -> 2 under
+  load: the users the new replica wins are served from the cluster tier, nothing re-encoded -> the Mooncake master
+  is killed: answers continue (computed by vLLM, one re-encode queued, then injected again), no error reaches the
+  client.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.auth_fixture import token_for
 from support.local_service import engine_actor, fingerprint, object_keys, service_on_local_ray, wait_gone, wait_running
 from support.mooncake_fixture import raw_client
 from support.serve_specs import spec_with
@@ -186,7 +188,14 @@ def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):
         lease_wait(mooncake)
         assert client.get(v1) == b"" and client.is_exist(v2) == 1
         assert user_files(service.kv_dir, "alice")
-        c.delete_user("alice")
+        # The erasure as a Mem0 app asks for it (issue 34): Mem0's own client on the HTTP door, alice's token.
+        # (gRPC's DeleteUser is the restarted-replica test's.)
+        os.environ.setdefault("MEM0_TELEMETRY", "false")  # read at mem0's import: no usage events posted
+        from mem0 import MemoryClient
+
+        mem0 = MemoryClient(api_key=token_for(service.secret, "alice"), host=f"http://127.0.0.1:{service.cfg.http_port}")
+        mem0.delete_users(user_id="alice")
+        assert c.list("alice") == []
         keys = object_keys("alice", [(f, 1) for f in ids[1:]]) + [v2]
         lease_wait(mooncake)
         assert [client.get(k) for k in keys] == [b""] * len(keys)  # the bytes are gone, not only the books
