@@ -193,9 +193,10 @@ def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):
         os.environ.setdefault("MEM0_TELEMETRY", "false")  # read at mem0's import: no usage events posted
         from mem0 import MemoryClient
 
-        mem0 = MemoryClient(api_key=token_for(service.secret, "alice"), host=f"http://127.0.0.1:{service.cfg.http_port}")
+        mem0 = MemoryClient(api_key=token_for(service.secret, "alice"),
+                            host=f"http://127.0.0.1:{service.cfg.http_port}")
         mem0.delete_users(user_id="alice")
-        assert c.list("alice") == []
+        assert list(c.list("alice")) == []
         keys = object_keys("alice", [(f, 1) for f in ids[1:]]) + [v2]
         lease_wait(mooncake)
         assert [client.get(k) for k in keys] == [b""] * len(keys)  # the bytes are gone, not only the books
