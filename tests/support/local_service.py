@@ -94,13 +94,17 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
 
 @contextlib.contextmanager
 def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None,
-                    http: dict | None = None, **ray_init):
-    """The application on a fresh local Ray (2 CPUs, one replica of each deployment), as tests/service/one_app/ shares it.
-    `http`: the HTTP front door's settings (ServiceConfig.http); `ray_init`: more ray.init arguments."""
+                    http: dict | None = None, engine_health_check_period_s: float | None = None, **ray_init):
+    """The application on a fresh local Ray (2 CPUs, one replica of each deployment), as tests/service/one_app/
+    shares it. `http`: the HTTP front door's settings (ServiceConfig.http); `engine_health_check_period_s`: the engine
+    replica's (None: the shipped default); `ray_init`: more ray.init arguments."""
     from inferscale_server.app import ServiceConfig, single_node_deployments
 
+    deployments = single_node_deployments()
+    if engine_health_check_period_s is not None:
+        deployments["EngineReplica"].health_check_period_s = engine_health_check_period_s
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
-                        http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments(),
+                        http_port=free_port(), grpc_port=free_port(), deployments=deployments,
                         auth={"hs256_secret_file": str(jwt_secret[0])}, http=dict(http or {}))
     with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env_vars, **ray_init) as svc:
         yield svc

@@ -5,6 +5,7 @@ same app, so its settings are the union of theirs:
   INFERSCALE_ENGINE_MAX_USERS=2   the engine replica's LRU evicts, so test_service_e2e sees a user reloaded from disk
   http                            two served model names and one CORS origin (test_openai_compat)
   metrics export port             Ray's metrics agent on a port the test scrapes (test_metrics)
+  engine health check every 2 s   a dead engine is noticed in seconds (test_service_e2e's replacement test)
 
 The fixture is package-scoped: the app starts before the folder's first test and stops after its last, so no other
 module's Ray overlaps it. Order (pytest_collection_modifyitems below): test_service_e2e first (it counts its
@@ -23,6 +24,9 @@ from support.redis_fixture import redis_server
 from inferscale_server.local_processes import free_port
 
 MAX_USERS = 2  # per engine replica
+# Serve replaces a replica after consecutive failed health checks, one period apart (the shipped period is 10 s); the
+# check itself is cheap (services/engine_replica/deployment.py check_health)
+ENGINE_HEALTH_CHECK_PERIOD_S = 2
 HTTP = {"served_model_names": ["inferscale", "smollm2-memory"], "cors_allow_origins": ["https://app.example"]}
 MODULE_ORDER = ("test_service_e2e.py", "test_openai_compat.py", "test_metrics.py")
 HERE = Path(__file__).parent
@@ -47,6 +51,7 @@ def service(redis_url, tmp_path_factory, jwt_secret):
     metrics_port = free_port()
     with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,
                          {"INFERSCALE_ENGINE_MAX_USERS": str(MAX_USERS)}, http=HTTP,
+                         engine_health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
                          _metrics_export_port=metrics_port) as svc:
         svc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         svc.max_users = MAX_USERS
