@@ -14,13 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from support.local_service import NAMES, facts_of, service_on_local_ray
+from support.local_service import APP, NAMES, facts_of, service_on_local_ray
 from support.serve_specs import spec_with
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
-APP = "inferscale"
 SCALED = ("Gateway", "Retrieval", "EncoderPool")
 # Seconds, not minutes: 2 s above target to add a replica, 5 s below to remove it; replicas report every 0.5 s,
 # averaged over 2 s (Serve's metric timings, which DeploymentSpec leaves at their defaults).

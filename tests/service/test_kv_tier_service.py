@@ -26,14 +26,22 @@ from pathlib import Path
 import grpc
 import pytest
 from support.auth_fixture import token_for
-from support.local_service import engine_actor, fingerprint, object_keys, service_on_local_ray, wait_gone, wait_running
+from support.local_service import (
+    deployment_handle,
+    engine_actor,
+    engine_stats,
+    fingerprint,
+    object_keys,
+    service_on_local_ray,
+    wait_gone,
+    wait_running,
+)
 from support.mooncake_fixture import raw_client
 from support.serve_specs import spec_with
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
-APP = "inferscale"
 ALICE = ["Alice adopted a grey cat named Pixel in March.",
          "Alice works as a nurse at the Riverside children's hospital.",
          "Alice is training for the Berlin marathon in September.",
@@ -66,17 +74,6 @@ def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
     with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars={"INFERSCALE_ENGINE_MAX_USERS": "2"}) as svc:
         svc.answers = {}
         yield svc
-
-
-def _handle(name: str):
-    from ray import serve
-
-    return serve.get_deployment_handle(name, app_name=APP)
-
-
-def engine_stats(user_id: str) -> dict:
-    """stats() of the engine replica the router sends this user to."""
-    return _handle("EngineReplica").options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
 
 
 def injections(user_id: str) -> tuple[int, int]:
@@ -151,7 +148,7 @@ def test_a_restarted_replica_reads_the_cluster_tier_and_applies_the_deletes_it_m
     ask(service, "ida", "What does Ida collect?", k=2, max_tokens=4)
     old = engine_stats("alice")
     assert fact_file(old, "ida", ida[0], 1).is_file()  # her KV is on the replica's disk
-    encoder_before = _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
+    encoder_before = deployment_handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
     ray.kill(engine_actor(), no_restart=True)
     wait_gone(old["pid"])  # before the rmtree: a live replica writes into its folder
     shutil.rmtree(Path(old["disk_dir"]) / _hash_name("alice"))  # alice's KV only in the cluster tier now
@@ -163,7 +160,7 @@ def test_a_restarted_replica_reads_the_cluster_tier_and_applies_the_deletes_it_m
     assert new["pid"] != old["pid"] and new["slot"] == old["slot"] and new["disk_dir"] == old["disk_dir"]
     assert new["facts_from_disk"] == 0 and new["engine"]["worker"]["load_failures"] == 0  # the worker found all
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0 and new["facts_from_cluster"] == 3
-    assert _handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)["puts"] == encoder_before["puts"]
+    assert deployment_handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)["puts"] == encoder_before["puts"]
     assert text == service.answers["alice"] and final.prefilled_tokens < final.prompt_tokens
     assert new["tombstones_applied"] >= 1 and user_files(service.kv_dir, "ida") == []
     keys = object_keys("ida", [(f, 1) for f in ida])
@@ -269,7 +266,7 @@ def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake
     from inferscale_core.models import resolve_model_path
     from inferscale_core.types import kv_id
 
-    prefix_ids = _handle("EncoderPool").prefix.remote().result(timeout_s=60).token_ids.tolist()
+    prefix_ids = deployment_handle("EncoderPool").prefix.remote().result(timeout_s=60).token_ids.tolist()
     model = resolve_model_path(None)
     assert kv_fingerprint(model, torch.float32, prefix_ids) == fingerprint()  # what the pool computes
     bf16 = kv_fingerprint(model, torch.bfloat16, prefix_ids)

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support.auth_fixture import token_for
-from support.local_service import APP, NAMES, facts_of, object_keys, stats_by_replica
+from support.local_service import NAMES, deployment_handle, facts_of, object_keys, stats_by_replica
 from support.mooncake_fixture import raw_client
 from support.ray_nodes import ray_cli, reload_ray_auth, stop_ray
 from support.serve_specs import spec_with
@@ -172,9 +172,7 @@ def home_of(name: str, slots: list[int]) -> int:
 
 def encoder_stats() -> dict:
     """The encoder pool's cluster-tier counters; "puts": objects written (every encode, AddFacts or re-encode)."""
-    from ray import serve
-
-    return serve.get_deployment_handle("EncoderPool", app_name=APP).cluster_stats.remote().result(timeout_s=60)
+    return deployment_handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
 
 
 def encoder_puts() -> int:

@@ -16,9 +16,8 @@ import uuid
 import grpc
 import pytest
 from support.auth_fixture import token_for
-from support.local_service import service_on_local_ray
+from support.local_service import engine_handle, service_on_local_ray
 
-APP = "inferscale"
 KV_BLOCKS, BLOCK = 16, 32  # the engine replicas' KV cache: 512 tokens (plus vLLM's null block)
 FACTS = [f"Fact number {i}: the user's item {i} is a {c} {t}." for i, (c, t) in
          enumerate([(c, t) for c in ("red", "green", "blue", "amber", "violet", "grey")
@@ -137,17 +136,11 @@ def service(redis_url, tmp_path_factory, jwt_secret):
         yield svc
 
 
-def _engine():
-    from ray import serve
-
-    return serve.get_deployment_handle("EngineReplica", app_name=APP)
-
-
 def _replica_stats(deadline_s: float = 60, calls: int = 40) -> dict[str, dict]:
     """stats() of each engine replica, by replica id (calls land on a replica Serve picks)."""
     out, end = {}, time.monotonic() + deadline_s
     for _ in range(calls):
-        st = _engine().stats.remote().result(timeout_s=60)
+        st = engine_handle().stats.remote().result(timeout_s=60)
         out[st["replica_id"]] = st
         if len(out) == 2 or time.monotonic() > end:
             break
@@ -263,7 +256,7 @@ def test_a_delete_reaches_every_engine_replica_that_holds_the_user(service):
     ids = [f.fact_id for f in c.add_facts("wat", FACTS[:3])]
     seen, end = set(), time.monotonic() + 120
     for _ in range(40):  # load_user without a multiplexed id: Serve spreads the calls over both replicas
-        seen.add(_engine().load_user.remote("wat").result(timeout_s=120))
+        seen.add(engine_handle().load_user.remote("wat").result(timeout_s=120))
         if len(seen) == 2 or time.monotonic() > end:
             break
     assert len(seen) == 2, f"the user reached only {seen}"
@@ -272,7 +265,7 @@ def test_a_delete_reaches_every_engine_replica_that_holds_the_user(service):
     def holds_by_replica(fact) -> dict[str, bool]:
         out, end = {}, time.monotonic() + 60
         for _ in range(40):
-            r = _engine().holds.remote("wat", [fact], with_replica=True).result(timeout_s=60)
+            r = engine_handle().holds.remote("wat", [fact], with_replica=True).result(timeout_s=60)
             out[r["replica_id"]] = r["holds"][0]
             if len(out) == 2 or time.monotonic() > end:
                 break

@@ -49,17 +49,12 @@ class Service:
         serve.shutdown()
 
     def engine_stats(self, user_id: str) -> dict:
-        from ray import serve
-
-        handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
-        return handle.options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
+        return engine_stats(user_id)
 
     def engine_holds(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
         """Whether the engine's worker store holds these (fact_id, version): the KV side of a fact."""
-        from ray import serve
-
-        handle = serve.get_deployment_handle("EngineReplica", app_name=APP)
-        return handle.options(multiplexed_model_id=user_id).holds.remote(user_id, facts).result(timeout_s=60)
+        handle = engine_handle().options(multiplexed_model_id=user_id)
+        return handle.holds.remote(user_id, facts).result(timeout_s=60)
 
     def ask(self, user_id: str, query: str, **kw) -> tuple[list, object]:
         """(text pieces, final chunk) of a streamed Answer."""
@@ -153,10 +148,20 @@ def facts_of(name: str) -> list[str]:
             f"{name} is learning to play the cello."]
 
 
-def engine_handle():
+def deployment_handle(name: str):
+    """Serve's handle on one of the app's deployments (EngineReplica, EncoderPool, ...)."""
     from ray import serve
 
-    return serve.get_deployment_handle("EngineReplica", app_name=APP)
+    return serve.get_deployment_handle(name, app_name=APP)
+
+
+def engine_handle():
+    return deployment_handle("EngineReplica")
+
+
+def engine_stats(user_id: str) -> dict:
+    """stats() of the engine replica the router sends this user to."""
+    return engine_handle().options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
 
 
 def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
@@ -173,9 +178,7 @@ def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
 
 
 def fingerprint() -> str:
-    from ray import serve
-
-    return serve.get_deployment_handle("EncoderPool", app_name=APP).fingerprint.remote().result(timeout_s=60)
+    return deployment_handle("EncoderPool").fingerprint.remote().result(timeout_s=60)
 
 
 def object_keys(user_id: str, facts: list[tuple[str, int]], fp: str | None = None) -> list[str]:
