@@ -245,6 +245,8 @@ WORKER_COUNTERS = {
     "injected_requests": "Requests whose memory KV the worker wrote into the paged cache",
     "injected_tokens": "Memory tokens written into the paged cache instead of being prefilled",
     "injection_seconds": "Time the worker spent gathering, re-rotating and writing memory KV",
+    "fused_injections": "Requests whose memory KV the fused kernel wrote (gather, rotation and every layer's write "
+                        "in one launch; CUDA with Triton)",
     "load_failures": "Injections that failed (missing fact, token mismatch, out of memory) and were recomputed",
     "load_failures_oom": "Injections that ran out of memory (device or host) and were recomputed",
     "store_hits_device": "Facts served from the device tier of the worker's fact store",

@@ -46,8 +46,10 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from . import inject_kernel
 from .connector_types import WORKER_COUNTERS, InjectionMetadata, LoadSpec, memory_hash, unpack_fact
 from .errors import InferScaleError, check_id
+from .inject_kernel import CacheViews
 from .model_spec import ModelSpec
 from .rope import ChunkedRope
 from .store import FactStore, is_out_of_memory
@@ -63,7 +65,7 @@ logger = init_logger(__name__)
 
 # kv_connector_extra_config keys the worker reads (all optional).
 WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "disk_budget_bytes", "max_fact_tokens",
-                  "inject_group_tokens", "cluster_store", "kv_fingerprint", "fetch_threads")
+                  "inject_group_tokens", "cluster_store", "kv_fingerprint", "fetch_threads", "fused_injection")
 # Loader threads reading the cluster tier for asynchronous loads (Mooncake's get releases the GIL while it waits).
 FETCH_THREADS = 2
 # Read by the scheduler side (connector_scheduler.py); accepted here so one extra_config serves both sides.
@@ -150,6 +152,11 @@ class WorkerSide:
         if isinstance(self.fetch_threads, bool) or not isinstance(self.fetch_threads, int) or self.fetch_threads < 1:
             raise ValueError(f"fetch_threads must be an integer >= 1, got {self.fetch_threads!r}")
         self.cluster_config = cluster_config_option(extra_config)  # checked here: a mistake stops the start
+        # On a CUDA device with Triton, the fused kernel (inject_kernel.py) where the cache's layout allows it;
+        # False keeps the unfused path everywhere (the fallback, and what the CPU backend always uses).
+        self.fused_injection = extra_config.get("fused_injection", True)
+        if not isinstance(self.fused_injection, bool):
+            raise ValueError(f"fused_injection must be true or false, got {self.fused_injection!r}")
         self.block_size = vllm_config.cache_config.block_size
         # K and V are kept and rotated in the model's dtype; the cache may hold another (fp8: uint8 storage).
         # (a torch.dtype: vLLM's ModelConfig resolves "auto" and dtype names when it is built)
@@ -168,6 +175,7 @@ class WorkerSide:
         # Every layer's cache as one tensor (AllLayersCache) when the attention backend allows a single write;
         # decided at the first injection, where the attention layers are visible.
         self.all_layers: AllLayersCache | None = None
+        self.cache_views: CacheViews | None = None  # the fused kernel's views of every layer's cache (CUDA)
         self._all_layers_checked = False
         self._failed_blocks: set[int] = set()
         self._failed_loads: set[str] = set()  # asynchronous loads that failed, by request id
@@ -308,9 +316,22 @@ class WorkerSide:
     def _check_all_layers(self, forward_context: "ForwardContext") -> None:
         if not self._all_layers_checked:
             self.all_layers = AllLayersCache.of(self.kv_caches, self.layer_index, forward_context, self.kv_dtype)
+            if self.fused_injection and self.device.type == "cuda" and inject_kernel.available():
+                self.cache_views = self._probe_cache_views(forward_context)
             self._all_layers_checked = True
-            logger.info("InferScale worker: %s", "one cache write for all layers" if self.all_layers is not None
-                        else "one cache write per layer")
+            logger.info("InferScale worker: %s", "one fused kernel for gather, rotation and all layers' writes"
+                        if self.cache_views is not None else "one cache write for all layers"
+                        if self.all_layers is not None else "one cache write per layer")
+
+    def _probe_cache_views(self, forward_context: "ForwardContext") -> CacheViews | None:
+        """The cache's K/V views found by writing two slots of the null block through each layer's own backend
+        (inject_kernel.CacheViews.probe), or None: the unfused path."""
+        names = sorted(self.kv_caches, key=self.layer_index.__getitem__)
+
+        def backend_write(i: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+            write_kv(forward_context.no_compile_layers[names[i]], self.kv_caches[names[i]], key, value, slots)
+        return CacheViews.probe([self.kv_caches[n] for n in names], backend_write, self.spec.num_kv_heads,
+                                self.spec.head_dim, self.block_size, self.kv_dtype)
 
     def _inject(self, forward_context: "ForwardContext", store: FactStore, specs: list[LoadSpec]) -> None:
         """Gathers each request's chunks from the store and writes them into its blocks, in groups; a request
@@ -498,6 +519,9 @@ class WorkerSide:
 
     def _write_group(self, forward_context: "ForwardContext",
                      group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        if self.cache_views is not None:
+            self._write_fused(group)
+            return
         from vllm import _custom_ops as ops
 
         positions, blocks = [], []
@@ -528,6 +552,19 @@ class WorkerSide:
         for name, kv_cache in self.kv_caches.items():
             i = self.layer_index[name]
             write_kv(forward_context.no_compile_layers[name], kv_cache, k[i], v[i], slot_mapping)
+
+    def _write_fused(self, group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        """The group in one kernel launch: each piece read where the store keeps it (a host-tier piece is copied
+        to the device first), rotated and written into every layer's blocks."""
+        pieces = [(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True))
+                  for _, request_pieces in group for k, v in request_pieces]
+        positions = [np.arange(spec.start, spec.end, dtype=np.int64) for spec, _ in group]
+        slots = [np.asarray(spec.block_ids, dtype=np.int64)[pos // self.block_size] * self.block_size
+                 + pos % self.block_size for (spec, _), pos in zip(group, positions)]
+        assert self.cos_sin_cache is not None and self.cache_views is not None
+        inject_kernel.inject(self.cache_views, pieces, np.concatenate(positions), np.concatenate(slots),
+                             self.cos_sin_cache)
+        self._count("fused_injections", len(group))
 
     def _group_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`[L, n, H, D]` views of the K and V buffers, allocated once (grown for a request larger than

@@ -108,6 +108,8 @@ def test_worker_rejects_unknown_options_and_tensor_parallelism():
         WorkerSide(config(tp=2), {})
     with pytest.raises(ValueError, match="inject_group_tokens must be >= 1"):
         WorkerSide(config(), {"inject_group_tokens": 0})
+    with pytest.raises(ValueError, match="fused_injection must be true or false, got 'yes'"):
+        WorkerSide(config(), {"fused_injection": "yes"})
 
 
 def test_connector_halves_import_only_the_shared_types():
@@ -213,6 +215,9 @@ def test_engine_counters_show_memory_came_from_the_connector(harness):
     assert worker_after["injected_tokens"] - worker_before["injected_tokens"] == M
     assert worker_after["injection_seconds"] > worker_before["injection_seconds"]
     assert worker_after["resident_bytes_device"] > 0 and after["resident_bytes_device"] > 0
+    # the fused kernel runs on CUDA only (Triton); the CPU backend keeps the unfused path
+    fused = worker_after["fused_injections"] - worker_before["fused_injections"]
+    assert fused == (1 if torch.cuda.is_available() else 0)
 
 
 def test_injected_kv_never_reaches_other_requests_through_prefix_cache(harness):
