@@ -10,11 +10,14 @@ The value is self-describing: a JSON header (the key's parts, dtype, shape) foll
 token ids, pre-RoPE keys and values (`pack` / `unpack`). A value whose header does not match the key asked
 for is a miss, never KV for other text.
 
-Reads are zero-copy on Mooncake's side: the master keeps each object's byte size with it, so one call
-(`batch_get_replica_desc`) sizes a read without knowing the fact's token count or stored dtype, and
-`batch_get_into` lands the objects in a buffer of ours registered with the client (`ReadBuffer`, reused by every
-read). The tensors unpacked from it are views that the caller's `keep` copies where it keeps them (one copy in
-all; `get_batch` copied each object into a Python bytes object first).
+Reads and writes are zero-copy on Mooncake's side, through host memory of ours registered with the client once
+and reused (`RegisteredBuffer`). A write packs each object once, straight from the fact's tensors, into the write
+buffer, and `batch_put_from` sends it from there (`put_batch` took a Python bytes object per fact, built by three
+copies and a join, and staged every batch once more in the client's transfer buffer). A read asks the master for the
+objects' byte sizes (`batch_get_replica_desc`: the master keeps each object's size with it, so one call sizes a read
+without knowing the fact's token count or stored dtype), and `batch_get_into` lands them in the read buffer (pinned
+when the reader copies them to a CUDA device). The tensors unpacked from it are views that the caller's `keep`
+copies where it keeps them (one copy in all; `get_batch` copied each object into a Python bytes object first).
 
 Every call fails soft: Mooncake down, slow or full is a miss (counted and logged), never an exception; the
 caller then computes or re-encodes. Removes of objects whose read lease still runs (Mooncake refuses them with
@@ -56,9 +59,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
-# Of the client's transfer buffer, what one batch's values may take: Mooncake's allocator there needs room of its
-# own (a put_batch of 63.5 MiB failed in a 64 MiB buffer, measured here). Reads into our own registered buffer
-# (ReadBuffer) are bounded by the same share of buffer_bytes: no object put_many stores is larger.
+# What each of our registered buffers (the write buffer, the read buffer) may take, as a share of the client's
+# `buffer_bytes`: one round of objects at most, so no object larger is written. Both bounds are the same number: an
+# object the writer stores always fits a reader's buffer. (3/4 comes from put_batch, which staged a batch in the
+# client's transfer buffer, whose allocator needs room of its own: 63.5 MiB failed in 64 MiB, measured here; kept so
+# that `buffer_bytes` still means what it meant for the largest fact stored.)
 BUFFER_SHARE = 0.75
 REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
 MIN_REMOVE_ATTEMPTS = 3  # ... and this often at least (see ClusterStore._remove)
@@ -83,29 +88,33 @@ def private_copy(kv_id: str, fact: EncodedFact) -> EncodedFact:
     return EncodedFact(fact.token_ids.clone(), fact.k_pre.clone(), fact.v.clone())
 
 
-class ReadBuffer:
-    """Host memory registered with one Mooncake client, where `batch_get_into` lands the objects of a read round:
-    allocated at the first read, grown when a round needs more (at least doubled, in whole GRAIN_BYTES, never
-    past `limit`: registering is a call into the transfer engine, paid once, not per read; a read of k facts of
-    another user differs by a few header bytes and must not register again), reused by every later read. Not
-    thread-safe: the ClusterStore uses it under its transfer lock."""
+class RegisteredBuffer:
+    """Host memory registered with one Mooncake client, where `batch_put_from` reads the objects of a write round or
+    `batch_get_into` lands those of a read round: allocated at the first round, grown when a round needs more (at
+    least doubled, in whole GRAIN_BYTES, never past `limit`: registering is a call into the transfer engine, paid
+    once, not per round; a round of k facts of another user differs by a few header bytes and must not register
+    again), reused by every later round. Not thread-safe: the ClusterStore uses it under its transfer lock.
+
+    `pinned`: page-locked memory (torch's pin_memory), for a reader whose facts go on to a CUDA device: the copy out
+    of it is then a DMA, where pageable memory is first staged by the driver through a pinned buffer of its own."""
 
     GRAIN_BYTES = 1 << 20
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, pinned: bool = False):
         self.limit = limit
+        self.pinned = pinned
         self.memory: torch.Tensor | None = None
         self.registrations = 0  # how often memory was allocated and registered
 
     def reserve(self, client, nbytes: int) -> torch.Tensor:
         """The registered memory, at least `nbytes` long."""
         if nbytes > self.limit:
-            raise ValueError(f"a read round of {nbytes} bytes is over the read buffer's limit ({self.limit} bytes)")
+            raise ValueError(f"a round of {nbytes} bytes is over the registered buffer's limit ({self.limit} bytes)")
         if self.memory is None or self.memory.numel() < nbytes:
             wanted = max(nbytes, 2 * (0 if self.memory is None else self.memory.numel()))
             size = max(nbytes, min(self.limit, -(-wanted // self.GRAIN_BYTES) * self.GRAIN_BYTES))
             self.release(client)  # the old memory first: both may not fit at once
-            memory = torch.empty(size, dtype=torch.uint8)
+            memory = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
             rc = client.register_buffer(memory.data_ptr(), size)
             if rc != 0:
                 raise RuntimeError(f"register_buffer of {size} bytes returned {rc}")
@@ -138,14 +147,43 @@ def kv_fingerprint(model_dir: str | Path, dtype: torch.dtype, prefix_ids: list[i
     return d.hexdigest()[:16]
 
 
-def pack(fingerprint: str, user_id: str, kv_id: str, fact: EncodedFact) -> bytes:
-    """Header + raw bytes of token ids (int64), pre-RoPE keys and values (the fact's dtype), contiguous."""
-    k, v = fact.k_pre.detach().cpu().contiguous(), fact.v.detach().cpu().contiguous()
+def object_header(fingerprint: str, user_id: str, kv_id: str, fact: EncodedFact) -> bytes:
+    """What precedes an object's raw bytes: MAGIC, the JSON header's length (uint32, little-endian), the header."""
     head = json.dumps({"format": FORMAT, "fingerprint": fingerprint, "user_id": user_id, "kv_id": kv_id,
-                       "dtype": _DTYPE_NAMES[k.dtype], "shape": list(k.shape)}).encode()
-    ids = fact.token_ids.detach().cpu().to(torch.int64).contiguous()
-    return b"".join((MAGIC, struct.pack("<I", len(head)), head, ids.numpy().tobytes(),
-                     k.view(torch.uint8).numpy().tobytes(), v.view(torch.uint8).numpy().tobytes()))
+                       "dtype": _DTYPE_NAMES[fact.k_pre.dtype], "shape": list(fact.k_pre.shape)}).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head
+
+
+def packed_size(header: bytes, fact: EncodedFact) -> int:
+    """The byte size of the object `header` begins: the header, token ids as int64, keys and values."""
+    return len(header) + 8 * fact.token_ids.numel() + fact.k_pre.nbytes + fact.v.nbytes
+
+
+def pack_into(out: torch.Tensor, header: bytes, fact: EncodedFact) -> None:
+    """Writes the object into `out` (uint8 on the CPU, exactly `packed_size` long): `header`, then the raw bytes of
+    the token ids (int64), pre-RoPE keys and values (the fact's dtype), contiguous; each tensor copied once, from
+    wherever it lives (a device tensor straight to `out`)."""
+    flat = out.numpy()
+    flat[:len(header)] = memoryview(header)
+    at = len(header)
+    for t in (fact.token_ids.detach().to(torch.int64), fact.k_pre.detach(), fact.v.detach()):
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        if raw.device.type == "cpu":  # one thread (numpy's memcpy), as store.host_copy, and for its reason
+            flat[at:at + raw.numel()] = raw.numpy()
+        else:
+            out[at:at + raw.numel()].copy_(raw)
+        at += raw.numel()
+    if at != out.numel():
+        raise ValueError(f"a KV object of {at} bytes packed into {out.numel()} bytes")
+
+
+def pack(fingerprint: str, user_id: str, kv_id: str, fact: EncodedFact) -> bytes:
+    """The object as bytes: header + raw bytes of token ids (int64), pre-RoPE keys and values (the fact's dtype),
+    contiguous. ClusterStore writes the same bytes from its registered buffer (`pack_into`)."""
+    header = object_header(fingerprint, user_id, kv_id, fact)
+    out = torch.empty(packed_size(header, fact), dtype=torch.uint8)
+    pack_into(out, header, fact)
+    return out.numpy().tobytes()
 
 
 def unpack(data: bytes | memoryview) -> tuple[dict, EncodedFact]:
@@ -198,7 +236,7 @@ class ClusterConfig:
     # This client's address as other clients reach it: the pod IP ($POD_IP, set by the chart) or loopback.
     local_host: str = field(default_factory=lambda: os.environ.get("POD_IP", "127.0.0.1"))
     segment_bytes: int = 0            # memory this process adds to the pool (0: a client only)
-    buffer_bytes: int = 64 << 20      # this client's transfer buffer; 3/4 of it bounds its read buffer too
+    buffer_bytes: int = 64 << 20      # this client's transfer buffer; 3/4 of it bounds its write and read buffers
     protocol: str = "tcp"
     device: str = ""                  # RDMA device names; none for TCP
     lease_s: float = 1.0              # the master's --default_kv_lease_ttl: how long to wait to repeat a remove
@@ -231,12 +269,20 @@ class ClusterConfig:
 class ClusterStore:
     """Facts of one fingerprint in Mooncake Store (see the module docstring). Thread-safe."""
 
-    def __init__(self, config: ClusterConfig, fingerprint: str, pending_file: str | os.PathLike | None = None):
+    def __init__(self, config: ClusterConfig, fingerprint: str, pending_file: str | os.PathLike | None = None,
+                 reads_to: str | torch.device = "cpu"):
         """`pending_file`: where removes that arrived while the store was away are kept until they are done, so
         that a process restarted meanwhile still does them (an engine replica's disk folder; its tombstone cursor
-        has moved past them). Read at start, and those removes are done when the store answers."""
+        has moved past them). Read at start, and those removes are done when the store answers.
+
+        `reads_to`: the device the reader copies the facts it reads to (the connector worker's). A CUDA device pins
+        the read buffer; any other leaves it ordinary memory (a CPU-only torch cannot pin)."""
         if not re.fullmatch(r"[0-9a-f]{8,64}", fingerprint):
             raise ValueError(f"fingerprint must be lowercase hex, got {fingerprint!r}")
+        device = torch.device(reads_to)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"reads_to is {device}, but torch sees no CUDA device here: the read buffer cannot be "
+                             f"pinned for it")
         self.config, self.fingerprint = config, fingerprint
         self._client = None
         self._up = False           # the last call (or probe) got an answer
@@ -245,10 +291,11 @@ class ClusterStore:
         self._pending_file = Path(pending_file) if pending_file is not None else None
         self._pending_removes: set[str] = self._read_pending()
         self._lock = threading.Lock()
-        # One batch at a time in the client's transfer buffer (a put, BUFFER_SHARE of it) or in the read buffer (a
-        # read round: its objects are landed, unpacked and kept before the next round may land over them).
+        # One round at a time in the write buffer (packed, then sent by Mooncake before the next round packs over it)
+        # or in the read buffer (landed, unpacked and kept before the next round may land over it).
         self._transfer = threading.Lock()
-        self.read_buffer = ReadBuffer(int(config.buffer_bytes * BUFFER_SHARE))
+        self.write_buffer = RegisteredBuffer(int(config.buffer_bytes * BUFFER_SHARE))
+        self.read_buffer = RegisteredBuffer(int(config.buffer_bytes * BUFFER_SHARE), pinned=device.type == "cuda")
         self.counters = {"hits": 0, "misses": 0, "puts": 0, "put_failures": 0, "errors": 0, "removed": 0}
 
     # ------------------------------------------------------------------ keys
@@ -353,7 +400,13 @@ class ClusterStore:
     # ------------------------------------------------------------------ objects
     def put_many(self, user_id: str, items: list[tuple[str, EncodedFact]]) -> list[bool]:
         """Writes `(kv_id, fact)` objects; per item whether it is stored. An existing key is left as it is
-        (objects are immutable: the same kv_id is the same KV)."""
+        (objects are immutable: the same kv_id is the same KV).
+
+        Each round of objects is packed into the registered write buffer, each object once and straight from the
+        fact's tensors, and Mooncake sends them from there (`batch_put_from`), answering per object. An object
+        refused (the master away, the segments full) is reported not stored, those Mooncake stored are reported
+        stored, and the store counts as down, as after any failed call (the later rounds are not tried). A fact
+        larger than the write buffer's limit is not stored, the others are."""
         if not items:
             return []
         client = self._store()
@@ -361,32 +414,50 @@ class ClusterStore:
             self.counters["put_failures"] += len(items)
             return [False] * len(items)
         keys = [self.key(user_id, kv) for kv, _ in items]
+        stored = [False] * len(items)
+        written = 0
         try:
             exists = client.batch_is_exist(keys)
             todo = [i for i, e in enumerate(exists) if e != 1]
-            ok = [True] * len(items)
-            values = {i: pack(self.fingerprint, user_id, items[i][0], items[i][1]) for i in todo}
-            for i in [i for i in todo if len(values[i]) > self.config.buffer_bytes * BUFFER_SHARE]:  # never fits
-                log.warning("cluster KV tier: a fact of %d bytes is over the transfer buffer (buffer_bytes %d); "
-                            "not stored", len(values[i]), self.config.buffer_bytes)
-                ok[i] = False
-            for batch in self._batches([i for i in todo if ok[i]], lambda i: len(values[i])):
+            for i in set(range(len(items))) - set(todo):
+                stored[i] = True
+            heads = {i: object_header(self.fingerprint, user_id, *items[i]) for i in todo}
+            sizes = {i: packed_size(heads[i], items[i][1]) for i in todo}
+            limit = self.write_buffer.limit
+            for i in [i for i in todo if sizes[i] > limit]:  # never fits a round (nor a reader's buffer)
+                log.warning("cluster KV tier: a fact of %d bytes is over the write buffer (3/4 of buffer_bytes %d); "
+                            "not stored", sizes[i], self.config.buffer_bytes)
+            for batch in self._batches([i for i in todo if sizes[i] <= limit], sizes.__getitem__, limit):
                 with self._transfer:
-                    rc = client.put_batch([keys[i] for i in batch], [values[i] for i in batch], self._replicate())
-                if rc != 0:
-                    raise RuntimeError(f"put_batch returned {rc}")
-            self.counters["puts"] += sum(ok[i] for i in todo)
-            self.counters["put_failures"] += ok.count(False)
-            return ok
+                    codes = self._put_round(client, [keys[i] for i in batch], [items[i][1] for i in batch],
+                                            [heads[i] for i in batch], [sizes[i] for i in batch])
+                for i, rc in zip(batch, codes):
+                    stored[i] = rc == 0
+                written += sum(rc == 0 for rc in codes)
+                refused = [rc for rc in codes if rc != 0]
+                if refused or len(codes) != len(batch):
+                    raise RuntimeError(f"batch_put_from refused {len(refused)} of {len(batch)} objects "
+                                       f"(codes {sorted(set(refused))})")
         except Exception as e:  # noqa: BLE001 - reported per item; the caller keeps the KV elsewhere
-            self.counters["put_failures"] += len(items)
             self._failed(f"put of {len(items)} facts", e)
-            return [False] * len(items)
+        self.counters["puts"] += written
+        self.counters["put_failures"] += stored.count(False)
+        return stored
 
-    def _batches(self, todo: list[int], size, limit: float | None = None) -> list[list[int]]:
-        """`todo` cut, in order, into batches whose values fit `limit` bytes together: by default the client's
-        transfer buffer (Mooncake stages a put_batch's values in it: a batch over it fails whole)."""
-        limit = self.config.buffer_bytes * BUFFER_SHARE if limit is None else limit
+    def _put_round(self, client, keys: list[str], facts: list[EncodedFact], heads: list[bytes],
+                   sizes: list[int]) -> list[int]:
+        """Packs the objects one after another into the write buffer and has Mooncake send them from there; its
+        answer per object (0: stored). Under the transfer lock."""
+        memory = self.write_buffer.reserve(client, sum(sizes))
+        addresses, at = [], 0
+        for fact, head, n in zip(facts, heads, sizes):
+            pack_into(memory[at:at + n], head, fact)
+            addresses.append(memory.data_ptr() + at)
+            at += n
+        return list(client.batch_put_from(keys, addresses, sizes, self._replicate()))
+
+    def _batches(self, todo: list[int], size, limit: int) -> list[list[int]]:
+        """`todo` cut, in order, into rounds whose objects fit `limit` bytes together (a registered buffer's)."""
         batches: list[list[int]] = []
         cur: list[int] = []
         used = 0
@@ -601,6 +672,7 @@ class ClusterStore:
             if self._client is not None:
                 try:
                     self.read_buffer.release(self._client)
+                    self.write_buffer.release(self._client)
                     self._client.close()
                 finally:
                     self._client = None

@@ -222,7 +222,7 @@ class WorkerSide:
         if self.cluster_config is not None:
             from .cluster_store import ClusterStore
 
-            self.cluster = ClusterStore(self.cluster_config, self.extra_config["kv_fingerprint"])
+            self.cluster = ClusterStore(self.cluster_config, self.extra_config["kv_fingerprint"], reads_to=self.device)
             self.cluster.available  # noqa: B018 - connects in the background; a load before that is a miss
         self._loader = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="inferscale-fetch")
         logger.info("InferScale worker: %d layers on %s (facts in %s, cache %s), block size %d, device budget %s, "

@@ -2,14 +2,18 @@
 trips, fingerprints that keep models apart, removes that really remove, and a store that is away is a miss."""
 from __future__ import annotations
 
+import json
+import struct
 import time
+import warnings
 
 import pytest
 import torch
-from support.fact_store import assert_same, make_fact
+from support.fact_store import D, H, L, assert_same, make_fact
 from support.mooncake_fixture import raw_client
 
 from inferscale_core.cluster_store import P2P_METADATA, ClusterConfig, ClusterStore, kv_fingerprint, pack, unpack
+from inferscale_core.types import EncodedFact
 
 FP_A, FP_B = "a" * 16, "b" * 16
 
@@ -127,9 +131,9 @@ def test_a_read_lands_in_the_registered_buffer_and_is_what_the_writer_put(tier):
 
 
 def test_a_read_larger_than_the_buffer_grows_it_and_one_larger_than_its_limit_takes_rounds(mooncake):
-    from inferscale_core.cluster_store import BUFFER_SHARE, ReadBuffer
+    from inferscale_core.cluster_store import BUFFER_SHARE, RegisteredBuffer
 
-    mib = ReadBuffer.GRAIN_BYTES
+    mib = RegisteredBuffer.GRAIN_BYTES
     s = ClusterStore(ClusterConfig.from_dict({**mooncake.config, "buffer_bytes": 4 * mib}), FP_A)
     assert s.wait_available(60)
     try:
@@ -154,6 +158,132 @@ def test_a_read_larger_than_the_buffer_grows_it_and_one_larger_than_its_limit_ta
     finally:
         s.close()
     assert buf.memory is None  # unregistered with the client
+
+
+def documented_object(fingerprint: str, user_id: str, kv_id: str, fact) -> bytes:
+    """The object format as documented (module docstring, docs/deploy.md), built here apart from the code that
+    writes it: magic, the JSON header's length (uint32 LE), the header, token ids (int64), K, V, raw bytes."""
+    head = json.dumps({"format": "inferscale-kv-v1", "fingerprint": fingerprint, "user_id": user_id, "kv_id": kv_id,
+                       "dtype": str(fact.k_pre.dtype).removeprefix("torch."), "shape": list(fact.k_pre.shape)})
+    raw = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in (fact.token_ids.to(torch.int64), fact.k_pre,
+                                                                         fact.v)]
+    return b"ISKV1\n" + struct.pack("<I", len(head.encode())) + head.encode() + b"".join(raw)
+
+
+def test_objects_written_from_the_write_buffer_are_the_format_byte_for_byte(tier, mooncake):
+    """put_many packs each object into its registered write buffer and Mooncake sends it from there: the bytes
+    Mooncake holds are the documented format exactly (every dtype, NaN payloads and signed zeros, keys that were a
+    non-contiguous view, int32 token ids), `pack` gives the same bytes, and the reader reads them back bit for bit."""
+    facts = {f"w{i}@v1": make_fact(6 + i, dtype=dt, seed=60 + i)
+             for i, dt in enumerate([torch.float32, torch.bfloat16, torch.float16])}
+    facts["w0@v1"].k_pre[0, 0, 0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    strided = make_fact(5, seed=70)
+    facts["w3@v1"] = EncodedFact(strided.token_ids.to(torch.int32),
+                                 strided.k_pre.transpose(1, 2).contiguous().transpose(1, 2), strided.v)
+    assert not facts["w3@v1"].k_pre.is_contiguous()
+    assert tier.put_many("wendy", list(facts.items())) == [True] * 4
+    assert tier.write_buffer.registrations >= 1
+    client = raw_client(mooncake.config)
+    try:
+        for kv, fact in facts.items():
+            want = documented_object(FP_A, "wendy", kv, fact)
+            assert client.get(tier.key("wendy", kv)) == want
+            assert pack(FP_A, "wendy", kv, fact) == want
+    finally:
+        client.close()
+    got = tier.get_many("wendy", list(facts))
+    assert all(have is not None and same_bits(have, EncodedFact(want.token_ids.to(torch.int64), want.k_pre, want.v))
+               for have, want in zip(got, facts.values()))
+
+
+def test_the_write_buffer_is_registered_once_and_reused(mooncake):
+    """Like the read buffer: registered at the first write, reused by writes of other users of the same size (no
+    new registration, the same memory), grown when a round needs more, never past its limit (larger writes go in
+    rounds), unregistered at close; what went through it reads back exact."""
+    from inferscale_core.cluster_store import RegisteredBuffer
+
+    mib = RegisteredBuffer.GRAIN_BYTES
+    s = ClusterStore(ClusterConfig.from_dict({**mooncake.config, "buffer_bytes": 4 * mib}), FP_A)
+    assert s.wait_available(60)
+    buf = s.write_buffer
+    facts = {f"p{i}@v1": make_fact(1000, seed=80 + i) for i in range(12)}  # 12 x 392 KB, 1.6 limits
+    ids = list(facts)
+    try:
+        assert buf.limit == 3 * mib and buf.memory is None
+
+        def write(user, n):
+            assert s.put_many(user, [(kv, facts[kv]) for kv in ids[:n]]) == [True] * n
+            return buf.registrations, buf.memory.numel(), buf.memory.data_ptr()
+
+        first = write("p-a", 2)
+        assert first[:2] == (1, mib)
+        assert write("p-b", 2) == first  # another user, same size: the same registered memory
+        assert write("p-c", 4)[:2] == (2, 2 * mib)  # 1.6 MB: grown
+        assert write("p-d", 12)[:2] == (3, buf.limit)  # over the limit: rounds, grown to the limit and no further
+        assert write("p-e", 12)[:2] == (3, buf.limit) and write("p-f", 3)[:2] == (3, buf.limit)
+        for user in ("p-a", "p-d", "p-f"):
+            n = {"p-a": 2, "p-d": 12, "p-f": 3}[user]
+            assert all(same_bits(f, facts[kv]) for f, kv in zip(s.get_many(user, ids[:n]), ids[:n]))
+        assert s.counters["errors"] == 0 and s.counters["put_failures"] == 0
+    finally:
+        s.close()
+    assert buf.memory is None  # unregistered with the client
+
+
+def test_a_refused_object_is_answered_per_key_and_a_dead_master_fails_the_put(tmp_path):
+    """Mooncake answers batch_put_from per object. One object larger than every segment (the master has no room
+    for it) is refused alone: the objects beside it in the same round are stored and reported stored, and, as after
+    any failed call, the store counts as down until its probe answers. Then the master dies: a put is refused
+    whole (the store down, misses at once after)."""
+    from inferscale_server.local_mooncake import local_mooncake
+
+    with local_mooncake(segment_bytes=16 << 20) as m:
+        s = ClusterStore(ClusterConfig.from_dict({**m.config, "replicas": 1}), FP_A)  # buffer: 64 MiB, limit 48
+        assert s.wait_available(60)
+        try:
+            small = {"s1@v1": make_fact(5, seed=1), "s2@v1": make_fact(4, seed=2, dtype=torch.bfloat16)}
+            big = make_fact((20 << 20) // (2 * L * H * D * 4), seed=3)  # 20 MiB: under the buffer, over the segment
+            assert s.put_many("u", [("s1@v1", small["s1@v1"]), ("big@v1", big), ("s2@v1", small["s2@v1"])]) == [
+                True, False, True]
+            # Down, as after any failed call, until the probe answers (at once here: the master is up).
+            assert (s.counters["puts"], s.counters["put_failures"], s.counters["errors"]) == (2, 1, 1)
+            assert s.wait_available(60)
+            got = s.get_many("u", ["s1@v1", "big@v1", "s2@v1"])
+            assert got[1] is None and same_bits(got[0], small["s1@v1"]) and same_bits(got[2], small["s2@v1"])
+            m.stop_master()
+            assert s.put_many("u", [("t1@v1", make_fact(3)), ("t2@v1", make_fact(3))]) == [False, False]
+            assert not s.available and s.counters["errors"] >= 2 and s.counters["put_failures"] == 3
+            t = time.monotonic()
+            assert s.put_many("u", [("t1@v1", make_fact(3))]) == [False]
+            assert time.monotonic() - t < 1.0
+        finally:
+            s.close()
+
+
+def test_the_read_buffer_is_pinned_for_a_cuda_reader_only(mooncake):
+    """On a CUDA worker the read buffer is page-locked, so the copy from it to the device is a DMA; any other
+    device keeps ordinary memory, quietly (a CPU-only torch cannot pin). Asking for CUDA where torch sees none is
+    refused by name. The CUDA branch runs only on a machine with CUDA."""
+    fact = make_fact(4, seed=90)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_A, reads_to=torch.device("cpu"))
+        try:
+            assert s.wait_available(60) and s.put_many("pin", [("f@v1", fact)]) == [True]
+            assert same_bits(s.get_many("pin", ["f@v1"])[0], fact)
+            assert not s.read_buffer.pinned and not s.read_buffer.memory.is_pinned()
+        finally:
+            s.close()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="reads_to is cuda, but torch sees no CUDA device"):
+            ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_A, reads_to="cuda")
+        return
+    s = ClusterStore(ClusterConfig.from_dict(mooncake.config), FP_A, reads_to="cuda:0")
+    try:
+        assert s.wait_available(60) and same_bits(s.get_many("pin", ["f@v1"])[0], fact)
+        assert s.read_buffer.pinned and s.read_buffer.memory.is_pinned()
+    finally:
+        s.close()
 
 
 def test_misses_and_foreign_or_corrupt_objects_in_one_read(tier, mooncake):
