@@ -245,6 +245,24 @@ class ClusterConfig:
     # One copy is lost with its node (a node's segment dies with it: those facts are re-encoded); two keep
     # every fact readable when one node dies, at twice the pool memory (docs/architecture.md, "What survives").
     replicas: int = 2
+    # Every segment's memory together (the chart: its worker groups' minReplicas pods, the smallest cluster it
+    # runs); 0: not known. Each user's KV in the tier is bounded by pool_bytes / (replicas x tenants): the encoder
+    # pool removes that user's own least recently used objects before it writes past it (services/kv_tier_share.py),
+    # so one tenant's flood never makes the master's LRU (one over every user) evict the others' KV.
+    pool_bytes: int = 0
+    # Users whose KV the pool is sized to hold at once: each may take 1/tenants of the distinct KV the pool holds
+    # (16: a flood of one user takes at most ~6% of it; more active users than this share the master's LRU).
+    tenants: int = 16
+    # Each user's KV in the tier, in bytes, instead of the fair share above; null with pool_bytes 0: no bound.
+    max_bytes_per_user: int | None = None
+
+    def user_cap(self) -> int | None:
+        """The bytes of KV one user may hold in the tier: max_bytes_per_user, else the user's fair share of the
+        distinct KV the pool holds, pool_bytes / (replicas x tenants) (every object is stored `replicas` times);
+        None without either (no per-user bound)."""
+        if self.max_bytes_per_user is not None:
+            return self.max_bytes_per_user
+        return self.pool_bytes // (self.replicas * self.tenants) if self.pool_bytes else None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "ClusterConfig | None":
@@ -263,6 +281,13 @@ class ClusterConfig:
         replicas = d.get("replicas", 2)
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"cluster_store.replicas must be an integer >= 1 (copies of each object), got {replicas!r}")
+        for name, low, what in (("pool_bytes", 0, "every segment's memory together; 0: not known"),
+                                ("tenants", 1, "users whose KV the pool is sized to hold at once"),
+                                ("max_bytes_per_user", 1, "a user's KV in the tier; null: the fair share")):
+            value = d.get(name)
+            if name in d and not (name == "max_bytes_per_user" and value is None) and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"cluster_store.{name} must be an integer >= {low} ({what}), got {value!r}")
         return cls(**d)
 
 
@@ -600,6 +625,13 @@ class ClusterStore:
         if versions is not None and not versions:
             return
         self._remove(self._fact_pattern(user_id, fact_id, versions))
+
+    def remove_kvs(self, user_id: str, kv_ids: list[str]) -> None:
+        """Removes these fact versions' objects of this fingerprint only (a user's share of the tier: the pool's
+        own writes, not another release's), in one remove."""
+        if kv_ids:
+            names = "|".join(re.escape(self.key(user_id, kv).rpartition("/")[2]) for kv in kv_ids)
+            self._remove(f"^{KEY_ROOT}/{self.fingerprint}/{_h(user_id)}/({names})$")
 
     def remove_user(self, user_id: str) -> None:
         """Removes every object of the user, under every fingerprint."""

@@ -182,11 +182,13 @@ class ServiceConfig:
                 **({"auth": dict(self.auth)} if self.auth else {}),
                 **({"http": dict(self.http)} if self.http else {})}
 
-    def encoder_pool_config(self):
-        """The EncoderPool's config (services/encoder_pool.py: checked when made)."""
+    def encoder_pool_config(self, registry_url: str | None = None):
+        """The EncoderPool's config (services/encoder_pool.py: checked when made); `registry_url`: where it books
+        each user's share of the cluster tier."""
         from .encoder_pool import EncoderPoolConfig
 
-        return EncoderPoolConfig(model_path=self.model_path, dtype=self.dtype, cluster_store=dict(self.cluster_store))
+        return EncoderPoolConfig(model_path=self.model_path, dtype=self.dtype, cluster_store=dict(self.cluster_store),
+                                 registry_url=registry_url)
 
     def retrieval_config(self, registry_url: str):
         """The Retrieval deployment's config (services/retrieval.py: checked when made)."""
@@ -258,7 +260,13 @@ def cluster_store_for(values: dict, release: str) -> dict:
     if not m.get("enabled"):
         return {}
     host = f"{release}-mooncake"
-    return {"master": f"{host}:{m['rpcPort']}", "lease_s": float(m["leaseSeconds"]), "replicas": int(m["replicas"])}
+    ray = values["ray"]
+    gib = int(ray["cpuWorkers"]["minReplicas"]) * int(m["cpuSegmentGiB"])
+    if int(ray["gpuWorkers"]["maxReplicas"]) > 0:
+        gib += int(ray["gpuWorkers"]["minReplicas"]) * int(m["segmentGiB"])
+    # Each user's share is derived from the pool the cluster always has: its worker groups' minReplicas pods.
+    return {"master": f"{host}:{m['rpcPort']}", "lease_s": float(m["leaseSeconds"]), "replicas": int(m["replicas"]),
+            "pool_bytes": gib << 30, "tenants": int(m["tenants"])}
 
 
 def auth_args_for(values: dict) -> dict:
@@ -325,7 +333,8 @@ def build_app(cfg: ServiceConfig):
                                                          engine_spec.max_ongoing_requests)}), **opts["EngineReplica"]}
     # One checked config per deployment: a mistake raises here, before Serve starts anything. (The decorator
     # form, serve.deployment(**options)(cls): the one Ray's annotations describe.)
-    encoder = serve.deployment(name="EncoderPool", **opts["EncoderPool"])(EncoderPool).bind(cfg.encoder_pool_config())
+    encoder = serve.deployment(name="EncoderPool", **opts["EncoderPool"])(EncoderPool).bind(
+        cfg.encoder_pool_config(registry_url))
     retrieval = serve.deployment(name="Retrieval", **opts["Retrieval"])(Retrieval).bind(
         cfg.retrieval_config(registry_url))
     engine = serve.deployment(name="EngineReplica", **opts["EngineReplica"])(EngineReplica).bind(

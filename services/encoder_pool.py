@@ -33,6 +33,7 @@ import torch
 from inferscale_core.types import EncodedFact, kv_id
 
 from .fair_queue import FairBatcher
+from .kv_tier_share import TierShare
 
 log = logging.getLogger("inferscale.encoder_pool")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,6 +94,8 @@ class EncoderPoolConfig:
     prefix_window: bool = True  # facts encoded behind the instruction prefix
     max_fact_tokens: int = 256
     cluster_store: dict = field(default_factory=dict)  # ClusterConfig fields; empty: no cluster tier
+    # Where each user's share of the cluster tier is booked (services/kv_tier_share.py); None: no per-user bound.
+    registry_url: str | None = None
 
     def __post_init__(self):
         from inferscale_core.cluster_store import ClusterConfig
@@ -229,10 +232,11 @@ class EncoderCore:
     replica's unit tests call it directly (tests/unit/test_replica_core.py); EncoderPool below is the Serve deployment
     built from a config. Every user's facts go through one fair scheduler (`batcher`): one batch runs at a time."""
 
-    def __init__(self, fe: FactEncoder, cluster=None, metrics=None):
+    def __init__(self, fe: FactEncoder, cluster=None, metrics=None, share: TierShare | None = None):
+        """`share`: each user's bound in the cluster tier, applied before every write there (None: unbounded)."""
         from .metrics import EncoderMetrics
 
-        self.fe, self.cluster = fe, cluster
+        self.fe, self.cluster, self.share = fe, cluster, share
         self.metrics = metrics if metrics is not None else EncoderMetrics()
         self.batcher: FairBatcher[PreparedFact, EncodedFact | EncodeFailure] = FairBatcher(
             self._encode_batch, ROUND_TOKENS, QUANTUM_TOKENS)
@@ -266,6 +270,9 @@ class EncoderCore:
             return encoded
         good = [(i, kv_id(f, v), e) for i, ((f, v, _, _), e) in enumerate(zip(facts, encoded))
                 if not isinstance(e, EncodeFailure)]
+        if self.share is not None:  # room within the user's own share first, never at another user's cost
+            await asyncio.to_thread(self.share.make_room, user_id, [
+                (facts[i][0], int(facts[i][1]), e.nbytes) for i, _, e in good])
         stored = await asyncio.to_thread(self.cluster.put_many, user_id, [(k, e) for _, k, e in good])
         out: list[StoredKV | EncodedFact | EncodeFailure] = list(encoded)
         for (i, _, e), ok in zip(good, stored):
@@ -280,7 +287,9 @@ class EncoderCore:
         return self.fe.fingerprint
 
     async def cluster_stats(self) -> dict | None:
-        return dict(self.cluster.counters) if self.cluster is not None else None
+        if self.cluster is None:
+            return None
+        return {**self.cluster.counters, **(self.share.counters if self.share is not None else {})}
 
     async def check(self, texts: list[str]) -> list[str | int]:
         """Per text: why it cannot be encoded, or its KV bytes (tokenizer only, no forward)."""
@@ -304,4 +313,12 @@ class EncoderPool(EncoderCore):
         fe = FactEncoder(config.model_path, config.device, config.dtype, config.store_dtype, config.prefix_window,
                          config.max_fact_tokens)
         cluster = ClusterConfig.from_dict(config.cluster_store or None)
-        super().__init__(fe, ClusterStore(cluster, fe.fingerprint) if cluster else None)
+        store = ClusterStore(cluster, fe.fingerprint) if cluster else None
+        cap = cluster.user_cap() if cluster else None
+        share = None
+        if store is not None and cap is not None and config.registry_url:
+            from .registry import open_registry
+
+            share = TierShare(open_registry(config.registry_url), store, cap)
+            log.info("cluster KV tier: each user's KV there bounded to %d bytes", cap)
+        super().__init__(fe, store, share=share)

@@ -1,6 +1,6 @@
 """What an engine replica records of its users: the facts it serves them from (`UserBooks`: per user, the registry's
 servable facts at the last sync, the locks that order a user's work) and the KV it keeps in its worker store
-(`ResidentKV`: least recently used first, under a byte budget). Only bookkeeping: no I/O here."""
+(`ResidentKV`: under a byte budget, the user holding the most pays first). Only bookkeeping: no I/O here."""
 from __future__ import annotations
 
 import asyncio
@@ -52,80 +52,88 @@ class UserBooks:
         self.maybe_on_disk.pop(user_id, None)
 
 
-# A user's fair share of a replica's resident KV: over budget, the facts of users above it leave first (their
-# least recently used), and only then the least recently used of all. A user alone may use the whole budget; one
-# whose requests name ever new facts recycles its own share instead of flushing everyone else's KV.
-USER_SHARE = 0.25
-
-
 class ResidentKV:
-    """The facts this replica put into its worker store, least recently used first, and their KV bytes. Over
-    `budget_bytes` facts leave (the caller deletes them from the worker store): first the least recently used of
-    users holding more than USER_SHARE of the budget, then the least recently used of all; a fact found in the
-    worker store's disk tier, whose size is not known here, counts as the average fact."""
+    """The facts this replica put into its worker store, per user least recently used first, and their KV bytes.
+    Over `budget_bytes` facts leave (the caller deletes them from the worker store), each time the least recently
+    used fact of the user holding the most: every user holding KV has the same share of the budget (budget / users),
+    so the user furthest beyond it pays first (issue 31). A tenant whose requests name ever new facts recycles its
+    own KV and never flushes the others', however many tenants there are; a user alone still uses the whole budget.
+    A fact found in the worker store's disk tier, whose size is not known here, counts as the average fact."""
 
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
             raise ValueError(f"the KV budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        self._lru: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self._user_bytes: dict[str, list[int]] = {}  # user -> [KV bytes, facts] held
+        self._held: dict[str, OrderedDict[str, int]] = {}  # user -> kv_id -> bytes, least recently used first
+        self._user_bytes: dict[str, int] = {}
+        self._count = 0
         self.bytes = 0
 
     def has(self, user_id: str, kv: str) -> bool:
-        return (user_id, kv) in self._lru
+        return kv in self._held.get(user_id, ())
 
     def touch(self, user_id: str, kvs: list[str]) -> None:
-        for kv in kvs:
-            if (user_id, kv) in self._lru:
-                self._lru.move_to_end((user_id, kv))
+        held = self._held.get(user_id)
+        if held is not None:
+            for kv in kvs:
+                if kv in held:
+                    held.move_to_end(kv)
 
     def add(self, user_id: str, items: list[tuple[str, int | None]]) -> list[tuple[str, str]]:
         """Records `(kv_id, bytes or None)`; returns the (user, kv_id) to evict, never one of these."""
         for kv, nbytes in items:
             if nbytes is None:
-                nbytes = self.bytes // len(self._lru) if self._lru else 0
-            self._drop((user_id, kv))
-            self._lru[(user_id, kv)] = nbytes
+                nbytes = self.bytes // self._count if self._count else 0
+            self._drop(user_id, kv)
+            self._held.setdefault(user_id, OrderedDict())[kv] = nbytes
+            self._user_bytes[user_id] = self._user_bytes.get(user_id, 0) + nbytes
             self.bytes += nbytes
-            held = self._user_bytes.setdefault(user_id, [0, 0])
-            held[0] += nbytes
-            held[1] += 1
-        keep = {(user_id, kv) for kv, _ in items}
-        share = self.budget_bytes * USER_SHARE
+            self._count += 1
+        keep = {kv for kv, _ in items}
         out: list[tuple[str, str]] = []
-        for over_share_only in (True, False):  # two passes over the LRU order: O(facts held)
-            for key in list(self._lru):
-                if self.bytes <= self.budget_bytes:
-                    return out
-                if key not in keep and (not over_share_only or self._user_bytes[key[0]][0] > share):
-                    self._drop(key)
-                    out.append(key)
+        while self.bytes > self.budget_bytes:
+            victim = self._victim(user_id, keep)
+            if victim is None:  # only the facts just added are left: kept, over budget
+                break
+            self._drop(*victim)
+            out.append(victim)
         return out
 
-    def _drop(self, key: tuple[str, str]) -> None:
-        nbytes = self._lru.pop(key, None)
+    def _victim(self, adding: str, keep: set[str]) -> tuple[str, str] | None:
+        """The least recently used fact of the user holding the most bytes (on a tie, `adding`), the facts `adding`
+        just added aside."""
+        candidates = dict(self._user_bytes)
+        while candidates:
+            user = max(candidates, key=lambda u: (candidates[u], u == adding))
+            for kv in self._held[user]:
+                if user != adding or kv not in keep:
+                    return user, kv
+            del candidates[user]
+        return None
+
+    def _drop(self, user_id: str, kv: str) -> None:
+        held = self._held.get(user_id)
+        nbytes = held.pop(kv, None) if held is not None else None
         if nbytes is None:
             return
         self.bytes -= nbytes
-        held = self._user_bytes[key[0]]
-        held[0] -= nbytes
-        held[1] -= 1
-        if not held[1]:
-            del self._user_bytes[key[0]]
+        self._count -= 1
+        self._user_bytes[user_id] -= nbytes
+        if not held:
+            del self._held[user_id], self._user_bytes[user_id]
 
     def user_bytes(self, user_id: str) -> int:
-        return self._user_bytes.get(user_id, [0, 0])[0]
+        return self._user_bytes.get(user_id, 0)
 
     def discard(self, user_id: str, kvs) -> None:
         for kv in kvs:
-            self._drop((user_id, kv))
+            self._drop(user_id, kv)
 
     def kvs_of(self, user_id: str) -> list[str]:
-        return [kv for u, kv in self._lru if u == user_id]
+        return list(self._held.get(user_id, ()))
 
     def drop_user(self, user_id: str) -> None:
         self.discard(user_id, self.kvs_of(user_id))
 
     def count(self) -> int:
-        return len(self._lru)
+        return self._count

@@ -103,6 +103,7 @@ class KVPath:
                 # or move from here.
                 kvs = [kv_id(f, h.version) for f, h in todo]
                 maybe.difference_update(kvs)
+                self.background.run(self.touch_in_cluster(user_id, [f for f, _ in todo]))
                 return steps, kvs
             ask = [kv_id(f, h.version) for f, h in todo if kv_id(f, h.version) in maybe]
             if ask:  # the disk tier may have them: the worker store says which it still holds
@@ -117,6 +118,15 @@ class KVPath:
             await self.encode_and_put(user_id, todo)
             step("kv_fetch_encode")
             return steps, []
+
+    async def touch_in_cluster(self, user_id: str, fact_ids: list[str]) -> None:
+        """Marks these facts used in the user's cluster-tier books (services/kv_tier_share.py), so that a user
+        over its share loses the facts it reads least, not these; off the request's path, and a failure only
+        makes them look older."""
+        try:
+            await asyncio.to_thread(self.registry.kv_tier_touch, user_id, fact_ids)
+        except Exception as e:  # noqa: BLE001 - a hint for the share's LRU order, never a request's failure
+            log.warning("marking %d facts of a user used in the cluster tier's books failed: %s", len(fact_ids), e)
 
     def book_fetched(self, user_id: str, params, kvs: list[str]) -> None:
         """Counts the facts the worker loads for this request as resident (their bytes from their token counts),

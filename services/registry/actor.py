@@ -109,6 +109,15 @@ class ActorRegistry(Registry):
     def user_kv_bytes(self, user_id):
         return self._call("user_kv_bytes", user_id)
 
+    def kv_tier_admit(self, user_id, items, cap):
+        return self._call("kv_tier_admit", user_id, items, cap)
+
+    def kv_tier_touch(self, user_id, fact_ids):
+        return self._call("kv_tier_touch", user_id, fact_ids)
+
+    def kv_tier_bytes(self, user_id):
+        return self._call("kv_tier_bytes", user_id)
+
     def tombstones_after(self, cursor, limit=1000):
         return self._call("tombstones_after", cursor, limit)
 

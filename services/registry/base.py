@@ -430,6 +430,26 @@ class Registry(ABC):
         replica that was away longer than the log keeps). Conservative: True costs the reader a reconcile of what
         it holds against the registry, never a fact; False is sure."""
 
+    # --- the cluster KV tier's books: per user, the fact versions whose objects the encoder pool wrote there ---
+
+    @abstractmethod
+    def kv_tier_admit(self, user_id: str, items: builtins.list[tuple[str, int, int]],
+                      cap: int) -> builtins.list[str]:
+        """Books `(fact_id, version, bytes)` the encoder pool is about to write to the cluster tier (a fact's
+        earlier entry is replaced: one object per fact), as used now; then, while the user's booked bytes are
+        over `cap`, unbooks the user's least recently used other facts and returns their kv_ids (`fact@vN`),
+        which the caller removes from the tier. Only this user's facts, never another's. Atomic. The books may
+        count objects the master evicted or that were never written: the user then holds less than `cap` in
+        the tier, never more (the facts being written are kept even when they alone pass it). A deleted fact's entry goes with it (delete, delete_user)."""
+
+    @abstractmethod
+    def kv_tier_touch(self, user_id: str, fact_ids: builtins.list[str]) -> None:
+        """Marks these booked facts used now (a request read them from the cluster tier)."""
+
+    @abstractmethod
+    def kv_tier_bytes(self, user_id: str) -> int:
+        """The bytes booked for the user in the cluster tier."""
+
     # --- placement map: user -> engine replicas that hold the user's KV store ---
 
     @abstractmethod
@@ -458,6 +478,19 @@ class Registry(ABC):
         pass
 
     # shared helpers
+    @staticmethod
+    def _checked_admit(user_id: str, items, cap) -> builtins.list[tuple[str, int, int]]:
+        check_id("user_id", user_id)
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"the cluster tier's cap per user must be an int >= 0 bytes, got {cap!r}")
+        out = []
+        for fact_id, version, nbytes in items:
+            check_id("fact_id", fact_id)
+            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                raise ValueError(f"version must be an int >= 1, got {version!r}")
+            out.append((fact_id, version, _check_kv_bytes(nbytes)))
+        return out
+
     @staticmethod
     def _checked_update(user_id: str, fact_id: str, text, metadata, embedding, window=None,
                         expires_at=None) -> np.ndarray | None:

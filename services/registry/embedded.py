@@ -5,9 +5,11 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import replace
 
 from inferscale_core.errors import UnknownFactError, check_id
+from inferscale_core.types import kv_id
 
 from .base import (
     IDEMPOTENCY_PURGE_PER_CREATE,
@@ -42,6 +44,8 @@ class EmbeddedRegistry(Registry):
         self._placement: dict[str, set[str]] = {}
         # user -> idempotency key -> the add that used it, in the order written (so oldest, first to expire, first)
         self._idem: dict[str, dict[str, IdempotentAdd]] = {}
+        # user -> fact_id -> (version, bytes) booked in the cluster KV tier, least recently used first
+        self._kv_tier: dict[str, OrderedDict[str, tuple[int, int]]] = {}
 
     def _owned(self, user_id, fact_id):
         rec = self._facts.get(fact_id)
@@ -248,6 +252,7 @@ class EmbeddedRegistry(Registry):
             self._bytes[user_id] = (self._bytes.get(user_id, 0) - fact_bytes(rec)
                                     - sum(len(v.to_json()) for v in kept))
             self._kv_bytes[user_id] = self._kv_bytes.get(user_id, 0) - rec.kv_bytes
+            self._kv_tier.get(user_id, {}).pop(fact_id, None)
             self._tomb(Tombstone(user_id, fact_id, rec.version, gone=True))
             self._bump(user_id)
             return rec
@@ -262,6 +267,7 @@ class EmbeddedRegistry(Registry):
                 del self._seq[f]
             self._bytes.pop(user_id, None)
             self._kv_bytes.pop(user_id, None)
+            self._kv_tier.pop(user_id, None)
             self._placement.pop(user_id, None)
             self._idem.pop(user_id, None)
             self._tomb(Tombstone(user_id, gone=True))
@@ -272,6 +278,37 @@ class EmbeddedRegistry(Registry):
         check_id("user_id", user_id)
         with self._lock:
             return self._kv_bytes.get(user_id, 0)
+
+    def kv_tier_admit(self, user_id, items, cap):
+        items = self._checked_admit(user_id, items, cap)
+        with self._lock:
+            booked = self._kv_tier.setdefault(user_id, OrderedDict())
+            for fact_id, version, nbytes in items:
+                booked.pop(fact_id, None)
+                booked[fact_id] = (version, nbytes)
+            total = sum(n for _, n in booked.values())
+            new = {f for f, _, _ in items}
+            out = []
+            for fact_id in [f for f in booked if f not in new]:  # least recently used first
+                if total <= cap:
+                    break
+                version, nbytes = booked.pop(fact_id)
+                total -= nbytes
+                out.append(kv_id(fact_id, version))
+            return out
+
+    def kv_tier_touch(self, user_id, fact_ids):
+        check_id("user_id", user_id)
+        with self._lock:
+            booked = self._kv_tier.get(user_id, {})
+            for fact_id in fact_ids:
+                if fact_id in booked:
+                    booked.move_to_end(fact_id)
+
+    def kv_tier_bytes(self, user_id):
+        check_id("user_id", user_id)
+        with self._lock:
+            return sum(n for _, n in self._kv_tier.get(user_id, {}).values())
 
     def tombstones_after(self, cursor, limit=1000):
         with self._lock:

@@ -107,9 +107,10 @@ def bucket_of(user_id: str) -> int:
 # a fact deleted and created again under its id has a new one); else it returns 0 and the delete reads again,
 # as a WATCH that saw the fact move would. Everything that changes the bytes the delete subtracts (text,
 # metadata, window, history, kv_bytes) is an update, which raises the version.
+KV_TIER_KINDS = ("kvtier", "kvtierv", "kvtiersum")  # the user's cluster-tier books (KV_TIER_ADMIT)
 DELETE_FACT = """
 -- KEYS: fact, history, user's facts (zset), user bytes, user kv bytes, tombstones, user version, the fact id's
---       owners (set), user's expiring facts (zset)
+--       owners (set), user's expiring facts (zset), the user's cluster-tier books (zset, hash, bytes)
 -- ARGV: user_id, fact_id, version, creation sequence (-1: not listed), bytes, kv bytes, tombstones kept
 local seq = redis.call('ZSCORE', KEYS[3], ARGV[2])
 if redis.call('HGET', KEYS[1], 'user_id') ~= ARGV[1]
@@ -123,6 +124,12 @@ redis.call('SREM', KEYS[8], ARGV[1])
 redis.call('ZREM', KEYS[9], ARGV[2])
 redis.call('DECRBY', KEYS[4], ARGV[5])
 redis.call('DECRBY', KEYS[5], ARGV[6])
+local booked = redis.call('HGET', KEYS[11], ARGV[2])
+if booked then
+  redis.call('DECRBY', KEYS[12], string.match(booked, ':(%d+)$'))
+  redis.call('HDEL', KEYS[11], ARGV[2])
+  redis.call('ZREM', KEYS[10], ARGV[2])
+end
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[7], '*', 'user', ARGV[1], 'fact', ARGV[2], 'upto', ARGV[3],
            'gone', '1')
 redis.call('INCR', KEYS[7])
@@ -136,10 +143,11 @@ return 1
 # ones it was: every Redis does (only the scripting docs' advice is stricter).
 DELETE_USER = """
 -- KEYS: user's facts (zset), user bytes, user kv bytes, placement, placed users, tombstones, user version,
---       user's expiring facts (zset), user's idempotency keys (hash), their expiry (zset)
+--       user's expiring facts (zset), user's idempotency keys (hash), their expiry (zset), the user's
+--       cluster-tier books (zset, hash, bytes)
 -- ARGV: user_id, fact key prefix, history key prefix, tombstones kept, owners key prefix
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[8], KEYS[9], KEYS[10])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13])
 for _, f in ipairs(ids) do
   redis.call('DEL', ARGV[2] .. f, ARGV[3] .. f)
   redis.call('SREM', ARGV[5] .. f, ARGV[1])
@@ -150,6 +158,63 @@ redis.call('INCR', KEYS[7])
 return #ids
 """
 
+# The cluster KV tier's books of one user (Registry.kv_tier_admit): facts by last use, their "version:bytes", and the
+# bytes booked. The order of use is a logical clock per user (the highest score + 1), not a wall clock: two uses in
+# the same millisecond, or on two machines, still come in the order Redis ran them. Byte counts stay strings
+# (INCRBY/DECRBY of the caller's digits): a Lua number written back could come out in exponent form.
+KV_TIER_ADMIT = """
+-- KEYS: the user's booked facts by last use (zset), their "version:bytes" (hash), the bytes booked
+-- ARGV: cap, then fact_id, version, bytes of each fact about to be written
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local now = (tonumber(top[2]) or 0) + 1
+local new = {}
+for i = 2, #ARGV, 3 do
+  local f = ARGV[i]
+  local old = redis.call('HGET', KEYS[2], f)
+  if old then
+    local n = string.match(old, ':(%d+)$')
+    redis.call('DECRBY', KEYS[3], n)
+    total = total - tonumber(n)
+  end
+  redis.call('HSET', KEYS[2], f, ARGV[i + 1] .. ':' .. ARGV[i + 2])
+  redis.call('ZADD', KEYS[1], now, f)
+  redis.call('INCRBY', KEYS[3], ARGV[i + 2])
+  total = total + tonumber(ARGV[i + 2])
+  new[f] = true
+end
+local cap = tonumber(ARGV[1])
+local out = {}
+local skipped = 0  -- the facts just written, kept: always the first `skipped` of the range read next
+while total > cap do
+  local batch = redis.call('ZRANGE', KEYS[1], skipped, skipped + 63)
+  if #batch == 0 then break end
+  for _, f in ipairs(batch) do
+    if total <= cap then break end
+    if new[f] then
+      skipped = skipped + 1
+    else
+      local booked = redis.call('HGET', KEYS[2], f)
+      local version, n = string.match(booked, '^(%d+):(%d+)$')
+      redis.call('DECRBY', KEYS[3], n)
+      redis.call('HDEL', KEYS[2], f)
+      redis.call('ZREM', KEYS[1], f)
+      total = total - tonumber(n)
+      out[#out + 1] = f .. '@v' .. version
+    end
+  end
+end
+return out
+"""
+KV_TIER_TOUCH = """
+-- KEYS: the user's booked facts by last use (zset)   ARGV: the facts used now (only booked ones are marked)
+local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local now = (tonumber(top[2]) or 0) + 1
+for _, f in ipairs(ARGV) do
+  redis.call('ZADD', KEYS[1], 'XX', now, f)
+end
+return 1
+"""
 
 # Atomic, so that a concurrent add_placement cannot leave a placed user out of its bucket's set of placed users.
 REMOVE_PLACEMENT = """
@@ -277,6 +342,9 @@ class RedisRegistry(Registry):
       T:user/{user_id}/facts    zset  fact_id -> creation sequence (stable listing order, list_after's cursor)
       T:user/{user_id}/bytes    int   fact_bytes of the user's facts plus their history's bytes (the byte quota)
       T:user/{user_id}/kvbytes  int   kv_bytes of the user's facts (the KV quota)
+      T:user/{user_id}/kvtier   zset  fact_id -> last use (a logical clock) of the facts booked in the cluster KV tier
+      T:user/{user_id}/kvtierv  hash  fact_id -> "version:bytes" booked there (kv_tier_admit)
+      T:user/{user_id}/kvtiersum int  the bytes booked there
       T:user/{user_id}/ver      int   the user's change counter
       T:user/{user_id}/expiry   zset  fact_id -> expires_at, for the user's facts that expire (expired_facts)
       T:user/{user_id}/idem     hash  idempotency key -> the add that used it (IdempotentAdd JSON: fingerprint,
@@ -382,7 +450,9 @@ class RedisRegistry(Registry):
             client = redis.Redis.from_url(self._redis_url, retry=retry(), **kw)
         self._scripts = {"delete_fact": client.register_script(DELETE_FACT),
                          "delete_user": client.register_script(DELETE_USER),
-                         "remove_placement": client.register_script(REMOVE_PLACEMENT)}
+                         "remove_placement": client.register_script(REMOVE_PLACEMENT),
+                         "kv_tier_admit": client.register_script(KV_TIER_ADMIT),
+                         "kv_tier_touch": client.register_script(KV_TIER_TOUCH)}
         self.cluster = cluster
         return client
 
@@ -558,7 +628,7 @@ class RedisRegistry(Registry):
     def user_keys(self, user_id: str, fact_ids=()) -> list[str]:
         """Every key the registry may write for the user and these facts (one hash slot; what the tests check)."""
         return [*(self._user_key(user_id, k) for k in ("facts", "bytes", "kvbytes", "ver", "expiry", "idem",
-                                                       "idemexp")),
+                                                       "idemexp", *KV_TIER_KINDS)),
                 self._placement_key(user_id), *(self._key(user_id, n) for n in ("seq", "tombstones", "placed")),
                 *(k for f in fact_ids for k in (self._fact_key(user_id, f), self._history_key(user_id, f),
                                                 self._owners_key(user_id, f)))]
@@ -833,6 +903,22 @@ class RedisRegistry(Registry):
         check_id("user_id", user_id)
         return int(self.r.get(self._user_key(user_id, "kvbytes")) or 0)
 
+    def kv_tier_admit(self, user_id, items, cap):
+        items = self._checked_admit(user_id, items, cap)
+        keys = [self._user_key(user_id, k) for k in KV_TIER_KINDS]
+        args = [cap, *(x for item in items for x in item)]
+        return [v.decode() for v in self._write_script("kv_tier_admit", keys, args)]
+
+    def kv_tier_touch(self, user_id, fact_ids):
+        """A hint for the order of eviction: safe to run twice, not waited for (as the placements)."""
+        check_id("user_id", user_id)
+        if fact_ids:
+            self._script("kv_tier_touch", [self._user_key(user_id, "kvtier")], list(fact_ids))
+
+    def kv_tier_bytes(self, user_id):
+        check_id("user_id", user_id)
+        return int(self.r.get(self._user_key(user_id, "kvtiersum")) or 0)
+
     def tombstones_after(self, cursor, limit=1000):
         """Every bucket's stream from the cursor's last id of that bucket: on one Redis one XREAD over the BUCKETS
         streams; on a cluster one XRANGE per bucket, one pipeline per master. Oldest first within a bucket (so
@@ -1003,7 +1089,7 @@ class RedisRegistry(Registry):
         facts_key = self._user_key(user_id, "facts")
         keys = [key, hist_key, facts_key, self._user_key(user_id, "bytes"), self._user_key(user_id, "kvbytes"),
                 self._key(user_id, "tombstones"), self._user_key(user_id, "ver"), self._owners_key(user_id, fact_id),
-                self._user_key(user_id, "expiry")]
+                self._user_key(user_id, "expiry"), *(self._user_key(user_id, k) for k in KV_TIER_KINDS)]
         while True:
             with self.r.pipeline(transaction=False) as pipe:
                 pipe.hgetall(key)
@@ -1024,7 +1110,7 @@ class RedisRegistry(Registry):
                 self._key(user_id, "tombstones"),
                 self._user_key(user_id, "ver"),  # ver kept: replicas must still see the change
                 self._user_key(user_id, "expiry"), self._user_key(user_id, "idem"),
-                self._user_key(user_id, "idemexp")]
+                self._user_key(user_id, "idemexp"), *(self._user_key(user_id, k) for k in KV_TIER_KINDS)]
         return int(self._write_script("delete_user", keys, [user_id, self._fact_key(user_id, ""),
                                                             self._history_key(user_id, ""), TOMBSTONES_PER_BUCKET,
                                                             self._owners_key(user_id, "")]))

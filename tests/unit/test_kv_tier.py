@@ -525,7 +525,8 @@ def test_the_replicas_resident_kv_is_bounded_lru():
     r.touch("a", ["f@v1"])                                  # g is now the least recently used
     assert r.add("b", [("h@v1", 150)]) == [("a", "g@v1")]   # over 300: g leaves, never h (just added)
     assert (r.bytes, r.count()) == (250, 2) and r.has("a", "f@v1") and not r.has("a", "g@v1")
-    assert r.add("c", [("big@v1", 1000)]) == [("a", "f@v1"), ("b", "h@v1")]  # alone over budget: kept, the rest go
+    assert r.add("c", [("big@v1", 1000)]) == [("b", "h@v1"), ("a", "f@v1")]  # alone over budget: kept, the rest go
+    # (the user holding the most first: b's 150 bytes before a's 100)
     # unknown size (found in the disk tier) counts as the average fact (1000): big leaves for it
     assert r.add("c", [("disk@v1", None)]) == [("c", "big@v1")] and r.bytes == 1000
     r.drop_user("c")
@@ -535,12 +536,11 @@ def test_the_replicas_resident_kv_is_bounded_lru():
 
 
 def test_one_user_naming_ever_new_facts_recycles_its_own_share():
-    """Over budget, the facts of users above USER_SHARE of it leave first: a tenant whose requests name ever new
-    facts evicts its own, not the KV of the users beside it; alone, a user may still use the whole budget."""
-    from inferscale_server.engine_replica.books import USER_SHARE, ResidentKV
+    """Over budget, the user holding the most pays first: a tenant whose requests name ever new facts evicts its
+    own, not the KV of the users beside it; alone, a user may still use the whole budget."""
+    from inferscale_server.engine_replica.books import ResidentKV
 
     r = ResidentKV(budget_bytes=1000)
-    assert USER_SHARE == 0.25
     for user in ("a", "b", "c"):
         assert r.add(user, [(f"{user}1@v1", 100), (f"{user}2@v1", 100)]) == []
     evicted = []
@@ -554,3 +554,20 @@ def test_one_user_naming_ever_new_facts_recycles_its_own_share():
     assert alone.add("solo", [("s10@v1", 100)]) == [("solo", "s0@v1")]
     r.drop_user("flood")
     assert r.user_bytes("flood") == 0 and r.bytes == 600
+
+
+def test_many_tenants_flooding_at_once_never_flush_a_quiet_tenants_resident_kv():
+    """Eight tenants name ever new facts, in turns, beside a quiet user who holds less than any fair share (budget /
+    users): the quiet user's KV stays, the flooders recycle theirs and end up with even shares. (With a fixed share
+    of a quarter of the budget, nobody was over it and one LRU over all took the quiet user's facts, the oldest.)"""
+    from inferscale_server.engine_replica.books import ResidentKV
+
+    r = ResidentKV(budget_bytes=1000)
+    r.add("quiet", [("q1@v1", 40), ("q2@v1", 40)])
+    evicted = []
+    for i in range(30):
+        for n in range(8):
+            evicted += r.add(f"flood{n}", [(f"x{i}@v1", 50)])
+    assert r.has("quiet", "q1@v1") and r.has("quiet", "q2@v1") and r.bytes <= 1000
+    assert {u for u, _ in evicted} == {f"flood{n}" for n in range(8)}
+    assert {r.user_bytes(f"flood{n}") for n in range(8)} <= {100, 150}  # even: one fact apart at most

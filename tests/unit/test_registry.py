@@ -677,7 +677,7 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
     the users' buckets spread over the 3 masters; DeleteUser leaves no key of the user but its bucket's."""
     import redis
 
-    from inferscale_server.registry.redis_backend import bucket_of
+    from inferscale_server.registry.redis_backend import KV_TIER_KINDS, bucket_of
 
     # every key it may write, the owners index included (a gateway without authentication writes it)
     reg = RedisRegistry(redis_cluster_url, prefix=f"slot{uuid.uuid4().hex[:8]}:", index_owners=True)
@@ -693,6 +693,9 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
             reg.update(u, b.fact_id, expires_at=2e9)
         reg.update(u, a.fact_id, text="uno")  # a history entry and a tombstone
         reg.add_placement(u, "engine-0")
+        if u == users[0]:  # its cluster-tier books (the encoder pool's write), in the same slot
+            reg.kv_tier_admit(u, [(a.fact_id, 2, 100)], 1000)
+            reg.kv_tier_touch(u, [a.fact_id])
         facts[u] = [a.fact_id, b.fact_id]
     written = set()
     for addr in _cluster_nodes(redis_cluster_url):
@@ -700,7 +703,7 @@ def test_a_users_keys_are_in_one_slot_and_users_spread_over_the_masters(redis_cl
             written |= {k.decode() for k in node.scan_iter(match=f"{reg.prefix}*", count=1000)}
     expected = {k for u in users for k in reg.user_keys(u, facts[u])} - {
         reg._history_key(u, facts[u][1]) for u in users} - {  # the second fact was never updated: no history
-        reg._user_key(u, k) for u in users[1:] for k in ("expiry", "idem", "idemexp")}  # no expiry, no key
+        reg._user_key(u, k) for u in users[1:] for k in ("expiry", "idem", "idemexp", *KV_TIER_KINDS)}  # not written
     assert written == expected  # nothing global, nothing unnamed
     with redis.Redis.from_url(redis_cluster_url) as node:
         for u in users[:8]:

@@ -859,3 +859,53 @@ def test_a_tombstone_names_at_most_the_last_versions_of_a_fact(parts):
         assert core.engine.kvs(user) == {kv_id("l2", 1)}
 
     run(go())
+
+
+def test_a_tenant_over_its_cluster_share_loses_its_own_least_used_kv_and_others_answers_still_read_theirs(parts):
+    """The pool with a share (services/kv_tier_share.py): tenant A adds far more facts than its cap holds; B's facts
+    stay in the cluster tier and B's answers on a fresh replica read them from there (counters, injected). A's
+    least recently used go: a fact A's request read from the tier (touched) outlives A's older unread ones, and
+    A's removed facts are answered all the same (computed, then re-encoded once, again within A's share)."""
+    from inferscale_server.encoder_pool import EncoderCore
+    from inferscale_server.engine_replica import EngineReplicaConfig, ReplicaCore
+    from inferscale_server.kv_tier_share import TierShare
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    a, b = "flooder", "quiet"
+    size = parts.fe.encode([("Fact number 0 of the flood.", [])])[0].nbytes
+    cap = 4 * size + size // 2  # four facts (the longer numbers take a token more)
+    share = TierShare(registry, parts.cluster, cap)
+    encoder = EncoderCore(parts.fe, parts.cluster, share=share)
+
+    def core():
+        return ReplicaCore(EngineReplicaConfig(), DictEngine(parts.fe.template, parts.fe.prefix(),
+                                                             cluster=parts.cluster),
+                           handle(encoder), registry, parts.cluster, None)
+
+    def there(user, fact_ids):
+        return parts.raw.batch_is_exist([parts.cluster.key(user, kv_id(f, 1)) for f in fact_ids])
+
+    async def go():
+        writer = await core().start()
+        await add(parts, registry, writer, b, {"q1": "Quinn likes tea.", "q2": "Quinn has a dog."})
+        await add(parts, registry, writer, a, {f"x{i}": f"Fact number {i} of the flood." for i in range(4)})
+        reader = await core().start()
+        await answer(reader, a, ["x0"])  # A reads x0 from the tier: now its most recently used
+        await asyncio.gather(*reader.background.tasks)
+        await add(parts, registry, writer, a, {"x4": "Fact number 4 of the flood."})
+        assert await gone(parts, a, kv_id("x1", 1)) and there(a, ["x0", "x2", "x3", "x4"]) == [1] * 4  # not x0
+        for i in range(5, 20):  # the flood: 20 facts, 5 caps
+            await add(parts, registry, writer, a, {f"x{i}": f"Fact number {i} of the flood."})
+        assert registry.kv_tier_bytes(a) <= cap and share.counters["share_removed"] >= 16
+        assert all([await gone(parts, a, kv_id(f"x{i}", 1)) for i in range(4)])
+        assert there(a, ["x17", "x18", "x19"]) == [1, 1, 1] and there(b, ["q1", "q2"]) == [1, 1]
+        fresh = await core().start()
+        final = await answer(fresh, b, ["q1", "q2"])
+        c = await counts(fresh)
+        assert c["facts_from_cluster"] == 2 and c["facts_recomputed"] == 0 and final.prefilled_tokens < final.prompt_tokens
+        again = await answer(fresh, a, ["x1"])  # removed: computed (still answered), then re-encoded once
+        assert again.fact_ids == ["x1"] and again.prefilled_tokens == again.prompt_tokens
+        assert (await counts(fresh))["facts_recomputed"] == 1
+
+    run(go())

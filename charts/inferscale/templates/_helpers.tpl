@@ -334,6 +334,13 @@ tolerations:
 master: {{ printf "%s:%v" $host .Values.mooncake.rpcPort | quote }}
 lease_s: {{ float64 .Values.mooncake.leaseSeconds }}
 replicas: {{ int .Values.mooncake.replicas }}
+{{- $gpu := .Values.ray.gpuWorkers }}
+{{- $gib := mul (int .Values.ray.cpuWorkers.minReplicas) (int .Values.mooncake.cpuSegmentGiB) }}
+{{- if gt (int $gpu.maxReplicas) 0 }}
+{{- $gib = add $gib (mul (int $gpu.minReplicas) (int .Values.mooncake.segmentGiB)) }}
+{{- end }}
+pool_bytes: {{ mul $gib 1073741824 }}
+tenants: {{ int .Values.mooncake.tenants }}
 {{- end -}}
 {{- end -}}
 
