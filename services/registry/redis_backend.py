@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -742,12 +743,29 @@ class RedisRegistry(Registry):
         self._transaction([*keys, facts_key, bytes_key, kv_key, idem_key, idem_exp_key], body)
         return recs
 
-    def idempotent_add(self, user_id, key, now=None):
+    def idempotent_add(self, user_id, key, now=None, answering=None):
         check_id("user_id", user_id)
         now = time.time() if now is None else now
-        raw = self.r.hget(self._user_key(user_id, "idem"), key)
-        earlier = None if raw is None else IdempotentAdd.from_json(key, raw)
-        return earlier if earlier is not None and earlier.expires_at > now else None
+        idem_key = self._user_key(user_id, "idem")
+
+        def held(raw) -> IdempotentAdd | None:
+            earlier = None if raw is None else IdempotentAdd.from_json(key, raw)
+            return earlier if earlier is not None and earlier.expires_at > now else None
+
+        earlier = held(self.r.hget(idem_key, key))  # one read, as for every first add sent with a key
+        if answering is None or earlier is None or earlier.answered or earlier.fingerprint != answering:
+            return earlier
+
+        def body(pipe):  # read again under WATCH: a release racing the mark sees it, or happened before it
+            earlier = held(pipe.hget(idem_key, key))
+            if earlier is None or earlier.answered or earlier.fingerprint != answering:
+                return earlier
+            earlier = replace(earlier, answered=True)
+            pipe.multi()
+            pipe.hset(idem_key, key, earlier.to_json())  # the same stored_bytes: no counter moves
+            return earlier
+
+        return self._transaction([idem_key], body)
 
     def release_idempotency_key(self, user_id, key):
         check_id("user_id", user_id)
@@ -756,13 +774,17 @@ class RedisRegistry(Registry):
         def body(pipe):
             raw = pipe.hget(idem_key, key)
             if raw is None:
-                return
+                return True
+            earlier = IdempotentAdd.from_json(key, raw)
+            if earlier.answered:
+                return False
             pipe.multi()
             pipe.hdel(idem_key, key)
             pipe.zrem(self._user_key(user_id, "idemexp"), key)
-            pipe.decrby(bytes_key, IdempotentAdd.from_json(key, raw).stored_bytes())
+            pipe.decrby(bytes_key, earlier.stored_bytes())
+            return True
 
-        self._transaction([idem_key, bytes_key], body)
+        return self._transaction([idem_key, bytes_key], body)
 
     def get(self, user_id, fact_id):
         check_id("user_id", user_id)

@@ -845,6 +845,30 @@ def test_an_idempotency_key_stores_an_add_once(reg):
     assert reg.count("u") == 1
 
 
+def test_a_repeat_answered_with_an_adds_facts_keeps_the_add_from_being_released(reg):
+    """idempotent_add(answering=the add's own fingerprint) marks the add answered in one atomic step: from then on
+    release_idempotency_key (an undo) says False and forgets nothing, so the facts a repeat returned stay named by
+    the key; a lookup or another request's fingerprint marks nothing; the mark moves no byte counter."""
+    from inferscale_server.registry import IdempotentAdd
+
+    recs = reg.create("u", [NewFact("one")], idempotent=IdempotentAdd("key-1", "fp-a"))
+    reg.create("u", [NewFact("two")], idempotent=IdempotentAdd("key-2", "fp-b"))
+    used = reg.user_bytes("u")
+    assert not reg.idempotent_add("u", "key-1").answered  # a lookup
+    assert not reg.idempotent_add("u", "key-1", answering="fp-other").answered  # another add's request
+    marked = reg.idempotent_add("u", "key-1", answering="fp-a")
+    assert marked.answered and marked.fact_ids == (recs[0].fact_id,) and reg.idempotent_add("u", "key-1").answered
+    assert reg.idempotent_add("u", "key-1", answering="fp-a") == marked  # answered again: the same
+    assert reg.idempotent_add("u", "never-used", answering="fp-a") is None
+    assert reg.user_bytes("u") == used and marked.stored_bytes() == IdempotentAdd(
+        "key-1", "fp-a", marked.fact_ids, marked.expires_at).stored_bytes()
+    assert reg.release_idempotency_key("u", "key-1") is False and reg.idempotent_add("u", "key-1") == marked
+    assert reg.release_idempotency_key("u", "key-2") is True and reg.idempotent_add("u", "key-2") is None
+    assert reg.release_idempotency_key("u", "never-used") is True
+    reg.delete_user("u")  # erased with the user, answered or not
+    assert reg.idempotent_add("u", "key-1") is None and reg.user_bytes("u") == 0
+
+
 def test_expired_idempotency_keys_are_forgotten_with_their_bytes(reg, monkeypatch):
     """A key is kept IDEMPOTENCY_TTL_S: after it a lookup does not find it, the key can name a new add, and the
     user's next add forgets it and gives its bytes back."""
