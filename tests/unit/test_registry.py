@@ -28,11 +28,18 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.fixture(params=["redis", "cluster", "embedded", "actor"])
-def reg(request, redis_url):
-    if request.param in ("redis", "cluster"):
+# Each Redis the registry runs on, by the fixture that starts it: plain, and over TLS only (rediss:// with the private
+# CA's certificate in ?ssl_ca_certs=), a single redis-server and a cluster (over TLS: with replicas, which every write
+# waits for, so replication over TLS is what confirms it).
+REDIS_FIXTURES = {"redis": "redis_url", "cluster": "redis_cluster_url", "redis-tls": "redis_tls_url",
+                  "cluster-tls": "redis_tls_cluster_url"}
+
+
+@pytest.fixture(params=[*REDIS_FIXTURES, "embedded", "actor"])
+def reg(request):
+    if request.param in REDIS_FIXTURES:
         # A fresh key prefix per test: tests share one server (or cluster) but never see each other's keys.
-        url = redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
+        url = request.getfixturevalue(REDIS_FIXTURES[request.param])
         r = RedisRegistry(url, prefix=f"t{uuid.uuid4().hex[:8]}:")
     elif request.param == "embedded":
         r = EmbeddedRegistry()
@@ -40,17 +47,18 @@ def reg(request, redis_url):
         ray = request.getfixturevalue("local_ray")
         r = ActorRegistry(f"reg-{uuid.uuid4().hex[:8]}")  # a fresh actor per test
     yield r
-    if request.param == "cluster":
+    if request.param.startswith("cluster"):
         assert r.cluster is True  # it did run on the cluster
     r.close()
     if request.param == "actor":
         ray.kill(r.actor)
 
 
-@pytest.fixture(params=["redis", "cluster"])
-def any_redis_url(request, redis_url):
-    """A single redis-server's URL, then a Redis Cluster node's: tests that need a URL rather than a registry."""
-    return redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
+@pytest.fixture(params=list(REDIS_FIXTURES))
+def any_redis_url(request):
+    """A single redis-server's URL, then a Redis Cluster node's, each plain and over TLS: tests that need a URL
+    rather than a registry."""
+    return request.getfixturevalue(REDIS_FIXTURES[request.param])
 
 
 def test_create_get_list_count(reg):
