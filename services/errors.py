@@ -7,7 +7,13 @@ import grpc
 
 from inferscale_core.errors import InvalidIdError, UnknownFactError, UnknownUserError
 
-from .registry import DuplicateFactError, QuotaExceededError, UnconfirmedWriteError, VersionConflictError
+from .registry import (
+    DuplicateFactError,
+    QuotaExceededError,
+    UnconfirmedWriteError,
+    VersionConflictError,
+    tls_failure,
+)
 
 
 class ApiError(Exception):
@@ -83,6 +89,9 @@ def to_api_error(err: BaseException) -> ApiError:
 
 
 REGISTRY_UNAVAILABLE = unavailable("the registry (Redis) cannot be reached; retry shortly")
+# The certificate, the CA the service trusts, or TLS on one side only: the server's log names which (RegistryTlsError)
+REGISTRY_TLS_FAILED = unavailable("the registry (Redis) cannot be reached: TLS with it failed (see the server "
+                                  "log); retry shortly")
 REGISTRY_FULL_RETRY_S = 10.0  # a full Redis frees space only when facts or users are deleted: not within a second
 REGISTRY_FULL = ApiError(grpc.StatusCode.UNAVAILABLE, "the registry (Redis) is full (at its maxmemory): nothing was "
                          "written; reads and deletes still work; retry once facts or users have been deleted",
@@ -90,13 +99,15 @@ REGISTRY_FULL = ApiError(grpc.StatusCode.UNAVAILABLE, "the registry (Redis) is f
 
 
 def _registry_error(err: BaseException) -> ApiError | None:
-    """The registry's Redis full, unreachable, or unable to confirm a write: UNAVAILABLE, each with its retry hint;
-    None for anything else."""
+    """The registry's Redis full, unreachable (over TLS: said), or unable to confirm a write: UNAVAILABLE, each with
+    its retry hint; None for anything else."""
     if registry_full(err):
         return REGISTRY_FULL
     if isinstance(err, UnconfirmedWriteError):
         return ApiError(grpc.StatusCode.UNAVAILABLE, f"{_clean(err.message)}; {UNCONFIRMED_ADVICE}",
                         retry_after_s=RETRY_AFTER_S, reason="WRITE_UNCONFIRMED")
+    if tls_failure(err):
+        return REGISTRY_TLS_FAILED
     if _registry_unreachable(err):
         return REGISTRY_UNAVAILABLE
     return None

@@ -9,11 +9,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))  # the support package (tests/support/)
 
 # Fixtures every module may ask for by name, declared once: a redis-server (redis_url, redis_password_url), a
-# 3-master Redis Cluster (redis_cluster_url), a Mooncake Store (mooncake), an HS256 secret and an admin token
+# 3-master Redis Cluster (redis_cluster_url), both over TLS only (redis_tls_url, redis_tls_cluster_url), a Mooncake Store (mooncake), an HS256 secret and an admin token
 # (jwt_secret, admin_token), the independent gRPC client's compiled folder (client_dir). Their helpers (token_for,
 # refused, ...) are imported from these modules as functions.
-pytest_plugins = ("support.redis_fixture", "support.redis_cluster_fixture", "support.auth_fixture",
-                  "support.mooncake_fixture", "support.grpc_interop")
+pytest_plugins = ("support.redis_fixture", "support.redis_cluster_fixture", "support.redis_tls_fixture",
+                  "support.auth_fixture", "support.mooncake_fixture", "support.grpc_interop")
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ from .. import api, filters, validation
 from ..api import pb2
 from ..auth import OPEN_RPCS, RPC_SCOPES, Authenticator, Principal
 from ..deadlines import within_deadline
-from ..errors import ApiError, invalid, to_api_error, too_big
+from ..errors import ApiError, invalid, to_api_error, too_big, unavailable
 from ..limits import Limits
 from ..messages import AnswerEnd, AnswerPiece, OpenAIChat
 from ..modes import answer_mode
@@ -262,7 +262,7 @@ class GatewayCore:
                 idem = IdempotentAdd(check_idempotency_key(idempotency_key), _fingerprint(facts))
             except ValueError as e:
                 raise invalid(str(e), "idempotency_key") from None
-            earlier = await _blocking(self.registry.idempotent_add, user_id, idem.key)
+            earlier = await _blocking(self.registry.idempotent_add, user_id, idem.key, answering=idem.fingerprint)
             if earlier is not None:  # before anything is encoded
                 return await self._repeated_add(user_id, idem, earlier)
         # The shipped encoding default: each fact behind the facts its user stored most recently, this call's
@@ -282,20 +282,31 @@ class GatewayCore:
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         try:
             recs = await _blocking(self.registry.create, user_id, facts, self.limits.quota(), idempotent=idem)
-        except IdempotentRepeatError as e:  # the same key's add stored meanwhile (a concurrent repeat)
+        except IdempotentRepeatError:  # the same key's add stored meanwhile (a concurrent repeat)
             assert idem is not None  # only a create with a key raises it
-            return await self._repeated_add(user_id, idem, e.earlier)
+            earlier = await _blocking(self.registry.idempotent_add, user_id, idem.key, answering=idem.fingerprint)
+            if earlier is None:  # that add was undone since: its caller was told nothing was stored
+                raise unavailable(f"an add under the same idempotency_key {idem.key!r} ran at the same time and "
+                                  "failed; nothing was stored; retry") from None
+            return await self._repeated_add(user_id, idem, earlier)
         if behind:
             recs = await self._behind_changed(user_id, behind, recs)
         if self.backends is not None:
             try:
                 await self.backends.index_facts(user_id, recs)
             except Exception as e:  # undone, then reported
-                left = await self._undo_create(user_id, recs, idem)
+                ids = [r.fact_id for r in recs]
+                kept = idem is not None and not await self._release_key(user_id, idem)
+                left = ids if kept else await self._undo_create(user_id, recs)
                 err = to_api_error(e)
                 if err.code == grpc.StatusCode.INTERNAL:
-                    log.exception("storing %d facts failed; undone", len(recs))
-                if left:  # the registry failed the undo too: say what may still be stored
+                    log.exception("storing %d facts failed; %s", len(recs), "kept" if kept else "undone")
+                if kept:  # a repeat returned these facts, or may have: they stay, under the key
+                    assert idem is not None  # kept only with a key
+                    outcome = (f"its {len(ids)} facts are kept ({', '.join(ids[:8])}{', ...' if len(ids) > 8 else ''})"
+                               f": a repeat of this add may have been answered with them; a retry with the same "
+                               f"idempotency_key {idem.key!r} answers with them")
+                elif left:  # the registry failed the undo too: say what may still be stored
                     outcome = (f"{len(left)} of its {len(recs)} facts could not be removed again and may still be "
                                f"stored ({', '.join(left[:8])}{', ...' if len(left) > 8 else ''}): delete them, "
                                "or retry with the same fact ids")
@@ -325,17 +336,22 @@ class GatewayCore:
                            field="idempotency_key", reason="IDEMPOTENT_ADD_DELETED")
         return [found[f] for f in earlier.fact_ids]
 
-    async def _undo_create(self, user_id: str, recs: list[FactRecord], idem: IdempotentAdd | None = None) -> list[str]:
-        """Removes the rows of a write whose KV/index step failed, and first its idempotency key (a retry under the
-        key must store the facts again: the caller is told nothing was stored); returns the ids it could not
-        remove (the registry failing now too, after UNDO_ATTEMPTS tries), which the caller reports instead of
-        "nothing was stored"."""
+    async def _release_key(self, user_id: str, idem: IdempotentAdd) -> bool:
+        """The first step of undoing an add sent with a key: releases the key (a retry under it must store the
+        facts again: the caller is told nothing was stored). False when the add must stand instead: a repeat was
+        answered with its facts meanwhile (Registry.release_idempotency_key), or the registry failed to say
+        whether one was (the key still names the facts, so a retry under it answers with them)."""
+        try:
+            return await _blocking(self.registry.release_idempotency_key, user_id, idem.key)
+        except Exception:  # logged; kept, as above
+            log.exception("undoing a failed write: its idempotency key could not be released; its facts are kept")
+            return False
+
+    async def _undo_create(self, user_id: str, recs: list[FactRecord]) -> list[str]:
+        """Removes the rows of a write whose KV/index step failed (after its idempotency key, _release_key);
+        returns the ids it could not remove (the registry failing now too, after UNDO_ATTEMPTS tries), which the
+        caller reports instead of "nothing was stored"."""
         removed, left = [], []
-        if idem is not None:
-            try:
-                await _blocking(self.registry.release_idempotency_key, user_id, idem.key)
-            except Exception:  # the registry failing: a retry under the key then gets IDEMPOTENT_ADD_DELETED
-                log.exception("undoing a failed write: its idempotency key could not be released")
         for r in recs:
             for attempt in range(UNDO_ATTEMPTS):
                 try:

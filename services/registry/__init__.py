@@ -36,13 +36,13 @@ from .base import (
     fact_bytes,
 )
 from .embedded import EmbeddedRegistry
-from .redis_backend import PASSWORD_ENV, RedisRegistry, redacted
+from .redis_backend import PASSWORD_ENV, RedisRegistry, RegistryTlsError, redacted, tls_failure
 
 __all__ = ["ACTOR_NAMESPACE", "ACTOR_SCHEME", "ActorRegistry", "DuplicateFactError", "EmbeddedRegistry",
            "FactRecord", "IDEMPOTENCY_TTL_S", "IdempotentAdd", "IdempotentRepeatError", "MAX_IDEMPOTENCY_KEY_CHARS",
-           "NewFact", "PASSWORD_ENV", "Quota", "QuotaExceededError", "RedisRegistry", "Registry", "Tombstone",
-           "UnconfirmedWriteError", "VersionConflictError", "FACT_STORED_BYTES", "check_idempotency_key",
-           "fact_bytes", "open_registry", "redacted"]
+           "NewFact", "PASSWORD_ENV", "Quota", "QuotaExceededError", "RedisRegistry", "Registry", "RegistryTlsError",
+           "Tombstone", "UnconfirmedWriteError", "VersionConflictError", "FACT_STORED_BYTES",
+           "check_idempotency_key", "fact_bytes", "open_registry", "redacted", "tls_failure"]
 
 
 def open_registry(url: str | None, prefix: str = "inferscale:", index_owners: bool = False) -> Registry:

@@ -49,8 +49,8 @@ class ActorRegistry(Registry):
     def create(self, user_id, facts, quota=None, idempotent=None):
         return self._call("create", user_id, facts, quota, idempotent)
 
-    def idempotent_add(self, user_id, key, now=None):
-        return self._call("idempotent_add", user_id, key, now)
+    def idempotent_add(self, user_id, key, now=None, answering=None):
+        return self._call("idempotent_add", user_id, key, now, answering)
 
     def release_idempotency_key(self, user_id, key):
         return self._call("release_idempotency_key", user_id, key)

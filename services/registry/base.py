@@ -102,24 +102,29 @@ def check_idempotency_key(key) -> str:
 @dataclass(frozen=True)
 class IdempotentAdd:
     """What an add with an idempotency key stored: the key, a fingerprint of the request (the caller's: a repeat
-    of the key must send the same request), the ids of the facts it stored, in order, and until when the key is
-    kept (Unix time)."""
+    of the key must send the same request), the ids of the facts it stored, in order, until when the key is
+    kept (Unix time), and whether a repeat was answered with its facts (`answered`: from then on the add stands,
+    release_idempotency_key no longer takes it back)."""
     key: str
     fingerprint: str
     fact_ids: tuple[str, ...] = ()
     expires_at: float = 0.0
+    answered: bool = False
 
     def to_json(self) -> bytes:
-        """As stored; with the key, what it counts against the user's byte quota (stored_bytes)."""
-        return json.dumps({"fp": self.fingerprint, "ids": list(self.fact_ids), "exp": self.expires_at}).encode()
+        """As stored (`answered` only once true)."""
+        d = {"fp": self.fingerprint, "ids": list(self.fact_ids), "exp": self.expires_at}
+        return json.dumps({**d, "ans": 1} if self.answered else d).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "IdempotentAdd":
         d = json.loads(raw)
-        return cls(key, d["fp"], tuple(d["ids"]), float(d["exp"]))
+        return cls(key, d["fp"], tuple(d["ids"]), float(d["exp"]), bool(d.get("ans")))
 
     def stored_bytes(self) -> int:
-        return 2 * len(self.key.encode()) + len(self.to_json()) + IDEMPOTENCY_STORED_BYTES
+        """What it counts against the user's byte quota: the same answered or not (IDEMPOTENCY_STORED_BYTES covers
+        the flag), so that marking it answered, a write outside the quota check, moves no counter."""
+        return 2 * len(self.key.encode()) + len(replace(self, answered=False).to_json()) + IDEMPOTENCY_STORED_BYTES
 
 
 class IdempotentRepeatError(InferScaleError):
@@ -308,14 +313,20 @@ class Registry(ABC):
         user's expired keys (and their bytes)."""
 
     @abstractmethod
-    def idempotent_add(self, user_id: str, key: str, now: float | None = None) -> IdempotentAdd | None:
+    def idempotent_add(self, user_id: str, key: str, now: float | None = None,
+                       answering: str | None = None) -> IdempotentAdd | None:
         """The user's earlier add under this idempotency key, None when there is none or it expired (at `now`,
-        default the time of the call)."""
+        default the time of the call). `answering`: the fingerprint of a repeat about to be answered with that
+        add's facts; when it is the add's own, the add is marked answered in the same atomic step, so that an undo
+        of the add racing the repeat (release_idempotency_key, then the deletes) cannot remove facts the repeat
+        returned."""
 
     @abstractmethod
-    def release_idempotency_key(self, user_id: str, key: str) -> None:
+    def release_idempotency_key(self, user_id: str, key: str) -> bool:
         """Forgets the key (and its bytes), so that the add can be sent again: for an add undone after its
-        facts were stored (the caller was told nothing was stored). A key the user does not hold: nothing."""
+        facts were stored (the caller was told nothing was stored). A key the user does not hold: nothing. False,
+        forgetting nothing, when a repeat was answered with the add's facts (idempotent_add's `answering`): the add
+        stands, and its facts must stay."""
 
     @abstractmethod
     def get(self, user_id: str, fact_id: str) -> FactRecord: ...
@@ -528,13 +539,14 @@ class Registry(ABC):
     @staticmethod
     def _kept_add(idempotent: "IdempotentAdd | None", recs: builtins.list[FactRecord],
                   now: float) -> "IdempotentAdd | None":
-        """What a create stores for its idempotency key: the key checked, its facts' ids, its expiry."""
+        """What a create stores for its idempotency key: the key checked, its facts' ids, its expiry; no repeat
+        answered yet."""
         if idempotent is None:
             return None
         if not isinstance(idempotent, IdempotentAdd):
             raise TypeError(f"idempotent must be an IdempotentAdd, got {type(idempotent).__name__}")
         return replace(idempotent, key=check_idempotency_key(idempotent.key),
-                       fact_ids=tuple(r.fact_id for r in recs), expires_at=now + IDEMPOTENCY_TTL_S)
+                       fact_ids=tuple(r.fact_id for r in recs), expires_at=now + IDEMPOTENCY_TTL_S, answered=False)
 
     @staticmethod
     def _new_records(user_id: str, facts: builtins.list[NewFact], now: float) -> builtins.list[FactRecord]:

@@ -100,19 +100,30 @@ class EmbeddedRegistry(Registry):
             self._bump(user_id)
         return recs
 
-    def idempotent_add(self, user_id, key, now=None):
+    def idempotent_add(self, user_id, key, now=None, answering=None):
         check_id("user_id", user_id)
         now = time.time() if now is None else now
         with self._lock:
-            earlier = self._idem.get(user_id, {}).get(key)
-            return earlier if earlier is not None and earlier.expires_at > now else None
+            held = self._idem.get(user_id, {})
+            earlier = held.get(key)
+            if earlier is None or earlier.expires_at <= now:
+                return None
+            if answering == earlier.fingerprint and not earlier.answered:
+                earlier = held[key] = replace(earlier, answered=True)  # in place: the keys' order is their age
+            return earlier
 
     def release_idempotency_key(self, user_id, key):
         check_id("user_id", user_id)
         with self._lock:
-            earlier = self._idem.get(user_id, {}).pop(key, None)
-            if earlier is not None:
-                self._bytes[user_id] = self._bytes.get(user_id, 0) - earlier.stored_bytes()
+            held = self._idem.get(user_id, {})
+            earlier = held.get(key)
+            if earlier is None:
+                return True
+            if earlier.answered:
+                return False
+            del held[key]
+            self._bytes[user_id] = self._bytes.get(user_id, 0) - earlier.stored_bytes()
+            return True
 
     def get(self, user_id, fact_id):
         check_id("user_id", user_id)

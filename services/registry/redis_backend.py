@@ -15,12 +15,13 @@ import math
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
 
-from inferscale_core.errors import UnknownFactError, check_id
+from inferscale_core.errors import InferScaleError, UnknownFactError, check_id
 
 from .base import (
     IDEMPOTENCY_PURGE_PER_CREATE,
@@ -65,6 +66,17 @@ REPLICAS_RECHECK_S = 5.0
 # every node from any one): redis://node-a:6379/0?seeds=node-b:6379,node-c:6379. They share the URL's scheme,
 # password and TLS options.
 SEEDS_OPTION = "seeds"
+# TLS: a rediss:// URL; redis-py's own options in its query say what to trust, e.g.
+# rediss://redis-0:6379/0?ssl_ca_certs=/var/run/secrets/inferscale/redis-tls/ca.crt (the chart mounts
+# redis.tls.caSecret there and adds the option):
+#   ssl_ca_certs          PEM file of the CA that signed the server's certificate (without it: the system's CAs)
+#   ssl_check_hostname    true (the default): the certificate must name the host connected to (on a cluster, the
+#                         addresses its nodes announce); false: only the CA is checked
+#   ssl_certfile, ssl_keyfile   a client certificate, for a server that asks for one (tls-auth-clients yes)
+# A TLS failure at the first connection is RegistryTlsError, which says which side is wrong (a certificate the CA did
+# not sign, a plain URL for a TLS-only port or the reverse, an unreadable file); UNAVAILABLE at the API.
+TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+TLS_PROBE_TIMEOUT_S = 1.0  # the diagnosis's own connection: does that port speak TLS, or plain Redis?
 
 # Users are grouped into BUCKETS by a stable hash of their id (bucket_of); a bucket's keys share one hash tag, so on
 # a Redis Cluster they live in one slot, and the buckets spread over the masters. Per-bucket rather than per-user
@@ -225,6 +237,124 @@ if redis.call('SCARD', KEYS[1]) == 0 then
 end
 return 1
 """
+
+class RegistryTlsError(InferScaleError):
+    """TLS between the registry and its Redis failed, or was asked of one side only: the message names the node and
+    what to fix (the registry URL's scheme or ssl_* options, or the server's certificate)."""
+
+
+def tls_failure(err: BaseException) -> bool:
+    """Whether `err` is the registry's TLS failing: RegistryTlsError, or a redis-py error that an ssl.SSLError caused
+    (a connection made after the first: its ConnectionError, or a cluster client's RedisClusterException from it)."""
+    if isinstance(err, RegistryTlsError):
+        return True
+    import ssl
+
+    try:
+        from redis.exceptions import RedisClusterException, RedisError
+    except ImportError:  # no redis-py: no Redis error to be
+        return False
+    return isinstance(err, (RedisError, RedisClusterException)) and any(isinstance(c, ssl.SSLError)
+                                                                         for c in _chain(err))
+
+
+def check_tls_options(url: str) -> None:
+    """ValueError when the URL asks for TLS options (ssl_*) without TLS: redis-py would fail on them at the first
+    call with a TypeError that names neither the URL nor the fix."""
+    parts = urlsplit(url)
+    asked = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if k.startswith("ssl_")})
+    if asked and parts.scheme != "rediss":
+        raise ValueError(f"registry URL option {asked[0]}= is for TLS: the URL must be rediss://, got "
+                         f"{parts.scheme}://")
+
+
+def _check_tls_files(parts) -> None:
+    """RegistryTlsError naming an ssl_* file option whose file cannot be read (redis-py would say only "Error 2
+    connecting ... No such file or directory")."""
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k in TLS_FILE_OPTIONS:
+            try:
+                Path(v).read_bytes()
+            except OSError as e:
+                raise RegistryTlsError(f"registry URL option {k}={v}: cannot read it ({e.strerror})") from None
+
+
+def _tls_diagnosis(parts, err: BaseException) -> RegistryTlsError | None:
+    """What a failed first connection to the node of `parts` says about TLS, else None: the certificate check
+    failed; or the port answers the other protocol (asked with a connection of its own, only after a failure)."""
+    import ssl
+
+    host, port = parts.hostname, parts.port or 6379
+    where = f"the registry's Redis at {host}:{port}"
+    diagnosis = None
+    if parts.scheme == "rediss":
+        if any(isinstance(c, ssl.SSLCertVerificationError) for c in _chain(err)):
+            diagnosis = RegistryTlsError(
+                f"TLS with {where} failed: {_tls_reason(err)}; the server's certificate must be signed by the CA "
+                "that the registry URL's ssl_ca_certs= names (without it: the system's CAs) and name the host "
+                "connected to (or ssl_check_hostname=false)")
+        elif any(isinstance(c, ssl.SSLError) for c in _chain(err)):
+            diagnosis = RegistryTlsError(
+                f"TLS with {where} failed: {_tls_reason(err)}; the server ended the handshake: one that asks for "
+                "a client certificate (tls-auth-clients yes) needs the registry URL's ssl_certfile= and "
+                "ssl_keyfile=, one the server's CA signed")
+        elif _answers_plain_redis(host, port):
+            diagnosis = RegistryTlsError(f"{where} answers plain Redis, not TLS: use a redis:// URL, or the server's "
+                                         "TLS port")
+    elif parts.scheme == "redis" and _speaks_tls(host, port):
+        diagnosis = RegistryTlsError(f"{where} speaks TLS only: the registry URL must be rediss:// (with "
+                                     "?ssl_ca_certs=PATH for a private CA)")
+    if diagnosis is not None:
+        diagnosis.__cause__ = err  # redis-py's own error, for the log's traceback
+    return diagnosis
+
+
+def _tls_reason(err: BaseException) -> str:
+    """What the ssl.SSLError that caused `err` says (a certificate check's own message where there is one)."""
+    import ssl
+
+    cause = next((c for c in _chain(err) if isinstance(c, ssl.SSLError)), None)
+    if cause is None:
+        return str(err)
+    return (getattr(cause, "verify_message", None) or cause.reason or str(cause)).rstrip(".")
+
+
+def _chain(err: BaseException):
+    """`err`, then what caused it (raise ... from, or raised while handling), and so on."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        yield cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+
+
+def _speaks_tls(host: str, port: int) -> bool:
+    """Whether a TLS handshake with host:port succeeds, its certificate unchecked (only the protocol is asked)."""
+    import socket
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=TLS_PROBE_TIMEOUT_S) as sock:
+            with ctx.wrap_socket(sock, server_hostname=host):
+                return True
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def _answers_plain_redis(host: str, port: int) -> bool:
+    """Whether host:port answers a plain-text PING as Redis does (+PONG, or an error such as -NOAUTH)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=TLS_PROBE_TIMEOUT_S) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64)[:1] in (b"+", b"-")
+    except OSError:
+        return False
+
 
 def _read_password_file(path: str | None) -> str | None:
     if not path:
@@ -387,6 +517,7 @@ class RedisRegistry(Registry):
         self.url, self.prefix, self.index_owners = url, prefix, index_owners
         redis_url, self.seeds = seed_nodes(url)
         self._redis_url, self.wait_replicas, self.wait_timeout_ms = durability_options(redis_url)
+        check_tls_options(self._redis_url)
         self._replicas: dict[str, tuple[int, float]] = {}  # master -> (replicas connected, when asked): auto mode
         self.cluster: bool | None = None  # known after the first call
         self._client = None
@@ -428,6 +559,8 @@ class RedisRegistry(Registry):
             return Retry(ExponentialBackoff(cap=0.5, base=0.05), retries)
 
         cluster, parts = False, urlsplit(self._redis_url)
+        if parts.scheme == "rediss":
+            _check_tls_files(parts)
         if parts.scheme != "unix":  # asked of database 0: a cluster node refuses SELECT
             cluster, parts = self._probe(parts, retry(), kw)
         if self.seeds and not cluster:
@@ -436,6 +569,7 @@ class RedisRegistry(Registry):
         if cluster:
             from redis.cluster import ClusterNode, RedisCluster
             from redis.crc import key_slot
+            from redis.exceptions import RedisClusterException
 
             if parts.path not in ("", "/", "/0"):
                 raise ValueError(f"a Redis Cluster has only database 0: {redacted(self.url)!r}")
@@ -444,8 +578,16 @@ class RedisRegistry(Registry):
             # CLUSTERDOWN and tries again, with backoff 0.1, 0.2, 0.4, 0.8, 1, 1 s. Writes never go through this
             # retry (_on_master): a transaction or script re-sent after its reply was lost could apply twice.
             others = [ClusterNode(h, p) for h, p in self.seeds if (h, p) != (parts.hostname, parts.port or 6379)]
-            client = RedisCluster.from_url(parts._replace(path="").geturl(), retry=Retry(
-                ExponentialBackoff(cap=1.0, base=0.05), CLUSTER_RETRIES), startup_nodes=others or None, **kw)
+            try:  # connects to the nodes at the addresses they announce (CLUSTER SLOTS), not the URL's host
+                client = RedisCluster.from_url(parts._replace(path="").geturl(), retry=Retry(
+                    ExponentialBackoff(cap=1.0, base=0.05), CLUSTER_RETRIES), startup_nodes=others or None, **kw)
+            except RedisClusterException as e:
+                if not tls_failure(e):
+                    raise
+                raise RegistryTlsError(
+                    f"TLS with a node of the registry's Redis Cluster failed: {_tls_reason(e)}; the client connects "
+                    "to the addresses the nodes announce (CLUSTER SLOTS): their certificates must name those (or "
+                    "ssl_check_hostname=false), and be signed by the CA that ssl_ca_certs= names") from e
         else:
             client = redis.Redis.from_url(self._redis_url, retry=retry(), **kw)
         self._scripts = {"delete_fact": client.register_script(DELETE_FACT),
@@ -458,7 +600,8 @@ class RedisRegistry(Registry):
 
     def _probe(self, parts, retry, kw) -> tuple:
         """(whether the node answers as a Redis Cluster node, the URL parts of the node that answered): the URL's
-        node, else each seed in turn; none answering raises the URL node's error."""
+        node, else each seed in turn; none answering raises the URL node's error (RegistryTlsError where it was
+        TLS's: _tls_diagnosis)."""
         import redis
 
         first_error = None
@@ -473,7 +616,7 @@ class RedisRegistry(Registry):
             except redis.ResponseError:  # INFO refused (a managed Redis that renames it): no cluster
                 return False, node
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                first_error = first_error or e
+                first_error = first_error or _tls_diagnosis(node, e) or e
             finally:
                 probe.close()
         assert first_error is not None  # every node was tried and none answered
@@ -812,12 +955,29 @@ class RedisRegistry(Registry):
         self._transaction([*keys, facts_key, bytes_key, kv_key, idem_key, idem_exp_key], body)
         return recs
 
-    def idempotent_add(self, user_id, key, now=None):
+    def idempotent_add(self, user_id, key, now=None, answering=None):
         check_id("user_id", user_id)
         now = time.time() if now is None else now
-        raw = self.r.hget(self._user_key(user_id, "idem"), key)
-        earlier = None if raw is None else IdempotentAdd.from_json(key, raw)
-        return earlier if earlier is not None and earlier.expires_at > now else None
+        idem_key = self._user_key(user_id, "idem")
+
+        def held(raw) -> IdempotentAdd | None:
+            earlier = None if raw is None else IdempotentAdd.from_json(key, raw)
+            return earlier if earlier is not None and earlier.expires_at > now else None
+
+        earlier = held(self.r.hget(idem_key, key))  # one read, as for every first add sent with a key
+        if answering is None or earlier is None or earlier.answered or earlier.fingerprint != answering:
+            return earlier
+
+        def body(pipe):  # read again under WATCH: a release racing the mark sees it, or happened before it
+            earlier = held(pipe.hget(idem_key, key))
+            if earlier is None or earlier.answered or earlier.fingerprint != answering:
+                return earlier
+            earlier = replace(earlier, answered=True)
+            pipe.multi()
+            pipe.hset(idem_key, key, earlier.to_json())  # the same stored_bytes: no counter moves
+            return earlier
+
+        return self._transaction([idem_key], body)
 
     def release_idempotency_key(self, user_id, key):
         check_id("user_id", user_id)
@@ -826,13 +986,17 @@ class RedisRegistry(Registry):
         def body(pipe):
             raw = pipe.hget(idem_key, key)
             if raw is None:
-                return
+                return True
+            earlier = IdempotentAdd.from_json(key, raw)
+            if earlier.answered:
+                return False
             pipe.multi()
             pipe.hdel(idem_key, key)
             pipe.zrem(self._user_key(user_id, "idemexp"), key)
-            pipe.decrby(bytes_key, IdempotentAdd.from_json(key, raw).stored_bytes())
+            pipe.decrby(bytes_key, earlier.stored_bytes())
+            return True
 
-        self._transaction([idem_key, bytes_key], body)
+        return self._transaction([idem_key, bytes_key], body)
 
     def get(self, user_id, fact_id):
         check_id("user_id", user_id)

