@@ -33,9 +33,26 @@ def local_ray():
 # waits for, so replication over TLS is what confirms it).
 REDIS_FIXTURES = {"redis": "redis_url", "cluster": "redis_cluster_url", "redis-tls": "redis_tls_url",
                   "cluster-tls": "redis_tls_cluster_url"}
+TLS = ("redis-tls", "cluster-tls")
+# The tests that also run over TLS: a write, a read, a list, an update, deletes with their tombstones, the quotas
+# (also under concurrent writers), an idempotent add and a restart. TLS changes the connection, not the commands,
+# so the rest of the contract runs on the plain servers only (each TLS run costs a unit-tier second or more).
+TLS_CONTRACT = {"test_create_get_list_count", "test_update_versions_and_metadata_merge", "test_delete_and_delete_user",
+                "test_quotas_on_facts_and_bytes", "test_tombstones_are_written_with_every_delete_and_update",
+                "test_an_idempotency_key_stores_an_add_once", "test_restart_sees_the_data",
+                "test_quota_holds_under_concurrent_writers", "test_tombstones_from_another_writer_reach_a_polling_reader"}
 
 
-@pytest.fixture(params=[*REDIS_FIXTURES, "embedded", "actor"])
+def pytest_generate_tests(metafunc):
+    """`reg` on every backend and `any_redis_url` on every plain Redis; both over TLS too for TLS_CONTRACT."""
+    tls = list(TLS) if metafunc.function.__name__ in TLS_CONTRACT else []
+    if "reg" in metafunc.fixturenames:
+        metafunc.parametrize("reg", ["redis", "cluster", *tls, "embedded", "actor"], indirect=True)
+    if "any_redis_url" in metafunc.fixturenames:
+        metafunc.parametrize("any_redis_url", ["redis", "cluster", *tls], indirect=True)
+
+
+@pytest.fixture
 def reg(request):
     if request.param in REDIS_FIXTURES:
         # A fresh key prefix per test: tests share one server (or cluster) but never see each other's keys.
@@ -54,10 +71,10 @@ def reg(request):
         ray.kill(r.actor)
 
 
-@pytest.fixture(params=list(REDIS_FIXTURES))
+@pytest.fixture
 def any_redis_url(request):
-    """A single redis-server's URL, then a Redis Cluster node's, each plain and over TLS: tests that need a URL
-    rather than a registry."""
+    """A single redis-server's URL, then a Redis Cluster node's (over TLS too for TLS_CONTRACT): tests that need a
+    URL rather than a registry."""
     return request.getfixturevalue(REDIS_FIXTURES[request.param])
 
 
