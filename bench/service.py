@@ -22,7 +22,7 @@
    met/missed and margins. lscpu's model and flags and the load average are in every output.
 
 Usage:
-  python bench/service.py --quick                      # N = 1, 4; k = 8; both modes, both doors; < 5 min
+  python bench/service.py --quick                      # N = 1, 2; k = 8; both modes, both doors; < 5 min
   python bench/service.py --tag full                   # N = 1, 10, 25, 50, 100; k = 5, 50 (gRPC; HTTP at N = 1, 100)
   python bench/service.py --target 127.0.0.1:9000,8000 --jwt-secret-file ~/.cache/inferscale/dev-jwt-secret
 
@@ -59,10 +59,13 @@ set_vllm_cpu_env(serving_kv_cache_gib())
 MODES = ("inject", "prompt")               # the wire names (AnswerRequest.mode, inferscale_mode)
 FULL = {"users": (1, 10, 25, 50, 100), "ks": (5, 50), "http_users": (1, 100), "facts": 60, "requests_n1": 10,
         "requests_per_user": 2}
-# Quick (the tests): 12 facts a user, k=8, 2 requests at N=1. At 40 facts, k=20 and 4 requests, adding 160 facts
-# (each encoded behind up to 5 neighbours) and 20-fact prompts were most of the test's setup; what the test checks
-# needs only that every cell, door and mode runs with more than one request.
-QUICK = {"users": (1, 4), "ks": (8,), "http_users": (1, 4), "facts": 12, "requests_n1": 2, "requests_per_user": 2}
+# Quick (the tests): N = 1 and 2, 12 facts a user, k=8, 2 requests at N=1 and 1 per user at N=2. What the test
+# checks needs only that every cell, door and mode runs with more than one request, at one N and at a larger one
+# with users answered at once; each user added and each request asked is seconds of a 2-core machine (N = 1, 4
+# with 2 requests per user: 48 facts and 40 service requests, about 30 s more of the test's setup). k stays
+# below the facts a user has, so questions pick different facts and the engine's prefix cache does not answer
+# a prompt-injection cell from an earlier one.
+QUICK = {"users": (1, 2), "ks": (8,), "http_users": (1, 2), "facts": 12, "requests_n1": 2, "requests_per_user": 1}
 FIXTURE = REPO / "tests" / "fixtures" / "locomo_mini.json"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 # Issue 12, item 2 (ratios measured in one run).
@@ -75,7 +78,7 @@ NO_SERVICE_PROMPT = "NO_SERVICE_PROMPT"          # engine replay of a request th
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="N = 1, 4; one k (8); 12 facts a user; few requests; the fixture data")
+                    help="N = 1, 2; one k (8); 12 facts a user; few requests; the fixture data")
     ap.add_argument("--data", type=Path, default=None,
                     help="LoCoMo-format JSON (default: ../shared/data/locomo_dev.json; --quick: the fixture)")
     ap.add_argument("--users", default=None, help="comma-separated concurrent users (default 1,10,25,50,100)")
@@ -441,14 +444,15 @@ def run_client(client: Path, plan: dict, expect: int, label: str, deadline: floa
 # ------------------------------------------------------------------------------------------ engine level
 def merged_disk_tier(kv_dir: Path, out: Path) -> Path | None:
     """One folder with every user folder the service's engine replicas wrote (`{kv_dir}/inferscale/
-    EngineReplica/slot-*/<user>`, services/engine_replica/placement.py:replica_disk_dir), as links: the engine here reads
-    the very KV bytes the service injected."""
-    slots = sorted((kv_dir / "inferscale" / "EngineReplica").glob("slot-*"))
-    if not slots:
+    EngineReplica/slot-*/kv-<fingerprint>/<user>`, services/engine_replica/placement.py:replica_disk_dir), as
+    links: the engine here reads the very KV bytes the service injected. (The kv_dir is this run's own: one
+    fingerprint, the one the engine here encodes with.)"""
+    tiers = sorted((kv_dir / "inferscale" / "EngineReplica").glob("slot-*/kv-*"))
+    if not tiers:
         return None
     out.mkdir(parents=True, exist_ok=True)
-    for slot in slots:
-        for user_dir in slot.iterdir():
+    for tier in tiers:
+        for user_dir in tier.iterdir():
             if user_dir.is_dir() and not (out / user_dir.name).exists():
                 (out / user_dir.name).symlink_to(user_dir, target_is_directory=True)
     return out
@@ -914,6 +918,8 @@ def main(argv=None) -> int:
                                          f"cells' prompts replayed at the same N; facts from the service's disk tier "
                                          f"{engine['facts_from_service_disk']}, encoded here "
                                          f"{engine['facts_encoded_here']}; ready in {engine['setup_s']:.0f} s")
+        result["meta"]["engine_facts"] = {"from_service_disk": engine["facts_from_service_disk"],
+                                          "encoded_here": engine["facts_encoded_here"]}
     result["rows"] = rows
     result["ratios"] = ratios(rows, args)
     result["replicas"] = replicas

@@ -1,5 +1,5 @@
 """What a running application looks like from outside: replica counts per deployment, sampled over time
-(tests/service/test_autoscaling.py; bench/service.py records them next to its load)."""
+(tests/service/two_engines/test_autoscaling.py; bench/service.py records them next to its load)."""
 from __future__ import annotations
 
 import threading

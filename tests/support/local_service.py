@@ -1,5 +1,5 @@
 """The whole application on a local Ray, for the test modules that start it (tests/service/one_app/ shares one for three
-modules; test_kv_tier_service, test_multi_replica, test_service_hotpath and test_autoscaling start their own with
+modules, tests/service/two_engines/ one for two; test_kv_tier_service and test_service_hotpath start their own with
 other settings): `Service` (the running app, its ports, an admin client and what tests remember between steps),
 the context managers that start and stop it, and waits on Serve's replicas.
 """
@@ -135,7 +135,7 @@ def wait_gone(pid: int, timeout_s: float = 30) -> None:
     raise AssertionError(f"process {pid} still runs {timeout_s} s after it was killed")
 
 
-# Users of the multi-replica tests (test_multi_replica, test_autoscaling, test_node_failure): a name, three facts each.
+# Users of the multi-replica tests (two_engines/, test_node_failure): a name, three facts each.
 NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Milo", "Nia",
          "Oto", "Pia"]
 PETS = ["Pixel", "Biscuit", "Mango", "Pepper", "Noodle", "Ziggy", "Olive", "Waffle"]

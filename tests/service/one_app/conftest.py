@@ -8,7 +8,7 @@ same app, so its settings are the union of theirs:
   engine health check every 2 s   a dead engine is noticed in seconds (test_service_e2e's replacement test)
 
 The fixture is package-scoped: the app starts before the folder's first test and stops after its last, so no other
-module's Ray overlaps it. Order (pytest_collection_modifyitems below): test_service_e2e first (it counts its
+module's Ray overlaps it. Order (tests/support/shared_app.py's order_folder): test_service_e2e first (it counts its
 users' evictions from a fresh replica), then the others in MODULE_ORDER, then the tests marked
 `restarts_the_app` (they kill the engine replica or restart the whole app) in that order, the whole-app restart last.
 """
@@ -20,6 +20,7 @@ import pytest
 from support.auth_fixture import new_jwt_secret
 from support.local_service import running_service
 from support.redis_fixture import redis_server
+from support.shared_app import order_folder
 
 from inferscale_server.local_processes import free_port
 
@@ -59,18 +60,4 @@ def service(redis_url, tmp_path_factory, jwt_secret):
 
 
 def pytest_collection_modifyitems(items):
-    """This folder's tests in MODULE_ORDER, those marked `restarts_the_app` after all others (each group in file
-    order), at the place the folder's tests were collected."""
-    mine = [(n, item) for n, item in enumerate(items) if HERE in Path(str(item.fspath)).parents]
-    if not mine:
-        return
-
-    def key(pair):
-        n, item = pair
-        restarts = item.get_closest_marker("restarts_the_app") is not None
-        return restarts, (0 if restarts else MODULE_ORDER.index(Path(str(item.fspath)).name)), n
-
-    first = mine[0][0]
-    taken = {id(item) for _, item in mine}
-    others = [item for item in items if id(item) not in taken]
-    items[:] = others[:first] + [item for _, item in sorted(mine, key=key)] + others[first:]
+    order_folder(items, HERE, MODULE_ORDER)

