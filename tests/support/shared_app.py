@@ -1,10 +1,30 @@
-"""The order of the tests in a folder whose modules share one running application (tests/service/one_app/,
-tests/service/two_engines/): each folder's conftest.py starts the app in a package-scoped fixture and calls
-`order_folder` from its pytest_collection_modifyitems hook, which pytest calls with every collected item.
+"""What a folder whose modules share one running application needs (tests/service/one_app/,
+tests/service/two_engines/): each folder's conftest.py starts the app in a package-scoped fixture, imports
+`redis_url` and `jwt_secret` from here (package-scoped where a conftest imports them: this module is not a plugin,
+so the per-module fixtures of the same names stay everyone else's), and calls `order_folder` from its
+pytest_collection_modifyitems hook, which pytest calls with every collected item.
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
+
+from support.auth_fixture import new_jwt_secret
+from support.redis_fixture import redis_server
+
+
+@pytest.fixture(scope="package")
+def redis_url():
+    """The app's redis-server, for the whole folder (tests/support/redis_fixture.py's is one per module)."""
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="package")
+def jwt_secret(tmp_path_factory):
+    """The app's HS256 secret, for the whole folder (tests/support/auth_fixture.py's is one per module)."""
+    return new_jwt_secret(tmp_path_factory)
 
 
 def order_folder(items: list, folder: Path, module_order: tuple[str, ...]) -> None:

@@ -17,10 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.auth_fixture import new_jwt_secret
 from support.local_service import running_service
-from support.redis_fixture import redis_server
-from support.shared_app import order_folder
+from support.shared_app import jwt_secret, order_folder, redis_url  # noqa: F401 - the folder's package fixtures
 
 from inferscale_server.local_processes import free_port
 
@@ -34,20 +32,7 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="package")
-def redis_url():
-    """The app's redis-server, for the whole folder (tests/support/redis_fixture.py's is one per module)."""
-    with redis_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="package")
-def jwt_secret(tmp_path_factory):
-    """The app's HS256 secret, for the whole folder (tests/support/auth_fixture.py's is one per module)."""
-    return new_jwt_secret(tmp_path_factory)
-
-
-@pytest.fixture(scope="package")
-def service(redis_url, tmp_path_factory, jwt_secret):
+def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811 - the package fixtures imported above
     pytest.importorskip("ray")
     metrics_port = free_port()
     with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,

@@ -23,11 +23,9 @@ import os
 from pathlib import Path
 
 import pytest
-from support.auth_fixture import new_jwt_secret
 from support.local_service import service_on_local_ray
-from support.redis_fixture import redis_server
 from support.serve_specs import spec_with
-from support.shared_app import order_folder
+from support.shared_app import jwt_secret, order_folder, redis_url  # noqa: F401 - the folder's package fixtures
 
 AUTOSCALED = ("Gateway", "Retrieval", "EncoderPool")
 # Seconds, not minutes: 2 s above target to add a replica, 5 s below to remove it; replicas report every 0.5 s,
@@ -43,20 +41,7 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="package")
-def redis_url():
-    """The app's redis-server, for the whole folder (tests/support/redis_fixture.py's is one per module)."""
-    with redis_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="package")
-def jwt_secret(tmp_path_factory):
-    """The app's HS256 secret, for the whole folder (tests/support/auth_fixture.py's is one per module)."""
-    return new_jwt_secret(tmp_path_factory)
-
-
-@pytest.fixture(scope="package")
-def service(redis_url, tmp_path_factory, jwt_secret):
+def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811 - the package fixtures imported above
     pytest.importorskip("ray")
     from inferscale_server.app import DeploymentSpec, ServiceConfig
     from inferscale_server.local_processes import free_port
