@@ -4,10 +4,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InvalidIdError, check_id
+
+if TYPE_CHECKING:  # torch only where a tensor is touched: the registry imports kv_id from here, and a process that
+    import torch  # starts one (a registry actor's Ray worker) would pay torch's import (~2.4 s on 2 cores) for it
 
 
 class Mode(StrEnum):
@@ -77,6 +79,8 @@ class EncodedFact:
     def validate(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype | None = None, max_tokens: int | None = None) -> None:
         """Raise ValueError naming the problem when this fact does not fit a model of that shape."""
+        import torch
+
         if not isinstance(self.token_ids, torch.Tensor) or self.token_ids.dim() != 1:
             raise ValueError("EncodedFact.token_ids must be a 1-D tensor")
         if self.token_ids.dtype not in (torch.int64, torch.int32):
