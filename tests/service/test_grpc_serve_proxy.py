@@ -34,13 +34,14 @@ def serve_ports(redis_url, jwt_secret):
     from inferscale_server.gateway import Gateway, http_app
     from inferscale_server.gateway.core import WATCH_STREAMS_MAX
 
-    grpc_port, http_port = free_port(), free_port()
     # The proxies' environment as every deployment mode sets it (transport limits, the proxy callback), and the
     # gRPC proxy bound to loopback as `inferscale serve` binds it.
     # The body deadline shortened from its 30 s so that test_a_slow_body_is_refused_by_the_proxy is quick.
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **serve_start_env("127.0.0.1"),
                                        BODY_TIMEOUT_ENV: str(BODY_TIMEOUT_S)}})
+    # Picked after ray.init: Ray's head processes bind ports of their own there (support.local_service says so).
+    grpc_port, http_port = free_port(), free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[api.SERVICER_FUNCTION]))
