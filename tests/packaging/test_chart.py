@@ -753,8 +753,11 @@ def test_mooncake_master_and_engine_segments(helm):
     assert not [a for a in master["args"] if "metadata" in a] and len(master["ports"]) == 1
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     args = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    # pool_bytes: the smallest cluster's segments (each worker group's minReplicas, 1 by default: 24 + 3 GiB), the
+    # per-user share's base (pool / (replicas x tenants))
     assert args["cluster_store"] == {"master": "mc-mooncake:50051",  # metadata: the default, peer to peer
-                                     "lease_s": 1.0, "replicas": 2}  # two copies: a lost node loses no fact
+                                     "lease_s": 1.0, "replicas": 2,  # two copies: a lost node loses no fact
+                                     "pool_bytes": (24 + 3) * 1024 ** 3, "tenants": 16}
     pods = _pod_specs(docs)
     for group, gib in (("gpu-workers", 24), ("cpu-workers", 3)):
         seg = {c["name"]: c for c in pods[group]["containers"]}["mooncake-segment"]
