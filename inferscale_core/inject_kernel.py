@@ -127,17 +127,14 @@ def kernel(interpret: bool):
     return _KERNELS[interpret]
 
 
-def _offsets(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """The tensor with the lowest address and every tensor's element offset from it (all >= 0)."""
-    base = min(tensors, key=lambda t: t.data_ptr())
-    size = base.element_size()
-    offsets = []
-    for t in tensors:
-        delta = t.data_ptr() - base.data_ptr()
-        if delta % size:
-            raise ValueError("tensors not aligned to their element size")
-        offsets.append(delta // size)
-    return base, offsets
+def _element_offsets(ptrs: np.ndarray, size: int) -> tuple[int, np.ndarray]:
+    """The index of the lowest address among `ptrs` (int64 byte addresses) and every address's offset from it in
+    elements of `size` bytes (all >= 0); ValueError where one is not a whole number of elements."""
+    first = int(ptrs.argmin())
+    delta = ptrs - ptrs[first]
+    if (delta % size).any():
+        raise ValueError("tensors not aligned to their element size")
+    return first, delta // size
 
 
 @dataclass
@@ -160,13 +157,15 @@ class CacheViews:
         if any(t.stride() != first.stride() or t.dtype != first.dtype or t.shape != first.shape
                for kv in views for t in kv):
             return None
+        ptrs = np.array([(k.data_ptr(), v.data_ptr()) for k, v in views], dtype=np.int64)
         try:
-            k_base, k_offsets = _offsets([k for k, _ in views])
-            v_base, v_offsets = _offsets([v for _, v in views])
+            k_first, k_offsets = _element_offsets(ptrs[:, 0], first.element_size())
+            v_first, v_offsets = _element_offsets(ptrs[:, 1], first.element_size())
         except ValueError:
             return None
-        offsets = torch.tensor(list(zip(k_offsets, v_offsets)), dtype=torch.int64, device=first.device)
-        return cls(k_base, v_base, offsets, first.stride(0), first.stride(1), first.stride(2), block_size)
+        offsets = torch.from_numpy(np.stack([k_offsets, v_offsets], axis=1)).to(first.device)
+        return cls(views[k_first][0], views[v_first][1], offsets, first.stride(0), first.stride(1), first.stride(2),
+                   block_size)
 
     @classmethod
     def probe(cls, kv_caches: list[torch.Tensor], write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None],
@@ -235,16 +234,13 @@ def inject(views: CacheViews, pieces: list[tuple[torch.Tensor, torch.Tensor]], p
     n = int(counts.sum())
     if positions.shape != (n,) or slots.shape != (n,):
         raise ValueError(f"{n} tokens in the pieces, {positions.shape} positions, {slots.shape} slots")
-    size = pieces[0][0].element_size()
     # Element offsets from the lowest address (Triton adds offsets to one base pointer per argument).
-    k_first, v_first = int(info[:, 0].argmin()), int(info[:, 1].argmin())
-    k_offsets, v_offsets = info[:, 0] - info[k_first, 0], info[:, 1] - info[v_first, 1]
-    if (k_offsets % size).any() or (v_offsets % size).any():
-        raise ValueError("pieces not aligned to their element size")
+    k_first, k_offsets = _element_offsets(info[:, 0], pieces[0][0].element_size())
+    v_first, v_offsets = _element_offsets(info[:, 1], pieces[0][0].element_size())
     within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # each token's index in its piece
     meta = np.empty((n, _META_COLUMNS), dtype=np.int64)
-    meta[:, 0] = np.repeat(k_offsets // size, counts) + step * within
-    meta[:, 1] = np.repeat(v_offsets // size, counts) + step * within
+    meta[:, 0] = np.repeat(k_offsets, counts) + step * within
+    meta[:, 1] = np.repeat(v_offsets, counts) + step * within
     meta[:, 2] = np.repeat(info[:, 2], counts)
     meta[:, 3], meta[:, 4] = positions, slots
     k_base, v_base = pieces[k_first][0], pieces[v_first][1]
