@@ -10,6 +10,12 @@ characters to encode, an answer's choices x max_tokens), may take the balance be
 with RESOURCE_EXHAUSTED (HTTP 429), reason CALLER_WORK, and a retry hint of the time its balance takes to refill to
 zero. So no request is refused for its own size (the per-request limits bound that), only for work already done.
 
+The budget is a share, so it binds only when there is someone to share with (work-conserving): a caller in debt is
+refused while another caller NOT in debt has been active on this gateway replica within CONTENTION_WINDOW_S (the
+well-behaved tenant the debt would cost). A caller alone, or callers who are all in debt (a hundred users importing
+their memories at once: the encoder pool's fair queue divides that), keep being served; the debt stays and binds
+the moment a light caller shows up.
+
 The request's bill follows it in a context variable, as the caller's deadline does (services/deadlines.py): the
 front door admits the caller in the request's task, and the work is charged deep in the core (GatewayCore.store_new,
 answer_pieces, scans, Mem0 extraction's writes) without every path carrying the caller. A bill is per request: a
@@ -35,6 +41,13 @@ REQUEST_UNITS = 1.0       # every admitted request: authentication, parsing, the
 CHARS_PER_TOKEN = 4.0     # text to encode or prefill, before it is tokenized: ~4 characters a token
 FACTS_READ_PER_UNIT = 32  # a scan (a filtered listing, a search widened by a filter, a filtered delete): a fact
 #                           read from Redis and matched against a filter of up to filters.MAX_NODES conditions
+
+# A caller counts as active for this long after its last request (the well-behaved users of bench/noisy_neighbour.py
+# ask every 15 s, 20 of them: one of them is always within 10 s); a debt binds only while one such caller is not in
+# debt. At most CONTENTION_SCAN recently active callers are looked at before the answer is "contended" (bounded
+# work per request, whatever the number of callers).
+CONTENTION_WINDOW_S = 10.0
+CONTENTION_SCAN = 256
 
 
 def text_units(chars: int) -> float:
@@ -76,16 +89,17 @@ class WorkBudget:
         self.refused = 0
 
     def admit(self, caller: Principal | None) -> None:
-        """At authentication, before the request is read: refuses a caller in debt (CALLER_WORK), else opens the
-        request's bill with REQUEST_UNITS. A request authenticated twice (a front door and the core) is billed once."""
+        """At authentication, before the request is read: refuses a caller in debt while another caller not in debt
+        is active (CALLER_WORK), else opens the request's bill with REQUEST_UNITS. A request authenticated twice (a front door and the core) is billed once."""
         if caller is None or caller.admin:
             _BILL.set(None)
             return
         bill = _BILL.get()
         if bill is not None and bill.subject == caller.subject:
             return
-        balance = self.balance(caller.subject)
-        if balance < 0:
+        now = time.monotonic()
+        balance = self._refilled(caller.subject, now)
+        if balance < 0 and self._contended(caller.subject, now):
             self._refuse(balance)
         bill = _Bill(caller.subject)
         _BILL.set(bill)
@@ -93,12 +107,14 @@ class WorkBudget:
 
     def charge(self, units: float) -> None:
         """Work known before it is done, charged before it is done: refused (CALLER_WORK) when the caller's other
-        requests have put its balance below zero since this request was admitted."""
+        requests have put its balance below zero since this request was admitted, and another caller not in debt is
+        active."""
         bill = _BILL.get()
         if bill is None or units <= 0:
             return
-        others = self.balance(bill.subject) + bill.units  # the balance without this request's own charges
-        if others < 0:
+        now = time.monotonic()
+        others = self._refilled(bill.subject, now) + bill.units  # the balance without this request's own charges
+        if others < 0 and self._contended(bill.subject, now):
             self._refuse(others)
         self._debit(bill, units)
 
@@ -115,6 +131,18 @@ class WorkBudget:
     def _refilled(self, subject: str, now: float) -> float:
         balance, at = self._balances.get(subject, (self.limit.burst, now))
         return min(self.limit.burst, balance + (now - at) * self.limit.rate_per_s)
+
+    def _contended(self, subject: str, now: float) -> bool:
+        """Whether another caller not in debt was active within CONTENTION_WINDOW_S. The balances are kept in order of
+        last charge (every admitted request is charged), so the walk from the newest stops at the window's edge."""
+        for looked, (other, (balance, at)) in enumerate(reversed(self._balances.items())):
+            if now - at > CONTENTION_WINDOW_S:
+                return False
+            if looked >= CONTENTION_SCAN:
+                return True  # many callers at once: certainly someone to share with
+            if other != subject and min(self.limit.burst, balance + (now - at) * self.limit.rate_per_s) >= 0:
+                return True
+        return False
 
     def _debit(self, bill: _Bill, units: float) -> None:
         now = time.monotonic()

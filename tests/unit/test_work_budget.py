@@ -2,7 +2,7 @@
 arithmetic (refill, debt, the retry hint, admins exempt, the LRU of tracked callers), and through the real gRPC
 server and the real Mem0 HTTP app: a caller whose heavy requests spent its budget is refused with
 RESOURCE_EXHAUSTED / HTTP 429, reason CALLER_WORK and a retry hint, while another caller is served at the same
-moment. No Ray: the gateway runs in registry-only mode, where an add's encode cost is still charged before the
+moment. A debt binds only while another caller not in debt is active (the budget is a share: work-conserving). No Ray: the gateway runs in registry-only mode, where an add's encode cost is still charged before the
 encoder would be asked."""
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def request(budget: WorkBudget, caller: Principal, *charges: float, spent: float
 
 def test_a_request_runs_into_debt_and_the_caller_is_refused_until_it_has_refilled():
     budget = WorkBudget(WorkLimit(rate_per_s=100.0, burst=100.0))
+    request(budget, BOB)  # a light caller, active: alice's debt costs bob, so it binds
     request(budget, ALICE, 40.0)
     assert budget.balance("alice") == pytest.approx(100 - REQUEST_UNITS - 40, abs=20)
     # a request is never refused for its own size: admitted at a balance >= 0, it may charge far past zero
@@ -70,6 +71,7 @@ def test_a_charge_is_refused_for_the_debt_of_the_callers_other_requests_never_fo
     charges before their work are refused. Work already done (`spent`) is never refused, and a refund (an estimate
     corrected down) fills the balance back, up to the burst."""
     budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=50.0))
+    request(budget, BOB)
     first, second = contextvars.copy_context(), contextvars.copy_context()
     first.run(budget.admit, ALICE)
     second.run(budget.admit, ALICE)  # both admitted: the balance is 48
@@ -84,6 +86,36 @@ def test_a_charge_is_refused_for_the_debt_of_the_callers_other_requests_never_fo
     assert budget.balance("alice") == 50.0
     budget.spent(1e9)  # outside any request (no bill): nothing is charged
     assert budget.balance("alice") == 50.0
+
+
+def test_a_debt_binds_only_while_a_caller_not_in_debt_is_active():
+    """Work-conserving: a caller alone is served however deep in debt; so are callers who are all in debt (the
+    encoder's fair queue divides their work); the debt binds as soon as a light caller is active, and stops binding
+    once that caller has been quiet for CONTENTION_WINDOW_S."""
+    from inferscale_server.gateway import work_budget
+
+    budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=10.0))
+    for _ in range(3):
+        request(budget, ALICE, 1000.0)  # alone: admitted every time, the debt grows
+    assert budget.balance("alice") < -2900 and budget.refused == 0
+    request(budget, BOB, 500.0)  # bob in debt too: nobody light to protect, both served
+    request(budget, ALICE)
+    carol = Principal("carol", frozenset({"memory:read"}))
+    request(budget, carol)  # a light caller arrives
+    with pytest.raises(ApiError) as e:
+        request(budget, ALICE)
+    assert e.value.reason == "CALLER_WORK"
+    with pytest.raises(ApiError):
+        request(budget, BOB)
+    request(budget, carol)  # carol is served, of course
+    saved = work_budget.CONTENTION_WINDOW_S
+    work_budget.CONTENTION_WINDOW_S = 0.2
+    try:
+        time.sleep(0.3)  # carol has gone quiet: alice is alone with her debt again
+        request(budget, ALICE)
+    finally:
+        work_budget.CONTENTION_WINDOW_S = saved
+    assert budget.refused == 2
 
 
 def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burst():
@@ -118,6 +150,8 @@ def test_a_caller_whose_heavy_adds_spent_its_budget_is_refused_at_both_doors_whi
     ch = grpc_server.channel()
     carol, dave = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("carol", "dave"))
     stub = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, carol)))
+    other = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, dave)))
+    assert list(other.ListMemories(pb2.ListMemoriesRequest(user_id=dave)).facts) == []  # dave is active, not in debt
     heavy = pb2.AddFactsRequest(user_id=carol, facts=[pb2.FactInput(text="Carol's fact behind a huge window.",
                                                                  window=WINDOW)])
     stub.AddFacts(heavy)  # about 4,000 units from a burst of 1,000: admitted, and not refused for its own size
@@ -125,7 +159,6 @@ def test_a_caller_whose_heavy_adds_spent_its_budget_is_refused_at_both_doors_whi
     code, details, trailers = rich_refusal(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id=carol)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details["ErrorInfo"].reason == "CALLER_WORK"
     assert details["RetryInfo"].retry_delay.seconds >= 700  # ~3,000 units in debt at 4 a second
-    other = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, dave)))
     assert list(other.ListMemories(pb2.ListMemoriesRequest(user_id=dave)).facts) == []  # the same moment
     r = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers={"authorization": f"Token {token_for(secret, carol)}"})
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 700 and "budget" in r.json()["detail"]
@@ -143,6 +176,8 @@ def test_mem0_adds_are_charged_and_refuse_their_caller_on_grpc_afterwards(gatewa
     erin, frank = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("erin", "frank"))
     # 4 facts of ~1,900 characters, each encoded behind the ones before it: ~19,000 characters, ~4,800 units
     messages = [{"role": "user", "content": f"Erin's note {i}: " + "x" * 1900} for i in range(4)]
+    r = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers={"authorization": f"Token {token_for(secret, frank)}"})
+    assert r.status_code == 200  # frank is active, not in debt: erin's debt would cost him
     r = httpx.post(f"{http_server.url}/v3/memories/add/", json={"messages": messages, "user_id": erin, "infer": False},
                    headers={"authorization": f"Token {token_for(secret, erin)}"})
     assert r.status_code == 200, r.text
