@@ -63,7 +63,7 @@ def scan_units(facts: int) -> float:
 @dataclass(frozen=True)
 class WorkLimit:
     rate_per_s: float = 64.0  # work units per second (services/limits.py, Limits.work_units_per_s_per_caller)
-    burst: float = 2048.0     # what a caller that has been quiet may spend at once
+    burst: float = 8192.0     # what a caller that has been quiet may spend at once: one full context
 
     def __post_init__(self):
         if not self.rate_per_s > 0 or not self.burst > 0:
