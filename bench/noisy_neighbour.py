@@ -67,10 +67,18 @@ def code_of(e: BaseException) -> str:
     import httpx
     import openai
 
-    if isinstance(e, grpc.RpcError):
+    if isinstance(e, grpc.RpcError):  # with the refusal's reason (google.rpc ErrorInfo) where it has one
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+
+        status = rpc_status.from_call(e) if hasattr(e, "trailing_metadata") else None
+        for detail in status.details if status is not None else ():
+            info = error_details_pb2.ErrorInfo()
+            if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.reason:
+                return f"{e.code().name} {info.reason}"
         return e.code().name
-    if isinstance(e, openai.APIStatusError):
-        return f"HTTP {e.status_code}"
+    if isinstance(e, openai.APIStatusError):  # the OpenAI door's error code is the reason on a 429
+        return f"HTTP {e.status_code}" + (f" {str(e.code).upper()}" if e.status_code == 429 and e.code else "")
     if isinstance(e, (openai.APITimeoutError, httpx.TimeoutException, TimeoutError, socket.timeout)):
         return "client timeout"
     return type(e).__name__
@@ -139,7 +147,17 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
             model="inferscale", n=16, max_completion_tokens=780, logprobs=True, top_logprobs=20,
             messages=[{"role": "user", "content": "Write a long story about a lighthouse."}]))
     elif name == "churn":
-        (fid,) = [f.fact_id for f in c.add_facts(ABUSER, ["The abuser's churned fact, version 0."])]
+        churned: list[str] = []
+
+        def first_version():
+            churned[:] = [f.fact_id for f in c.add_facts(ABUSER, ["The abuser's churned fact, version 0."])]
+        while not churned and not stop.is_set():  # refused (the abuser may still be in debt): a row, then again
+            timed(log, ABUSER, "churned fact's add", first_version)
+            if not churned:
+                stop.wait(1.0)
+        if not churned:
+            return
+        fid = churned[0]
         n = iter(range(1, 1_000_000))
 
         def churn():

@@ -532,6 +532,10 @@ REASON_MEANINGS = {
     "CALLER_RATE": "This caller (token subject) is over its request rate on a gateway replica "
                    "(`requests_per_s_per_caller`, bursts of `request_burst_per_caller`). Admins are not limited.",
     "CALLER_CONCURRENCY": "This caller has `max_in_flight_per_caller` requests in flight on a gateway replica.",
+    "CALLER_WORK": "This caller's requests have used more work than its budget on a gateway replica (work units: "
+                   "tokens the model forwards, `work_units_per_s_per_caller`, bursts of `work_burst_per_caller`; "
+                   "docs/security.md): refused until its balance has refilled to zero (the retry hint). Admins are "
+                   "not limited.",
     "EXTRACTION_QUEUE_FULL": "Too many AddMemory calls with infer=true (Mem0's extraction) wait on this gateway "
                              "replica, or this user already has its share of them in progress "
                              "(services/gateway/core.py MEM0_QUEUE, MEM0_PER_USER); retry later or send infer=false.",
@@ -702,6 +706,7 @@ def fixed_sections() -> list[str]:
     disk_dir = cite("services/engine_replica/placement.py", "replica_disk_dir", 'f"kv-{fingerprint}"')
     admission = cite("services/admission.py", "EngineAtCapacity")
     caller = cite("services/gateway/principal_limits.py", "PrincipalLimits")
+    work = cite("services/gateway/work_budget.py", "WorkBudget")
     full = cite("services/errors.py", "registry_full")
     redis_cluster = cite("services/registry/redis_backend.py", "RedisRegistry._probe", "cluster_enabled")
     buckets = cite("services/registry/redis_backend.py", "bucket_of")
@@ -736,7 +741,7 @@ def fixed_sections() -> list[str]:
            f"{overload}); the light client retries it within the call's deadline. The engine replica refuses what "
            f"does not fit its KV cache times `admission_queue_factor` ({admission}); each gateway replica bounds "
            f"every caller (token subject) by `max_in_flight_per_caller` and `requests_per_s_per_caller` "
-           f"({caller}). Without a hint (a request or field too large, a per-user quota) RESOURCE_EXHAUSTED is "
+           f"({caller}), and by the work its requests cause, `work_units_per_s_per_caller` ({work}). Without a hint (a request or field too large, a per-user quota) RESOURCE_EXHAUSTED is "
            "HTTP 413 and is never retried.",
            "",
            f"**UNAVAILABLE `REGISTRY_FULL`: Redis is at its maxmemory** ({full}). The chart's Redis refuses writes "

@@ -39,6 +39,11 @@ class Limits:
     max_in_flight_per_caller: int = 64
     requests_per_s_per_caller: float = 100.0
     request_burst_per_caller: int = 200
+    # Each caller's budget of work on a gateway replica (services/gateway/work_budget.py), in work units (tokens
+    # the model forwards): a rate of a quarter of what the reference node forwards per second (the sizing rule:
+    # docs/security.md), and the burst a quiet caller may spend at once. In debt: CALLER_WORK until refilled.
+    work_units_per_s_per_caller: float = 64.0
+    work_burst_per_caller: float = 8192.0  # one full context of the default model (SmolLM2: 8,192 tokens)
 
     def quota(self) -> Quota:
         return Quota(self.max_facts_per_user, self.max_bytes_per_user, self.max_kv_bytes_per_user)

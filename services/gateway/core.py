@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
 import hashlib
 import json
@@ -38,6 +39,7 @@ from ..errors import ApiError, invalid, to_api_error, too_big, unavailable
 from ..limits import Limits
 from ..messages import AnswerEnd, AnswerPiece, OpenAIChat
 from ..modes import answer_mode
+from ..openai_params import MAX_OUTPUT_TOKENS
 from ..page_tokens import next_page_token, page_token
 from ..registry import (
     FactRecord,
@@ -49,6 +51,7 @@ from ..registry import (
     check_idempotency_key,
 )
 from .principal_limits import PrincipalLimit, PrincipalLimits
+from .work_budget import WorkBudget, WorkLimit, scan_units, text_units
 
 if TYPE_CHECKING:  # mem0ai loads on the first infer=true request, not at import
     from ..mem0_provider import Mem0Extractor
@@ -198,6 +201,7 @@ class GatewayCore:
         self.watches = WatchSlots()
         self.caller_limits = PrincipalLimits(PrincipalLimit(
             limits.max_in_flight_per_caller, limits.requests_per_s_per_caller, limits.request_burst_per_caller))
+        self.work = WorkBudget(WorkLimit(limits.work_units_per_s_per_caller, limits.work_burst_per_caller))
 
     # ------------------------------------------------------------------------------------ auth
     async def authenticate(self, rpc: str, authorization: str | None) -> Principal | None:
@@ -206,6 +210,7 @@ class GatewayCore:
         if rpc in OPEN_RPCS:
             return None
         caller = await self.auth.authenticate_async(authorization)
+        self.work.admit(caller)  # first: a caller in debt takes no slot or rate token
         self.caller_limits.admit(caller)  # this caller's share: requests in flight, request rate
         return caller
 
@@ -278,6 +283,7 @@ class GatewayCore:
                           f"windows they are encoded behind), the limit per request is "
                           f"{self.limits.max_encode_chars_per_request}: send fewer facts per request; nothing "
                           "was stored", "facts")
+        self.work.charge(text_units(encoded))  # before the encoder pool is asked for anything
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         try:
@@ -380,6 +386,7 @@ class GatewayCore:
             (kv_bytes,) = await self._check_encodable([text], ["text"])
             old = await _blocking(self.registry.get, user_id, fact_id)
             seq = await _blocking(self.registry.seq_of, user_id, fact_id)
+            self.work.charge(text_units(len(text) + sum(len(turn) for turn in old.window)))  # its re-encode
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
                               embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes, expires_at=expires_at)
@@ -410,6 +417,8 @@ class GatewayCore:
         that happens to quote the text, on a fact further on, is the caller's text, not this fact's.)"""
         page, _ = await _blocking(self.registry.list_after, user_id, seq, REWINDOW_SPAN)
         changed = list((await self._rewrite_windows(user_id, [rec for _, rec in page], old_text, new_text)).values())
+        # The neighbours re-encoded: work the delete or update causes once it is done, so charged, never refused.
+        self.work.spent(text_units(sum(len(r.text) + sum(len(turn) for turn in r.window) for r in changed)))
         if changed and self.backends is not None:  # a failed push is repaired by the replicas' sync
             await self._push(self.backends.index_facts(user_id, changed), "index_facts (neighbour left)")
         return changed
@@ -486,7 +495,9 @@ class GatewayCore:
                         self._mem0_pool, Mem0Extractor, self._sink, self.embedder_path)
             call = ExtractionCall(stamp)
             assert self._sink is not None  # made with the extractor
-            done = self._mem0_pool.submit(self._sink.running(call, self._extractor.add), user_id, messages, metadata)
+            # In this request's context: the extraction's model calls and writes are charged to its caller's budget.
+            done = self._mem0_pool.submit(contextvars.copy_context().run, self._sink.running(call, self._extractor.add),
+                                          user_id, messages, metadata)
             try:
                 return await within_deadline(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)
             except (asyncio.TimeoutError, asyncio.CancelledError, ApiError) as e:  # ApiError: the caller's deadline
@@ -581,6 +592,7 @@ class GatewayCore:
         while True:
             hits = await backends.search(uid, query, want)
             recs = await self._records(uid, [f for f, _ in hits])
+            self.work.spent(scan_units(len(hits)))  # a filter widens the read up to the user's every fact
             out = [(recs[f], s) for f, s in hits if f in recs and (threshold is None or s >= threshold)]
             if match is not None:  # up to max_facts_per_user records: matched in a worker thread, never the loop
                 out = await asyncio.to_thread(lambda: [(r, s) for r, s in out if match(r)])
@@ -621,9 +633,32 @@ class GatewayCore:
         conversation = validation.messages_in(req.messages, self.limits) if req.messages else None
         backends = self._need("Answer")
         extra = {"openai": openai} if openai is not None else {}
+        estimate = self._answer_units(query, conversation, max_tokens, openai)
+        self.work.charge(estimate)  # before the engine is asked; corrected by what it reports at the end
         async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation,
                                            **extra):
+            if isinstance(piece, AnswerEnd):
+                self.work.spent(piece.prefilled_tokens + piece.completion_tokens - estimate)
             yield piece
+
+    def _answer_units(self, query: str, conversation: list[dict] | None, max_tokens: int,
+                      openai: OpenAIChat | None) -> float:
+        """What an answer may cost before it runs: its text prefilled (the question and the conversation; the
+        facts' KV is injected, not prefilled) and every choice's tokens up to its cap. An OpenAI request's n and cap
+        are read as sent (the engine replica validates them); one without a cap (most OpenAI clients send none) is
+        estimated at default_max_tokens, as gRPC's Answer defaults, not at the end of the context: two such chats
+        at once would otherwise put a quiet caller in debt. What it really ran is charged when it ends."""
+        if openai is None:
+            turns = [query, *(str(m.get("content", "")) for m in conversation or [])]
+            return text_units(sum(map(len, turns))) + max_tokens
+        turns = [str(m.get("content", "")) for m in openai.messages]
+
+        def whole(name: str) -> int | None:
+            v = openai.sampling.get(name)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        cap = whole("max_completion_tokens") or whole("max_tokens") or self.limits.default_max_tokens
+        # the engine refuses more output than MAX_OUTPUT_TOKENS: an estimate past it would be refunded anyway
+        return text_units(sum(map(len, turns))) + min((whole("n") or 1) * cap, MAX_OUTPUT_TOKENS)
 
     async def GetMemory(self, raw, caller: Principal):  # noqa: N802
         req = api.parse("GetMemory", raw, self.limits)
@@ -641,6 +676,7 @@ class GatewayCore:
         after = page_token(req.page_token, scope)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
+        self.work.spent(scan_units(len(page)))
         facts: list = []  # pb2.Fact messages
         total, now = 0, time.time()
         for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
@@ -808,7 +844,12 @@ class GatewaySink:
         self._run(lambda: self.core.delete_fact(user_id, fact_id), write=True)
 
     def chat(self, user_id, messages, max_tokens, temperature, structured):
-        return self._run(lambda: self.core.backends.chat(user_id, messages, max_tokens, temperature, structured))
+        async def chat():
+            # The extraction's prompt and its answer's cap, charged to the add that runs it (never refused: the
+            # add was admitted, and its own work cannot refuse it).
+            self.core.work.spent(text_units(sum(len(str(m.get("content", ""))) for m in messages)) + max_tokens)
+            return await self.core.backends.chat(user_id, messages, max_tokens, temperature, structured)
+        return self._run(chat)
 
     def chat_room(self, user_id, messages):
         return self._run(lambda: self.core.backends.chat_room(user_id, messages))
