@@ -947,3 +947,33 @@ def test_reads_from_the_cluster_tier_are_booked_only_where_each_user_has_a_share
         assert touched == ["sam"]
     finally:
         unshared.close()
+
+
+def test_an_erased_user_is_not_placed_again_by_later_requests(parts):
+    """DeleteUser removes the user's placement (the registry's hint of which replicas hold its KV) with its facts.
+    A request for the user afterwards (a client still asking, a retry, a retrieval that still names a fact) finds
+    nothing to hold and writes no placement again, so nothing in the registry names an erased user; a user with
+    facts is placed as before, by the replica that stores them and by one that syncs them."""
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "erin"
+
+    async def go():
+        core = await started(parts, registry)
+        await add(parts, registry, core, user, {"erin1": "Erin paints lighthouses.", "erin2": "Erin has a kayak."})
+        assert registry.placement(user) == {core.replica_id}  # put_facts places it
+        await answer(core, user, ["erin1"])
+        registry.delete_user(user)
+        await core.forget_user(user)
+        assert user not in registry.placements()
+        final = await answer(core, user, ["erin1", "erin2"])  # named by a stale retrieval: not held, not served
+        assert final.fact_ids == []
+        await answer(await started(parts, registry), user, [])  # a replica that never held the user
+        assert user not in registry.placements() and registry.placement(user) == set()
+        await add(parts, registry, core, user, {"erin3": "Erin moved to Bergen."})  # back, with a fact
+        reader = await started(parts, registry)
+        await answer(reader, user, ["erin3"])
+        assert registry.placement(user) == {core.replica_id, reader.replica_id}
+
+    run(go())
