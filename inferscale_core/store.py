@@ -6,8 +6,11 @@ Tiers, fastest first:
           device is not the CPU: a CPU store would otherwise hold the same bytes twice),
   disk    one safetensors file per fact under `disk_dir`, written on every put (write-through), so a fact
           survives a restart and a fact demoted out of memory costs nothing more to drop. Optionally under a
-          byte budget (`disk_budget_bytes`, bytes of the files): a write that would exceed it first deletes the
-          files of the least recently used facts (put and get count as uses). A fact whose file is deleted stays
+          byte budget (`disk_budget_bytes`, bytes of the files): a write that would exceed it first deletes files,
+          each time the least recently used fact's of the user whose files take the most bytes (put and get count
+          as uses): the budget is shared by the users like the engine replica's resident KV, so one user writing
+          ever new facts recycles its own files and never flushes the others' (issue 31), while a user alone still
+          uses the whole budget. A fact whose file is deleted stays
           while a memory tier holds it (until it is demoted out of memory); one in no memory tier is forgotten,
           so a later get is a clean miss (UnknownFactError), as for a fact never stored: the disk is a cache,
           the facts' source of truth is elsewhere (the cluster tier, or the registry's text to re-encode).
@@ -147,7 +150,10 @@ class FactStore:
         self._disk_bytes = 0
         self.disk_budget_bytes = disk_budget_bytes
         self._file_bytes = 0  # bytes of every fact file (what the disk budget bounds)
-        self._disk_lru: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # facts with a file, LRU first
+        # Facts with a file, per user, least recently used first, and the bytes of each user's files: the disk
+        # budget takes from the user holding the most (_collect).
+        self._disk_lru: dict[str, OrderedDict[str, _Entry]] = {}
+        self._user_file_bytes: dict[str, int] = {}
         self._collected = 0  # files deleted to stay within the disk budget
         self._quarantined = 0  # unreadable files moved to QUARANTINE_DIR at open
         self._hits = {"device": 0, "host": 0, "disk": 0}
@@ -200,7 +206,7 @@ class FactStore:
             if tier is not None:
                 self._place(entry, tier, stored)
             if data is not None and self._disk_fits(len(data)):
-                self._collect(len(data))  # room first: least recently used files leave
+                self._collect(len(data), writer=user_id)  # room first: the largest holder's oldest files leave
                 self._write_file(user_id, fact_id, data)
                 self._add_file(entry, len(data))
 
@@ -391,7 +397,7 @@ class FactStore:
             raise UnknownFactError(entry.user_id, entry.fact_id)  # (get_many: demoted out of memory, no file)
         self._hits[entry.tier] += 1
         if entry.on_disk:
-            self._disk_lru.move_to_end((entry.user_id, entry.fact_id))
+            self._disk_lru[entry.user_id].move_to_end(entry.fact_id)
         if entry.tier == "device":
             self._lru["device"].move_to_end((entry.user_id, entry.fact_id))
             assert entry.fact is not None  # an entry in a memory tier holds its copy there
@@ -480,23 +486,32 @@ class FactStore:
     def _disk_fits(self, nbytes: int) -> bool:
         return self.disk_budget_bytes is None or nbytes <= self.disk_budget_bytes
 
-    def _collect(self, nbytes: int) -> None:
-        """Deletes the files of the least recently used facts until `nbytes` more fit in the disk budget."""
+    def _collect(self, nbytes: int, writer: str | None = None) -> None:
+        """Deletes files until `nbytes` more (a file `writer` is about to write) fit in the disk budget, each time
+        the least recently used of the user whose files take the most bytes, the new file counted as the writer's
+        (on a tie the writer pays): a user over its share of the budget loses its own oldest files first."""
         if self.disk_budget_bytes is None:
             return
         while self._file_bytes + nbytes > self.disk_budget_bytes and self._disk_lru:
-            self._drop_file(next(iter(self._disk_lru.values())), forget=True, collected=True)
+            user = max(self._disk_lru, key=lambda u: (self._user_file_bytes[u] + (nbytes if u == writer else 0),
+                                                      u == writer))
+            self._drop_file(next(iter(self._disk_lru[user].values())), forget=True, collected=True)
 
     def _add_file(self, entry: _Entry, file_bytes: int) -> None:
         entry.on_disk, entry.file_bytes = True, file_bytes
         self._disk_bytes += entry.nbytes
         self._file_bytes += file_bytes
-        self._disk_lru[(entry.user_id, entry.fact_id)] = entry
+        self._disk_lru.setdefault(entry.user_id, OrderedDict())[entry.fact_id] = entry
+        self._user_file_bytes[entry.user_id] = self._user_file_bytes.get(entry.user_id, 0) + file_bytes
 
     def _drop_file(self, entry: _Entry, forget: bool, collected: bool) -> None:
         """Deletes a fact's file; with `forget`, a fact no memory tier holds leaves the store too."""
         self._path(entry.user_id, entry.fact_id).unlink(missing_ok=True)
-        del self._disk_lru[(entry.user_id, entry.fact_id)]
+        files = self._disk_lru[entry.user_id]
+        del files[entry.fact_id]
+        self._user_file_bytes[entry.user_id] -= entry.file_bytes
+        if not files:
+            del self._disk_lru[entry.user_id], self._user_file_bytes[entry.user_id]
         self._disk_bytes -= entry.nbytes
         self._file_bytes -= entry.file_bytes
         entry.on_disk, entry.file_bytes = False, 0

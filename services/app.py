@@ -259,14 +259,16 @@ def cluster_store_for(values: dict, release: str) -> dict:
     m = values.get("mooncake") or {}
     if not m.get("enabled"):
         return {}
+    from .kv_tier_share import smallest_pool_bytes
+
     host = f"{release}-mooncake"
     ray = values["ray"]
-    gib = int(ray["cpuWorkers"]["minReplicas"]) * int(m["cpuSegmentGiB"])
+    groups = [(int(ray["cpuWorkers"]["minReplicas"]), int(m["cpuSegmentGiB"]) << 30)]
     if int(ray["gpuWorkers"]["maxReplicas"]) > 0:
-        gib += int(ray["gpuWorkers"]["minReplicas"]) * int(m["segmentGiB"])
+        groups.append((int(ray["gpuWorkers"]["minReplicas"]), int(m["segmentGiB"]) << 30))
     # Each user's share is derived from the pool the cluster always has: its worker groups' minReplicas pods.
     return {"master": f"{host}:{m['rpcPort']}", "lease_s": float(m["leaseSeconds"]), "replicas": int(m["replicas"]),
-            "pool_bytes": gib << 30, "tenants": int(m["tenants"])}
+            "pool_bytes": smallest_pool_bytes(groups), "tenants": int(m["tenants"])}
 
 
 def auth_args_for(values: dict) -> dict:
@@ -417,11 +419,20 @@ def main(argv: list[str] | None = None) -> int:
                         "password out of it, replicas read it from $INFERSCALE_REDIS_PASSWORD")
     p.add_argument("--mooncake-master", default=None, metavar="HOST",
                    help="the cluster KV tier's mooncake_master host instead of the chart's Service (a Ray cluster: "
-                        "the head's address; RPC port 50051)")
+                        "the head's address; RPC port 50051); needs --mooncake-pool-gib")
+    p.add_argument("--mooncake-pool-gib", type=float, default=None, metavar="GIB",
+                   help="with --mooncake-master: the memory segments that cluster always runs, the base of each "
+                        "user's share of the tier (ray_cluster.yaml: gpu_worker min_workers x 16)")
     a = p.parse_args(argv)
     if not a.emit_serve_config:
         p.print_help()
         return 2
+    if (a.mooncake_master is None) != (a.mooncake_pool_gib is None):
+        # The chart's pool (its own pods' segments) is not that cluster's: a share taken from it would be wrong.
+        p.error("--mooncake-master and --mooncake-pool-gib go together: the pool each user's share of the cluster "
+                "KV tier is taken from is the segments of the cluster that master serves")
+    if a.mooncake_pool_gib is not None and not 0 < a.mooncake_pool_gib < float("inf"):
+        p.error(f"--mooncake-pool-gib must be a number above 0 (GiB of memory segments), got {a.mooncake_pool_gib}")
     cfg = chart_serve_config(Path(a.values))
     if a.registry_url:
         if urlsplit(a.registry_url).password:
@@ -429,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                     "INFERSCALE_REDIS_PASSWORD where Ray starts instead")
         cfg["applications"][0]["args"]["registry_url"] = a.registry_url
     if a.mooncake_master:
-        cfg["applications"][0]["args"]["cluster_store"].update(master=f"{a.mooncake_master}:50051")
+        cfg["applications"][0]["args"]["cluster_store"].update(master=f"{a.mooncake_master}:50051",
+                                                               pool_bytes=int(a.mooncake_pool_gib * (1 << 30)))
     text = dump(cfg)
     if a.emit_serve_config == "-":
         sys.stdout.write(text)

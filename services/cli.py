@@ -62,7 +62,9 @@ def add_commands(sub) -> None:
                         "interface (no flag binds them): use it on a machine no untrusted network reaches")
     p.add_argument("--mooncake-segment-gib", type=_positive_float, default=None, metavar="GIB",
                    help="with --local-mooncake: its memory (default: a sixteenth of the machine's, at least 1; "
-                        "taken as facts arrive)")
+                        "taken as facts arrive); each user's KV there is bounded to 1/16 of it (the chart's share: "
+                        "pool / (copies x 16 tenants), one copy here), its own least recently used facts "
+                        "re-encoded past that")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + answer in tokens (default: the model's own context, 8,192 for SmolLM2: a "
                         "memory of up to ~200 facts)")
@@ -198,8 +200,13 @@ def _cluster_line(args, cluster: dict) -> str:
     if not cluster:
         return "none: KV through the engine's RPC channel (--local-mooncake or --mooncake-master for the cluster path)"
     if getattr(args, "local_mooncake_gib", None):
-        return (f"Mooncake Store started by serve ({args.local_mooncake_gib:.1f} GiB; its transfer ports listen on every "
-                f"interface), master {cluster['master']}")
+        from inferscale_core.cluster_store import ClusterConfig
+
+        config = ClusterConfig.from_dict(cluster)
+        cap = config.user_cap() if config else None
+        share = f"each user's KV at most {cap / 2**20:.0f} MiB; " if cap else ""
+        return (f"Mooncake Store started by serve ({args.local_mooncake_gib:.1f} GiB; {share}its transfer ports listen "
+                f"on every interface), master {cluster['master']}")
     return f"Mooncake Store, master {cluster['master']}"
 
 

@@ -8,12 +8,31 @@ user fits its cap (`ClusterConfig.user_cap`: by default pool_bytes / (replicas x
 facts a request reads from the tier as used (`Registry.kv_tier_touch`). A fact removed this way is a miss like a
 fact the master evicted: the request that names it has vLLM compute those tokens (the connector's failed-load
 path, same answer) and one re-encode writes it back, which again makes room within the same user's share.
+
+Where the pool's size comes from is one rule for every way the service is deployed (`smallest_pool_bytes`): the
+chart (its worker groups' minReplicas pods), a Ray cluster (`ray_cluster.yaml`'s GPU nodes' min_workers, passed as
+`--mooncake-pool-gib` when its Serve config is emitted) and one machine (`inferscale serve --local-mooncake`, the
+benchmarks and the tests: the one segment services/local_mooncake.py starts).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 log = logging.getLogger("inferscale.kv_tier_share")
+
+
+def smallest_pool_bytes(groups: Iterable[tuple[int, int]]) -> int:
+    """`ClusterConfig.pool_bytes` for segments held by groups of nodes, `(fewest nodes of the group, segment bytes
+    each)`: the memory the deployment always has. Sized on the fewest nodes, never on what autoscaling may add,
+    because a share taken from memory that is not there would let one user's KV take more than its fraction of
+    the pool that is."""
+    total = 0
+    for nodes, segment_bytes in groups:
+        if nodes < 0 or segment_bytes < 0:
+            raise ValueError(f"a group of segments needs counts >= 0, got {nodes} nodes of {segment_bytes} bytes")
+        total += nodes * segment_bytes
+    return total
 
 
 class TierShare:

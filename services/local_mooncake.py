@@ -2,7 +2,13 @@
 tests and the benchmarks: `mooncake_master` (no metadata server: clients exchange segment descriptors peer to peer,
 as the chart and the cluster file run it) and one `mooncake_client` that contributes the memory segment objects
 live in. The service itself otherwise only connects to addresses (`cluster_store` =
-inferscale_core.cluster_store.ClusterConfig); this starts local ones, like bench/local_redis.py does for Redis."""
+inferscale_core.cluster_store.ClusterConfig); this starts local ones, like bench/local_redis.py does for Redis.
+
+Its config carries the pool each user's share of the tier is taken from (services/kv_tier_share.py, the chart's
+rule): the one segment it starts, so every one-machine use (serve, benchmarks, tests) bounds a tenant's KV there as
+a cluster does, at pool / (replicas x tenants). `replicas` is 1 because one segment holds one copy of each object
+(Mooncake writes no more than the segments it has); counting the chart's two would halve every user's share for
+copies that are never written. A caller that adds segments and wants two copies says so (`add_segment`)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +22,7 @@ from pathlib import Path
 
 from inferscale_core.cluster_store import P2P_METADATA
 
+from .kv_tier_share import smallest_pool_bytes
 from .local_processes import free_port, stop_process
 
 
@@ -58,7 +65,9 @@ class LocalMooncake:
 
     def add_segment(self, segment_bytes: int, start_timeout_s: float = 30.0) -> subprocess.Popen:
         """Another node's segment (one more `mooncake_client`), mounted at the master before this returns.
-        Stopped with the store unless the caller kills it first."""
+        Stopped with the store unless the caller kills it first. The config stays the first segment's (its
+        pool_bytes, one copy): the pool the store always has, since this one may die (the node-failure test); a
+        caller that wants two copies across them sets `replicas: 2` in the config it uses."""
         port = free_port()
         proc = _start_segment(self.config, segment_bytes, port, Path(self.workdir) / f"segment-{port}.log")
         self.extra_segments.append(proc)
@@ -95,7 +104,8 @@ def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_ti
     try:
         deadline = time.monotonic() + start_timeout_s
         _wait_port(rpc, master, "mooncake_master", deadline)
-        config = {"master": f"127.0.0.1:{rpc}", "metadata": P2P_METADATA, "lease_s": lease_ms / 1000}
+        config = {"master": f"127.0.0.1:{rpc}", "metadata": P2P_METADATA, "lease_s": lease_ms / 1000,
+                  "replicas": 1, "pool_bytes": smallest_pool_bytes([(1, segment_bytes)])}
         segment = _start_segment(config, segment_bytes, seg_port, Path(workdir) / "segment.log")
         _wait_port(seg_port, segment, "mooncake_client (segment)", deadline)
         _wait_writable(config, deadline)

@@ -97,9 +97,13 @@ class ReplicaCore:
 
     # ------------------------------------------------------------------------------ user placement
     async def register_user(self, user_id: str) -> None:
-        """Records in the registry that this replica holds the user."""
-        await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
+        """This replica holds the user from now on (Serve's loader). Its placement is written once it has facts
+        here (`_place`), not for any request: a request for a user DeleteUser erased must not name it again."""
         self.counters["users_loaded"] += 1
+
+    async def _place(self, user_id: str) -> None:
+        """Records in the registry that this replica holds the user's facts (their KV comes here)."""
+        await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
 
     async def _register_once(self, user_id: str) -> None:
         if user_id not in self.books.loaded:
@@ -135,8 +139,10 @@ class ReplicaCore:
                 if not r.unservable_reason:
                     held[r.fact_id] = HeldFact(r.version, r.text, tuple(r.window), r.expires_at)
             self.books.book.synced[user_id] = changes.version
-            # A user's placement is dropped with its facts (DeleteUser): say again that this replica holds it.
-            await asyncio.to_thread(self.registry.add_placement, user_id, self.replica_id)
+            # A user's placement is dropped with its facts (DeleteUser): say again that this replica holds it,
+            # while it has facts; a user with none (erased, or never added) is not written back into the registry.
+            if held:
+                await self._place(user_id)
             return held
 
     # ------------------------------------------------------------------------------ the watch
@@ -180,6 +186,7 @@ class ReplicaCore:
                 self.counters["facts_stale_pushes"] += fresh.count(False)
             self.counters["facts_pushed"] += len(encoded)
             await self._hold_user(user_id)  # registers the user here (Serve routes its requests to this replica)
+            await self._place(user_id)
             return len(encoded)
 
     async def forget(self, user_id: str, facts: list[FactRef]) -> int:

@@ -75,6 +75,9 @@ class KVPath:
         self.books, self.resident, self.counters, self.background = books, resident, counters, background
         self.reencoding: set[tuple[str, str]] = set()  # (user, kv_id) with a re-encode under way
         self._bytes_per_token: int | None = None  # the worker store's KV bytes per token (asked once)
+        # Whether the cluster tier bounds each user's share (pool_bytes or max_bytes_per_user set; the encoder pool
+        # books its writes then): only then is a read worth a registry call to mark it used.
+        self.share_on = cluster is not None and cluster.config.user_cap() is not None
 
     async def fetch(self, user_id: str, facts: list[tuple[str, HeldFact]]) -> tuple[dict[str, float], list[str]]:
         """Makes these facts' KV reachable for the request. Facts this replica knows the worker store holds are
@@ -103,7 +106,8 @@ class KVPath:
                 # or move from here.
                 kvs = [kv_id(f, h.version) for f, h in todo]
                 maybe.difference_update(kvs)
-                self.background.run(self.touch_in_cluster(user_id, [f for f, _ in todo]))
+                if self.share_on:
+                    self.background.run(self.touch_in_cluster(user_id, [f for f, _ in todo]))
                 return steps, kvs
             ask = [kv_id(f, h.version) for f, h in todo if kv_id(f, h.version) in maybe]
             if ask:  # the disk tier may have them: the worker store says which it still holds

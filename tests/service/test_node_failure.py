@@ -3,7 +3,7 @@ token auth: the head runs the Serve controller, the gRPC proxy, Gateway, Retriev
 EngineReplica; a worker node (`ray start --address`) runs the second EngineReplica. Users are spread over both
 engines (services/routing.py), facts in Redis, their KV in the cluster tier: a real Mooncake Store whose master
 runs beside the head and where each node adds a memory segment (as the chart's `mooncake-segment` sidecar and
-ray_cluster.yaml's mooncake_client do), every object written twice (`cluster_store.replicas`, default 2), so
+ray_cluster.yaml's mooncake_client do), every object written twice (`cluster_store.replicas: 2`, as the chart has it), so
 each fact has a copy in the head's segment and one in the worker's. One user has 100+ facts (one AddFacts)
 and is answered on the worker's replica first. A bounded load run (a fixed number of Answers from a few threads,
 each with a deadline) is going on when the worker node dies: its raylet and its Mooncake segment are SIGKILLed
@@ -114,7 +114,12 @@ def cluster(redis_url, jwt_secret, mooncake, tmp_path_factory):
     head = {"head": 3, "engine_slot": 1}
     on_head = {"head": 1}
     cfg = ServiceConfig(
-        registry_url=redis_url, kv_dir="~/kv", max_model_len=1024, cluster_store=dict(mooncake.config),
+        # Two copies of each object, one per node (the fixture's one segment counts one). tenants 2: the big user's
+        # ~60 MB of KV (101 facts of ~13 tokens, fp32) is past this small pool's fair share for 16 tenants (16 MiB
+        # of the fixture's 512 MiB segment, two copies) and would lose its oldest objects to the share
+        # (services/kv_tier_share.py, tested apart); a pool sized for two tenants (128 MiB each) keeps them all.
+        registry_url=redis_url, kv_dir="~/kv", max_model_len=1024,
+        cluster_store={**mooncake.config, "replicas": 2, "tenants": 2},
         http_port=free_port(), grpc_port=free_port(), auth={"hs256_secret_file": str(jwt_secret[0])},
         deployments={"Gateway": spec_with(on_head, num_cpus=0.25), "Retrieval": spec_with(on_head, num_cpus=0.25),
                      "EncoderPool": spec_with(on_head, num_cpus=0.5),

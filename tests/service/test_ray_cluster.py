@@ -79,12 +79,22 @@ def test_head_runs_the_mooncake_master_and_gpu_nodes_add_segments(capsys):
     assert "--metadata_server=P2PHANDSHAKE" in segment and "--global_segment_size=" in segment
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):  # the clients' own address
         assert "POD_IP=" in _commands(key)
-    # the deploy command's Serve config points the app at the head's master
-    assert main(["--emit-serve-config", "-", "--mooncake-master", "10.1.2.3"]) == 0
+    # the deploy command's Serve config points the app at the head's master, with the pool of the segments this
+    # cluster always runs (gpu_worker's min_workers x each node's segment) as the base of each user's share
+    text = (ROOT / "ray_cluster.yaml").read_text()
+    (pool_gib,) = re.findall(r"--mooncake-pool-gib (\d+)", text)
+    segment_bytes = int(re.search(r"--global_segment_size=(\d+)", segment).group(1))
+    assert int(pool_gib) << 30 == RAW["available_node_types"]["gpu_worker"]["min_workers"] * segment_bytes
+    assert main(["--emit-serve-config", "-", "--mooncake-master", "10.1.2.3", "--mooncake-pool-gib", pool_gib]) == 0
     args = yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"]
     assert args["cluster_store"]["master"] == "10.1.2.3:50051"
     assert "metadata" not in args["cluster_store"]  # ClusterConfig's default: P2PHANDSHAKE
-    assert "--mooncake-master" in (ROOT / "ray_cluster.yaml").read_text()
+    assert args["cluster_store"]["pool_bytes"] == int(pool_gib) << 30  # not the chart's pods' 18 GiB
+    for argv in (["--mooncake-master", "10.1.2.3"], ["--mooncake-pool-gib", "16"],
+                 ["--mooncake-master", "10.1.2.3", "--mooncake-pool-gib", "nan"]):
+        with pytest.raises(SystemExit):  # the chart's pool is not that cluster's: refused, with the reason
+            main(["--emit-serve-config", "-", *argv])
+        assert "--mooncake-pool-gib" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ two Ray nodes, one machine

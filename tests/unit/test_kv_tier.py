@@ -431,7 +431,7 @@ def test_serve_starts_a_mooncake_store_when_asked():
     import socket
     from types import SimpleNamespace
 
-    from inferscale_server.cli import local_cluster_tier
+    from inferscale_server.cli import _cluster_line, local_cluster_tier
 
     args = SimpleNamespace(local_mooncake=False, mooncake_segment_gib=0.25)
     with contextlib.ExitStack() as stack:
@@ -441,6 +441,9 @@ def test_serve_starts_a_mooncake_store_when_asked():
         config = local_cluster_tier(args, stack)
         assert config["master"].startswith("127.0.0.1:") and config["metadata"] == P2P_METADATA
         assert args.local_mooncake_gib == 0.25
+        # each user's share of it, as the chart's rule has it: pool / (1 copy x 16 tenants), and serve says so
+        assert config["pool_bytes"] == 1 << 28 and ClusterConfig.from_dict(config).user_cap() == 16 << 20
+        assert "each user's KV at most 16 MiB" in _cluster_line(args, config)
         store = ClusterStore(ClusterConfig.from_dict(config), FP_A)
         try:
             assert store.wait_available(60)

@@ -45,6 +45,22 @@ def test_the_chart_derives_the_pool_from_its_smallest_cluster():
     assert cap is not None and cap * m["replicas"] * 16 <= store["pool_bytes"]
 
 
+def test_every_deployment_takes_the_share_from_the_segments_it_always_runs(mooncake):
+    """One rule (kv_tier_share.smallest_pool_bytes) for the chart, a Ray cluster and one machine: the tests' store
+    (services/local_mooncake.py, as `inferscale serve --local-mooncake` and the benchmarks start it) is a pool of
+    its one segment, so its tenants have a share as they would on a cluster."""
+    from inferscale_server.kv_tier_share import smallest_pool_bytes
+
+    assert smallest_pool_bytes([(1, 2 << 30), (1, 16 << 30)]) == 18 << 30  # the chart's default: 1 CPU + 1 GPU pod
+    assert smallest_pool_bytes([(0, 16 << 30)]) == 0 and smallest_pool_bytes([]) == 0
+    with pytest.raises(ValueError, match="counts >= 0"):
+        smallest_pool_bytes([(-1, 16 << 30)])
+    config = ClusterConfig.from_dict(mooncake.config)
+    # the fixture's one segment: one copy of each object written there, so one counted
+    assert config.pool_bytes == 512 << 20 and config.replicas == 1 and config.tenants == 16
+    assert config.user_cap() == (512 << 20) // 16  # 32 MiB
+
+
 @pytest.fixture(params=["embedded", "redis"])
 def registry(request):
     if request.param == "embedded":

@@ -14,6 +14,7 @@ minutes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import types
 from pathlib import Path
 
@@ -907,5 +908,72 @@ def test_a_tenant_over_its_cluster_share_loses_its_own_least_used_kv_and_others_
         again = await answer(fresh, a, ["x1"])  # removed: computed (still answered), then re-encoded once
         assert again.fact_ids == ["x1"] and again.prefilled_tokens == again.prompt_tokens
         assert (await counts(fresh))["facts_recomputed"] == 1
+
+    run(go())
+
+
+def test_reads_from_the_cluster_tier_are_booked_only_where_each_user_has_a_share(parts, mooncake):
+    """Marking the facts a request reads from the cluster tier used (`kv_tier_touch`, a registry call per cold
+    request) serves only the per-user share's order; a tier configured without one (pool_bytes 0, no
+    max_bytes_per_user) makes no such call. The module's tier has a share (the fixture's pool: its segment)."""
+    from inferscale_core.cluster_store import ClusterStore
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    touched: list[str] = []
+    real_touch = registry.kv_tier_touch
+
+    def touch(user_id, fact_ids):
+        touched.append(user_id)
+        return real_touch(user_id, fact_ids)
+
+    registry.kv_tier_touch = touch
+    unshared = ClusterStore(dataclasses.replace(parts.cluster.config, pool_bytes=0), parts.fe.fingerprint)
+    assert unshared.config.user_cap() is None and parts.cluster.config.user_cap() is not None
+
+    async def cold_read(cluster, user: str) -> None:
+        writer = await started(parts, registry, cluster=cluster)
+        await add(parts, registry, writer, user, {f"{user}1": f"{user} rows a boat.", f"{user}2": f"{user} keeps bees."})
+        reader = await started(parts, registry, cluster=cluster)
+        await answer(reader, user, [f"{user}1", f"{user}2"])
+        await asyncio.gather(*reader.background.tasks)
+        assert (await counts(reader))["facts_from_cluster"] == 2  # read from the tier, cold
+
+    try:
+        assert unshared.wait_available(60)
+        run(cold_read(unshared, "nora"))
+        assert touched == []
+        run(cold_read(parts.cluster, "sam"))  # the same path with a share: booked
+        assert touched == ["sam"]
+    finally:
+        unshared.close()
+
+
+def test_an_erased_user_is_not_placed_again_by_later_requests(parts):
+    """DeleteUser removes the user's placement (the registry's hint of which replicas hold its KV) with its facts.
+    A request for the user afterwards (a client still asking, a retry, a retrieval that still names a fact) finds
+    nothing to hold and writes no placement again, so nothing in the registry names an erased user; a user with
+    facts is placed as before, by the replica that stores them and by one that syncs them."""
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "erin"
+
+    async def go():
+        core = await started(parts, registry)
+        await add(parts, registry, core, user, {"erin1": "Erin paints lighthouses.", "erin2": "Erin has a kayak."})
+        assert registry.placement(user) == {core.replica_id}  # put_facts places it
+        await answer(core, user, ["erin1"])
+        registry.delete_user(user)
+        await core.forget_user(user)
+        assert user not in registry.placements()
+        final = await answer(core, user, ["erin1", "erin2"])  # named by a stale retrieval: not held, not served
+        assert final.fact_ids == []
+        await answer(await started(parts, registry), user, [])  # a replica that never held the user
+        assert user not in registry.placements() and registry.placement(user) == set()
+        await add(parts, registry, core, user, {"erin3": "Erin moved to Bergen."})  # back, with a fact
+        reader = await started(parts, registry)
+        await answer(reader, user, ["erin3"])
+        assert registry.placement(user) == {core.replica_id, reader.replica_id}
 
     run(go())

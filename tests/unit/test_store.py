@@ -339,14 +339,38 @@ def test_disk_budget_holds_and_files_leave_in_lru_order(tmp_path):
     s.get("u", "f0")  # f0 used: f1 is now the least recently used
     s.put("u", "f3", make_fact(6, seed=3))
     assert sorted(s.fact_ids("u")) == ["f0", "f2", "f3"] and not s._path("u", "f1").exists()
-    s.put("v", "g0", make_fact(6, seed=4))  # another user's write collects this user's oldest (f2)
+    s.put("v", "g0", make_fact(6, seed=4))  # another user's write: u holds the most, its oldest (f2) goes
     assert sorted(s.fact_ids("u")) == ["f0", "f3"]
     assert on_disk(s) <= 3 * one and s.stats()["disk_file_bytes"] == on_disk(s) == 3 * one
     assert s.stats()["disk_collected"] == 2 and s.stats()["budgets"]["disk"] == 3 * one
     for i in range(20):  # many writes: the budget holds after every one
         s.put("w", f"h{i}", make_fact(6, seed=100 + i))
         assert on_disk(s) <= 3 * one
-    assert s.fact_ids("w") == ["h17", "h18", "h19"] and s.users() == ["w"]
+    # w took u's extra file once (u held two), then recycled its own: u and v keep their share
+    assert s.fact_ids("w") == ["h19"] and s.fact_ids("u") == ["f3"] and s.fact_ids("v") == ["g0"]
+
+
+def test_one_user_writing_ever_new_facts_never_flushes_the_others_disk_files(tmp_path):
+    """Issue 31: the disk budget is shared per user, not one LRU over everyone. A flood of one user's new facts
+    collects its own oldest files; two quiet users under their share (budget / users) keep every file, although
+    theirs are the oldest on the disk. A restart with a smaller budget takes from the largest holder too."""
+    one = len(FactStore._file_data("flood", "x10", make_fact(6)))  # the largest file here (the ids are in it)
+    s = store(tmp_path, device_budget_bytes=0, disk_budget_bytes=10 * one)  # disk only, room for 10 files
+    for user, n in (("quiet-a", 2), ("quiet-b", 3)):
+        for i in range(n):
+            s.put(user, f"q{i}", make_fact(6, seed=i))
+    for i in range(50):
+        s.put("flood", f"x{i}", make_fact(6, seed=100 + i))
+        assert on_disk(s) <= 10 * one
+    assert s.fact_ids("quiet-a") == ["q0", "q1"] and s.fact_ids("quiet-b") == ["q0", "q1", "q2"]
+    assert s.fact_ids("flood") == [f"x{i}" for i in range(45, 50)]  # its five newest: the rest of the budget
+    assert_same(s.get("quiet-a", "q0"), make_fact(6, seed=0))
+    s.put("quiet-a", "q2", make_fact(6, seed=2))  # a quiet user's new fact takes from the largest holder
+    assert len(s.fact_ids("flood")) == 4 and len(s.fact_ids("quiet-a")) == 3
+    del s
+    reopened = FactStore.open(tmp_path, disk_budget_bytes=9 * one)  # flood 4 -> 3 files; the others keep theirs
+    assert len(reopened.fact_ids("flood")) == 3 and len(reopened.fact_ids("quiet-a")) == 3
+    assert sorted(reopened.fact_ids("quiet-b")) == ["q0", "q1", "q2"] and on_disk(reopened) <= 9 * one
 
 
 def test_a_collected_fact_is_a_clean_miss(tmp_path):
