@@ -19,11 +19,17 @@ pytest=("$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 --sho
 # `--fast` runs tests/unit alone; with no arguments tests/unit runs first, so a broken unit fails in minutes, then
 # the other tiers; other arguments go to pytest as they are.
 tiers=(tests/unit tests/engine tests/service tests/packaging)
+# tests/unit runs on every core (pytest-xdist, a module per worker: its module-scoped servers start once): its
+# modules wait on redis-server, Mooncake and in-process gRPC/HTTP round trips more than they compute: on 2 cores,
+# two workers took 190 s where one took 272 s (tests/README.md). The other tiers stay one
+# process: each of their tests drives a vLLM engine whose OpenMP threads are bound to every core
+# (VLLM_CPU_OMP_THREADS_BIND above); two such engines at once would spin against each other.
+unit=("${tiers[0]}" -n "$(nproc)" --dist loadfile)
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec "${pytest[@]}" "${tiers[0]}" "$@"
+  exec "${pytest[@]}" "${unit[@]}" "$@"
 elif [ $# -eq 0 ]; then
-  "${pytest[@]}" "${tiers[0]}"
+  "${pytest[@]}" "${unit[@]}"
   exec "${pytest[@]}" "${tiers[@]:1}"
 fi
 exec "${pytest[@]}" "$@"

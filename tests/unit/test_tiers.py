@@ -32,8 +32,28 @@ def test_no_test_module_imports_another():
         assert not found, f"{path.relative_to(REPO)} imports a test module ({found.group(0).strip()}): use tests/support/"
 
 
-def test_make_test_runs_every_tier_unit_first():
-    """scripts/run_tests.sh with no arguments: tests/unit, then the other tiers; `--fast`: tests/unit alone."""
-    script = (REPO / "scripts" / "run_tests.sh").read_text()
-    assert 'tiers=(tests/unit tests/engine tests/service tests/packaging)' in script
-    assert '"${pytest[@]}" "${tiers[0]}"' in script and '"${tiers[@]:1}"' in script
+def test_make_test_runs_every_tier_unit_first(tmp_path):
+    """scripts/run_tests.sh with no arguments: tests/unit across the cores (pytest-xdist, a module per worker), then
+    the other tiers in one process; `--fast`: tests/unit alone; other arguments go to pytest as given. Run against
+    a stand-in venv whose python records how it was called."""
+    import os
+    import subprocess
+
+    log = tmp_path / "calls"
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    python.chmod(0o755)
+
+    def calls(*args: str) -> list[str]:
+        log.unlink(missing_ok=True)
+        subprocess.run(["bash", str(REPO / "scripts" / "run_tests.sh"), str(tmp_path / "venv"), *args], check=True,
+                       env={**os.environ, "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        return [line.split(" --show-capture=no ", 1)[1] for line in log.read_text().splitlines()]
+
+    cores = len(os.sched_getaffinity(0))  # what nproc prints
+    unit = f"tests/unit -n {cores} --dist loadfile"
+    assert calls() == [unit, "tests/engine tests/service tests/packaging"]
+    assert calls("--fast") == [unit]
+    assert calls("--fast", "-k", "registry") == [f"{unit} -k registry"]
+    assert calls("tests/engine/test_demo.py") == ["tests/engine/test_demo.py"]
