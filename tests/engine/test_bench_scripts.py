@@ -193,3 +193,41 @@ def test_resident_memory_finds_the_service_processes_by_role():
     assert rows["redis-server"] > 1 << 20  # a live process's resident set, in bytes
     assert rows["driver (this bench)"] > 1 << 20 and rss_bytes(os.getpid()) > 1 << 20
     assert "redis-server" not in process_rss()  # stopped: gone from the next sample
+
+
+def test_service_table_has_one_row_per_cell_on_the_issue_grid():
+    """bench/service.py's table on issue 30's grid (--users 1,100 --ks 50; HTTP at both N, the default) has one row
+    per door, N, mode and k (issue 30 saw each N=1 row twice). A run is an hour of a loaded service: the table code
+    alone runs here, on the lines the load client writes (one per request, one per cell) and the engine replay's
+    records for the gRPC cells, as main() passes them."""
+    env_before = dict(os.environ)
+    try:
+        import bench.service as service
+    finally:  # its import sets vLLM's environment for the process it benchmarks in, not for this one
+        os.environ.clear()
+        os.environ.update(env_before)
+    args = service.parse_args(["--data", str(LOCOMO), "--users", "1,100", "--ks", "50", "--facts-per-user", "50"])
+    users = service.make_users(args.data, max(args.user_counts), args.facts_per_user, "u")
+    cells = service.make_cells(args, users, {u.user_id: "token" for u in users})
+    answer = {"status": "OK", "t_first_s": 0.2, "t_total_s": 0.5, "ttft_ms": 100.0, "prompt_tokens": 1000,
+              "prefilled_tokens": 30, "timings_ms": {"retrieval": 20.0}}
+    lines, engine = [], {"records": [], "walls": {}}
+    for c in cells:
+        requests = [{"type": "request", "cell": c.id, "user_id": p["user_id"], "i": i, **answer}
+                    for p in c.plan for i in range(len(p["questions"]))]
+        lines += requests + [{"type": "cell", "cell": c.id, "wall_s": 10.0}]
+        if c.door == "grpc":
+            replay = f"engine-n{c.users}-{c.mode}-k{c.k}"
+            engine["records"] += [{**r, "cell": replay} for r in requests]
+            engine["walls"][replay] = 5.0
+    rows = service.table_rows(lines, engine, cells)
+    meta = {"command": "python bench/service.py --users 1,100 --ks 50", "cpu_line": "a CPU", "load": {"start": 0.0},
+            "service": "own app", "model": "SmolLM2", "dtype": "float32", "max_tokens": 8, "users_desc": "100 users",
+            "requests_n1": args.requests_n1, "requests_per_user": args.requests_per_user, "wall_s": 1.0}
+    md = service.markdown({"meta": meta, "rows": rows, "ratios": service.ratios(rows, args), "checks": []})
+    table = [line.split(" | ") for line in md.splitlines() if line.startswith(("| grpc |", "| http |", "| engine |"))]
+    keys = [(cols[0].strip("| "), int(cols[1]), cols[2], int(cols[3])) for cols in table]
+    want = {(door, n, mode, 50) for door in ("grpc", "http", "engine") for n in (1, 100) for mode in ("inject", "prompt")}
+    assert sorted(keys) == sorted(want), keys  # each cell once: no row printed twice, none missing
+    n1 = [cols for cols in table if cols[1] == "1"]
+    assert len(n1) == 6 and all(cols[4] == str(args.requests_n1) for cols in n1)  # N=1: its own requests, once

@@ -37,7 +37,7 @@ def test_every_cell_ran_without_a_failure(quick):
     counts = tuple(m["user_counts"])
     assert len(counts) == 2 and counts[0] == 1 < counts[1]  # one user, and several at once
     want = {(door, n, mode, k) for door in ("grpc", "http", "engine") for n in counts for mode in ("inject", "prompt")}
-    assert set(cells) == want
+    assert set(cells) == want and len(res["rows"]) == len(want)  # every cell, each once (no row twice)
     for key, r in cells.items():
         n = key[1]
         assert r["requests"] == (m["requests_n1"] if n == 1 else n * m["requests_per_user"]) >= 2
