@@ -11,16 +11,14 @@ import grpc
 import httpx
 import pytest
 from support.auth_fixture import refused, token_channel, token_for
-from support.grpc_thread import ServerThread
-from support.http_thread import HttpThread
+from support.gateway_doors import both_doors
 
 from inferscale_server.api import pb2, pb2_grpc
-from inferscale_server.auth import AuthConfig, Authenticator, Principal
+from inferscale_server.auth import Authenticator, Principal
 from inferscale_server.errors import ApiError
-from inferscale_server.gateway import GatewayCore, build_http_app
+from inferscale_server.gateway import GatewayCore
 from inferscale_server.gateway.principal_limits import PrincipalLimit, PrincipalLimits
 from inferscale_server.limits import Limits
-from inferscale_server.registry import RedisRegistry
 
 ALICE, BOB = Principal("alice", frozenset({"memory:read"})), Principal("bob", frozenset({"memory:read"}))
 ADMIN = Principal("ops", frozenset({"memory:read", "memory:admin"}))
@@ -77,14 +75,8 @@ def test_the_rate_is_a_bucket_per_caller_with_a_retry_hint():
 
 @pytest.fixture(scope="module")
 def gateway(redis_url, jwt_secret):
-    reg = RedisRegistry(redis_url, prefix=f"caller{uuid.uuid4().hex[:8]}:")
-    limits = Limits(requests_per_s_per_caller=0.5, request_burst_per_caller=3)
-    core = GatewayCore(reg, limits=limits, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
-    grpc_server, http_server = ServerThread(core), HttpThread(build_http_app(lambda: core))
-    yield core, grpc_server, http_server, jwt_secret[1]
-    http_server.stop()
-    grpc_server.stop()
-    reg.close()
+    with both_doors(redis_url, jwt_secret, Limits(requests_per_s_per_caller=0.5, request_burst_per_caller=3), "caller") as doors:
+        yield doors
 
 
 def test_both_doors_refuse_a_caller_over_its_rate_and_serve_the_others(gateway):

@@ -14,16 +14,13 @@ import grpc
 import httpx
 import pytest
 from support.auth_fixture import rich_refusal, token_channel, token_for
-from support.grpc_thread import ServerThread
-from support.http_thread import HttpThread
+from support.gateway_doors import both_doors
 
 from inferscale_server.api import pb2, pb2_grpc
-from inferscale_server.auth import AuthConfig, Authenticator, Principal
+from inferscale_server.auth import Principal
 from inferscale_server.errors import ApiError
-from inferscale_server.gateway import GatewayCore, build_http_app
 from inferscale_server.gateway.work_budget import REQUEST_UNITS, WorkBudget, WorkLimit
 from inferscale_server.limits import Limits
-from inferscale_server.registry import RedisRegistry
 
 ALICE, BOB = Principal("alice", frozenset({"memory:read"})), Principal("bob", frozenset({"memory:read"}))
 ADMIN = Principal("ops", frozenset({"memory:read", "memory:admin"}))
@@ -132,14 +129,8 @@ def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burs
 
 @pytest.fixture(scope="module")
 def gateway(redis_url, jwt_secret):
-    reg = RedisRegistry(redis_url, prefix=f"work{uuid.uuid4().hex[:8]}:")
-    limits = Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0)
-    core = GatewayCore(reg, limits=limits, auth=Authenticator(AuthConfig(hs256_secret_file=str(jwt_secret[0]))))
-    grpc_server, http_server = ServerThread(core), HttpThread(build_http_app(lambda: core))
-    yield core, grpc_server, http_server, jwt_secret[1]
-    http_server.stop()
-    grpc_server.stop()
-    reg.close()
+    with both_doors(redis_url, jwt_secret, Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0), "work") as doors:
+        yield doors
 
 
 WINDOW = ["w" * 999 + " "] * 16  # the largest caller window: 16,000 characters, about 4,000 tokens to encode
