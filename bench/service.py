@@ -644,7 +644,11 @@ def ratios(rows: list[dict], args) -> list[dict]:
     for door in ("grpc", "http"):
         for mode in args.mode_list:
             for k in args.k_values:
-                limits = {lo: TARGET_FIRST_CHUNK["low"], hi: TARGET_FIRST_CHUNK["high"]}  # one N: the high one
+                # The low limit is one user's (issue 30: N=1 at every k), the high one the largest N's; a run of
+                # one N > 1 gets the high one, a run of N=1 alone the low one.
+                limits = {hi: TARGET_FIRST_CHUNK["high"]}
+                if lo != hi or lo == 1:
+                    limits[lo] = TARGET_FIRST_CHUNK["low"]
                 for n, limit in limits.items():
                     svc, eng = at.get((door, n, mode, k)), at.get(("engine", n, mode, k))
                     if svc is None:

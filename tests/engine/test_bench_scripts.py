@@ -231,3 +231,26 @@ def test_service_table_has_one_row_per_cell_on_the_issue_grid():
     assert sorted(keys) == sorted(want), keys  # each cell once: no row printed twice, none missing
     n1 = [cols for cols in table if cols[1] == "1"]
     assert len(n1) == 6 and all(cols[4] == str(args.requests_n1) for cols in n1)  # N=1: its own requests, once
+
+
+def test_service_first_chunk_limit_is_one_users_at_n1_even_in_a_run_of_n1_alone():
+    """Issue 30's "first chunk at N=1 at most 1.5x the engine TTFT at every k": a run of --users 1 alone (as for
+    k=5,50,200) is held to 1.5, not to the 2.0 of the largest N; a run of one larger N to 2.0."""
+    env_before = dict(os.environ)
+    try:
+        import bench.service as service
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    row = {"first_chunk_ms_p50": 170.0, "engine_ttft_ms_p50": 100.0, "req_per_s": 1.0, "failures": {}}
+
+    def limits(users: str) -> set:
+        args = service.parse_args(["--data", str(LOCOMO), "--users", users, "--ks", "5"])
+        rows = [{**row, "door": d, "users": u, "mode": m, "k": 5} for d in ("grpc", "engine")
+                for u in args.user_counts for m in ("inject", "prompt")]
+        return {(t["users"], t["limit"], t["met"]) for t in service.ratios(rows, args)
+                if t["target"] == "first chunk / engine TTFT (final chunk)" and t["door"] == "grpc"}
+
+    assert limits("1") == {(1, 1.5, False)}  # 1.7x: over one user's 1.5
+    assert limits("25") == {(25, 2.0, True)}
+    assert limits("1,25") == {(1, 1.5, False), (25, 2.0, True)}
