@@ -90,7 +90,8 @@ class WorkBudget:
 
     def admit(self, caller: Principal | None) -> None:
         """At authentication, before the request is read: refuses a caller in debt while another caller not in debt
-        is active (CALLER_WORK), else opens the request's bill with REQUEST_UNITS. A request authenticated twice (a front door and the core) is billed once."""
+        is active (CALLER_WORK), else opens the request's bill with REQUEST_UNITS. A request authenticated twice (a
+        front door and the core) is billed once."""
         if caller is None or caller.admin:
             _BILL.set(None)
             return
@@ -129,7 +130,10 @@ class WorkBudget:
         return self._refilled(subject, time.monotonic())
 
     def _refilled(self, subject: str, now: float) -> float:
-        balance, at = self._balances.get(subject, (self.limit.burst, now))
+        return self._refill(*self._balances.get(subject, (self.limit.burst, now)), now)
+
+    def _refill(self, balance: float, at: float, now: float) -> float:
+        """A balance of `balance` at time `at`, refilled up to the burst by `now`."""
         return min(self.limit.burst, balance + (now - at) * self.limit.rate_per_s)
 
     def _contended(self, subject: str, now: float) -> bool:
@@ -140,7 +144,7 @@ class WorkBudget:
                 return False
             if looked >= CONTENTION_SCAN:
                 return True  # many callers at once: certainly someone to share with
-            if other != subject and min(self.limit.burst, balance + (now - at) * self.limit.rate_per_s) >= 0:
+            if other != subject and self._refill(balance, at, now) >= 0:
                 return True
         return False
 
