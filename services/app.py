@@ -24,6 +24,7 @@ import yaml
 
 from .api import SERVICER_FUNCTION
 from .gateway.core import WATCH_STREAMS_MAX
+from .kv_tier_share import smallest_pool_bytes
 from .limits import Limits
 
 # TRANSPORT_MAX_MESSAGE_BYTES: a gRPC message or an HTTP body; one request: Limits (1 MiB)
@@ -259,8 +260,6 @@ def cluster_store_for(values: dict, release: str) -> dict:
     m = values.get("mooncake") or {}
     if not m.get("enabled"):
         return {}
-    from .kv_tier_share import smallest_pool_bytes
-
     host = f"{release}-mooncake"
     ray = values["ray"]
     groups = [(int(ray["cpuWorkers"]["minReplicas"]), int(m["cpuSegmentGiB"]) << 30)]

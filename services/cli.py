@@ -200,7 +200,7 @@ def _cluster_line(args, cluster: dict) -> str:
     if not cluster:
         return "none: KV through the engine's RPC channel (--local-mooncake or --mooncake-master for the cluster path)"
     if getattr(args, "local_mooncake_gib", None):
-        from inferscale_core.cluster_store import ClusterConfig
+        from inferscale_core.cluster_store import ClusterConfig  # imports torch (~2 s): only when serve runs a store
 
         config = ClusterConfig.from_dict(cluster)
         cap = config.user_cap() if config else None
