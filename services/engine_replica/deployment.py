@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import logging
 import os
 
@@ -31,6 +32,13 @@ log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
 
 
+def import_vllm() -> None:
+    """The modules start_engine needs (vLLM's AsyncLLM and engine arguments, transformers' tokenizer), imported
+    ahead: run on a thread while the replica waits for the encoder pool."""
+    for module in ("transformers", "vllm.engine.arg_utils", "vllm.v1.engine.async_llm"):
+        importlib.import_module(module)
+
+
 class EngineReplica:
     """`build_engine`: how the engine is made (default `start_engine`: vLLM with the connector)."""
 
@@ -40,6 +48,9 @@ class EngineReplica:
         from inferscale_core.store import default_disk_budget_bytes
 
         hide_multiplexed_ids()  # before the first @serve.multiplexed call: user ids never become labels
+        # vLLM's modules load while the encoder pool answers (at an app's start the pool is starting too: 5-30 s
+        # here), not after: importing them is ~8 s of one core on the reference 2-core node.
+        vllm_loaded = asyncio.get_running_loop().run_in_executor(None, import_vllm) if build_engine is None else None
         # The encoder pool's fingerprint (the pool defines how facts are encoded) keys both KV tiers below.
         fingerprint = await encoder.fingerprint.remote()
         disk_dir = replica_disk_dir(config.kv_dir, fingerprint)
@@ -56,7 +67,10 @@ class EngineReplica:
             options["cluster_store"] = dataclasses.asdict(cluster_config)
             options["kv_fingerprint"] = fingerprint
         # The instruction prefix is encoded by the pool that encodes the facts: one encoder, one layout.
-        self.engine = await (build_engine or start_engine)(config, await encoder.prefix.remote(), options)
+        prefix = await encoder.prefix.remote()
+        if vllm_loaded is not None:
+            await vllm_loaded
+        self.engine = await (build_engine or start_engine)(config, prefix, options)
         # Removes the cluster tier could not take while it was away are kept in the slot's disk folder: the
         # tombstone cursor moves past them, and a replica restarted meanwhile in this slot still does them.
         pending = os.path.join(disk_dir, CLUSTER_REMOVES_PENDING) if disk_dir else None
