@@ -21,15 +21,20 @@ pytest=("$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 --sho
 tiers=(tests/unit tests/engine tests/service tests/packaging)
 # tests/unit runs on every core (pytest-xdist, a module per worker: its module-scoped servers start once): its
 # modules wait on redis-server, Mooncake and in-process gRPC/HTTP round trips more than they compute: on 2 cores,
-# two workers took 190 s where one took 272 s (tests/README.md). The other tiers stay one
-# process: each of their tests drives a vLLM engine whose OpenMP threads are bound to every core
-# (VLLM_CPU_OMP_THREADS_BIND above); two such engines at once would spin against each other.
+# two workers took 190 s where one took 272 s (tests/README.md).
 unit=("${tiers[0]}" -n "$(nproc)" --dist loadfile)
+# tests/engine and tests/packaging run on one xdist worker per core, each worker pinned to its own core
+# (tests/conftest.py pin_this_worker_to_one_core): their vLLM engines are small and their starts one-threaded
+# Python, so two one-core workers beat one two-core process, and pinned engines never spin on each other's core.
+engine=("${tiers[1]}" "${tiers[3]}" -n "$(nproc)" --dist loadfile)
+# tests/service stays one process: each module runs a Ray Serve app whose deployments share every core, and its
+# tests time what those apps do under load.
 if [ "${1:-}" = "--fast" ]; then
   shift
   exec "${pytest[@]}" "${unit[@]}" "$@"
 elif [ $# -eq 0 ]; then
   "${pytest[@]}" "${unit[@]}"
-  exec "${pytest[@]}" "${tiers[@]:1}"
+  INFERSCALE_TESTS_CORE_PER_WORKER=1 "${pytest[@]}" "${engine[@]}"
+  exec "${pytest[@]}" "${tiers[2]}"
 fi
 exec "${pytest[@]}" "$@"

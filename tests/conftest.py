@@ -6,6 +6,27 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pin_this_worker_to_one_core() -> None:
+    """scripts/run_tests.sh runs tests/engine and tests/packaging on pytest-xdist workers, one per core, with
+    INFERSCALE_TESTS_CORE_PER_WORKER=1: worker gwN is pinned to the N-th usable core (this process and all it
+    starts: vLLM's OpenMP threads, engine-core subprocesses, bench scripts) before torch is imported, so two vLLM
+    engines never spin on the same core. Engine starts are mostly one-threaded Python (imports, a spawned engine
+    core) and these tests' models are small, so two one-core workers finish the tier sooner than one two-core
+    process (tests/README.md has the measured times)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if os.environ.get("INFERSCALE_TESTS_CORE_PER_WORKER") != "1" or not worker.startswith("gw"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    core = cpus[int(worker[2:]) % len(cpus)]
+    os.sched_setaffinity(0, {core})
+    os.environ.update(VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1")
+    if "torch" in sys.modules:  # imported before this file by a plugin: its thread count is already fixed
+        sys.modules["torch"].set_num_threads(1)
+
+
+pin_this_worker_to_one_core()
 sys.path.insert(0, str(Path(__file__).parent))  # the support package (tests/support/)
 
 # Fixtures every module may ask for by name, declared once: a redis-server (redis_url, redis_password_url), a

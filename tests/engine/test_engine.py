@@ -11,9 +11,9 @@ import torch
 
 from inferscale_core.connector import injectable_tokens
 from inferscale_core.types import kv_id
+from inferscale_core.vllm_env import vllm_cpu_env
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "OMP_NUM_THREADS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+VLLM_ENV = {**vllm_cpu_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the cores: the environment's, else this process's
 ALICE = ["Alice adopted a grey cat named Pixel in March.",
          "Alice works as a nurse at the Riverside children's hospital.",
          "Alice is training for the Berlin marathon in September.",

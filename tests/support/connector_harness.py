@@ -19,6 +19,7 @@ from inferscale_core.connector import (
     pack_fact,
 )
 from inferscale_core.types import EncodedFact
+from inferscale_core.vllm_env import vllm_cpu_env
 
 BLOCK = 32
 PREFIX_LEN = 45
@@ -30,8 +31,9 @@ FACT_LENS = [23, 31, 17, 29]  # m = 145: 4 whole blocks and a partial one (17 to
 ALIGNED_FACT_LENS = [19, 32]  # m = 96: exactly 3 blocks injected
 M = PREFIX_LEN + sum(FACT_LENS)
 QUERY_LEN = 11
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# vLLM's CPU settings for the engines these tests start: the environment's where set (scripts/run_tests.sh; an
+# engine-tier xdist worker is pinned to one core by tests/conftest.py), else every core this process may use.
+VLLM_ENV = {k: v for k, v in vllm_cpu_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
 
 
 def random_ids(n: int, seed: int) -> list[int]:

@@ -34,26 +34,28 @@ def test_no_test_module_imports_another():
 
 def test_make_test_runs_every_tier_unit_first(tmp_path):
     """scripts/run_tests.sh with no arguments: tests/unit across the cores (pytest-xdist, a module per worker), then
-    the other tiers in one process; `--fast`: tests/unit alone; other arguments go to pytest as given. Run against
-    a stand-in venv whose python records how it was called."""
+    tests/engine and tests/packaging on one worker per core, each pinned to its core (the variable
+    tests/conftest.py reads), then tests/service in one process; `--fast`: tests/unit alone; other arguments go to
+    pytest as given. Run against a stand-in venv whose python records how it was called."""
     import os
     import subprocess
 
     log = tmp_path / "calls"
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    python.write_text(f'#!/bin/sh\necho "pin=$INFERSCALE_TESTS_CORE_PER_WORKER $*" >> {log}\n')
     python.chmod(0o755)
 
     def calls(*args: str) -> list[str]:
         log.unlink(missing_ok=True)
         subprocess.run(["bash", str(REPO / "scripts" / "run_tests.sh"), str(tmp_path / "venv"), *args], check=True,
                        env={**os.environ, "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-        return [line.split(" --show-capture=no ", 1)[1] for line in log.read_text().splitlines()]
+        return [line.split(" ", 1)[0] + " " + line.split(" --show-capture=no ", 1)[1]
+                for line in log.read_text().splitlines()]
 
     cores = len(os.sched_getaffinity(0))  # what nproc prints
-    unit = f"tests/unit -n {cores} --dist loadfile"
-    assert calls() == [unit, "tests/engine tests/service tests/packaging"]
+    unit = f"pin= tests/unit -n {cores} --dist loadfile"
+    assert calls() == [unit, f"pin=1 tests/engine tests/packaging -n {cores} --dist loadfile", "pin= tests/service"]
     assert calls("--fast") == [unit]
     assert calls("--fast", "-k", "registry") == [f"{unit} -k registry"]
-    assert calls("tests/engine/test_demo.py") == ["tests/engine/test_demo.py"]
+    assert calls("tests/engine/test_demo.py") == ["pin= tests/engine/test_demo.py"]
