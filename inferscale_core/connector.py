@@ -13,7 +13,8 @@ serving process load facts into the worker's store while the engine runs.
 A request carries only ids (`InjectionParams` in `SamplingParams.extra_args["kv_transfer_params"]`); the KV
 never crosses a process boundary per request. A request with `fetch` set is loaded asynchronously: the worker
 reads the facts its store lacks from the cluster tier (Mooncake Store) itself, on a loader thread, while vLLM
-keeps the request outside the batch (connector_scheduler.py's docstring).
+keeps the request outside the batch (connector_scheduler.py's docstring). The time it waited comes back on the
+request's last RequestOutput (`kv_transfer_params[LOAD_REPORT_KEY]`, a `LoadReport`): the `kv_load` hop.
 """
 from __future__ import annotations
 

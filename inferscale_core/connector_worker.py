@@ -481,8 +481,8 @@ class WorkerSide:
             self._check_all_layers(self._forward_context)
             tiers_of = self._inject(self._forward_context, store, ready)
             self._count("injection_seconds", time.perf_counter() - t0)
-            for spec in ready:
-                if spec.req_id in tiers_of:
+            for spec in ready:  # the gathered and written ones (a failed write is recomputed, not reported here)
+                if spec.req_id in tiers_of and spec.req_id not in self._failed_loads:
                     self._load_details[spec.req_id] = self._load_detail(spec, tiers_of[spec.req_id],
                                                                         results[spec.req_id])
         failed, self._failed_loads = self._failed_loads, set()
@@ -490,8 +490,8 @@ class WorkerSide:
 
     @staticmethod
     def _load_detail(spec: LoadSpec, tiers: list[str], result: FetchResult) -> dict[str, Any]:
-        """Where one asynchronous load found its facts: those the loader read count as "cluster" (they sit in
-        the store's device tier by the time they are gathered), the others by the store tier they were in."""
+        """Where one asynchronous load found its facts: those the loader read count as "cluster" (the store holds
+        them by the time they are gathered), the others by the store tier they were gathered from."""
         fetched = set(result.fetched)
         facts_from: dict[str, int] = {}
         for kv, tier in zip(spec.kv_ids[1:], tiers[1:]):  # tiers[0]: the prefix chunk, always resident
