@@ -688,9 +688,10 @@ def fmt(v, digits=0) -> str:
 
 
 HOPS = ("retrieval", "user_sync", "kv_fetch", "kv_fetch_lock", "kv_fetch_disk_check", "kv_fetch_read",
-        "kv_fetch_put", "kv_fetch_encode", "admission_wait", "vllm_queue", "prefill", "engine_ttft",
-        "gateway_total_to_first_chunk")  # AnswerChunk.timings_ms, in the order a request meets them; a
-# kv_fetch_* step's p50 is over the requests that took that step
+        "kv_fetch_put", "kv_fetch_encode", "admission_wait", "vllm_queue", "kv_load", "kv_load_read", "prefill",
+        "engine_ttft", "gateway_total_to_first_chunk")  # AnswerChunk.timings_ms, in the order a request meets
+# them; a kv_fetch_* step's p50, and kv_load's (the wait for the connector's asynchronous load, outside
+# vllm_queue; kv_load_read its cluster read), are over the requests that took that step
 
 
 def hop_order(name: str) -> tuple[int, str]:

@@ -13,7 +13,8 @@ serving process load facts into the worker's store while the engine runs.
 A request carries only ids (`InjectionParams` in `SamplingParams.extra_args["kv_transfer_params"]`); the KV
 never crosses a process boundary per request. A request with `fetch` set is loaded asynchronously: the worker
 reads the facts its store lacks from the cluster tier (Mooncake Store) itself, on a loader thread, while vLLM
-keeps the request outside the batch (connector_scheduler.py's docstring).
+keeps the request outside the batch (connector_scheduler.py's docstring). The time it waited comes back on the
+request's last RequestOutput (`kv_transfer_params[LOAD_REPORT_KEY]`, a `LoadReport`): the `kv_load` hop.
 """
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ import torch
 from .connector_types import (  # re-exported: the connector's public names
     COUNTERS,
     GAUGES,
+    LOAD_REPORT_KEY,
     PARAMS_KEY,
     SCHEDULER_COUNTERS,
     SUPPORTED_VLLM,
     WORKER_COUNTERS,
     InjectionMetadata,
     InjectionParams,
+    InjectionWorkerMetadata,
+    LoadReport,
     LoadSpec,
     UnsupportedVLLMError,
     cache_salt,
@@ -48,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -77,7 +82,7 @@ __all__ = [  # this module's own names and the shared ones it re-exports from co
     "CONNECTOR_MODULE", "CONNECTOR_NAME", "COUNTERS", "GAUGES", "METRIC_PREFIX", "PARAMS_KEY", "SCHEDULER_COUNTERS",
     "SHARED_USER_ID", "SUPPORTED_VLLM", "WORKER_COUNTERS", "WORKER_EXTENSION", "InferScaleConnector",
     "InjectionMetadata", "InjectionParams", "InjectionPromMetrics", "InjectionStats", "InjectionWorkerExtension",
-    "LoadSpec", "UnsupportedVLLMError", "cache_salt", "check_vllm_version", "injectable_tokens", "memory_hash",
+    "InjectionWorkerMetadata", "LOAD_REPORT_KEY", "LoadReport", "LoadSpec", "UnsupportedVLLMError", "cache_salt", "check_vllm_version", "injectable_tokens", "memory_hash",
     "pack_fact", "recompute_tokens_option", "unpack_fact", "worker_connector",
 ]
 
@@ -202,6 +207,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self.worker_side is not None:
             self.worker_side.shutdown()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Where the facts of this step's finished asynchronous loads came from; vLLM hands it to the scheduler
+        side's update_connector_output with the same step's finished_recving."""
+        loads = self._worker.take_load_details()
+        return InjectionWorkerMetadata(loads) if loads else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self.worker_side or self._scheduler
         data = side.take_stats()
@@ -212,8 +223,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
-        if connector_output.failed_recving:
-            self._scheduler.loads_failed(connector_output.failed_recving)
+        meta = connector_output.kv_connector_worker_meta
+        details = meta.loads if isinstance(meta, InjectionWorkerMetadata) else None
+        self._scheduler.loads_ended(connector_output.finished_recving or (), connector_output.failed_recving,
+                                    details)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
@@ -223,8 +236,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.request_finished(request)
-        return False, None
+        """Blocks are never held back (nothing is sent); the dict, the request's asynchronous loads
+        (`LoadReport`), reaches its last RequestOutput as `kv_transfer_params` (vLLM 0.32: Scheduler._free_request
+        -> EngineCoreOutput.kv_transfer_params -> OutputProcessor -> RequestOutput.kv_transfer_params)."""
+        return False, self._scheduler.request_finished(request)
 
     # ---- stats plumbing (class level: vLLM calls these on the class in the logging process)
     @classmethod

@@ -9,16 +9,25 @@ Two ways a grant is loaded:
     same step, the worker reads what its store lacks from the cluster tier on a loader thread and reports the
     request in `get_finished` once the blocks are written (or failed: vLLM recomputes them). Other requests keep
     stepping meanwhile: the scheduler never waits for KV.
+
+The time an asynchronous load makes the request wait is timed here, where vLLM's own per-request timestamps are
+taken (the engine core's `time.monotonic()`): from the grant (update_state_after_alloc) to the moment the
+worker's report of its end reaches `loads_ended`; `request_finished` returns it as a `LoadReport`, which vLLM
+puts on the request's last RequestOutput (`kv_transfer_params`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
 from .connector_types import (
     InjectionMetadata,
     InjectionParams,
+    LoadReport,
     LoadSpec,
     injectable_tokens,
     memory_hash,
@@ -35,6 +44,36 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class _LoadClock:
+    """One request's asynchronous loads so far: closed (granted, loaded) spans, the open grant, what the worker
+    reported about where the facts came from."""
+
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    granted: float | None = None
+    failed: int = 0
+    facts_from: dict[str, int] = field(default_factory=dict)
+    cluster_bytes: int = 0
+    read_s: float = 0.0
+
+    def ended(self, now: float, failed: bool, details: dict[str, Any] | None) -> None:
+        if self.granted is None:  # no load open: a report for a grant this side never made
+            return
+        self.spans.append((self.granted, now))
+        self.granted = None
+        self.failed += int(failed)
+        if details:
+            for tier, n in details.get("facts_from", {}).items():
+                self.facts_from[tier] = self.facts_from.get(tier, 0) + n
+            self.cluster_bytes += details.get("cluster_bytes", 0)
+            self.read_s += details.get("read_s", 0.0)
+
+    def report(self) -> LoadReport | None:
+        if not self.spans:  # finished (aborted) while its only load was in flight: nothing to say
+            return None
+        return LoadReport(tuple(self.spans), self.failed, self.facts_from, self.cluster_bytes, self.read_s)
 
 
 class SchedulerSide:
@@ -58,6 +97,8 @@ class SchedulerSide:
         # from position 0 and asks the connector again: it gets nothing (a new grant would fetch, fail and be
         # asked again, forever). After a preemption a request is granted again as usual.
         self._load_failed: set[str] = set()
+        # req_id -> its asynchronous loads' times, from the first grant until request_finished returns them.
+        self._clocks: dict[str, _LoadClock] = {}
         self._stats: dict[str, int] = {}
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -118,7 +159,9 @@ class SchedulerSide:
         if not params.fetch:
             self._pending[request.request_id] = (params, num_external_tokens)
             return
-        # Asynchronous: the grant ends where the injectable memory ends; it starts after the local hit.
+        # Asynchronous: the grant ends where the injectable memory ends; it starts after the local hit. Its clock
+        # starts now: vLLM has allocated the blocks and parks the request in WAITING_FOR_REMOTE_KVS.
+        self._clocks.setdefault(request.request_id, _LoadClock()).granted = time.monotonic()
         end = self._injectable(request, params)
         self._async.append(LoadSpec(req_id=request.request_id, user_id=params.user_id, kv_ids=params.kv_ids,
                                     memory_len=params.memory_len, memory_hash=params.memory_hash,
@@ -152,10 +195,24 @@ class SchedulerSide:
                         memory_len=params.memory_len, memory_hash=params.memory_hash, block_ids=list(block_ids),
                         start=num_computed_tokens - n, end=num_computed_tokens)
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: "Request") -> dict[str, Any] | None:
+        """Forgets the request; returns its asynchronous loads (`LoadReport.to_kv_transfer_params`) for vLLM to put
+        on its last RequestOutput, None when it had none."""
         self._pending.pop(request.request_id, None)
         self._load_failed.discard(request.request_id)
+        clock = self._clocks.pop(request.request_id, None)
+        report = clock.report() if clock is not None else None
+        return report.to_kv_transfer_params() if report is not None else None
 
-    def loads_failed(self, req_ids) -> None:
-        """The worker's failed asynchronous loads of the last step (vLLM's update_connector_output)."""
-        self._load_failed.update(req_ids)
+    def loads_ended(self, finished: Iterable[str], failed: Iterable[str],
+                    details: dict[str, dict[str, Any]] | None = None) -> None:
+        """The worker's asynchronous loads that ended in the last step (vLLM's update_connector_output):
+        `finished` all of them, `failed` those among them that failed, `details` where the worker found the
+        facts of each (InjectionWorkerMetadata.loads)."""
+        failed = set(failed)
+        self._load_failed.update(failed)
+        now = time.monotonic()
+        for req_id in finished:
+            clock = self._clocks.get(req_id)
+            if clock is not None:
+                clock.ended(now, req_id in failed, (details or {}).get(req_id))

@@ -1,7 +1,8 @@
 """What the halves of InferScaleConnector and the engine wrapper share, in a module that imports neither half:
 the vLLM version the connector was written against, the per-request parameters (`InjectionParams`), the
-metadata the scheduler hands the worker each step (`LoadSpec`, `InjectionMetadata`), the packed form of a fact
-crossing into the worker, and the names of the counters. `connector.py` (the vLLM-facing class),
+metadata the scheduler hands the worker each step (`LoadSpec`, `InjectionMetadata`) and what comes back
+(`InjectionWorkerMetadata`; `LoadReport`, the request's asynchronous loads on its RequestOutput), the packed form
+of a fact crossing into the worker, and the names of the counters. `connector.py` (the vLLM-facing class),
 `connector_scheduler.py` and `connector_worker.py` all import from here and never from each other (the layout
 vLLM's and LMCache's connectors use).
 """
@@ -46,7 +47,10 @@ def check_vllm_version(version: str | None = None) -> str:
 
 check_vllm_version()
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 PARAMS_KEY = "inferscale"  # our entry inside kv_transfer_params, so other connectors' keys never collide
 
@@ -231,6 +235,100 @@ class LoadSpec:
 @dataclass
 class InjectionMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker -> scheduler: where each asynchronous load found its facts (vLLM's KVConnectorWorkerMetadata, which
+# rides the step's KVConnectorOutput next to finished_recving: no channel of our own).
+
+LOAD_TIERS = ("device", "host", "disk", "cluster")  # where a fact of an asynchronous load came from
+
+
+@dataclass
+class InjectionWorkerMetadata(KVConnectorWorkerMetadata):
+    """req_id -> where the worker found the facts of the asynchronous load it reports finished in the same step:
+    {"facts_from": {tier: facts}, "cluster_bytes": KV bytes read from the cluster tier, "read_s": the loader
+    thread's read of the cluster tier}."""
+
+    loads: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "InjectionWorkerMetadata":
+        if isinstance(other, InjectionWorkerMetadata):
+            self.loads.update(other.loads)  # one worker (tensor_parallel_size=1): no request is in both
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scheduler -> caller: the asynchronous loads of a finished request, returned by the scheduler side's
+# request_finished as kv_transfer_params, which vLLM puts on the request's last RequestOutput.
+
+LOAD_REPORT_KEY = "inferscale_load"  # our entry in RequestOutput.kv_transfer_params
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A request's asynchronous loads as the scheduler side saw them. `spans`: (granted, loaded) per load, in
+    the engine core's `time.monotonic()`, the clock of vLLM's RequestStateStats.queued_ts / scheduled_ts /
+    first_token_ts (EngineCoreEvent.new_event), so the spans can be laid over vLLM's own hops: granted is when
+    vLLM allocated the blocks and parked the request (update_state_after_alloc), loaded when the scheduler
+    learnt the load had ended (the worker's finished_recving reaching update_connector_output; the request can
+    be scheduled from the next step on). More than one span: the request was preempted and loaded again.
+    `failed`: loads that failed (vLLM computed those tokens). `facts_from`: the request's facts (the prefix
+    chunk left out) by the tier the worker found them in, over its loads; `cluster_bytes` and `read_s`: what its
+    loader threads read from the cluster tier, and how long that took."""
+
+    spans: tuple[tuple[float, float], ...]
+    failed: int = 0
+    facts_from: dict[str, int] = field(default_factory=dict)
+    cluster_bytes: int = 0
+    read_s: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.spans, tuple) or not self.spans:
+            raise ValueError(f"a load report needs at least one (granted, loaded) span, got {self.spans!r}")
+        for span in self.spans:
+            if (not isinstance(span, tuple) or len(span) != 2
+                    or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in span)
+                    or span[1] < span[0]):
+                raise ValueError(f"a load span must be (granted, loaded) seconds with loaded >= granted, "
+                                 f"got {span!r}")
+        for name in ("failed", "cluster_bytes"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+        if isinstance(self.read_s, bool) or not isinstance(self.read_s, (int, float)) or self.read_s < 0:
+            raise ValueError(f"read_s must be seconds >= 0, got {self.read_s!r}")
+        if not isinstance(self.facts_from, dict) or any(
+                t not in LOAD_TIERS or isinstance(n, bool) or not isinstance(n, int) or n < 0
+                for t, n in self.facts_from.items()):
+            raise ValueError(f"facts_from must map tiers {LOAD_TIERS} to counts >= 0, got {self.facts_from!r}")
+
+    @property
+    def seconds(self) -> float:
+        """Time the request waited for its KV: the spans' sum."""
+        return sum(end - start for start, end in self.spans)
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds of the spans inside [start, end] (same clock): what a vLLM hop over that interval spent
+        waiting for this load."""
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.spans)
+
+    def to_kv_transfer_params(self) -> dict[str, Any]:
+        return {LOAD_REPORT_KEY: {"spans": [list(s) for s in self.spans], "failed": self.failed,
+                                  "facts_from": dict(self.facts_from), "cluster_bytes": self.cluster_bytes,
+                                  "read_s": self.read_s}}
+
+    @classmethod
+    def from_kv_transfer_params(cls, params: dict[str, Any] | None) -> "LoadReport | None":
+        """None when the output carries no report (no asynchronous load); ValueError when it is malformed."""
+        if not params or LOAD_REPORT_KEY not in params:
+            return None
+        p = params[LOAD_REPORT_KEY]
+        if not isinstance(p, dict) or not isinstance(p.get("spans"), (list, tuple)):
+            raise ValueError(f"kv_transfer_params[{LOAD_REPORT_KEY!r}] must be a dict with a list of spans")
+        spans = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in p["spans"])
+        return cls(spans, p.get("failed", 0), dict(p.get("facts_from") or {}), p.get("cluster_bytes", 0),
+                   p.get("read_s", 0.0))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -134,6 +134,7 @@ class FetchResult:
     missing: list[str]
     unreadable: list[str]
     counts: dict[str, float]
+    fetched: list[str] = field(default_factory=list)  # the kv_ids read from the cluster tier into the store
 
 
 class WorkerSide:
@@ -191,6 +192,9 @@ class WorkerSide:
         self._absent: dict[str, set[str]] = {}
         self._forward_context: "ForwardContext | None" = None
         self._prefetching: list[Future] = []  # prefetch() loads not settled yet
+        # req_id -> where the facts of its asynchronous load came from, for the scheduler side
+        # (take_load_details: vLLM's worker metadata of the step that reports the load finished).
+        self._load_details: dict[str, dict[str, Any]] = {}
         self._step: dict[str, float] = {}  # counters since the last take_stats
         self._totals: dict[str, float] = {k: 0 for k in WORKER_COUNTERS}
         self._last_resident: dict[str, int] = {}
@@ -333,9 +337,12 @@ class WorkerSide:
         return CacheViews.probe([self.kv_caches[n] for n in names], backend_write, self.spec.num_kv_heads,
                                 self.spec.head_dim, self.block_size, self.kv_dtype)
 
-    def _inject(self, forward_context: "ForwardContext", store: FactStore, specs: list[LoadSpec]) -> None:
+    def _inject(self, forward_context: "ForwardContext", store: FactStore,
+                specs: list[LoadSpec]) -> dict[str, list[str]]:
         """Gathers each request's chunks from the store and writes them into its blocks, in groups; a request
-        whose chunks cannot be gathered is a failed load (recomputed)."""
+        whose chunks cannot be gathered is a failed load (recomputed). Returns the store tier of each gathered
+        request's chunks (the prefix chunk first), by request id."""
+        tiers_of: dict[str, list[str]] = {}
         group: list[tuple[LoadSpec, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         group_tokens = 0
         for spec in specs:
@@ -357,6 +364,7 @@ class WorkerSide:
                 continue
             for tier in tiers:
                 self._count(f"store_hits_{tier}")
+            tiers_of[spec.req_id] = tiers
             if group and group_tokens + spec.end - spec.start > self.inject_group_tokens:
                 self._write(forward_context, group)
                 group, group_tokens = [], 0
@@ -364,6 +372,7 @@ class WorkerSide:
             group_tokens += spec.end - spec.start
         if group:
             self._write(forward_context, group)
+        return tiers_of
 
     # ------------------------------------------------------------------ asynchronous loads
 
@@ -393,7 +402,8 @@ class WorkerSide:
         unreadable = [kv for kv, unread in zip(need, got.unreadable) if unread]
         counts = {"fetched_facts": len(need) - len(missing), "fetched_bytes": sum(n for n in got.facts if n),
                   "fetch_unreadable": len(unreadable), "fetch_seconds": time.perf_counter() - t0}
-        return FetchResult(user_id, missing, unreadable, counts)
+        fetched = [kv for kv, kept in zip(need, got.facts) if kept is not None]
+        return FetchResult(user_id, missing, unreadable, counts, fetched)
 
     def _settle(self, result: "FetchResult") -> None:
         """A load's counters and its facts found nowhere (for take_missing), on the step's thread."""
@@ -443,6 +453,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         store = self._require_store()
         ready: list[LoadSpec] = []
+        results: dict[str, FetchResult] = {}
         for r in done:
             spec, fut = self._fetching.pop(r)
             try:
@@ -464,13 +475,36 @@ class WorkerSide:
                                              "facts are in no tier"))
                 continue
             ready.append(spec)
+            results[r] = result
         if ready:
             assert self._forward_context is not None  # noted by the step that started these loads
             self._check_all_layers(self._forward_context)
-            self._inject(self._forward_context, store, ready)
+            tiers_of = self._inject(self._forward_context, store, ready)
             self._count("injection_seconds", time.perf_counter() - t0)
+            for spec in ready:  # the gathered and written ones (a failed write is recomputed, not reported here)
+                if spec.req_id in tiers_of and spec.req_id not in self._failed_loads:
+                    self._load_details[spec.req_id] = self._load_detail(spec, tiers_of[spec.req_id],
+                                                                        results[spec.req_id])
         failed, self._failed_loads = self._failed_loads, set()
         return set(done), failed
+
+    @staticmethod
+    def _load_detail(spec: LoadSpec, tiers: list[str], result: FetchResult) -> dict[str, Any]:
+        """Where one asynchronous load found its facts: those the loader read count as "cluster" (the store holds
+        them by the time they are gathered), the others by the store tier they were gathered from."""
+        fetched = set(result.fetched)
+        facts_from: dict[str, int] = {}
+        for kv, tier in zip(spec.kv_ids[1:], tiers[1:]):  # tiers[0]: the prefix chunk, always resident
+            source = "cluster" if kv in fetched else tier
+            facts_from[source] = facts_from.get(source, 0) + 1
+        return {"facts_from": facts_from, "cluster_bytes": int(result.counts.get("fetched_bytes", 0)),
+                "read_s": float(result.counts.get("fetch_seconds", 0.0))}
+
+    def take_load_details(self) -> dict[str, dict[str, Any]]:
+        """Drained: where the facts of each asynchronous load finished since the last call came from (req_id ->
+        {"facts_from": {tier: facts}, "cluster_bytes", "read_s"})."""
+        details, self._load_details = self._load_details, {}
+        return details
 
     def take_missing(self) -> dict[str, dict[str, list[str]]]:
         """Drained since the last call, per user: "missing", the kv_ids found in no tier (to re-encode once), and

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .connector import InjectionParams, cache_salt, memory_hash, pack_fact
+from .connector import InjectionParams, LoadReport, cache_salt, memory_hash, pack_fact
 from .errors import check_id
 from .template import PromptTemplate
 from .types import EncodedFact, Mode, kv_id
@@ -79,6 +79,8 @@ class Answer:
     finish_reason: str | None = None  # vLLM's: "stop" (end of sequence or stop string) or "length"
     # vLLM's RequestStateStats (engine-core queued / scheduled / first-token timestamps) when it logs stats
     engine_stats: Any = field(default=None, repr=False)
+    # The connector's asynchronous loads of this request (same clock as engine_stats); None when it had none
+    kv_load: LoadReport | None = field(default=None, repr=False)
 
 
 class RequestCore:
@@ -167,4 +169,5 @@ class RequestCore:
                       k=p.query.k, w=p.query.w, prompt_len=len(p.prompt_ids), memory_len=p.memory_len,
                       num_cached_tokens=out.num_cached_tokens or 0, retrieve_s=p.retrieve_s, ttft_s=ttft_s,
                       logprobs=c.logprobs, finish_reason=c.finish_reason,
-                      engine_stats=getattr(out, "metrics", None))
+                      engine_stats=getattr(out, "metrics", None),
+                      kv_load=LoadReport.from_kv_transfer_params(getattr(out, "kv_transfer_params", None)))

@@ -57,6 +57,7 @@ class Answering:
     async def _stream_openai(self, p, req: AnswerRequest, t_in: float, hops: dict[str, float]):
         """An OpenAI chat request's answer: vLLM's SamplingParams from the request (n choices, logprobs, stop,
         structured outputs, forced tool calls), streamed by choice."""
+        from inferscale_core.connector_types import LoadReport
 
         chat = req.openai
         assert chat is not None  # stream sends only OpenAI chat requests here
@@ -92,7 +93,8 @@ class Answering:
             if calls is not None and oai.tool_choice == "required":
                 reason = "tool_calls"
             choices.append(Choice(i, reason, counts[i], calls))
-        stats = SimpleNamespace(ttft_s=ttft, engine_stats=getattr(final, "metrics", None))  # engine_timings' view
+        stats = SimpleNamespace(ttft_s=ttft, engine_stats=getattr(final, "metrics", None),  # engine_timings' view
+                                kv_load=LoadReport.from_kv_transfer_params(getattr(final, "kv_transfer_params", None)))
         yield AnswerEnd(fact_ids=list(p.fact_ids), ttft_ms=(ttft or 0.0) * 1000, prompt_tokens=len(p.prompt_ids),
                         prefilled_tokens=len(p.prompt_ids) - ((final.num_cached_tokens or 0) if final else 0),
                         completion_tokens=sum(counts), finish_reason=choices[0].finish_reason, choices=choices,

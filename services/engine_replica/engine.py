@@ -89,13 +89,32 @@ def ms(seconds: float) -> float:
 
 
 def engine_timings(ans) -> dict[str, float]:
-    """vLLM's own per-request hops (its RequestStateStats, engine-core clock): "vllm_queue" queued ->
-    scheduled, "prefill" scheduled -> first token (the connector's injection included); "engine_ttft" this
-    replica's submit -> first token (the final chunk's ttft_ms)."""
+    """vLLM's own per-request hops (its RequestStateStats, engine-core clock) and the connector's: "vllm_queue"
+    queued -> scheduled, "prefill" scheduled -> first token (a synchronous injection included), "kv_load" the
+    time the request waited for its KV to be loaded asynchronously (grant -> the load's end seen by the scheduler;
+    absent when nothing was loaded asynchronously), with "kv_load_read" the worker's read of the cluster tier
+    inside it (present when it read); "engine_ttft" this replica's submit -> first token (the final chunk's
+    ttft_ms).
+
+    vLLM counts a request as scheduled only AFTER its asynchronous load: in vLLM 0.32's Scheduler.schedule
+    (vllm/v1/core/sched/scheduler.py) a grant with load_kv_async parks the request (`request.status =
+    RequestStatus.WAITING_FOR_REMOTE_KVS ... skip_request(request_queue); continue`) before
+    `request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)` is reached; it is reached in a
+    later step, once the load has ended. So vLLM's queued -> scheduled contains the load; the load's spans (same
+    clock: both are the engine core's time.monotonic()) are taken out of it, and out of prefill for a load after
+    a preemption (scheduled_ts is the first scheduling only, vllm/v1/metrics/stats.py), so that the hops do not
+    overlap: vllm_queue is the wait for the scheduler alone."""
     out = {"engine_ttft": ms(ans.ttft_s or 0.0)}
+    load = getattr(ans, "kv_load", None)
+    if load is not None:
+        out["kv_load"] = ms(load.seconds)
+        if load.read_s:
+            out["kv_load_read"] = ms(load.read_s)
     st = ans.engine_stats
     if st is not None and st.queued_ts and st.scheduled_ts:
-        out["vllm_queue"] = ms(st.scheduled_ts - st.queued_ts)
+        waited = load.within(st.queued_ts, st.scheduled_ts) if load is not None else 0.0
+        out["vllm_queue"] = ms(st.scheduled_ts - st.queued_ts - waited)
         if st.first_token_ts:
-            out["prefill"] = ms(st.first_token_ts - st.scheduled_ts)
+            waited = load.within(st.scheduled_ts, st.first_token_ts) if load is not None else 0.0
+            out["prefill"] = ms(st.first_token_ts - st.scheduled_ts - waited)
     return out

@@ -5,6 +5,8 @@ vLLM keeps the request outside the batch (InjectionParams.fetch); no KV byte cro
 - facts that live only in the cluster tier give the same tokens and logprobs as the prompt they stand for, and a
   prefix-cache hit on part of that memory loads only the rest;
 - a slow cluster read does not hold up another request: it finishes while the first still waits;
+- the wait for a load is timed on vLLM's clock and reaches the caller on the RequestOutput (`kv_load`, at least
+  the injected delay, and outside vLLM's queued -> scheduled, which contains it); a warm request reports none;
 - a fact in no tier, and the Mooncake master killed in the middle of a load, are recomputed by vLLM (the answer
   is the prompt's, exactly) and listed for one re-encode.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from support.connector_harness import (
@@ -26,6 +29,8 @@ from support.connector_harness import (
 )
 
 from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+from inferscale_core.connector_types import LoadReport
+from inferscale_server.engine_replica.engine import engine_timings
 
 FP = "c" * 16  # the fingerprint the worker reads under (the encoder pool's, in the service)
 FIDS = [f"f{i}@v1" for i in range(1, len(FACT_LENS) + 1)]
@@ -180,6 +185,57 @@ def test_a_slow_cluster_read_does_not_delay_another_request(setup):
     assert fast.num_cached_tokens == slow.num_cached_tokens == M
     assert_same(fast, ref_fast)
     assert list(slow.outputs[0].token_ids) == list(ref_slow.outputs[0].token_ids)[:4]
+
+
+def test_the_wait_for_a_slow_load_is_the_kv_load_hop_and_a_warm_request_has_none(setup):
+    """A cluster read held DELAY seconds on purpose: the scheduler side's LoadReport (on the RequestOutput, vLLM's
+    own path) spans at least DELAY, inside vLLM's queued -> scheduled (same clock), and engine_timings, what the
+    engine replica puts in AnswerEnd.timings_ms, shows it as kv_load with vllm_queue the rest. The same memory
+    again: no asynchronous load without `fetch`, a near-instant one with `fetch` and every fact resident."""
+    h, writer, _ = setup
+    delay = 1.5
+    chunks, query = layout(800)
+    in_cluster(h, writer, "hop", "prefix-hop", chunks)
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    read = h.worker.cluster.read
+
+    def slow(user_id, kv_ids, *keep):
+        if user_id == "hop":
+            time.sleep(delay)
+        return read(user_id, kv_ids, *keep)
+
+    h.worker.cluster.read = slow
+    try:
+        (cold,) = h.run(fetching("hop", "prefix-hop", chunks, query))
+    finally:
+        h.worker.cluster.read = read
+    assert_same(cold, ref)
+    report = LoadReport.from_kv_transfer_params(cold.kv_transfer_params)
+    assert report is not None and len(report.spans) == 1 and report.failed == 0
+    assert report.seconds >= delay and report.read_s >= delay
+    assert report.facts_from == {"cluster": len(FIDS)}
+    assert report.cluster_bytes == sum(e.nbytes for e in h.encode_joint(chunks)[1:])
+    st = cold.metrics
+    # vLLM counts the request as scheduled only after its load, on the same clock as the report's spans.
+    assert st.queued_ts <= report.spans[0][0] < report.spans[0][1] <= st.scheduled_ts
+    assert st.scheduled_ts - st.queued_ts >= delay
+    timings = engine_timings(SimpleNamespace(ttft_s=None, engine_stats=st, kv_load=report))
+    assert timings["kv_load"] >= delay * 1000 and timings["kv_load_read"] >= delay * 1000
+    assert 0 <= timings["vllm_queue"] < 500 and timings["prefill"] >= 0  # the load is in neither
+    assert abs(timings["vllm_queue"] + timings["kv_load"] - (st.scheduled_ts - st.queued_ts) * 1000) < 1
+
+    # Warm, as the engine replica sends a request whose facts it knows resident: a synchronous load, no report.
+    (warm,) = h.run(Harness.injected("hop", "prefix-hop", FIDS, chunks, query, version=2))
+    assert warm.num_cached_tokens == M and LoadReport.from_kv_transfer_params(warm.kv_transfer_params) is None
+    assert "kv_load" not in engine_timings(SimpleNamespace(ttft_s=None, engine_stats=warm.metrics, kv_load=None))
+    assert_same(warm, ref)
+    # Warm with `fetch`: still asynchronous, every fact found in the worker store's device tier, nothing read.
+    (again,) = h.run(fetching("hop", "prefix-hop", chunks, query, version=3))
+    quick = LoadReport.from_kv_transfer_params(again.kv_transfer_params)
+    assert quick is not None and quick.facts_from == {"device": len(FIDS)} and quick.read_s == 0
+    assert quick.seconds < 0.5 and "kv_load_read" not in engine_timings(
+        SimpleNamespace(ttft_s=None, engine_stats=again.metrics, kv_load=quick))
+    assert_same(again, ref)
 
 
 def test_a_fact_in_no_tier_is_recomputed_and_listed_once_for_reencode(setup):
