@@ -94,6 +94,11 @@ class DeploymentSpec:
     # Seconds the load must stay above / below target before autoscaling adds / removes a replica.
     upscale_delay_s: float = 10
     downscale_delay_s: float = 300
+    # A replica being stopped waits at least this long, then until its requests in flight are done, checking again
+    # every this many seconds (Serve's graceful_shutdown_wait_loop_s): the window in which routers that have not yet
+    # heard of the stop may still send it requests. Serve's default; the tests' apps, stopped with nothing in
+    # flight, use 0.2 s (tests/support/local_service.py).
+    graceful_shutdown_wait_loop_s: float = 2.0
 
     def options(self) -> dict:
         """Serve deployment options. Autoscaling follows ongoing requests per replica."""
@@ -112,6 +117,7 @@ class DeploymentSpec:
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
+            "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s,
         }
 
 

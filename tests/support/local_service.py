@@ -17,6 +17,9 @@ from inferscale_server.local_processes import free_port, port_is_free
 from support.auth_fixture import token_for
 
 APP = "inferscale"
+# The tests' apps poll their drain every 0.2 s, not Serve's 2 s (services/app.py DeploymentSpec): each app's stop
+# waits that once per deployment, one after the other (~10 s of each module's teardown with the default).
+DRAIN_POLL_S = 0.2
 
 
 class Service:
@@ -70,6 +73,8 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
     shut down with it; used by every test module that runs the whole app. `ray_init`: more ray.init arguments."""
     from inferscale_core.vllm_env import vllm_cpu_env
 
+    for spec in cfg.deployments.values():  # stopped with nothing in flight: no 2 s drain window per replica
+        spec.graceful_shutdown_wait_loop_s = DRAIN_POLL_S
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {**vllm_cpu_env(), **(env_vars or {})}}, **ray_init)
     # Ray's head processes (its dashboard and autoscaler monitor) bind ports of their own at ray.init, after the
