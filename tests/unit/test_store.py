@@ -315,7 +315,7 @@ def test_cuda_three_tiers(tmp_path):
     assert_same(got.to("cpu"), make_fact(4, seed=1))
     assert s.stats()["hits"]["host"] == 1
     assert [s.tier_of("alice", f"f{i}") for i in range(3)] == ["disk", "device", "host"]
-    assert s._lru["host"][("alice", "f2")].fact.k_pre.is_pinned()
+    assert s._users["alice"]["f2"].fact.k_pre.is_pinned()
     assert_same(s.get("alice", "f0").to("cpu"), make_fact(4, seed=0))
 
 
