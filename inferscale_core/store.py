@@ -7,20 +7,24 @@ Tiers, fastest first:
   disk    one safetensors file per fact under `disk_dir`, written on every put (write-through), so a fact
           survives a restart and a fact demoted out of memory costs nothing more to drop. Optionally under a
           byte budget (`disk_budget_bytes`, bytes of the files): a write that would exceed it first deletes files,
-          each time the least recently used fact's of the user whose files take the most bytes (put and get count
-          as uses): the budget is shared by the users like the engine replica's resident KV, so one user writing
-          ever new facts recycles its own files and never flushes the others' (issue 31), while a user alone still
-          uses the whole budget. A fact whose file is deleted stays
+          by the rule every tier shares (below). A fact whose file is deleted stays
           while a memory tier holds it (until it is demoted out of memory); one in no memory tier is forgotten,
           so a later get is a clean miss (UnknownFactError), as for a fact never stored: the disk is a cache,
           the facts' source of truth is elsewhere (the cluster tier, or the registry's text to re-encode).
 
 Each memory tier has an optional byte budget (KV bytes, 2·L·c·h·d·b). A fact goes to the fastest tier whose
-budget can hold it; room is made BEFORE anything is allocated there by moving the least recently used facts
-down one tier, so the device tier never holds more than its budget, not even for a moment. `get` brings a
-fact back to the device tier; a fact larger than the whole device budget is served as a temporary device
-copy and stays where it is. If the device itself runs out of memory while a fact is stored, the fact goes to
-the host tier instead (an accelerator shared with other allocations can be fuller than any budget knows).
+budget can hold it; room is made BEFORE anything is allocated there by moving facts down one tier, so the device
+tier never holds more than its budget, not even for a moment. `get` brings a fact back to the device tier; a fact
+larger than the whole device budget is served as a temporary device copy and stays where it is. If the device
+itself runs out of memory while a fact is stored, the fact goes to the host tier instead (an accelerator shared
+with other allocations can be fuller than any budget knows).
+
+Which fact leaves a full tier, in every tier (fair_lru.FairLRU; issue 31): the least recently used fact (put and get
+count as uses) of the user holding the most bytes in that tier, the incoming fact counted as its user's. Each tier
+is shared by the users holding something in it like the engine replica's resident KV: a tenant touching ever new
+facts recycles its own and never flushes the others' KV out of device or host memory or their files off the disk,
+while a user alone is plain LRU over the whole budget. The shared prefix chunk (SHARED_USER_ID's, read by every
+request) leaves a tier only when no user's fact is left there.
 """
 from __future__ import annotations
 
@@ -29,7 +33,6 @@ import logging
 import os
 import shutil
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +42,9 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from .errors import UnknownFactError, UnknownUserError, check_id
+from .fair_lru import FairLRU
 from .model_spec import ModelSpec
-from .types import EncodedFact
+from .types import SHARED_USER_ID, EncodedFact
 
 FILE_FORMAT = "inferscale-fact-v1"
 FACT_SUFFIX = ".safetensors"
@@ -103,7 +107,8 @@ class _Entry:
 
 
 class FactStore:
-    """Thread-safe map (user_id, fact_id) -> EncodedFact with device / host / disk tiers and LRU demotion.
+    """Thread-safe map (user_id, fact_id) -> EncodedFact with device / host / disk tiers, each evicting from the
+    user holding the most bytes there, least recently used first.
 
     Shape and dtype: `num_layers`, `num_kv_heads`, `head_dim` and `dtype` left as None are taken from the
     first fact stored (or loaded from disk), after which every fact must match them. Facts returned by
@@ -145,15 +150,13 @@ class FactStore:
         self.dtype = dtype
         self._lock = threading.RLock()
         self._users: dict[str, dict[str, _Entry]] = {}
-        self._lru: dict[str, OrderedDict[tuple[str, str], _Entry]] = {t: OrderedDict() for t in self._memory_tiers}
-        self._resident = {"device": 0, "host": 0}
-        self._disk_bytes = 0
+        # Per tier, the facts it holds per user, least recently used first, and their bytes: KV bytes in a memory
+        # tier, file bytes on the disk (what the disk budget bounds). A full tier takes from the user holding the
+        # most there (_make_room, _collect).
+        self._lru: dict[str, FairLRU[str, _Entry]] = {t: FairLRU(last=SHARED_USER_ID) for t in self._memory_tiers}
+        self._disk_lru: FairLRU[str, _Entry] = FairLRU(last=SHARED_USER_ID)
+        self._disk_bytes = 0  # KV bytes of the facts with a file
         self.disk_budget_bytes = disk_budget_bytes
-        self._file_bytes = 0  # bytes of every fact file (what the disk budget bounds)
-        # Facts with a file, per user, least recently used first, and the bytes of each user's files: the disk
-        # budget takes from the user holding the most (_collect).
-        self._disk_lru: dict[str, OrderedDict[str, _Entry]] = {}
-        self._user_file_bytes: dict[str, int] = {}
         self._collected = 0  # files deleted to stay within the disk budget
         self._quarantined = 0  # unreadable files moved to QUARANTINE_DIR at open
         self._hits = {"device": 0, "host": 0, "disk": 0}
@@ -196,7 +199,7 @@ class FactStore:
             entry = self._users.get(user_id, {}).get(fact_id)
             if entry is not None:  # its memory copy is outdated either way; frees its bytes before admitting
                 self._unplace(entry)
-            tier, stored = self._admit(fact)
+            tier, stored = self._admit(user_id, fact)
             if entry is None:
                 entry = _Entry(user_id, fact_id, stored.nbytes, "disk", None, False)
                 self._users.setdefault(user_id, {})[fact_id] = entry  # replaced in place: keeps its position
@@ -273,7 +276,7 @@ class FactStore:
         """KV bytes (2·L·c·h·d·b per fact) resident per tier; "disk" counts every fact with a file."""
         with self._lock:
             if user_id is None:
-                return {"device": self._resident["device"], "host": self._resident["host"], "disk": self._disk_bytes}
+                return {"device": self._resident("device"), "host": self._resident("host"), "disk": self._disk_bytes}
             check_id("user_id", user_id)
             if user_id not in self._users:
                 raise UnknownUserError(user_id)
@@ -303,7 +306,7 @@ class FactStore:
                 "num_users": len(self._users),
                 "budgets": {"device": self._budgets["device"], "host": self._budgets["host"],
                             "disk": self.disk_budget_bytes},
-                "disk_file_bytes": self._file_bytes,
+                "disk_file_bytes": self._disk_lru.bytes,
                 "disk_collected": self._collected,
                 "disk_quarantined": self._quarantined,
             }
@@ -321,31 +324,38 @@ class FactStore:
             raise UnknownFactError(user_id, fact_id)
         return entry
 
+    def _resident(self, tier: str) -> int:
+        """KV bytes a memory tier holds (0 for the host tier of a store without one)."""
+        lru = self._lru.get(tier)
+        return lru.bytes if lru is not None else 0
+
     def _place(self, entry: _Entry, tier: str, fact: EncodedFact) -> None:
         """Make `tier` hold `fact` as the entry's only in-memory copy, most recently used."""
         self._unplace(entry)
         entry.tier, entry.fact = tier, fact
-        self._lru[tier][(entry.user_id, entry.fact_id)] = entry
-        self._resident[tier] += entry.nbytes
+        self._lru[tier].add(entry.user_id, entry.fact_id, entry, entry.nbytes)
 
     def _unplace(self, entry: _Entry) -> None:
         if entry.tier != "disk":
-            del self._lru[entry.tier][(entry.user_id, entry.fact_id)]
-            self._resident[entry.tier] -= entry.nbytes
+            self._lru[entry.tier].remove(entry.user_id, entry.fact_id)
         entry.tier, entry.fact = "disk", None
 
     def _fits(self, tier: str, nbytes: int) -> bool:
         budget = self._budgets[tier]
         return budget is None or nbytes <= budget
 
-    def _make_room(self, tier: str, nbytes: int) -> None:
-        """Demote least recently used facts of `tier` until `nbytes` more fit in its budget."""
+    def _make_room(self, tier: str, nbytes: int, user_id: str | None = None) -> None:
+        """Demote facts of `tier` until `nbytes` more of `user_id`'s fit in its budget, each time the least recently
+        used of the user holding the most bytes there, the new bytes counted as `user_id`'s (on a tie it pays)."""
         budget = self._budgets[tier]
         if budget is None:
             return
         lru = self._lru[tier]
-        while self._resident[tier] + nbytes > budget and lru:
-            self._demote(next(iter(lru.values())))
+        while lru.bytes + nbytes > budget:
+            victim = lru.victim(user_id, nbytes)
+            if victim is None:
+                return
+            self._demote(victim)
 
     def _demote(self, entry: _Entry) -> None:
         """Move a fact one memory tier down (device -> host), or out of memory when it is in the lowest memory
@@ -357,21 +367,21 @@ class FactStore:
             fact = entry.fact
             assert fact is not None  # an entry in a memory tier holds its copy there
             self._unplace(entry)
-            self._make_room(lower, entry.nbytes)
+            self._make_room(lower, entry.nbytes, entry.user_id)
             self._place(entry, lower, self._to_host(fact))
         elif entry.on_disk:
             self._unplace(entry)
         else:  # its file was collected (the disk budget): out of memory it is gone, a clean miss
             self._forget(entry)
 
-    def _admit(self, fact: EncodedFact) -> tuple[str | None, EncodedFact]:
+    def _admit(self, user_id: str, fact: EncodedFact) -> tuple[str | None, EncodedFact]:
         """A private copy of a new fact in the fastest memory tier that can hold it, room made first; tier
         None (a host copy, for the file only) when no memory tier's budget can hold it."""
         nbytes = fact.nbytes
         for tier in self._memory_tiers:
             if not self._fits(tier, nbytes):
                 continue
-            self._make_room(tier, nbytes)
+            self._make_room(tier, nbytes, user_id)
             try:
                 return tier, self._copy(fact, tier)
             except (torch.OutOfMemoryError, RuntimeError) as err:
@@ -397,9 +407,9 @@ class FactStore:
             raise UnknownFactError(entry.user_id, entry.fact_id)  # (get_many: demoted out of memory, no file)
         self._hits[entry.tier] += 1
         if entry.on_disk:
-            self._disk_lru[entry.user_id].move_to_end(entry.fact_id)
+            self._disk_lru.touch(entry.user_id, entry.fact_id)
         if entry.tier == "device":
-            self._lru["device"].move_to_end((entry.user_id, entry.fact_id))
+            self._lru["device"].touch(entry.user_id, entry.fact_id)
             assert entry.fact is not None  # an entry in a memory tier holds its copy there
             return entry.fact
         if not self._fits("device", entry.nbytes):  # larger than the whole device budget: a temporary copy
@@ -407,7 +417,7 @@ class FactStore:
         tier, source = entry.tier, entry.fact
         self._unplace(entry)  # leaving its tier first, so making room below never evicts it
         try:
-            self._make_room("device", entry.nbytes)
+            self._make_room("device", entry.nbytes, entry.user_id)
             fact = self._device_copy(entry, source)
         except BaseException:
             if source is not None:  # back where it was (it may be the only copy), then that tier's budget
@@ -487,33 +497,27 @@ class FactStore:
         return self.disk_budget_bytes is None or nbytes <= self.disk_budget_bytes
 
     def _collect(self, nbytes: int, writer: str | None = None) -> None:
-        """Deletes files until `nbytes` more (a file `writer` is about to write) fit in the disk budget, each time
-        the least recently used of the user whose files take the most bytes, the new file counted as the writer's
-        (on a tie the writer pays): a user over its share of the budget loses its own oldest files first."""
+        """Deletes files until `nbytes` more (a file `writer` is about to write) fit in the disk budget, by the rule
+        of the memory tiers: the least recently used file of the user whose files take the most bytes, the new file
+        counted as the writer's (on a tie the writer pays)."""
         if self.disk_budget_bytes is None:
             return
-        while self._file_bytes + nbytes > self.disk_budget_bytes and self._disk_lru:
-            user = max(self._disk_lru, key=lambda u: (self._user_file_bytes[u] + (nbytes if u == writer else 0),
-                                                      u == writer))
-            self._drop_file(next(iter(self._disk_lru[user].values())), forget=True, collected=True)
+        while self._disk_lru.bytes + nbytes > self.disk_budget_bytes:
+            victim = self._disk_lru.victim(writer, nbytes)
+            if victim is None:
+                return
+            self._drop_file(victim, forget=True, collected=True)
 
     def _add_file(self, entry: _Entry, file_bytes: int) -> None:
         entry.on_disk, entry.file_bytes = True, file_bytes
         self._disk_bytes += entry.nbytes
-        self._file_bytes += file_bytes
-        self._disk_lru.setdefault(entry.user_id, OrderedDict())[entry.fact_id] = entry
-        self._user_file_bytes[entry.user_id] = self._user_file_bytes.get(entry.user_id, 0) + file_bytes
+        self._disk_lru.add(entry.user_id, entry.fact_id, entry, file_bytes)
 
     def _drop_file(self, entry: _Entry, forget: bool, collected: bool) -> None:
         """Deletes a fact's file; with `forget`, a fact no memory tier holds leaves the store too."""
         self._path(entry.user_id, entry.fact_id).unlink(missing_ok=True)
-        files = self._disk_lru[entry.user_id]
-        del files[entry.fact_id]
-        self._user_file_bytes[entry.user_id] -= entry.file_bytes
-        if not files:
-            del self._disk_lru[entry.user_id], self._user_file_bytes[entry.user_id]
+        self._disk_lru.remove(entry.user_id, entry.fact_id)
         self._disk_bytes -= entry.nbytes
-        self._file_bytes -= entry.file_bytes
         entry.on_disk, entry.file_bytes = False, 0
         self._collected += collected
         if forget and entry.tier == "disk":

@@ -1,6 +1,7 @@
 """FactStore: disk round trip, restart, tiers and budgets, byte accounting, errors, user isolation."""
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -315,7 +316,7 @@ def test_cuda_three_tiers(tmp_path):
     assert_same(got.to("cpu"), make_fact(4, seed=1))
     assert s.stats()["hits"]["host"] == 1
     assert [s.tier_of("alice", f"f{i}") for i in range(3)] == ["disk", "device", "host"]
-    assert s._lru["host"][("alice", "f2")].fact.k_pre.is_pinned()
+    assert s._users["alice"]["f2"].fact.k_pre.is_pinned()
     assert_same(s.get("alice", "f0").to("cpu"), make_fact(4, seed=0))
 
 
@@ -459,3 +460,151 @@ def test_serve_takes_the_disk_budget_and_refuses_bad_values(capsys, value, why):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", f"--kv-disk-budget-gib={value}"])
     assert e.value.code == 2 and f"--kv-disk-budget-gib: {why}" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- every tier shared per user (issue 31)
+
+def assert_books(s: FactStore, sizes: dict[tuple[str, str], int]) -> None:
+    """The store's byte counts after evictions equal what its facts add up to: per tier from `tier_of` and each
+    fact's KV bytes (`sizes`), per user in each tier's eviction books, on disk from the files themselves; and no
+    tier is over its budget."""
+    want = {"device": 0, "host": 0, "disk": 0}
+    for user in s.users():
+        mine = {"device": 0, "host": 0}
+        for f in s.fact_ids(user):
+            tier, kv = s.tier_of(user, f), sizes[user, f]
+            if tier != "disk":
+                mine[tier] += kv
+                want[tier] += kv
+            want["disk"] += kv if s._path(user, f).exists() else 0
+        assert s.bytes_used(user) == {**mine, "disk": s.bytes_used(user)["disk"]}
+        for tier, books in s._lru.items():
+            assert books.owner_bytes(user) == mine[tier], (user, tier)
+        files = s._path(user, "any").parent.glob("*.safetensors")
+        assert s._disk_lru.owner_bytes(user) == sum(p.stat().st_size for p in files), user
+    assert s.bytes_used() == want
+    stats = s.stats()
+    assert stats["disk_file_bytes"] == on_disk(s)
+    assert sum(stats["facts_per_tier"].values()) == len(s) == sum(len(s.fact_ids(u)) for u in s.users())
+    for tier, used in (("device", want["device"]), ("host", want["host"]), ("disk", on_disk(s))):
+        assert stats["budgets"][tier] is None or used <= stats["budgets"][tier], tier
+
+
+def test_a_tenant_touching_far_more_than_memory_holds_leaves_another_tenants_recent_facts_resident(tmp_path):
+    """Issue 31: the device and host tiers are shared per user like the disk. Tenant a puts and reads 40 facts
+    through tiers that hold 4 facts each; tenant b's three facts stay in memory: its share of the device (the
+    budget / 2 users) holds its two most recent, the third is on the host, and b's next reads are memory hits.
+    With one LRU for every user (before), a's flood pushed all of b's facts out to disk."""
+    one = make_fact(4).nbytes
+    s = store(tmp_path, host_tier=True, device_budget_bytes=4 * one, host_budget_bytes=4 * one)
+    sizes = {}
+    for i in range(3):
+        s.put("b", f"b{i}", make_fact(4, seed=i))
+        sizes["b", f"b{i}"] = one
+    for i in range(40):
+        s.put("a", f"a{i}", make_fact(4, seed=100 + i))
+        sizes["a", f"a{i}"] = one
+        assert_books(s, sizes)
+    for _ in range(2):  # a reads every fact again: each comes up from the disk or the host
+        for i in range(40):
+            assert_same(s.get("a", f"a{i}"), make_fact(4, seed=100 + i))
+    assert_books(s, sizes)
+    assert [s.tier_of("b", f"b{i}") for i in range(3)] == ["host", "device", "device"]
+    assert s.bytes_used("a")["device"] == 2 * one and s.bytes_used("a")["host"] == 3 * one
+    before = s.stats()["hits"]
+    for i in (2, 1, 0):
+        assert_same(s.get("b", f"b{i}"), make_fact(4, seed=i))
+    after = s.stats()["hits"]
+    assert {t: after[t] - before[t] for t in after} == {"device": 2, "host": 1, "disk": 0}
+    assert_books(s, sizes)
+
+
+def test_a_user_alone_is_plain_lru_in_every_memory_tier(tmp_path):
+    """The fair rule changes nothing for one user: random puts and gets through a device and a host tier of 3
+    facts each leave every fact in the tier a plain LRU over the two (written out below) puts it in."""
+    one = make_fact(3).nbytes
+    s = store(tmp_path, host_tier=True, device_budget_bytes=3 * one, host_budget_bytes=3 * one)
+    device: list[str] = []  # least recently used first
+    host: list[str] = []
+
+    def demote(f):  # device -> host, the host's least recently used out to disk
+        device.remove(f)
+        if len(host) == 3:
+            host.pop(0)
+        host.append(f)
+
+    def to_device(f):
+        for tier in (device, host):
+            if f in tier:
+                tier.remove(f)
+        if len(device) == 3:
+            demote(device[0])
+        device.append(f)
+
+    rnd = random.Random(7)
+    written = set()
+    for step in range(300):
+        f = f"f{rnd.randrange(10)}"
+        if f not in written or rnd.random() < 0.2:
+            s.put("solo", f, make_fact(3, seed=step))
+            written.add(f)
+        else:
+            s.get("solo", f)
+        to_device(f)
+        tiers = {g: "device" if g in device else "host" if g in host else "disk" for g in written}
+        assert {g: s.tier_of("solo", g) for g in written} == tiers, f"step {step}"
+
+
+def test_the_shared_prefix_chunk_leaves_a_tier_only_when_nothing_else_is_left(tmp_path):
+    """The prefix chunk every request reads (SHARED_USER_ID's) is one large entry, the largest holder of every
+    tier here, and is never touched while ten users churn their facts through the device and disk budgets: it
+    stays on the device and keeps its file. With one LRU for the device and the largest holder first on the disk
+    (before), it lost its file and was then evicted out of memory: gone. It leaves a tier only for a fact that
+    cannot fit beside it when no other fact is left there, and is then read from its file."""
+    from inferscale_core.types import SHARED_USER_ID
+
+    prefix, small = make_fact(8, seed=99), make_fact(2).nbytes
+    prefix_file = len(FactStore._file_data(SHARED_USER_ID, "prefix", prefix))
+    one_file = len(FactStore._file_data("user-0", "f0", make_fact(2)))
+    s = store(tmp_path, device_budget_bytes=prefix.nbytes + 3 * small, disk_budget_bytes=prefix_file + 4 * one_file)
+    s.put(SHARED_USER_ID, "prefix", prefix)
+    sizes = {(SHARED_USER_ID, "prefix"): prefix.nbytes}
+    for round_ in range(3):
+        for u in range(10):
+            for f in ("f0", "f1"):
+                s.put(f"user-{u}", f, make_fact(2, seed=10 * u + round_))
+                sizes[f"user-{u}", f] = small
+                s.get(f"user-{u}", f)
+            assert s.tier_of(SHARED_USER_ID, "prefix") == "device" and s._path(SHARED_USER_ID, "prefix").exists()
+            assert_books(s, {k: v for k, v in sizes.items() if s.contains(*k)})
+    assert s.stats()["disk_collected"] > 0 and s.stats()["demotions"] > 0  # the users' facts did churn
+    for u in s.users():
+        if u != SHARED_USER_ID:
+            s.delete_user(u)
+    s.put("big", "f", make_fact(7, seed=5))  # 7 tokens + the prefix's 8 > the device's 14: nothing else to evict
+    assert s.tier_of(SHARED_USER_ID, "prefix") == "disk" and s.tier_of("big", "f") == "device"
+    assert_same(s.get(SHARED_USER_ID, "prefix"), prefix)  # read back from its file
+    assert s.tier_of(SHARED_USER_ID, "prefix") == "device" and s.tier_of("big", "f") == "disk"
+
+
+def test_byte_books_stay_right_through_evictions_deletes_and_replacements(tmp_path):
+    """Many tenants with facts of every size, replaced and deleted at random, through three budgeted tiers: after
+    every call the bytes each tier and each user is counted for are what its facts take, and no tier is over."""
+    rnd = random.Random(31)
+    kv = make_fact(1).nbytes  # per token
+    s = store(tmp_path, host_tier=True, device_budget_bytes=12 * kv, host_budget_bytes=20 * kv,
+              disk_budget_bytes=6 * len(FactStore._file_data("t0", "f0", make_fact(5))))
+    sizes: dict[tuple[str, str], int] = {}
+    for step in range(250):
+        user, f = f"t{rnd.randrange(6)}", f"f{rnd.randrange(8)}"
+        op = rnd.random()
+        if op < 0.5 or not s.contains(user, f):
+            tokens = rnd.randint(1, 8)
+            s.put(user, f, make_fact(tokens, seed=step))
+            sizes[user, f] = tokens * kv
+        elif op < 0.9:
+            s.get(user, f)
+        else:
+            s.delete(user, f)
+        assert_books(s, {k: v for k, v in sizes.items() if s.contains(*k)})
+    assert s.stats()["disk_collected"] > 0 and s.stats()["demotions"] > 0

@@ -1,0 +1,142 @@
+"""The eviction rule of every fact-store tier (inferscale_core/fair_lru.py; issue 31): the least recently used entry
+of the owner holding the most bytes, the incoming bytes counted as their owner's, the shared owner last; checked
+against a plain scan of every owner over random operations, and the heap that replaces the scan stays O(owners)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from inferscale_core.fair_lru import FairLRU
+
+SHARED = "__inferscale_shared__"
+
+
+def test_the_owner_holding_the_most_pays_with_its_least_recently_used_entry():
+    lru: FairLRU[str, str] = FairLRU()
+    assert lru.victim() is None and lru.victim("a", 10) is None  # nothing to evict
+    for key, nbytes in (("a1", 5), ("a2", 5), ("a3", 5)):
+        lru.add("a", key, key, nbytes)
+    lru.add("b", "b1", "b1", 12)
+    assert lru.bytes == 27 and lru.owner_bytes("a") == 15 and lru.owner_bytes("b") == 12
+    assert lru.victim() == "a1"
+    lru.touch("a", "a1")  # LRU within the owner
+    assert lru.victim() == "a2" and lru.keys_of("a") == ["a2", "a3", "a1"]
+    assert lru.victim("b", 2) == "a2"  # b would hold 14, a holds 15
+    assert lru.victim("b", 3) == "b1"  # b would hold 15: a tie, and the one adding pays
+    assert lru.victim("c", 100) == "a2"  # c holds nothing here: it cannot pay, the largest holder does
+    assert lru.remove("a", "a2") == "a2" and lru.owner_bytes("a") == 10 and lru.victim() == "b1"
+    for key in ("a3", "a1"):
+        lru.remove("a", key)
+    assert lru.owner_bytes("a") == 0 and ("a", "a1") not in lru and ("b", "b1") in lru
+    assert lru.victim("a", 50) == "b1"  # a emptied: no longer an owner
+
+
+def test_an_owner_alone_is_plain_lru():
+    lru: FairLRU[int, int] = FairLRU()
+    for i in range(5):
+        lru.add("only", i, i, 1)
+    lru.touch("only", 0)
+    lru.touch("only", 2)
+    order = []
+    while (v := lru.victim("only", 1)) is not None:
+        order.append(lru.remove("only", v))
+    assert order == [1, 3, 4, 0, 2] and lru.bytes == 0
+
+
+def test_the_shared_owner_pays_only_when_no_other_owner_holds_anything():
+    lru: FairLRU[str, str] = FairLRU(last=SHARED)
+    lru.add(SHARED, "prefix", "prefix", 100)  # one large entry: the largest holder by far
+    lru.add("a", "a1", "a1", 1)
+    assert lru.victim() == "a1" and lru.victim(SHARED, 1000) == "a1"  # the shared owner adding does not pay first
+    lru.remove("a", "a1")
+    assert lru.victim("a", 1) == "prefix"  # nothing else is left
+
+
+def test_equal_owners_pay_in_the_order_their_holdings_last_changed():
+    lru: FairLRU[str, str] = FairLRU()
+    for owner in ("x", "y", "z"):
+        lru.add(owner, owner + "1", owner + "1", 4)
+    lru.touch("x", "x1")  # a touch does not change a holding
+    assert lru.victim() == "x1"
+    lru.remove("x", "x1")
+    lru.add("x", "x1", "x1", 4)  # x changed last now: y is the longest unchanged
+    assert lru.victim() == "y1"
+
+
+def test_bad_calls_are_refused():
+    lru: FairLRU[str, str] = FairLRU()
+    lru.add("a", "k", "k", 1)
+    with pytest.raises(ValueError, match="already holds 'k'"):
+        lru.add("a", "k", "k", 1)
+    with pytest.raises(ValueError, match="bytes must be >= 0"):
+        lru.add("a", "j", "j", -1)
+    with pytest.raises(KeyError):
+        lru.remove("b", "k")
+    with pytest.raises(KeyError):
+        lru.touch("a", "nope")
+    assert lru.bytes == 1 and lru.keys_of("a") == ["k"]
+
+
+class ScanReference:
+    """The rule written as a scan of every owner (what the disk tier did before the heap)."""
+
+    def __init__(self, last: str):
+        self.last, self.clock = last, 0
+        self.entries: dict[str, dict[str, int]] = {}  # insertion order = LRU order
+        self.changed: dict[str, int] = {}
+
+    def add(self, owner, key, nbytes):
+        self.entries.setdefault(owner, {})[key] = nbytes
+        self.clock += 1
+        self.changed[owner] = self.clock
+
+    def remove(self, owner, key):
+        del self.entries[owner][key]
+        if not self.entries[owner]:
+            del self.entries[owner]
+        self.clock += 1
+        self.changed[owner] = self.clock
+
+    def touch(self, owner, key):
+        self.entries[owner][key] = self.entries[owner].pop(key)
+
+    def victim(self, owner, nbytes):
+        ranked = [o for o in self.entries if o != self.last]
+        if not ranked:
+            return next(iter(self.entries[self.last])) if self.last in self.entries else None
+        held = {o: sum(self.entries[o].values()) + (nbytes if o == owner else 0) for o in ranked}
+        top = min(ranked, key=lambda o: (-held[o], o != owner, self.changed[o]))
+        return next(iter(self.entries[top]))
+
+
+def test_the_heap_chooses_what_a_scan_of_every_owner_chooses_and_stays_small():
+    rnd = random.Random(31)
+    owners = [f"u{i}" for i in range(40)] + [SHARED]
+    lru: FairLRU[str, str] = FairLRU(last=SHARED)
+    ref = ScanReference(SHARED)
+    serial = 0
+    for step in range(20_000):
+        owner = rnd.choice(owners)
+        op = rnd.random()
+        held = ref.entries.get(owner, {})
+        if op < 0.45 or not held:
+            serial += 1
+            key, nbytes = f"k{serial}", rnd.choice([1, 2, 3, 8])
+            lru.add(owner, key, key, nbytes)
+            ref.add(owner, key, nbytes)
+        elif op < 0.75:
+            key = rnd.choice(list(held))
+            lru.touch(owner, key)
+            ref.touch(owner, key)
+        else:  # evict what the rule names, as a tier making room for `owner` does
+            nbytes = rnd.choice([0, 1, 5])
+            want = ref.victim(owner, nbytes)
+            assert lru.victim(owner, nbytes) == want, f"step {step}"
+            for o, keys in ref.entries.items():
+                if want in keys:
+                    lru.remove(o, want)
+                    ref.remove(o, want)
+                    break
+        assert lru.bytes == sum(sum(k.values()) for k in ref.entries.values())
+        assert len(lru._heap) <= FairLRU._SLACK * len(owners) + 32
