@@ -1,8 +1,7 @@
 """bench/service.py's registry and replica options (issue 32's service benchmark: `--registry cluster`,
 `--retrieval-replicas`), without the service: a run is minutes of Ray and vLLM, and what these options decide (the
 servers started, the URL and deployments the app is given, what the report says) is settled before the app starts.
-The full run through them is the benchmark's (bench/results/), the quick run's test (tests/service/
-test_bench_service.py) uses the default single redis-server."""
+The app on the cluster end to end is tests/service/test_bench_service.py's quick run (`--registry cluster`)."""
 from __future__ import annotations
 
 import os
@@ -93,3 +92,26 @@ def test_service_retrieval_replicas_are_fixed_like_the_engine_replicas():
                 ["--target", "127.0.0.1:9000,8000", "--token", "t", "--retrieval-replicas", "2"]):
         with pytest.raises(SystemExit):
             service.parse_args([*base, *bad])
+
+
+def test_service_registry_redis_is_one_server_and_embedded_none():
+    """The default `--registry redis`: one redis-server on loopback, the app given its URL (not a cluster), its keys
+    counted the same way; `--registry embedded` starts nothing and gives the app no URL (the Ray-actor registry)."""
+    from inferscale_server.registry import NewFact, open_registry
+
+    service = import_service()
+    with service.registry_servers("redis") as run:
+        assert run.kind == "redis" and len(run.ports) == 1 and f"127.0.0.1:{run.ports[0]}/" in run.url
+        assert run.count_keys() == [0]
+        registry = open_registry(run.url)
+        try:
+            registry.create("bench-user", [NewFact("a fact of a bench user")])
+            assert registry.cluster is False
+        finally:
+            registry.close()
+        run.keys = run.count_keys()
+        assert run.keys[0] > 0 and run.describe().startswith(f"one redis-server on loopback ports {run.ports[0]}")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", run.ports[0]), timeout=2).close()
+    with service.registry_servers("embedded") as run:
+        assert (run.url, run.ports, run.describe()) == (None, (), "embedded (Ray actor)")
