@@ -714,8 +714,9 @@ def ratios(rows: list[dict], args) -> list[dict]:
         return a / b if a is not None and b not in (None, 0) else None
 
     def add(name, door, n, mode, k, value, limit, kind, basis):
-        met = None if value is None else (value <= limit if kind == "max" else value >= limit)
-        margin = None if value is None else (limit - value if kind == "max" else value - limit)
+        # No limit: the engine-level ratio it comes from was not measured (--skip-engine): not computable.
+        met = None if value is None or limit is None else (value <= limit if kind == "max" else value >= limit)
+        margin = None if value is None or limit is None else (limit - value if kind == "max" else value - limit)
         out.append({"target": name, "door": door, "users": n, "mode": mode, "k": k, "value": value, "limit": limit,
                     "kind": kind, "met": met, "margin": margin, "basis": basis})
 

@@ -115,3 +115,18 @@ def test_service_registry_redis_is_one_server_and_embedded_none():
         socket.create_connection(("127.0.0.1", run.ports[0]), timeout=2).close()
     with service.registry_servers("embedded") as run:
         assert (run.url, run.ports, run.describe()) == (None, (), "embedded (Ray actor)")
+
+
+def test_service_ratios_without_the_engine_phase_are_not_computable_rather_than_an_error():
+    """`--skip-engine` (the registry comparison needs only the service's side): the targets that divide by the
+    engine level have no limit and are written as not computable (met None); main() used to fail on them with a
+    TypeError after the whole run, before it wrote the results."""
+    service = import_service()
+    args = service.parse_args(["--data", str(LOCOMO), "--users", "1,25", "--ks", "5", "--skip-engine"])
+    row = {"first_chunk_ms_p50": 170.0, "engine_ttft_ms_p50": 100.0, "req_per_s": 2.0, "failures": {}}
+    rows = [{**row, "door": "grpc", "users": n, "mode": m, "k": 5} for n in (1, 25) for m in ("inject", "prompt")]
+    out = {t["target"]: t for t in service.ratios(rows, args) if t["users"] in (25, "all")}
+    kv_pi = out["service KV/PI req/s vs engine-level KV/PI x 0.9"]
+    assert (kv_pi["value"], kv_pi["limit"], kv_pi["met"], kv_pi["margin"]) == (1.0, None, None, None)
+    assert out["service req/s / engine-level req/s"]["met"] is None
+    assert out["first chunk / engine TTFT (final chunk)"]["met"] is True  # 1.7 <= 2.0: computed without the engine
