@@ -2,8 +2,9 @@
 
 1. Starts the application as `inferscale serve` runs it (local Ray on 127.0.0.1, Serve's proxies on 127.0.0.1,
    one replica of each deployment unless told otherwise, the packaged SmolLM2, --dtype float32, a redis-server
-   started here on a free loopback port; `--registry embedded` uses the in-memory Ray-actor registry instead),
-   or targets a running one (`--target 127.0.0.1:GRPC,HTTP` with `--jwt-secret-file` or an admin `--token`).
+   started here on a free loopback port; `--registry cluster` a 3-master Redis Cluster started here on loopback
+   instead, the app given one node's URL as `--redis-url` would be; `--registry embedded` the in-memory Ray-actor
+   registry), or targets a running one (`--target 127.0.0.1:GRPC,HTTP` with `--jwt-secret-file` or an admin `--token`).
 2. Gives each simulated user its own memory: ~60 LoCoMo observation facts (a window over the conversations'
    sessions, a different window per user; `--data`, default ../shared/data/locomo_dev.json; `--quick` uses the
    repository's synthetic tests/fixtures/locomo_mini.json), and questions of the same conversations.
@@ -19,11 +20,13 @@
    tier, or encoded here as the encoder pool does when the service is not ours); same concurrency; at niceness
    15, the niceness Ray gives the service's replicas (on a shared machine both sides get the same share).
 5. Prints and writes (bench/results/service_<tag>.json/.md/.png) the tables and issue 12's ratios with
-   met/missed and margins. lscpu's model and flags and the load average are in every output.
+   met/missed and margins. lscpu's model and flags, the load average and the registry that ran (with the keys
+   each of its servers held when the service stopped) are in every output.
 
 Usage:
   python bench/service.py --quick                      # N = 1, 2; k = 8; both modes, both doors; < 5 min
   python bench/service.py --tag full                   # N = 1, 10, 25, 50, 100; k = 5, 50 (gRPC; HTTP at N = 1, 100)
+  python bench/service.py --registry cluster --retrieval-replicas 2 --tag cluster   # issue 32's registry and retrieval
   python bench/service.py --target 127.0.0.1:9000,8000 --jwt-secret-file ~/.cache/inferscale/dev-jwt-secret
 
 A request the service sheds (RESOURCE_EXHAUSTED / HTTP 429) is a failure unless --retry-overload N lets the client
@@ -73,6 +76,8 @@ TARGET_FIRST_CHUNK = {"low": 1.5, "high": 2.0}  # client first chunk / engine TT
 TARGET_THROUGHPUT = 0.9                          # service req/s / engine-level req/s at the largest N
 TARGET_KV_PI_SLACK = 0.9                         # service KV/PI >= engine-level KV/PI x 0.9 ("minus 10%")
 NO_SERVICE_PROMPT = "NO_SERVICE_PROMPT"          # engine replay of a request the service failed: nothing to replay
+REGISTRIES = ("redis", "cluster", "embedded")
+CLUSTER_MASTERS = 3  # --registry cluster: Redis Cluster's smallest (3 masters, no replicas: no failover is measured)
 
 
 def parse_args(argv=None):
@@ -98,12 +103,16 @@ def parse_args(argv=None):
                          "shared); default: the usable cores / --engine-replicas when there are several, else 0")
     ap.add_argument("--max-replicas", type=int, default=1,
                     help="Gateway/Retrieval/EncoderPool autoscale from 1 to this (replica counts are recorded)")
+    ap.add_argument("--retrieval-replicas", type=int, default=None,
+                    help="Retrieval replicas (fixed, as --engine-replicas; default: autoscaled 1..--max-replicas)")
     ap.add_argument("--cluster-tier", action="store_true",
                     help="a Mooncake Store on loopback as the cluster KV tier (mooncake_master + one segment of "
                          "--segment-gib), as `inferscale serve --mooncake-master` uses one")
     ap.add_argument("--segment-gib", type=float, default=2.0, help="--cluster-tier: the segment's size")
-    ap.add_argument("--registry", default="redis", choices=["redis", "embedded"],
-                    help="redis: a redis-server started here on a free loopback port; embedded: Ray-actor registry")
+    ap.add_argument("--registry", default="redis", choices=REGISTRIES,
+                    help="redis: a redis-server started here on a free loopback port; cluster: a Redis Cluster of "
+                         f"{CLUSTER_MASTERS} masters started here on free loopback ports (the app given the first's "
+                         "URL); embedded: the Ray-actor registry")
     ap.add_argument("--target", default=None, help="a running service instead: HOST:GRPC_PORT,HTTP_PORT (loopback)")
     ap.add_argument("--jwt-secret-file", type=Path, default=None, help="--target: HS256 secret to sign user tokens")
     ap.add_argument("--token", default=None, help="--target: one token with the memory:admin scope for all users")
@@ -136,6 +145,9 @@ def parse_args(argv=None):
         problems.append("--ks must be in 1..200 (the API's k)")
     if not set(args.mode_list) <= set(MODES) or not args.mode_list:
         problems.append(f"--modes must be a subset of {','.join(MODES)}")
+    for name in ("engine_replicas", "max_replicas", "retrieval_replicas"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1")
     if args.facts_per_user < max(args.k_values, default=1):
         problems.append(f"--facts-per-user {args.facts_per_user} is below the largest k {max(args.k_values)}")
     if args.target:
@@ -147,6 +159,8 @@ def parse_args(argv=None):
         else:
             if host not in ("127.0.0.1", "localhost"):
                 problems.append("--target must be on this machine's loopback (127.0.0.1): load stays local")
+        if args.registry != "redis" or args.retrieval_replicas is not None:
+            problems.append("--registry and --retrieval-replicas set up our own app: not with --target")
         if bool(args.jwt_secret_file) == bool(args.token):
             problems.append("--target needs exactly one of --jwt-secret-file or --token")
         if args.jwt_secret_file and not args.jwt_secret_file.is_file():
@@ -268,15 +282,58 @@ def make_cells(args, users: list[BenchUser], tokens: dict[str, str]) -> list[Cel
 
 
 # ------------------------------------------------------------------------------------------ the service
-@contextlib.contextmanager
-def redis_server():
-    """A throwaway redis-server on a free loopback port (no persistence); yields its URL."""
-    from bench.local_redis import RedisServerMissing, local_redis_server
+@dataclass
+class RegistryRun:
+    """The registry the app was given: what ran, the URL the app got, and the redis-servers started for it."""
+    kind: str                          # one of REGISTRIES
+    url: str | None                    # ServiceConfig.registry_url (None: the embedded Ray-actor registry)
+    ports: tuple[int, ...] = ()        # the loopback redis-servers holding the data (a cluster: its masters)
+    keys: list[int] | None = None      # keys each of them held when the service stopped: where the app wrote
 
+    def describe(self) -> str:
+        where = {"redis": "one redis-server", "cluster": f"Redis Cluster of {len(self.ports)} masters (no replicas)",
+                 "embedded": "embedded (Ray actor)"}[self.kind]
+        if self.ports:
+            where += f" on loopback ports {', '.join(map(str, self.ports))}, started here"
+        if self.kind == "cluster" and self.url:
+            where += f"; the app given {self.url} (one node; the client finds the others)"
+        if self.keys is not None:
+            where += f"; keys when the service stopped: {' + '.join(map(str, self.keys))}"
+        return where
+
+    def count_keys(self) -> list[int]:
+        """DBSIZE of each server (a cluster node counts its own slots' keys only): the app's registry wrote there."""
+        import redis
+
+        counts = []
+        for port in self.ports:
+            with redis.Redis(host="127.0.0.1", port=port) as client:
+                counts.append(int(client.dbsize()))
+        return counts
+
+
+@contextlib.contextmanager
+def registry_servers(kind: str):
+    """The registry's servers for `--registry kind`, on free loopback ports without persistence, stopped on exit;
+    yields a RegistryRun. A cluster's URL is its first master's, as `inferscale serve --redis-url` takes one node:
+    the registry detects the cluster there (services/registry/redis_backend.py)."""
+    from urllib.parse import urlsplit
+
+    from bench.local_redis import RedisServerMissing, local_redis_cluster_nodes, local_redis_server
+
+    if kind == "embedded":
+        yield RegistryRun(kind, None)
+        return
     try:
-        with local_redis_server() as url:
-            yield url
-    except RedisServerMissing as e:  # raised before the server starts, never by the caller's block
+        if kind == "redis":
+            with local_redis_server() as url:
+                yield RegistryRun(kind, url, (int(urlsplit(url).port or 0),))
+        elif kind == "cluster":
+            with local_redis_cluster_nodes(masters=CLUSTER_MASTERS) as cluster:
+                yield RegistryRun(kind, cluster.url, tuple(n.port for n in cluster.masters()))
+        else:
+            raise ValueError(f"registry {kind!r} is not one of {', '.join(REGISTRIES)}")
+    except RedisServerMissing as e:  # raised before the servers start, never by the caller's block
         raise SystemExit(f"{e}; use --registry embedded") from None
 
 
@@ -295,7 +352,18 @@ def deployments(args) -> dict:
                                     max_replicas=args.engine_replicas)
     for name in ("Gateway", "Retrieval", "EncoderPool"):
         deps[name] = replace(deps[name], min_replicas=1, max_replicas=args.max_replicas)
+    if args.retrieval_replicas is not None:  # issue 32 measures the retrieval hop with a fixed count
+        deps["Retrieval"] = replace(deps["Retrieval"], min_replicas=args.retrieval_replicas,
+                                    max_replicas=args.retrieval_replicas)
     return deps
+
+
+def replicas_desc(args) -> str:
+    """The deployments' replica counts as the report states them."""
+    retrieval = (f"Retrieval {args.retrieval_replicas}, " if args.retrieval_replicas is not None else "")
+    scaled = "Gateway/EncoderPool" if retrieval else "Gateway/Retrieval/EncoderPool"
+    return (f"{args.engine_replicas} EngineReplica (engine_cpu_cores {engine_cpu_cores(args)}), {retrieval}"
+            f"{scaled} 1..{args.max_replicas}")
 
 
 def engine_cpu_cores(args) -> int:
@@ -307,31 +375,39 @@ def engine_cpu_cores(args) -> int:
     return len(usable_cpus()) // args.engine_replicas if args.engine_replicas > 1 else 0
 
 
+def service_config(args, workdir: Path, registry_url: str | None, cluster_store: dict, secret_file: Path):
+    """The ServiceConfig `inferscale serve` would make of these options (services/cli.py)."""
+    from inferscale_server.app import ServiceConfig
+    from inferscale_server.local_processes import free_port
+
+    return ServiceConfig(model_path=args.model, registry_url=registry_url, dtype=args.dtype,
+                         max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
+                         kv_dir=str(workdir / "kv"), deployments=deployments(args), cluster_store=cluster_store,
+                         auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args))
+
+
 @contextlib.contextmanager
 def own_service(args, workdir: Path):
-    """The app as `inferscale serve` starts it, on a local Ray bound to 127.0.0.1. Yields (cfg, secret)."""
+    """The app as `inferscale serve` starts it, on a local Ray bound to 127.0.0.1. Yields (cfg, secret, registry):
+    the RegistryRun's keys are counted once the service has stopped, before its servers do."""
     import ray
     from ray import serve
 
-    from inferscale_server.app import ServiceConfig, serve_start_env, start_service
-    from inferscale_server.local_processes import free_port
+    from inferscale_server.app import serve_start_env, start_service
 
     secret = secrets.token_urlsafe(48).encode()
     secret_file = workdir / "jwt-secret"
     secret_file.write_bytes(secret)
     secret_file.chmod(0o600)
     with contextlib.ExitStack() as stack:
-        registry_url = stack.enter_context(redis_server()) if args.registry == "redis" else None
+        registry = stack.enter_context(registry_servers(args.registry))
         cluster = {}
         if args.cluster_tier:
             from inferscale_server.local_mooncake import local_mooncake
 
             cluster = dict(stack.enter_context(local_mooncake(segment_bytes=int(args.segment_gib * (1 << 30)))).config)
-        deps = deployments(args)
-        cfg = ServiceConfig(model_path=args.model, registry_url=registry_url, dtype=args.dtype,
-                            max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
-                            kv_dir=str(workdir / "kv"), deployments=deps, cluster_store=cluster,
-                            auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args))
+        cfg = service_config(args, workdir, registry.url, cluster, secret_file)
+        deps = cfg.deployments
         env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
         os.environ.update(env)
         # Ray schedules by these shares; the replicas at their maximum must fit (the cores are shared anyway).
@@ -341,15 +417,17 @@ def own_service(args, workdir: Path):
         try:
             t0 = time.monotonic()
             start_service(cfg, host="127.0.0.1")
-            registry = "redis-server (loopback, started here)" if registry_url else "embedded (Ray actor)"
             print(f"# service up in {time.monotonic() - t0:.0f} s: gRPC 127.0.0.1:{cfg.grpc_port}, HTTP "
-                  f"127.0.0.1:{cfg.http_port}, registry {registry}, cluster KV tier "
+                  f"127.0.0.1:{cfg.http_port}, registry {registry.describe()}, cluster KV tier "
                   f"{cluster.get('master', 'none')}", flush=True)
-            yield cfg, secret
+            yield cfg, secret, registry
         finally:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+            # The servers are still up (stopped when the stack unwinds): what the app stored, per server.
+            with contextlib.suppress(Exception):
+                registry.keys = registry.count_keys() if registry.ports else None
 
 
 class ReplicaSampler:
@@ -636,8 +714,9 @@ def ratios(rows: list[dict], args) -> list[dict]:
         return a / b if a is not None and b not in (None, 0) else None
 
     def add(name, door, n, mode, k, value, limit, kind, basis):
-        met = None if value is None else (value <= limit if kind == "max" else value >= limit)
-        margin = None if value is None else (limit - value if kind == "max" else value - limit)
+        # No limit: the engine-level ratio it comes from was not measured (--skip-engine): not computable.
+        met = None if value is None or limit is None else (value <= limit if kind == "max" else value >= limit)
+        margin = None if value is None or limit is None else (limit - value if kind == "max" else value - limit)
         out.append({"target": name, "door": door, "users": n, "mode": mode, "k": k, "value": value, "limit": limit,
                     "kind": kind, "met": met, "margin": margin, "basis": basis})
 
@@ -708,6 +787,7 @@ def markdown(result: dict) -> str:
              f"{m['requests_per_user']} at N>1 (one after another); a request shed by the service is "
              + (f"asked again 1 s later, up to {m['retry_overload']} times." if m.get("retry_overload")
                 else "a failure (no retry)."),
+             f"Registry: {m['registry']['desc'] if 'registry' in m else 'not recorded'}.",
              f"Engine level: {m.get('engine_desc', 'not run')}.", "",
              "| door | users | mode | k | requests | ok | failures | req/s | first chunk p50 / p90 / p99 ms "
              "| total p50 / p99 ms | engine TTFT p50 / p90 ms (final chunk) | prompt tokens | prefilled "
@@ -831,14 +911,13 @@ def main(argv=None) -> int:
     try:
         with contextlib.ExitStack() as stack:
             if own:
-                cfg, secret = stack.enter_context(own_service(args, workdir))
+                cfg, secret, registry = stack.enter_context(own_service(args, workdir))
                 grpc_port, http_port = cfg.grpc_port, cfg.http_port
-                service_desc = (f"own app (`inferscale serve` config: {args.engine_replicas} EngineReplica "
-                                f"(engine_cpu_cores {engine_cpu_cores(args)}), Gateway/"
-                                f"Retrieval/EncoderPool 1..{args.max_replicas}; registry {args.registry}; cluster "
-                                f"KV tier {cluster_desc(args)}; disk tier; Ray and Serve on 127.0.0.1)")
+                service_desc = (f"own app (`inferscale serve` config: {replicas_desc(args)}; registry "
+                                f"{args.registry}; cluster KV tier {cluster_desc(args)}; disk tier; Ray and Serve on "
+                                "127.0.0.1)")
             else:
-                grpc_port, http_port, cfg = args.grpc_port, args.http_port, None
+                grpc_port, http_port, cfg, registry = args.grpc_port, args.http_port, None, None
                 secret = args.jwt_secret_file.read_bytes().strip() if args.jwt_secret_file else None
                 service_desc = f"running service at {args.target}"
             from inferscale_server.auth import USER_SCOPES, mint
@@ -872,7 +951,8 @@ def main(argv=None) -> int:
                                "users": c.plan} for c in warm_cells + cells]}
             expect = sum(len(p["questions"]) for c in warm_cells + cells for p in c.plan)
             load["before_service_load"] = load_average()
-            sampler = ReplicaSampler() if own and (args.engine_replicas > 1 or args.max_replicas > 1) else None
+            sampler = ReplicaSampler() if own and (args.engine_replicas > 1 or args.max_replicas > 1
+                                                   or (args.retrieval_replicas or 1) > 1) else None
             # The service load may use 55% of the time left; the engine replay gets the rest.
             load_deadline = time.time() + 0.55 * (deadline - time.time())
             with sampler or contextlib.nullcontext():
@@ -909,6 +989,9 @@ def main(argv=None) -> int:
     result = {"meta": {
         "command": "python bench/service.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "cpu": cpu, "cpu_line": cpu_line(cpu), "load": load, "service": service_desc,
+        "registry": ({"kind": registry.kind, "url": registry.url, "ports": registry.ports, "keys": registry.keys,
+                      "desc": registry.describe()} if registry else
+                     {"kind": "target", "desc": "the running service's own (not known here)"}),
         "model": args.model or "SmolLM2-135M-Instruct (packaged)", "dtype": args.dtype, "max_tokens": args.max_tokens,
         "users_desc": f"{len(users)} users x {args.facts_per_user} facts from {Path(args.data).name} "
                       f"(e.g. user 0: {users[0].source})",

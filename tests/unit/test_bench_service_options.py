@@ -1,0 +1,132 @@
+"""bench/service.py's registry and replica options (issue 32's service benchmark: `--registry cluster`,
+`--retrieval-replicas`), without the service: a run is minutes of Ray and vLLM, and what these options decide (the
+servers started, the URL and deployments the app is given, what the report says) is settled before the app starts.
+The app on the cluster end to end is tests/service/test_bench_service.py's quick run (`--registry cluster`)."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LOCOMO = REPO / "tests" / "fixtures" / "locomo_mini.json"  # synthetic, LoCoMo's format
+
+
+def import_service():
+    """bench/service.py as a module; its import sets vLLM's environment for the process it benchmarks in, not for
+    the tests' process, so the environment is put back."""
+    env_before = dict(os.environ)
+    try:
+        import bench.service as service
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    return service
+
+
+def test_service_registry_cluster_is_three_masters_the_apps_registry_writes_to(tmp_path):
+    """`bench/service.py --registry cluster` (issue 32's benchmark): a Redis Cluster of 3 masters on loopback, the
+    app's ServiceConfig given one node's URL (as `inferscale serve --redis-url`), the keys each master holds counted
+    for the report; the registry the app's deployments open from that URL (open_registry of cfg.registry_url,
+    services/app.py) runs in cluster mode and spreads users over every master; the servers are gone afterwards. A
+    run is minutes of Ray and vLLM: the functions main() calls for the registry run here, in about a second."""
+    import redis
+
+    from inferscale_server.registry import NewFact, open_registry
+
+    service = import_service()
+    args = service.parse_args(["--data", str(LOCOMO), "--registry", "cluster", "--users", "1", "--ks", "5"])
+    secret = tmp_path / "jwt-secret"
+    secret.write_text("not used: nothing is served")
+    with service.registry_servers(args.registry) as run:
+        assert run.kind == "cluster" and len(run.ports) == 3
+        cfg = service.service_config(args, tmp_path, run.url, {}, secret)
+        assert cfg.registry_url == run.url and int(run.url.rsplit(":", 1)[1].split("/")[0]) in run.ports
+        for port in run.ports:  # three masters of one cluster, every slot served
+            with redis.Redis(host="127.0.0.1", port=port) as node:
+                info = node.cluster("info")
+                assert info["cluster_state"] == "ok" and int(info["cluster_size"]) == 3, info
+                assert node.info("replication")["role"] == "master"
+        assert run.count_keys() == [0, 0, 0]
+        registry = open_registry(cfg.registry_url)
+        try:
+            for i in range(30):  # users hash to buckets, buckets to slots: 30 users reach every master
+                registry.create(f"bench-user-{i}", [NewFact(f"fact {i} of a bench user")])
+            assert registry.cluster is True  # detected from the one node's URL
+        finally:
+            registry.close()
+        run.keys = run.count_keys()
+        assert len(run.keys) == 3 and all(k > 0 for k in run.keys), run.keys
+        desc = run.describe()
+        assert desc.startswith("Redis Cluster of 3 masters") and run.url in desc
+        assert "keys when the service stopped: " + " + ".join(map(str, run.keys)) in desc
+        meta = {"command": "python bench/service.py --registry cluster", "cpu_line": "a CPU", "load": {"start": 0.0},
+                "service": "own app", "registry": {"kind": run.kind, "desc": desc}, "model": "SmolLM2",
+                "dtype": "float32", "max_tokens": 8, "users_desc": "1 user", "requests_n1": 2, "requests_per_user": 1,
+                "wall_s": 1.0}
+        report = service.markdown({"meta": meta, "rows": [], "ratios": [], "checks": []})
+        assert f"\nRegistry: {desc}.\n" in report  # the report's header says which registry ran
+    for port in run.ports:  # stopped on exit: nothing listens there any more
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_service_retrieval_replicas_are_fixed_like_the_engine_replicas():
+    """`--retrieval-replicas N` (issue 32 measures the retrieval hop with 2): Retrieval runs exactly N replicas, the
+    other deployments keep --max-replicas, and the report says so; without it Retrieval autoscales as before. Bad
+    counts and options our own app needs given with --target are refused before anything starts."""
+    service = import_service()
+    base = ["--data", str(LOCOMO), "--users", "1", "--ks", "5"]
+    args = service.parse_args([*base, "--retrieval-replicas", "2", "--max-replicas", "3"])
+    deps = service.deployments(args)
+    assert (deps["Retrieval"].min_replicas, deps["Retrieval"].max_replicas) == (2, 2)
+    assert all((deps[n].min_replicas, deps[n].max_replicas) == (1, 3) for n in ("Gateway", "EncoderPool"))
+    assert (deps["EngineReplica"].min_replicas, deps["EngineReplica"].max_replicas) == (1, 1)
+    assert "Retrieval 2, Gateway/EncoderPool 1..3" in service.replicas_desc(args)
+    default = service.deployments(service.parse_args([*base, "--max-replicas", "3"]))
+    assert (default["Retrieval"].min_replicas, default["Retrieval"].max_replicas) == (1, 3)
+    for bad in (["--retrieval-replicas", "0"], ["--engine-replicas", "0"],
+                ["--target", "127.0.0.1:9000,8000", "--token", "t", "--registry", "cluster"],
+                ["--target", "127.0.0.1:9000,8000", "--token", "t", "--retrieval-replicas", "2"]):
+        with pytest.raises(SystemExit):
+            service.parse_args([*base, *bad])
+
+
+def test_service_registry_redis_is_one_server_and_embedded_none():
+    """The default `--registry redis`: one redis-server on loopback, the app given its URL (not a cluster), its keys
+    counted the same way; `--registry embedded` starts nothing and gives the app no URL (the Ray-actor registry)."""
+    from inferscale_server.registry import NewFact, open_registry
+
+    service = import_service()
+    with service.registry_servers("redis") as run:
+        assert run.kind == "redis" and len(run.ports) == 1 and f"127.0.0.1:{run.ports[0]}/" in run.url
+        assert run.count_keys() == [0]
+        registry = open_registry(run.url)
+        try:
+            registry.create("bench-user", [NewFact("a fact of a bench user")])
+            assert registry.cluster is False
+        finally:
+            registry.close()
+        run.keys = run.count_keys()
+        assert run.keys[0] > 0 and run.describe().startswith(f"one redis-server on loopback ports {run.ports[0]}")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", run.ports[0]), timeout=2).close()
+    with service.registry_servers("embedded") as run:
+        assert (run.url, run.ports, run.describe()) == (None, (), "embedded (Ray actor)")
+
+
+def test_service_ratios_without_the_engine_phase_are_not_computable_rather_than_an_error():
+    """`--skip-engine` (the registry comparison needs only the service's side): the targets that divide by the
+    engine level have no limit and are written as not computable (met None); main() used to fail on them with a
+    TypeError after the whole run, before it wrote the results."""
+    service = import_service()
+    args = service.parse_args(["--data", str(LOCOMO), "--users", "1,25", "--ks", "5", "--skip-engine"])
+    row = {"first_chunk_ms_p50": 170.0, "engine_ttft_ms_p50": 100.0, "req_per_s": 2.0, "failures": {}}
+    rows = [{**row, "door": "grpc", "users": n, "mode": m, "k": 5} for n in (1, 25) for m in ("inject", "prompt")]
+    out = {t["target"]: t for t in service.ratios(rows, args) if t["users"] in (25, "all")}
+    kv_pi = out["service KV/PI req/s vs engine-level KV/PI x 0.9"]
+    assert (kv_pi["value"], kv_pi["limit"], kv_pi["met"], kv_pi["margin"]) == (1.0, None, None, None)
+    assert out["service req/s / engine-level req/s"]["met"] is None
+    assert out["first chunk / engine TTFT (final chunk)"]["met"] is True  # 1.7 <= 2.0: computed without the engine
