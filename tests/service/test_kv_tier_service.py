@@ -27,6 +27,7 @@ import grpc
 import pytest
 from support.auth_fixture import token_for
 from support.local_service import (
+    APP,
     deployment_handle,
     engine_actor,
     engine_stats,
@@ -300,9 +301,11 @@ def test_kv_under_another_fingerprint_is_a_miss_never_wrong_kv(service, mooncake
 
 def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
     """SCALE_THREADS clients over SCALE_USERS (each answered once before, on the one replica) until Serve's
-    autoscaler has started a second engine replica and it has served users: those it serves read their KV from
-    the cluster tier (nothing encoded); afterwards, without load, every user is served by its home (the
-    rendezvous hash of user and replica slot, services/routing.py)."""
+    autoscaler starts a second engine replica, then one client until the new replica has served users: those it
+    serves read their KV from the cluster tier (nothing encoded); afterwards, without load, every user is served by
+    its home (the rendezvous hash of user and replica slot, services/routing.py). The load drops to one client once
+    the second replica is starting: the load made the decision, and five more clients would only slow its start
+    on the same two cores (~40 s of this test)."""
     from inferscale_server.routing import ROUTING_STATS_PERIOD_S, affinity_score
 
     c = service.client
@@ -311,11 +314,11 @@ def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
         ask(service, name, f"What is {name}'s tortoise called?", k=2, max_tokens=4)
     first = engine_stats(SCALE_USERS[0])
     lock, codes = threading.Lock(), {}
-    stop, t0 = threading.Event(), time.monotonic()
+    stop, scaling, t0 = threading.Event(), threading.Event(), time.monotonic()
 
     def client_loop(i: int) -> None:
-        for j in range(200):  # bounded in count and in time
-            if stop.is_set() or time.monotonic() - t0 > SCALE_BY_S:
+        for j in range(600):  # bounded in count and in time (one client asks ~3 times a second)
+            if stop.is_set() or time.monotonic() - t0 > SCALE_BY_S or (i > 0 and scaling.is_set()):
                 return
             name = SCALE_USERS[(i + j) % len(SCALE_USERS)]
             try:
@@ -326,8 +329,14 @@ def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
             with lock:
                 codes[code] = codes.get(code, 0) + 1
 
-    def watch() -> None:  # ends the load once a second replica has served a user
+    def watch() -> None:  # one client once a second replica starts; no load once it has served a user
+        from ray import serve
+
         while not stop.is_set() and time.monotonic() - t0 < SCALE_BY_S:
+            if not scaling.is_set():
+                states = serve.status().applications[APP].deployments["EngineReplica"].replica_states
+                if sum(states.values()) >= 2:
+                    scaling.set()
             for name in SCALE_USERS:
                 s = engine_stats(name)
                 if s["pid"] != first["pid"] and s["facts_from_cluster"] > 0:
