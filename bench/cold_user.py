@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from service import FIXTURE, cpu_description, cpu_line, load_average, make_users, redis_server  # noqa: E402
+from service import FIXTURE, cpu_description, cpu_line, load_average, make_users, registry_servers  # noqa: E402
 
 from inferscale_core.vllm_env import vllm_cpu_env  # noqa: E402
 
@@ -100,8 +100,8 @@ def loopback_service(dtype: str, workdir: Path, env: dict[str, str], segment_byt
 
     secret = os.urandom(32).hex().encode()
     (workdir / "jwt-secret").write_bytes(secret)
-    with redis_server() as redis_url, local_mooncake(segment_bytes=segment_bytes) as mooncake:
-        cfg = ServiceConfig(registry_url=redis_url, dtype=dtype, kv_dir=kv_dir, http_port=free_port(),
+    with registry_servers("redis") as registry, local_mooncake(segment_bytes=segment_bytes) as mooncake:
+        cfg = ServiceConfig(registry_url=registry.url, dtype=dtype, kv_dir=kv_dir, http_port=free_port(),
                             grpc_port=free_port(), deployments=single_node_deployments(),
                             cluster_store=dict(mooncake.config),
                             auth={"hs256_secret_file": str(workdir / "jwt-secret")})

@@ -96,15 +96,17 @@ class DeploymentSpec:
     downscale_delay_s: float = 300
     # A replica being stopped waits at least this long, then until its requests in flight are done, checking again
     # every this many seconds (Serve's graceful_shutdown_wait_loop_s): the window in which routers that have not yet
-    # heard of the stop may still send it requests. Serve's default; the tests' apps, stopped with nothing in
-    # flight, use 0.2 s (tests/support/local_service.py).
-    graceful_shutdown_wait_loop_s: float = 2.0
+    # heard of the stop may still send it requests. None: Serve's default (2 s); the tests' apps, stopped with
+    # nothing in flight, use 0.2 s (tests/support/local_service.py).
+    graceful_shutdown_wait_loop_s: float | None = None
 
     def options(self) -> dict:
         """Serve deployment options. Autoscaling follows ongoing requests per replica."""
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ValueError(f"replicas must satisfy 0 <= min <= max, max >= 1; got {self.min_replicas}, "
                              f"{self.max_replicas}")
+        drain = {} if self.graceful_shutdown_wait_loop_s is None else {
+            "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s}
         return {
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
@@ -117,7 +119,7 @@ class DeploymentSpec:
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
-            "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s,
+            **drain,
         }
 
 
