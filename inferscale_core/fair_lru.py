@@ -25,8 +25,9 @@ class FairLRU(Generic[K, V]):
     of the owner holding the most bytes, the incoming bytes counted as `owner`'s (so on a tie the one adding pays,
     and an owner alone evicts its own oldest). Among other owners holding the same bytes, the one whose holding
     changed least recently pays (`ties="changed"`), or with `ties="held"` the one holding something the longest
-    (without a break since it last held nothing: the order ResidentKV's scan of its users took). The owner named `last` (the shared prefix chunk's) is evicted from only when no other
-    owner holds anything: every request reads it, so it must not be the first to go for being one large entry."""
+    (without a break since it last held nothing: the order ResidentKV's scan of its users took). The owner named
+    `last` (the shared prefix chunk's) is evicted from only when no other owner holds anything: every request reads
+    it, so it must not be the first to go for being one large entry."""
 
     # The heap holds stale rows (an owner's earlier byte counts) until they reach its top; it is rebuilt from the
     # live rows when it grows past this many per owner (plus a constant), which keeps it O(owners) in size and the
@@ -112,8 +113,8 @@ class FairLRU(Generic[K, V]):
         return None if found is None else found[0]
 
     def _oldest(self, owner: str, keep: Collection[K]) -> tuple[V, int] | None:
-        """The owner's least recently used entry not in `keep` (a caller's kept keys are its newest, so the walk
-        passes over them only when nothing else of the owner is left)."""
+        """The owner's least recently used entry not in `keep` (ResidentKV's kept keys are the owner's newest, so
+        the walk passes over them only when nothing else of the owner is left: O(kept) at most, never O(owners))."""
         for key, entry in self._entries[owner].items():
             if key not in keep:
                 return entry
