@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from inferscale_core.fair_lru import FairLRU
 
 from ..user_sync import UserBook
 
@@ -58,79 +59,71 @@ class ResidentKV:
     used fact of the user holding the most: every user holding KV has the same share of the budget (budget / users),
     so the user furthest beyond it pays first (issue 31). A tenant whose requests name ever new facts recycles its
     own KV and never flushes the others', however many tenants there are; a user alone still uses the whole budget.
-    A fact found in the worker store's disk tier, whose size is not known here, counts as the average fact."""
+    A fact found in the worker store's disk tier, whose size is not known here, counts as the average fact.
+
+    The books are a `FairLRU` (the fact store's tiers' rule, a heap of users by bytes): choosing each fact to evict
+    costs O(log users) on the replica's event loop, where a scan of every user held cost O(users) per fact."""
 
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
             raise ValueError(f"the KV budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
-        self._held: dict[str, OrderedDict[str, int]] = {}  # user -> kv_id -> bytes, least recently used first
-        self._user_bytes: dict[str, int] = {}
+        # user -> kv_id -> (user, kv_id): the value is what `add` returns for an evicted fact. ties="held": among
+        # other users holding the same bytes the one holding KV the longest pays, the order the scan this replaced
+        # took (the adding user pays any tie first, as the rule says).
+        self._lru: FairLRU[str, tuple[str, str]] = FairLRU(ties="held")
         self._count = 0
-        self.bytes = 0
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.bytes
 
     def has(self, user_id: str, kv: str) -> bool:
-        return kv in self._held.get(user_id, ())
+        return (user_id, kv) in self._lru
 
     def touch(self, user_id: str, kvs: list[str]) -> None:
-        held = self._held.get(user_id)
-        if held is not None:
-            for kv in kvs:
-                if kv in held:
-                    held.move_to_end(kv)
+        for kv in kvs:
+            if (user_id, kv) in self._lru:
+                self._lru.touch(user_id, kv)
 
     def add(self, user_id: str, items: list[tuple[str, int | None]]) -> list[tuple[str, str]]:
-        """Records `(kv_id, bytes or None)`; returns the (user, kv_id) to evict, never one of these."""
+        """Records `(kv_id, bytes or None)`; returns the (user, kv_id) to evict, never one of these (when only
+        these are left over the budget, they stay, over it, until a later call evicts)."""
+        for kv, nbytes in items:  # refused before anything changes
+            if nbytes is not None and nbytes < 0:
+                raise ValueError(f"a fact's KV bytes must be >= 0, got {nbytes} for {kv!r}")
         for kv, nbytes in items:
-            if nbytes is None:
+            if nbytes is None:  # the average as it stands, a fact this replaces still counted
                 nbytes = self.bytes // self._count if self._count else 0
             self._drop(user_id, kv)
-            self._held.setdefault(user_id, OrderedDict())[kv] = nbytes
-            self._user_bytes[user_id] = self._user_bytes.get(user_id, 0) + nbytes
-            self.bytes += nbytes
+            self._lru.add(user_id, kv, (user_id, kv), nbytes)
             self._count += 1
         keep = {kv for kv, _ in items}
         out: list[tuple[str, str]] = []
         while self.bytes > self.budget_bytes:
-            victim = self._victim(user_id, keep)
+            # the user holding the most (on a tie, the adding user), the facts it just added aside
+            victim = self._lru.victim(user_id, keep=keep)
             if victim is None:  # only the facts just added are left: kept, over budget
                 break
             self._drop(*victim)
             out.append(victim)
         return out
 
-    def _victim(self, adding: str, keep: set[str]) -> tuple[str, str] | None:
-        """The least recently used fact of the user holding the most bytes (on a tie, `adding`), the facts `adding`
-        just added aside."""
-        candidates = dict(self._user_bytes)
-        while candidates:
-            user = max(candidates, key=lambda u: (candidates[u], u == adding))
-            for kv in self._held[user]:
-                if user != adding or kv not in keep:
-                    return user, kv
-            del candidates[user]
-        return None
-
     def _drop(self, user_id: str, kv: str) -> None:
-        held = self._held.get(user_id)
-        nbytes = held.pop(kv, None) if held is not None else None
-        if nbytes is None:
-            return
-        self.bytes -= nbytes
-        self._count -= 1
-        self._user_bytes[user_id] -= nbytes
-        if not held:
-            del self._held[user_id], self._user_bytes[user_id]
+        if (user_id, kv) in self._lru:
+            self._lru.remove(user_id, kv)
+            self._count -= 1
 
     def user_bytes(self, user_id: str) -> int:
-        return self._user_bytes.get(user_id, 0)
+        return self._lru.owner_bytes(user_id)
 
     def discard(self, user_id: str, kvs) -> None:
         for kv in kvs:
             self._drop(user_id, kv)
 
     def kvs_of(self, user_id: str) -> list[str]:
-        return list(self._held.get(user_id, ()))
+        """The user's kv_ids, least recently used first."""
+        return self._lru.keys_of(user_id)
 
     def drop_user(self, user_id: str) -> None:
         self.discard(user_id, self.kvs_of(user_id))

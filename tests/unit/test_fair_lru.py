@@ -140,3 +140,102 @@ def test_the_heap_chooses_what_a_scan_of_every_owner_chooses_and_stays_small():
                     break
         assert lru.bytes == sum(sum(k.values()) for k in ref.entries.values())
         assert len(lru._heap) <= FairLRU._SLACK * len(owners) + 32
+
+
+def test_with_ties_held_equal_owners_pay_in_the_order_they_came_to_hold_something():
+    """ties="held" (ResidentKV's order): among equal owners the one holding something the longest pays, however
+    recently its holding changed; an owner that emptied and came back joins the end."""
+    lru: FairLRU[str, str] = FairLRU(ties="held")
+    for owner in ("x", "y", "z"):
+        lru.add(owner, owner + "1", owner + "1", 4)
+    lru.remove("x", "x1")
+    lru.add("x", "x1", "x1", 4)  # x emptied and came back: held the shortest now
+    assert lru.victim() == "y1"
+    lru.add("y", "y2", "y2", 1)
+    lru.remove("y", "y1")  # y changed last, 1 byte now, but holding all along
+    lru.add("y", "y3", "y3", 3)
+    assert lru.victim() == "y2" and lru.victim("z", 0) == "z1"  # the adding owner still pays a tie first
+    with pytest.raises(ValueError, match="ties must be"):
+        FairLRU(ties="newest")  # type: ignore[arg-type]
+
+
+def test_keep_passes_over_the_adding_owners_kept_entries_to_the_next_owner():
+    lru: FairLRU[str, str] = FairLRU(last=SHARED)
+    lru.add("a", "a1", "a1", 10)
+    lru.add("a", "a2", "a2", 10)
+    lru.add("b", "b1", "b1", 5)
+    lru.add("c", "c1", "c1", 7)
+    assert lru.victim("a", keep={"a1"}) == "a2"  # its oldest not kept
+    assert lru.victim("a", keep={"a1", "a2"}) == "c1"  # all of a kept: the largest of the others, not b
+    assert lru.victim("b", keep={"b1"}) == "a1"  # a holds more than b: keep is about b's entries only
+    assert lru.victim("b", 15, keep={"b1"}) == "a1"  # b would hold the most, but all of it is kept
+    assert lru.victim("a", keep={"a1", "a2"}) == "c1" and lru.victim() == "a1"  # the heap is as it was
+    for owner, key in (("b", "b1"), ("c", "c1")):
+        lru.remove(owner, key)
+    assert lru.victim("a", keep={"a1", "a2"}) is None  # nothing else left
+    lru.add(SHARED, "prefix", "prefix", 100)
+    assert lru.victim("a", keep={"a1", "a2"}) == "prefix"  # the shared owner is last, but before nothing
+    assert lru.victim(SHARED, keep={"prefix"}) == "a1" and lru.victim(SHARED, 1, keep={"prefix"}) == "a1"
+    lru.remove("a", "a1")
+    lru.remove("a", "a2")
+    assert lru.victim(SHARED, keep={"prefix"}) is None and lru.victim(SHARED) == "prefix"
+
+
+class HeldScanReference(ScanReference):
+    """The rule with `keep` and either tie order, as a scan: owners in order (most bytes, the adding owner on a tie,
+    then the tie order), the first entry of the first that has one not kept, the shared owner after all of them."""
+
+    def __init__(self, last: str, ties: str):
+        super().__init__(last)
+        self.ties = ties
+        self.since: dict[str, int] = {}
+
+    def add(self, owner, key, nbytes):
+        if owner not in self.entries:
+            self.since[owner] = self.clock + 0.5  # before this add's own stamp, after everything earlier
+        super().add(owner, key, nbytes)
+
+    def victim(self, owner, nbytes, keep=()):
+        tie = self.since if self.ties == "held" else self.changed
+        ranked = [o for o in self.entries if o != self.last]
+        held = {o: sum(self.entries[o].values()) + (nbytes if o == owner else 0) for o in ranked}
+        order = sorted(ranked, key=lambda o: (-held[o], o != owner, tie[o]))
+        for o in order + ([self.last] if self.last in self.entries else []):
+            for key in self.entries[o]:
+                if o != owner or key not in keep:
+                    return key
+        return None
+
+
+@pytest.mark.parametrize("ties", ["changed", "held"])
+def test_with_keep_and_either_tie_order_the_heap_chooses_what_a_scan_chooses(ties):
+    rnd = random.Random(311)
+    owners = [f"u{i}" for i in range(12)] + [SHARED]
+    lru: FairLRU[str, str] = FairLRU(last=SHARED, ties=ties)  # type: ignore[arg-type]
+    ref = HeldScanReference(SHARED, ties)
+    serial = 0
+    for step in range(20_000):
+        owner = rnd.choice(owners)
+        op = rnd.random()
+        held = ref.entries.get(owner, {})
+        if op < 0.45 or not held:
+            serial += 1
+            key, nbytes = f"k{serial}", rnd.choice([0, 1, 2, 3, 8])
+            lru.add(owner, key, key, nbytes)
+            ref.add(owner, key, nbytes)
+        elif op < 0.6:
+            key = rnd.choice(list(held))
+            lru.touch(owner, key)
+            ref.touch(owner, key)
+        else:  # any of the owner's keys kept (all of them now and then), and keys it does not hold
+            keep = set(held) if rnd.random() < 0.3 else {k for k in held if rnd.random() < 0.5}
+            keep |= {"nobody", f"k{serial}"}
+            nbytes = rnd.choice([0, 1, 5])
+            want = ref.victim(owner, nbytes, keep)
+            assert lru.victim(owner, nbytes, keep) == want, f"step {step}"
+            if want is not None:
+                o = next(o for o, keys in ref.entries.items() if want in keys)
+                assert lru.remove(o, want) == want
+                ref.remove(o, want)
+        assert lru.bytes == sum(sum(k.values()) for k in ref.entries.values())
+        assert len(lru._heap) <= FairLRU._SLACK * len(owners) + 32
