@@ -13,10 +13,10 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
   RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, in the same environment.)
 - gRPC receive window (GRPC_RECEIVE_OPTIONS): the proxy refuses an oversized message from its length prefix, but
   with gRPC's BDP probing on (its default) each stream's HTTP/2 window grows with the measured bandwidth, and a
-  client pushes that much before the refusal: 4, 8, then up to 32 MiB of a 64 MiB message read into the proxy's
-  memory per refused call on loopback (grpcio 1.85, a 4 MiB limit). With probing off and a fixed window of the
-  API's largest request (Limits.max_request_bytes, 1 MiB), at most 1 MiB of a refused message is let in, and a
-  legal one still arrives in one window.
+  client pushes that much before the refusal: 4, 8, then up to 32 MiB of a 64 MiB message read into memory per
+  refused call on loopback (a bare grpc.aio server with Serve's options, grpcio 1.85). With probing off and a
+  fixed window of the API's largest request (Limits.max_request_bytes, 1 MiB), at most 1 MiB of a refused
+  message is let in, and a legal request still fits in one window.
 - gRPC deadlines: the context Serve sends to the Gateway replica carries no deadline; the caller's (the
   `grpc-timeout` it sent) is noted on it as DEADLINE_ATTR (unix time), so the replica's backend calls stop
   when the caller gives up (services/deadlines.py:time_left).
@@ -24,9 +24,10 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
   the Gateway's errors (errors.ApiError) it also sends their google.rpc details and retry pushback
   (services/error_details.py:error_trailers), unary and streaming RPCs alike.
 
-The last two patch Ray Serve 2.60 internals (`RayServegRPCContext.__init__`; `get_grpc_response_status` and
-`set_grpc_code_and_details` as ray.serve._private.proxy uses them): check them when Ray is upgraded;
-tests/service/test_grpc_serve_proxy.py fails if either stops working.
+The receive window and the last two patch Ray Serve 2.60 internals (`DEFAULT_GRPC_SERVER_OPTIONS`;
+`RayServegRPCContext.__init__`; `get_grpc_response_status` and `set_grpc_code_and_details` as
+ray.serve._private.proxy uses them): check them when Ray is upgraded; tests/service/test_grpc_serve_proxy.py
+fails if any stops working.
 """
 from __future__ import annotations
 
