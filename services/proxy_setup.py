@@ -11,6 +11,12 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
 - gRPC: Ray 2.60's gRPC proxy binds `[::]:PORT` whatever the HTTP host is; with INFERSCALE_GRPC_HOST set
   (`inferscale serve --host`), it binds that address instead. (Its message size limit is Ray's own
   RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, in the same environment.)
+- gRPC receive window (GRPC_RECEIVE_OPTIONS): the proxy refuses an oversized message from its length prefix, but
+  with gRPC's BDP probing on (its default) each stream's HTTP/2 window grows with the measured bandwidth, and a
+  client pushes that much before the refusal: 4, 8, then up to 32 MiB of a 64 MiB message read into memory per
+  refused call on loopback (a bare grpc.aio server with Serve's options, grpcio 1.85). With probing off and a
+  fixed window of the API's largest request (Limits.max_request_bytes, 1 MiB), at most 1 MiB of a refused
+  message is let in, and a legal request still fits in one window.
 - gRPC deadlines: the context Serve sends to the Gateway replica carries no deadline; the caller's (the
   `grpc-timeout` it sent) is noted on it as DEADLINE_ATTR (unix time), so the replica's backend calls stop
   when the caller gives up (services/deadlines.py:time_left).
@@ -18,9 +24,10 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
   the Gateway's errors (errors.ApiError) it also sends their google.rpc details and retry pushback
   (services/error_details.py:error_trailers), unary and streaming RPCs alike.
 
-The last two patch Ray Serve 2.60 internals (`RayServegRPCContext.__init__`; `get_grpc_response_status` and
-`set_grpc_code_and_details` as ray.serve._private.proxy uses them): check them when Ray is upgraded;
-tests/service/test_grpc_serve_proxy.py fails if either stops working.
+The receive window and the last two patch Ray Serve 2.60 internals (`DEFAULT_GRPC_SERVER_OPTIONS`;
+`RayServegRPCContext.__init__`; `get_grpc_response_status` and `set_grpc_code_and_details` as
+ray.serve._private.proxy uses them): check them when Ray is upgraded; tests/service/test_grpc_serve_proxy.py
+fails if any stops working.
 """
 from __future__ import annotations
 
@@ -36,6 +43,9 @@ BODY_TIMEOUT_ENV = "INFERSCALE_HTTP_BODY_TIMEOUT_S"  # seconds a client has to s
 BODY_TIMEOUT_S = 30.0
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 DEADLINE_ATTR = "inferscale_deadline"  # on RayServegRPCContext: the caller's deadline, unix time
+# The gRPC proxy's HTTP/2 receive window per stream: fixed (no BDP probing), the API's largest request.
+GRPC_STREAM_WINDOW_BYTES = 1 << 20  # services/limits.py:Limits.max_request_bytes
+GRPC_RECEIVE_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", GRPC_STREAM_WINDOW_BYTES)]
 
 
 REFUSAL_CODES = {400: "invalid_content_length", 408: "request_timeout", 411: "length_required",
@@ -140,6 +150,17 @@ def _bind_grpc_to(host: str) -> None:
     default_impl.add_grpc_address = add_grpc_address
 
 
+def _fix_grpc_receive_window() -> None:
+    """GRPC_RECEIVE_OPTIONS on the gRPC server Serve's proxy makes: it builds it from Ray's
+    DEFAULT_GRPC_SERVER_OPTIONS (the list object ray.serve._private.grpc_util imported) after this callback has run
+    (ProxyActor.__init__ calls the callback first, the server starts in a task afterwards). Idempotent."""
+    from ray.serve._private.constants import DEFAULT_GRPC_SERVER_OPTIONS
+
+    names = {name for name, _ in GRPC_RECEIVE_OPTIONS}
+    DEFAULT_GRPC_SERVER_OPTIONS[:] = [o for o in DEFAULT_GRPC_SERVER_OPTIONS if o[0] not in names]
+    DEFAULT_GRPC_SERVER_OPTIONS.extend(GRPC_RECEIVE_OPTIONS)
+
+
 def _carry_grpc_deadline() -> None:
     """Every RayServegRPCContext made in this proxy notes the caller's deadline (time_remaining of the call it
     is made from) as DEADLINE_ATTR; it travels to the replica with the context. Idempotent."""
@@ -214,6 +235,7 @@ def proxy_setup() -> list:
     host = os.environ.get(GRPC_HOST_ENV)
     if host:
         _bind_grpc_to(host)
+    _fix_grpc_receive_window()
     _carry_grpc_deadline()
     _send_error_details()
     return [Middleware(BodyLimit, max_bytes=max_body_bytes(), timeout_s=body_timeout_s())]

@@ -161,43 +161,110 @@ def _serve_processes() -> dict:
     return out
 
 
+class _CountingRelay:
+    """A loopback TCP relay to `port` that counts what clients send through it: with HTTP/2 flow control a gRPC
+    client sends no more than the server's receive window lets in, so the count is what the server took."""
+
+    def __init__(self, port: int):
+        import socket
+        import threading
+
+        self.sent, self._lock, self._port = 0, threading.Lock(), port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self._port))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src, dst, count: bool):
+        try:
+            while data := src.recv(1 << 16):
+                if count:
+                    with self._lock:
+                        self.sent += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                sock.close()
+
+    def close(self):
+        self._listener.close()
+
+
 def test_oversized_messages_are_refused_before_they_are_read(serve_ports):
     """Issue 19: an unauthenticated 64 MiB gRPC message and a 64 MiB HTTP body are refused by the proxies
-    (RESOURCE_EXHAUSTED / 413) and neither the proxy's nor the Gateway's memory grows. The memory is the evidence
-    that nothing was read (reading it whole took 0.8 s, so no time bound could tell); the 5 s bound only catches a
-    refusal that hangs. The times are printed (docs/security.md has measured ones)."""
+    (RESOURCE_EXHAUSTED / 413) before they are read: the gRPC proxy lets at most its receive window (1 MiB,
+    services/proxy_setup.py:GRPC_RECEIVE_OPTIONS) of each in, counted by a relay between client and proxy (with
+    gRPC's default BDP probing the window grew to 4-32 MiB and the proxy's memory with it: the flake this test
+    had), the HTTP client sends 64 KiB of its body, and neither the proxy's nor the Gateway's memory grows. The
+    memory is measured from after a small request of each kind (the first connections' allocations are not the
+    message's); reading a 64 MiB message whole took 0.8 s, so no time bound could tell; the 5 s bound only
+    catches a refusal that hangs. The numbers are printed (docs/security.md has measured ones)."""
     import socket
     import time
 
     grpc_port, http_port = serve_ports
     procs = _serve_processes()
-    before = {k: p.memory_info().rss for k, p in procs.items()}
     big = b"\x0a" + bytes(64 << 20)
-    grpc_took, http_took = [], []
-    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.max_send_message_length", -1)]) as ch:
-        grpc.channel_ready_future(ch).result(timeout=60)
-        raw = ch.unary_unary("/inferscale.v1.Memory/AddFacts", request_serializer=None,
-                             response_deserializer=None)
-        for _ in range(3):
-            t = time.monotonic()
-            code, _ = refused(lambda: raw(big, timeout=30))
-            took = time.monotonic() - t
-            grpc_took.append(round(took, 3))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and took < 5.0, (code, took)
-    for _ in range(3):
-        t = time.monotonic()
+    grpc_took, http_took, let_in = [], [], []
+
+    def http(head: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", http_port), timeout=5) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-                         b"\r\nContent-Length: 67108864\r\n\r\n" + b"{" * 65536)
-            status = sock.recv(4096).split(b"\r\n", 1)[0]
+                         b"\r\n" + head)
+            return sock.recv(4096).split(b"\r\n", 1)[0]
+
+    def rss() -> dict:
+        return {k: p.memory_info().rss for k, p in procs.items()}
+
+    relay = _CountingRelay(grpc_port)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{relay.port}", options=[("grpc.max_send_message_length", -1)]) as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
+            raw = ch.unary_unary("/inferscale.v1.Memory/AddFacts", request_serializer=None,
+                                 response_deserializer=None)
+            # warm-up: a small message and a small body, refused for their missing token, before the baseline
+            assert refused(lambda: raw(b"\x0a\x00", timeout=30))[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert http(b"Content-Length: 16\r\n\r\n{\"messages\": []}").startswith(b"HTTP/1.1 401")
+            before = rss()
+            for _ in range(3):
+                t, sent = time.monotonic(), relay.sent
+                code, _ = refused(lambda: raw(big, timeout=30))
+                took = time.monotonic() - t
+                grpc_took.append(round(took, 3))
+                let_in.append(round((relay.sent - sent) / 2**20, 2))
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and took < 5.0, (code, took)
+    finally:
+        relay.close()
+    after_grpc = rss()
+    for _ in range(3):
+        t = time.monotonic()
+        status = http(b"Content-Length: 67108864\r\n\r\n" + b"{" * 65536)
         took = time.monotonic() - t
         http_took.append(round(took, 3))
         assert status.startswith(b"HTTP/1.1 413") and took < 5.0, (status, took)
-    after = {k: p.memory_info().rss for k, p in procs.items()}
-    print(f"\n64 MiB refusals: gRPC {grpc_took}, HTTP {http_took} s; RSS change (MiB) "
-          f"{ {k: round((after[k] - before[k]) / 2**20, 1) for k in procs} }")
+    after = rss()
+    grew = {k: (round((after_grpc[k] - before[k]) / 2**20, 1), round((after[k] - after_grpc[k]) / 2**20, 1))
+            for k in procs}
+    print(f"\n64 MiB refusals: gRPC {grpc_took} s, {let_in} MiB let in; HTTP {http_took} s; RSS change (MiB), "
+          f"gRPC then HTTP: {grew}")
+    # the window (1 MiB) and HTTP/2 framing; a message read whole would be 64 MiB, the BDP-grown window 4-32 MiB
+    assert max(let_in) < 2, let_in
     for k in procs:  # 64 MiB read whole would show; allow allocator noise
-        assert after[k] - before[k] < 16 << 20, (k, before[k], after[k])
+        assert after[k] - before[k] < 16 << 20, (k, before[k], after_grpc[k], after[k])
     # a body without Content-Length (chunked): 411 from the proxy; one within the limit still reaches the Gateway
     import httpx
 

@@ -58,24 +58,44 @@ def test_requests_in_flight_are_bounded_per_caller_and_given_back_when_the_task_
 
 
 def test_the_rate_is_a_bucket_per_caller_with_a_retry_hint():
-    limits = PrincipalLimits(PrincipalLimit(max_in_flight=100, rate_per_s=10.0, burst=3))
+    # A token per 100 s: no refill undoes the burst's refusal however slowly this test is scheduled (at 10 a
+    # second, as it was, a 0.1 s stall between the first admit and the fourth, which a loaded 2-core machine can
+    # give a process, refilled a token and let the fourth in).
+    limits = PrincipalLimits(PrincipalLimit(max_in_flight=100, rate_per_s=0.01, burst=3))
     for _ in range(3):
         limits.admit(ALICE)
     with pytest.raises(ApiError) as e:
         limits.admit(ALICE)
-    assert e.value.reason == "CALLER_RATE" and 0 < e.value.retry_after_s <= 0.1 + 1e-9
+    # the hint is the time to refill one token: 100 s less what refilled meanwhile (a 10 s stall would be 0.1)
+    assert e.value.reason == "CALLER_RATE" and 90 < e.value.retry_after_s <= 100 + 1e-9
     limits.admit(BOB)  # another caller has its own bucket
     for _ in range(50):
         limits.admit(ADMIN)  # admins are not limited
-    time.sleep(e.value.retry_after_s + 0.02)
-    limits.admit(ALICE)  # the hint was enough
+    assert limits.refused["rate"] == 1
     with pytest.raises(ValueError, match="positive"):
         PrincipalLimit(max_in_flight=0)
 
 
+def test_waiting_for_the_retry_hint_is_enough():
+    """A token per 50 ms, a burst of one: the first refusal is awaited (admits back to back are microseconds
+    apart, so one comes within a few tries whatever the load), then its hint is slept and the next admit passes."""
+    limits = PrincipalLimits(PrincipalLimit(max_in_flight=100, rate_per_s=20.0, burst=1))
+    hint = None
+    for _ in range(1000):
+        try:
+            limits.admit(ALICE)
+        except ApiError as e:
+            hint = e.retry_after_s
+            break
+    assert hint is not None and 0 < hint <= 1 / 20 + 1e-9
+    time.sleep(hint + 1e-3)  # never shorter than asked; the millisecond covers float rounding, 2% of a token
+    limits.admit(ALICE)
+
+
 @pytest.fixture(scope="module")
 def gateway(redis_url, jwt_secret):
-    with both_doors(redis_url, jwt_secret, Limits(requests_per_s_per_caller=0.5, request_burst_per_caller=3), "caller") as doors:
+    # A token per 100 s: each caller's burst of 3 is all it gets in this module, however slowly its calls run.
+    with both_doors(redis_url, jwt_secret, Limits(requests_per_s_per_caller=0.01, request_burst_per_caller=3), "caller") as doors:
         yield doors
 
 
@@ -94,7 +114,8 @@ def test_both_doors_refuse_a_caller_over_its_rate_and_serve_the_others(gateway):
     for _ in range(2):  # dave's bucket: 1 used on gRPC, 2 more here, then over
         assert httpx.post(f"{http_server.url}/v3/memories/", json={}, headers=headers).status_code == 200
     r = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers=headers)
-    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1 and "request rate" in r.text
+    # the time to refill one token at 0.01 a second, in whole seconds
+    assert r.status_code == 429 and 90 <= int(r.headers["Retry-After"]) <= 100 and "request rate" in r.text
     tokenless = httpx.post(f"{http_server.url}/v3/memories/", json={})
     assert tokenless.status_code == 401  # authentication comes first: no bucket for a caller without a token
     assert core.caller_limits.refused["rate"] == 2
@@ -121,12 +142,14 @@ def test_one_user_takes_at_most_its_share_of_the_extraction_queue():
         core.backends = object()  # extraction needs the backends deployed; this test never reaches them
         core._sink, core._extractor = GatewaySink(core, asyncio.get_running_loop()), HeldExtraction()
         mine = [asyncio.create_task(core._extract("ann", [], {})) for _ in range(MEM0_PER_USER)]
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # each task runs to its first await, counted (_extract counts before any await)
+        assert core._mem0_by_user["ann"] == MEM0_PER_USER
         with pytest.raises(ApiError) as e:
             await core._extract("ann", [], {})
         assert e.value.reason == "EXTRACTION_QUEUE_FULL" and "this user" in e.value.message and e.value.retry_after_s
         other = asyncio.create_task(core._extract("bob", [], {}))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)
+        assert core._mem0_by_user["bob"] == 1 and core._mem0_pending == MEM0_PER_USER + 1  # queued behind ann's
         release.set()
         done = await asyncio.gather(*mine, other)
         assert [d[0]["memory"] for d in done] == ["ann"] * MEM0_PER_USER + ["bob"]
