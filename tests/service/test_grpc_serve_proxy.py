@@ -347,12 +347,15 @@ def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, ad
     from inferscale_server.gateway.core import WATCH_STREAMS_MAX, WATCH_STREAMS_PER_PEER
 
     grpc_port, _ = serve_ports
-    # one TCP connection each (gRPC Python shares connections between equal channels unless told not to)
-    channels = [grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(12)]
-    streams, codes = [], []
-    try:
-        for ch in channels:
+    channels: list = []
+    streams: list = []
+
+    def open_all() -> list:
+        """Opens WATCH_STREAMS_PER_PEER + 1 streams on each of 12 new connections; the codes, in order."""
+        codes = []
+        for _ in range(12):  # one TCP connection each (gRPC Python shares equal channels' unless told not to)
+            ch = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)])
+            channels.append(ch)
             grpc.channel_ready_future(ch).result(timeout=60)
             stub = health_pb2_grpc.HealthStub(ch)
             for _ in range(WATCH_STREAMS_PER_PEER + 1):
@@ -365,7 +368,29 @@ def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, ad
                     codes.append(grpc.StatusCode.OK)
                 except grpc.RpcError as e:
                     codes.append(e.code())
-        opened = codes.count(grpc.StatusCode.OK)
+        return codes
+
+    def close_all() -> None:
+        for call in streams:
+            call.cancel()
+        for ch in channels:
+            ch.close()
+        streams.clear()
+        channels.clear()
+
+    try:
+        # The slot of a Watch that an earlier test's client ended (the interop client's, in its own interpreter)
+        # is freed when the cancel has come through Serve's proxy to the gateway: under load, once, after this
+        # test had opened its 31st stream. So a round that opened fewer than WATCH_STREAMS_MAX is run again (at
+        # most 3 rounds, its streams closed first); more than WATCH_STREAMS_MAX is never allowed.
+        for attempt in range(3):
+            codes = open_all()
+            opened = codes.count(grpc.StatusCode.OK)
+            assert opened <= WATCH_STREAMS_MAX, codes
+            if opened == WATCH_STREAMS_MAX:
+                break
+            close_all()
+            time.sleep(2 + 3 * attempt)
         assert opened == WATCH_STREAMS_MAX, codes
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == len(codes) - opened
         # per connection: the 5th stream of each of the first channels was refused
@@ -380,7 +405,4 @@ def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, ad
         for i in range(50):  # Health with no token: cached, never a probe per call
             assert s.Health(pb2.HealthRequest(), timeout=10).status == "SERVING"
     finally:
-        for call in streams:
-            call.cancel()
-        for ch in channels:
-            ch.close()
+        close_all()
