@@ -1,7 +1,7 @@
 """`inferscale serve | token` and the client's commands: the Ray Serve application on this machine and its gRPC
 client.
 
-    inferscale serve [--redis-url redis://:PASSWORD@127.0.0.1:6379/0]     # Ctrl-C stops it
+    inferscale serve [--redis-url redis://:PASSWORD@127.0.0.1:6379/0]     # Ctrl-C or SIGTERM stops it
     inferscale add alice "Alice adopted a grey cat named Pixel." "Alice lives in Lisbon."
     inferscale ask alice "What is my cat called?"
     inferscale list alice --json      # also: search, get, update, delete, status (inferscale_client/cli.py)

@@ -8,7 +8,8 @@ development secret. One app for the module; the tests run in order and share it:
   gets the right code and leaks nothing (gRPC and HTTP chat) -> a fact over the encoder's limit is refused
   before anything is written, one at exactly the limit works -> a stored fact the encoder cannot serve (as
   an older version could write) is reported by Get/List and left out of answers -> a bounded fuzz pass ->
-  the service still answers and every user's facts are unchanged.
+  the service still answers and every user's facts are unchanged -> (teardown) SIGTERM, as `docker stop` sends it:
+  serve exits 0 within STOP_BOUND_S and leaves none of the processes it started.
 """
 from __future__ import annotations
 
