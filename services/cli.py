@@ -242,6 +242,7 @@ class StopRequested(BaseException):
 
 
 def _raise_stop(signum, _frame) -> None:
+    _on_stop_signals(signal.SIG_IGN)  # from here on the stop runs to its end: a second signal is ignored
     raise StopRequested(signal.Signals(signum).name)
 
 
@@ -260,7 +261,7 @@ def serve_cmd(args) -> int:
         print(f"{e} received", flush=True)
         return 0
     finally:
-        _on_stop_signals(signal.SIG_IGN)
+        _on_stop_signals(signal.SIG_IGN)  # also when _serve returned or raised
         _stop_everything(stack)
         _on_stop_signals(signal.SIG_DFL)
 
