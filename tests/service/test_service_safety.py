@@ -106,7 +106,8 @@ def stop_and_check(proc: subprocess.Popen, log) -> None:
         proc.wait()
     took = time.monotonic() - t
     time.sleep(1)  # a process serve ended in its last step may still be in its exit
-    left = _process_tree(proc.pid, among=before)
+    # those seen before the signal, and any started since in serve's session (a stop that waited for the start-up)
+    left = {**_process_tree(proc.pid, among=before), **_process_tree(proc.pid)}
     for pid, _ in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -154,6 +155,27 @@ def test_serve_refuses_a_redis_whose_certificate_it_does_not_trust(redis_tls_pas
     assert out.returncode == 1 and "ready" not in out.stdout, out.stderr
     assert "cannot be reached (RegistryTlsError: TLS with the registry's Redis at 127.0.0.1:" in out.stderr
     assert "self-signed certificate in certificate chain" in out.stderr and ":***@" in out.stderr
+
+
+def test_a_stop_during_start_up_is_as_prompt_and_leaves_nothing(tmp_path):
+    """SIGTERM while `serve` is still starting (Ray up, the replicas being built, vLLM's engine loading: most of the
+    minute) stops it within the same bound as a stop once serving, not after the start-up has finished, and leaves
+    none of the processes it started, an engine core whose Ray worker was killed mid-start included. Runs before the
+    module's app starts (file order), so two Rays never share the machine."""
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "inferscale_server.cli", "serve", "--grpc-port", str(free_port()),
+           "--http-port", str(free_port()), "--max-model-len", "2048", "--kv-dir", str(tmp_path / "kv"),
+           "--num-cpus", "2", "--local-mooncake", "--mooncake-segment-gib", "1"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "Adding 1 replica to Deployment(name='EngineReplica'" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+    time.sleep(5)  # the engine replica's process is loading vLLM
+    assert "ready in" not in log.read_text(), "started before the stop: this checks a stop during start-up"
+    stop_and_check(proc, log)
+    assert "SIGTERM received" in log.read_text() and "ready in" not in log.read_text()
 
 
 def test_quick_start_needs_no_token_flag(served, capsys, monkeypatch):
