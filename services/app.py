@@ -37,6 +37,8 @@ DEPLOYMENTS = ("Gateway", "EncoderPool", "Retrieval", "EngineReplica")
 # The chart's values.yaml; a link in the repository, a copy in the wheel (package data), so --emit-serve-config works
 # from an installed wheel with no charts/ beside it.
 CHART_VALUES = Path(__file__).parent / "chart_values.yaml"
+# The Limits typed float, which the chart casts (limits_for; templates/_helpers.tpl names the same three).
+FLOAT_LIMITS = tuple(f.name for f in fields(Limits) if f.type == "float")
 
 
 # Serve's defaults assume an idle machine: a proxy must pass its readiness check within 5 s, and misses three
@@ -246,11 +248,22 @@ class ServiceConfig:
                    registry_url=registry_url_for(values, release), dtype=values["model"]["dtype"],
                    block_size=int(values["model"]["blockSize"]), max_model_len=int(values["model"]["maxModelLen"]) if values["model"].get("maxModelLen") else None,
                    http_port=int(values["ports"]["http"]), grpc_port=int(values["ports"]["grpc"]),
-                   limits=dict(values.get("limits") or {}),
+                   limits=limits_for(values),
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),
                    admission_queue_factor=float(values["model"].get("admissionQueueFactor", 2.0)),
                    kv_dir=values["kvStore"]["dir"], store_options=store_options_for(values),
                    cluster_store=cluster_store_for(values, release), auth=auth_args_for(values), deployments=deps)
+
+
+def limits_for(values: dict) -> dict:
+    """The chart's `limits` (overrides of Limits), those typed float cast as the template casts them: `--set
+    limits.work_units_per_s_per_caller=0.5` hands Helm a string, which Limits would keep until a gateway computed
+    with it."""
+    limits = dict(values.get("limits") or {})
+    for key in FLOAT_LIMITS:
+        if key in limits:
+            limits[key] = float(limits[key])
+    return limits
 
 
 def store_options_for(values: dict) -> dict:

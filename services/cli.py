@@ -1,7 +1,7 @@
 """`inferscale serve | token` and the client's commands: the Ray Serve application on this machine and its gRPC
 client.
 
-    inferscale serve [--redis-url redis://:PASSWORD@127.0.0.1:6379/0]     # Ctrl-C stops it
+    inferscale serve [--redis-url redis://:PASSWORD@127.0.0.1:6379/0]     # Ctrl-C or SIGTERM stops it
     inferscale add alice "Alice adopted a grey cat named Pixel." "Alice lives in Lisbon."
     inferscale ask alice "What is my cat called?"
     inferscale list alice --json      # also: search, get, update, delete, status (inferscale_client/cli.py)
@@ -26,7 +26,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 
 from inferscale_client import cli as client_cli
@@ -222,9 +221,146 @@ def cluster_store_settings(args) -> dict:
     return {"master": args.mooncake_master, **({"metadata": args.mooncake_metadata} if args.mooncake_metadata else {})}
 
 
+# SIGTERM (docker stop, systemctl stop, kill) and SIGINT (Ctrl-C) stop `serve` at any point, start-up included; the
+# stop is as below, and every step is bounded (docs/deploy.md, "Stopping `inferscale serve`"):
+#   Serve's graceful shutdown: idle replicas stop after Serve's 2 s wait loop; a replica still streaming an answer
+#     keeps it until serve.shutdown()'s own 30 s (not the replicas' graceful_shutdown_timeout_s, 300 s, which is for
+#     scale-down inside a running cluster: an operator stopping the machine's service waits for no more than 30 s);
+#   ray.shutdown(): Ray's processes, SIGTERM and SIGKILL after 1 s each;
+#   the Mooncake Store serve started (terminate, SIGKILL after 10 s);
+#   what is left of serve's descendants (a vLLM engine-core process whose Ray worker was killed): SIGTERM, then
+#     SIGKILL after LEFTOVER_GRACE_S. serve is their subreaper (_become_subreaper), so orphans are still found.
+# A second signal during the stop is ignored: cutting it short would leave processes behind.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LEFTOVER_GRACE_S = 3.0
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGINT arrived. Raised in the main thread wherever `serve` is (starting Ray, waiting for the engine,
+    serving), like KeyboardInterrupt, so a stop during the minute-long start-up does not wait for it to finish."""
+
+
+def _raise_stop(signum, _frame) -> None:
+    _on_stop_signals(signal.SIG_IGN)  # from here on the stop runs to its end: a second signal is ignored
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def _on_stop_signals(handler) -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
 def serve_cmd(args) -> int:
-    with contextlib.ExitStack() as stack:  # a local Mooncake Store, if serve starts one, outlives Serve and Ray
+    _become_subreaper()
+    _on_stop_signals(_raise_stop)
+    stack = contextlib.ExitStack()  # a local Mooncake Store, if serve starts one: stopped after Serve and Ray
+    try:
         return _serve(args, stack)
+    except StopRequested as e:
+        print(f"{e} received", flush=True)
+        return 0
+    finally:
+        _on_stop_signals(signal.SIG_IGN)  # also when _serve returned or raised
+        _stop_everything(stack)
+        _on_stop_signals(signal.SIG_DFL)
+
+
+def _stop_everything(stack: contextlib.ExitStack) -> None:
+    """Serve and Ray, then the Mooncake Store, then any descendant still running; says how long it took."""
+    import ray
+
+    if not (ray.is_initialized() or _descendants(os.getpid())):
+        stack.close()
+        return  # refused before anything started
+    t = time.monotonic()
+    print("stopping ...", flush=True)
+    with contextlib.ExitStack() as steps:  # each step runs even if one before it raised, last registered first
+        steps.callback(lambda: print(f"stopped in {time.monotonic() - t:.1f} s", flush=True))
+        steps.callback(_stop_leftovers)
+        steps.push(stack)
+        _stop_ray()
+
+
+def _stop_ray() -> None:
+    """Serve's app and proxies (their graceful shutdown, at most serve.shutdown()'s 30 s), then the local Ray."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _become_subreaper() -> None:
+    """Makes this process the subreaper of its descendants (Linux): a process whose parent dies (a vLLM engine-core
+    process when Ray kills its worker) is re-parented here instead of to init, so _stop_leftovers still finds it.
+    Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live descendant of `root`, from /proc (Linux; [] elsewhere)."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _stop_leftovers() -> None:
+    """Ends what is left of this process's descendants after Ray and the Mooncake Store stopped: SIGTERM, SIGKILL
+    after LEFTOVER_GRACE_S, each reaped; says how many there were."""
+    left = _descendants(os.getpid())
+    if left:
+        print(f"ending {len(left)} leftover processes: {', '.join(_command(pid) for pid in left)}", flush=True)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while time.monotonic() < deadline and _descendants(os.getpid()):
+        _reap()
+        time.sleep(0.1)
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(0.1)
+    _reap()
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f"{f.read().strip()} ({pid})"
+    except OSError:
+        return str(pid)
+
+
+def _reap() -> None:
+    """Collects the exit status of every finished child (as a subreaper, orphans' too): no zombie is left."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def _serve(args, stack: contextlib.ExitStack) -> int:
@@ -268,34 +404,23 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
           "the engine takes about a minute on a small CPU ...", flush=True)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level=logging.ERROR,
              runtime_env={"env_vars": {**engine_env, **proxy_env}})  # for every Ray worker
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        t = time.monotonic()
-        start(cfg, args.host)
-        print(f"ready in {time.monotonic() - t:.0f} s\n"
-              f"  gRPC  inferscale.v1.Memory   {args.host}:{cfg.grpc_port}\n"
-              f"  HTTP  POST /v1/chat/completions   http://{args.host}:{cfg.http_port}\n"
-              f"  registry  {redacted(cfg.registry_url) if cfg.registry_url else 'in memory (Ray actor; pass --redis-url to keep facts)'}\n"
-              f"  KV disk tier  {cfg.kv_dir}, budget "
-              f"{f'{args.kv_disk_budget_gib:g} GiB' if args.kv_disk_budget_gib else 'a quarter of the free disk'}\n"
-              f"  KV cluster tier  {_cluster_line(args, cfg.cluster_store)}\n"
-              f"  auth  {_auth_line(cfg.auth)}\n"
-              f"try: inferscale add alice \"Alice has a cat named Pixel.\" --target 127.0.0.1:{cfg.grpc_port}",
-              flush=True)
-        if args.insecure_no_auth:
-            print(INSECURE_BANNER, file=sys.stderr, flush=True)
-        while not stop.wait(1):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        from ray import serve
-
-        print("stopping ...", flush=True)
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+    _on_stop_signals(_raise_stop)  # ray.init put its own SIGTERM handlers in (sys.exit; a node drain) in place of ours
+    t = time.monotonic()
+    start(cfg, args.host)
+    print(f"ready in {time.monotonic() - t:.0f} s\n"
+          f"  gRPC  inferscale.v1.Memory   {args.host}:{cfg.grpc_port}\n"
+          f"  HTTP  POST /v1/chat/completions   http://{args.host}:{cfg.http_port}\n"
+          f"  registry  {redacted(cfg.registry_url) if cfg.registry_url else 'in memory (Ray actor; pass --redis-url to keep facts)'}\n"
+          f"  KV disk tier  {cfg.kv_dir}, budget "
+          f"{f'{args.kv_disk_budget_gib:g} GiB' if args.kv_disk_budget_gib else 'a quarter of the free disk'}\n"
+          f"  KV cluster tier  {_cluster_line(args, cfg.cluster_store)}\n"
+          f"  auth  {_auth_line(cfg.auth)}\n"
+          f"try: inferscale add alice \"Alice has a cat named Pixel.\" --target 127.0.0.1:{cfg.grpc_port}",
+          flush=True)
+    if args.insecure_no_auth:
+        print(INSECURE_BANNER, file=sys.stderr, flush=True)
+    while True:  # until SIGTERM or SIGINT raises StopRequested here (serve_cmd stops everything)
+        time.sleep(3600)
 
 
 def _auth_line(auth: dict) -> str:

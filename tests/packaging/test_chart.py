@@ -20,6 +20,7 @@ import yaml
 
 from inferscale_server import app as service_app
 from inferscale_server.app import DEPLOYMENTS, DeploymentSpec, ServiceConfig, chart_serve_config, dump, serve_config
+from inferscale_server.limits import Limits
 from inferscale_server.local_processes import free_port
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "inferscale"
@@ -544,7 +545,7 @@ def test_rendered_serve_config_follows_values(helm):
     values["model"]["path"] = "/m/other"
     values["redis"].update(enabled=False, externalUrl="redis://ext:6379/1")
     values["ports"]["grpc"] = 9100
-    values["limits"] = {"max_fact_chars": 4000}
+    values["limits"]["max_fact_chars"] = 4000  # Helm merges the map: the work budget stays
     values["auth"]["issuer"] = "https://id.example"
     rendered = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])
     assert rendered == serve_config(ServiceConfig.from_chart_values(values, "r2"))
@@ -553,6 +554,33 @@ def test_rendered_serve_config_follows_values(helm):
     assert not {"INFERSCALE_REDIS_PASSWORD", "INFERSCALE_REDIS_PASSWORD_FILE"} & set(_env(_pod_specs(docs)["ray-head"]["containers"][0]))
     (grpc_svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "r2-grpc"]
     assert grpc_svc["spec"]["ports"][0]["port"] == 9100
+
+
+def test_work_budget_is_sized_for_each_layout_and_reaches_the_gateway_as_numbers(helm):
+    """The per-caller work budget (services/gateway/work_budget.py; sizing rule in docs/security.md: a quarter of what
+    one engine replica forwards per second) is set by the chart, not left at the code's default for the 2-core CPU
+    reference node (64 tokens/s would throttle a caller of a GPU replica under contention): the GPU default is larger,
+    the CPU layout sets its own (the GPU number must not reach a vllm-cpu engine), the one-GPU-node layout's 1B
+    model forwards fewer tokens than SmolLM2 and gets less. Naming another limit keeps the budget (Helm merges the
+    map), and a fractional rate given with --set reaches Limits as a number, not the string Helm hands the template."""
+    def limits(*sets: str, values_file: Path | None = None) -> dict:
+        docs = _render(helm, *sets, values_file=values_file)
+        return yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])["applications"][0]["args"]["limits"]
+
+    reference = Limits().work_units_per_s_per_caller
+    gpu, cpu, gpu_node = limits(), limits(values_file=_example("cpu")[0]), limits(values_file=_example("gpu-node")[0])
+    assert gpu == {"work_units_per_s_per_caller": 4096, "work_burst_per_caller": 8192}
+    assert reference < cpu["work_units_per_s_per_caller"] < gpu_node["work_units_per_s_per_caller"] < 4096
+    # the burst is the same in every layout (one full context of SmolLM2, the default model)
+    assert {gpu["work_burst_per_caller"], cpu["work_burst_per_caller"], gpu_node["work_burst_per_caller"]} == {8192}
+    assert Limits(**gpu).work_units_per_s_per_caller == 4096.0  # the names are Limits' own
+    other = limits("limits.max_fact_chars=4000")
+    assert other == {**gpu, "max_fact_chars": 4000}
+    for key in service_app.FLOAT_LIMITS:  # the template casts the same keys as services/app.py:limits_for
+        value = limits(f"limits.{key}=0.5")[key]
+        assert value == 0.5 and isinstance(value, float), (key, value)
+    assert service_app.limits_for({"limits": {"work_units_per_s_per_caller": "0.5"}}) == {
+        "work_units_per_s_per_caller": 0.5}
 
 
 def test_missing_serve_config_file_fails_the_render(helm, tmp_path):

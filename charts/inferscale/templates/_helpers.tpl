@@ -66,7 +66,14 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "dtype" .Values.model.dtype -}}
 {{- $_ := set $args "block_size" (int .Values.model.blockSize) -}}
 {{- $_ := set $args "max_model_len" (ternary (int .Values.model.maxModelLen) nil (not (empty .Values.model.maxModelLen))) -}}
-{{- $_ := set $args "limits" (.Values.limits | default dict) -}}
+{{- /* Limits typed float (services/app.py:FLOAT_LIMITS): `--set limits.x=0.5` would hand Limits a string */ -}}
+{{- $limits := deepCopy (.Values.limits | default dict) -}}
+{{- range $k := list "requests_per_s_per_caller" "work_units_per_s_per_caller" "work_burst_per_caller" -}}
+{{- if hasKey $limits $k -}}
+{{- $_ := set $limits $k (float64 (get $limits $k)) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $args "limits" $limits -}}
 {{- $_ := set $args "engine_overrides" (.Values.model.engineOverrides | default dict) -}}
 {{- $_ := set $args "admission_queue_factor" (float64 .Values.model.admissionQueueFactor) -}}
 {{- $_ := set $args "kv_dir" .Values.kvStore.dir -}}
