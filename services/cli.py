@@ -46,8 +46,9 @@ def add_commands(sub) -> None:
     p.add_argument("--kv-dir", default=None, help="disk tier of the engine's fact store "
                                                   "(default: <inferscale cache>/kv)")
     p.add_argument("--kv-disk-budget-gib", type=_positive_float, default=None, metavar="GIB",
-                   help="byte budget of the disk tier: beyond it the files of the least recently used facts are "
-                        "deleted (default: a quarter of the disk space free when the engine starts)")
+                   help="byte budget of the disk tier: beyond it files are deleted, each time the least recently "
+                        "used fact of the user holding the most there (default: a quarter of the disk space free "
+                        "when the engine starts)")
     p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                    help="cluster KV tier: a running mooncake_master's RPC address (default: none: KV reaches vLLM "
                         "through the engine core's RPC channel; --local-mooncake starts one here)")
