@@ -1,7 +1,9 @@
 """What a folder whose modules share one running application needs (tests/service/one_app/,
-tests/service/two_engines/): each folder's conftest.py starts the app in a package-scoped fixture, imports
-`redis_url` and `jwt_secret` from here (package-scoped where a conftest imports them: this module is not a plugin,
-so the per-module fixtures of the same names stay everyone else's), and calls `order_folder` from its
+tests/service/two_engines/): each folder's conftest.py starts the app in a package-scoped fixture, binds
+`redis_url` and `jwt_secret` from here as its own names (`redis_url = shared_app.redis_url`: package-scoped where a
+conftest binds them; this module is not a plugin, so the per-module fixtures of the same names stay everyone
+else's; an assignment, not an import, so no fixture parameter shadows an import: no noqa F811), and calls
+`order_folder` from its
 pytest_collection_modifyitems hook, which pytest calls with every collected item.
 """
 from __future__ import annotations

@@ -17,10 +17,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import shared_app
 from support.local_service import running_service
-from support.shared_app import jwt_secret, order_folder, redis_url  # noqa: F401 - the folder's package fixtures
+from support.shared_app import order_folder
 
 from inferscale_server.local_processes import free_port
+
+# The folder's package-scoped fixtures (support/shared_app.py): bound here, where pytest looks for this folder's.
+redis_url = shared_app.redis_url
+jwt_secret = shared_app.jwt_secret
 
 MAX_USERS = 2  # per engine replica
 # Serve replaces a replica after consecutive failed health checks, one period apart (the shipped period is 10 s); the
@@ -32,7 +37,7 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="package")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811 - the package fixtures imported above
+def service(redis_url, tmp_path_factory, jwt_secret):
     pytest.importorskip("ray")
     metrics_port = free_port()
     with running_service(redis_url, tmp_path_factory.mktemp("kv"), jwt_secret,

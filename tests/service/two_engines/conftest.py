@@ -23,9 +23,14 @@ import os
 from pathlib import Path
 
 import pytest
+from support import shared_app
 from support.local_service import service_on_local_ray
 from support.serve_specs import spec_with
-from support.shared_app import jwt_secret, order_folder, redis_url  # noqa: F401 - the folder's package fixtures
+from support.shared_app import order_folder
+
+# The folder's package-scoped fixtures (support/shared_app.py): bound here, where pytest looks for this folder's.
+redis_url = shared_app.redis_url
+jwt_secret = shared_app.jwt_secret
 
 AUTOSCALED = ("Gateway", "Retrieval", "EncoderPool")
 # Seconds, not minutes: 2 s above target to add a replica, 5 s below to remove it; replicas report every 0.5 s,
@@ -41,7 +46,7 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="package")
-def service(redis_url, tmp_path_factory, jwt_secret):  # noqa: F811 - the package fixtures imported above
+def service(redis_url, tmp_path_factory, jwt_secret):
     pytest.importorskip("ray")
     from inferscale_server.app import DeploymentSpec, ServiceConfig
     from inferscale_server.local_processes import free_port
