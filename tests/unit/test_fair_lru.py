@@ -110,11 +110,13 @@ class ScanReference:
         return next(iter(self.entries[top]))
 
 
-def test_the_heap_chooses_what_a_scan_of_every_owner_chooses_and_stays_small():
-    rnd = random.Random(31)
-    owners = [f"u{i}" for i in range(40)] + [SHARED]
-    lru: FairLRU[str, str] = FairLRU(last=SHARED)
-    ref = ScanReference(SHARED)
+def compare_with_scan(lru: FairLRU[str, str], ref: ScanReference, owners: list[str], seed: int, sizes: list[int],
+                      touch_below: float, keep_for=None) -> None:
+    """20,000 random operations on `lru` and the scan `ref` side by side: adds (bytes from `sizes`), touches (ops
+    below `touch_below`), and evictions of what the rule names for the owner, as a tier making room for it does (with
+    the keys `keep_for(rnd, held, serial)` names kept, when given); the victims must agree at every step, the bytes
+    too, and the heap stays O(owners)."""
+    rnd = random.Random(seed)
     serial = 0
     for step in range(20_000):
         owner = rnd.choice(owners)
@@ -122,24 +124,30 @@ def test_the_heap_chooses_what_a_scan_of_every_owner_chooses_and_stays_small():
         held = ref.entries.get(owner, {})
         if op < 0.45 or not held:
             serial += 1
-            key, nbytes = f"k{serial}", rnd.choice([1, 2, 3, 8])
+            key, nbytes = f"k{serial}", rnd.choice(sizes)
             lru.add(owner, key, key, nbytes)
             ref.add(owner, key, nbytes)
-        elif op < 0.75:
+        elif op < touch_below:
             key = rnd.choice(list(held))
             lru.touch(owner, key)
             ref.touch(owner, key)
-        else:  # evict what the rule names, as a tier making room for `owner` does
-            nbytes = rnd.choice([0, 1, 5])
-            want = ref.victim(owner, nbytes)
-            assert lru.victim(owner, nbytes) == want, f"step {step}"
-            for o, keys in ref.entries.items():
-                if want in keys:
-                    lru.remove(o, want)
-                    ref.remove(o, want)
-                    break
+        else:
+            keep = keep_for(rnd, held, serial) if keep_for is not None else None
+            args = (owner, rnd.choice([0, 1, 5])) + ((keep,) if keep is not None else ())
+            want = ref.victim(*args)
+            assert lru.victim(*args) == want, f"step {step}"
+            if want is not None:
+                o = next(o for o, keys in ref.entries.items() if want in keys)
+                assert lru.remove(o, want) == want
+                ref.remove(o, want)
         assert lru.bytes == sum(sum(k.values()) for k in ref.entries.values())
         assert len(lru._heap) <= FairLRU._SLACK * len(owners) + 32
+
+
+def test_the_heap_chooses_what_a_scan_of_every_owner_chooses_and_stays_small():
+    owners = [f"u{i}" for i in range(40)] + [SHARED]
+    compare_with_scan(FairLRU(last=SHARED), ScanReference(SHARED), owners, seed=31, sizes=[1, 2, 3, 8],
+                      touch_below=0.75)
 
 
 def test_with_ties_held_equal_owners_pay_in_the_order_they_came_to_hold_something():
@@ -209,33 +217,10 @@ class HeldScanReference(ScanReference):
 
 @pytest.mark.parametrize("ties", ["changed", "held"])
 def test_with_keep_and_either_tie_order_the_heap_chooses_what_a_scan_chooses(ties):
-    rnd = random.Random(311)
+    def keep_for(rnd, held, serial):  # any of the owner's keys (all of them now and then), and keys it does not hold
+        keep = set(held) if rnd.random() < 0.3 else {k for k in held if rnd.random() < 0.5}
+        return keep | {"nobody", f"k{serial}"}
+
     owners = [f"u{i}" for i in range(12)] + [SHARED]
-    lru: FairLRU[str, str] = FairLRU(last=SHARED, ties=ties)  # type: ignore[arg-type]
-    ref = HeldScanReference(SHARED, ties)
-    serial = 0
-    for step in range(20_000):
-        owner = rnd.choice(owners)
-        op = rnd.random()
-        held = ref.entries.get(owner, {})
-        if op < 0.45 or not held:
-            serial += 1
-            key, nbytes = f"k{serial}", rnd.choice([0, 1, 2, 3, 8])
-            lru.add(owner, key, key, nbytes)
-            ref.add(owner, key, nbytes)
-        elif op < 0.6:
-            key = rnd.choice(list(held))
-            lru.touch(owner, key)
-            ref.touch(owner, key)
-        else:  # any of the owner's keys kept (all of them now and then), and keys it does not hold
-            keep = set(held) if rnd.random() < 0.3 else {k for k in held if rnd.random() < 0.5}
-            keep |= {"nobody", f"k{serial}"}
-            nbytes = rnd.choice([0, 1, 5])
-            want = ref.victim(owner, nbytes, keep)
-            assert lru.victim(owner, nbytes, keep) == want, f"step {step}"
-            if want is not None:
-                o = next(o for o, keys in ref.entries.items() if want in keys)
-                assert lru.remove(o, want) == want
-                ref.remove(o, want)
-        assert lru.bytes == sum(sum(k.values()) for k in ref.entries.values())
-        assert len(lru._heap) <= FairLRU._SLACK * len(owners) + 32
+    compare_with_scan(FairLRU(last=SHARED, ties=ties), HeldScanReference(SHARED, ties), owners, seed=311,
+                      sizes=[0, 1, 2, 3, 8], touch_below=0.6, keep_for=keep_for)
