@@ -59,12 +59,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _LEASE_REFUSED = -706  # Mooncake: OBJECT_HAS_LEASE (a read's lease still runs)
+_LEASE_EXPIRED = -707  # Mooncake: LEASE_EXPIRED (a read's transfer ended after its lease; measured)
 # What each of our registered buffers (the write buffer, the read buffer) may take, as a share of the client's
 # `buffer_bytes`: one round of objects at most, so no object larger is written. Both bounds are the same number: an
 # object the writer stores always fits a reader's buffer. (3/4 comes from put_batch, which staged a batch in the
 # client's transfer buffer, whose allocator needs room of its own: 63.5 MiB failed in 64 MiB, measured here; kept so
 # that `buffer_bytes` still means what it meant for the largest fact stored.)
 BUFFER_SHARE = 0.75
+# A read round's objects must all land within one read lease (the master's --default_kv_lease_ttl, counted by the
+# client from its replica query to the end of the round's transfer): Mooncake fails EVERY object of a round that ends
+# later (LEASE_EXPIRED), whatever landed. On a loaded 2-core machine one 48 MB round of fp32 SmolLM2 facts took longer
+# than `inferscale serve`'s 0.5 s lease (bench/service.py at 25 users, 2026-11-29: the whole request's memory was
+# then recomputed). So a pass whose rounds all expired is tried again in rounds half as large, down to one object a
+# round, and then READ_PASSES_AT_ONE times more before its objects count as unreadable; the reader keeps the smaller
+# rounds for its next reads and doubles them back after each read that needed no smaller round. A pass that reads
+# none for another reason (a copy on a dead node's segment until the master drops it) ends the read at once.
+READ_PASSES_AT_ONE = 2
 REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
 MIN_REMOVE_ATTEMPTS = 3  # ... and this often at least (see ClusterStore._remove)
 
@@ -321,7 +331,11 @@ class ClusterStore:
         self._transfer = threading.Lock()
         self.write_buffer = RegisteredBuffer(int(config.buffer_bytes * BUFFER_SHARE))
         self.read_buffer = RegisteredBuffer(int(config.buffer_bytes * BUFFER_SHARE), pinned=device.type == "cuda")
-        self.counters = {"hits": 0, "misses": 0, "puts": 0, "put_failures": 0, "errors": 0, "removed": 0}
+        # Bytes one read round takes at most (READ_PASSES_AT_ONE's comment): the read buffer's limit until a round
+        # outlives its lease. Shared by the loader threads; a lost update only costs one more or one fewer halving.
+        self.read_round_bytes = self.read_buffer.limit
+        self.counters = {"hits": 0, "misses": 0, "puts": 0, "put_failures": 0, "errors": 0, "removed": 0,
+                         "read_rounds_halved": 0}
 
     # ------------------------------------------------------------------ keys
     def key(self, user_id: str, kv_id: str) -> str:
@@ -533,17 +547,31 @@ class ClusterStore:
             # Not listed (or no complete copy in memory), or its read failed: a miss or a failure, and only then one
             # more call tells which (a hit costs two calls: the sizes, then the read).
             exists.update(self._exist(client, keys, [i for i in range(len(keys)) if i not in sizes]))
+            round_bytes, shrunk, passes_at_one = self.read_round_bytes, False, 0
             while todo:
-                failed = [i for batch in self._batches(todo, sizes.__getitem__, self.read_buffer.limit)
-                          for i in self._read_round(client, user_id, kv_ids, keys, sizes, batch, keep, out)]
+                batches = self._batches(todo, sizes.__getitem__, round_bytes)
+                failed: list[int] = []
+                expired = 0
+                for batch in batches:
+                    codes = self._read_round(client, user_id, kv_ids, keys, sizes, batch, keep, out)
+                    failed += codes
+                    expired += sum(rc == _LEASE_EXPIRED for rc in codes.values())
                 exists.update(self._exist(client, keys, failed))
-                # Present but not read (a read lease that ran out on a loaded machine, measured): read again, as
-                # long as each pass reads some; a pass that reads none (a copy on a dead node until the master
-                # drops it) ends with them unreadable.
+                # Present but not read: read again as long as each pass reads some. A pass that reads none is
+                # repeated in smaller rounds when its leases ran out (READ_PASSES_AT_ONE), else ends the read.
                 again = [i for i in failed if exists[i] == 1]
                 if len(again) == len(todo):
-                    break
+                    if not expired:
+                        break
+                    if max(len(b) for b in batches) > 1:
+                        round_bytes, shrunk = max(1, round_bytes // 2), True
+                        self.counters["read_rounds_halved"] += 1
+                    else:
+                        passes_at_one += 1
+                        if passes_at_one > READ_PASSES_AT_ONE:
+                            break
                 todo = again
+            self.read_round_bytes = round_bytes if shrunk else min(self.read_buffer.limit, 2 * round_bytes)
         except _ReadFailed as e:  # what was kept is the caller's already: returned, the rest are misses
             self._count_read(out)
             self._failed(f"get of {len(kv_ids)} facts", e)
@@ -584,10 +612,10 @@ class ClusterStore:
         return sizes
 
     def _read_round(self, client, user_id: str, kv_ids: list[str], keys: list[str], sizes: dict[int, int],
-                    batch: list[int], keep, out: list) -> list[int]:
+                    batch: list[int], keep, out: list) -> dict[int, int]:
         """Lands the objects of `batch` in the read buffer, unpacks each and hands it to `keep` (into `out`);
-        returns the indexes whose read failed. A failed Mooncake call raises _ReadFailed; what `keep` raises
-        passes through."""
+        returns the indexes whose read failed, with Mooncake's code for each. A failed Mooncake call raises
+        _ReadFailed; what `keep` raises passes through."""
         offsets, total = [], 0
         for i in batch:
             offsets.append(total)
@@ -597,10 +625,10 @@ class ClusterStore:
             got = _mooncake("batch_get_into", client.batch_get_into, [keys[i] for i in batch],
                             [memory.data_ptr() + o for o in offsets], [sizes[i] for i in batch])
             view = memoryview(memory.numpy())
-            failed = []
+            failed = {}
             for i, at, n in zip(batch, offsets, got):
-                if n < 0:  # removed meanwhile (-704), or its copy cannot be reached: asked about after
-                    failed.append(i)
+                if n < 0:  # removed meanwhile (-704), its lease over (-707), its copy out of reach: asked about after
+                    failed[i] = n
                     continue
                 fact = self._checked(view[at:at + n], user_id, kv_ids[i])
                 if fact is not None:

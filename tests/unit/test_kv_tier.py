@@ -67,6 +67,31 @@ def test_writes_and_reads_larger_than_the_transfer_buffer(mooncake):
         s.close()
 
 
+def test_a_read_whose_rounds_outlive_the_lease_is_read_in_smaller_rounds():
+    """Mooncake fails every object of a round whose transfer ends after the read lease (LEASE_EXPIRED, -707): seen on
+    a loaded machine, where a 48 MB round outlived the 0.5 s lease and the request's whole memory was recomputed.
+    Here the lease is 10 ms: one 23 MB round outlives it, one 0.4 MB object does not. Every fact is read, in halved
+    rounds, and the reader keeps the smaller rounds for its next read."""
+    from inferscale_server.local_mooncake import local_mooncake
+
+    with local_mooncake(segment_bytes=256 << 20, lease_ms=10) as m:
+        s = ClusterStore(ClusterConfig.from_dict(m.config), FP_A)
+        assert s.wait_available(60)
+        try:
+            facts = {f"r{i}@v1": make_fact(1000, seed=70 + i) for i in range(60)}  # 60 x 392 KB, one round
+            assert s.put_many("slow", list(facts.items())) == [True] * 60
+            ids = list(facts)
+            got = s.get_many("slow", ids)
+            assert all(f is not None and same_bits(f, facts[kv]) for f, kv in zip(got, ids))
+            assert s.counters["read_rounds_halved"] >= 1 and s.read_round_bytes < s.read_buffer.limit
+            halved = s.counters["read_rounds_halved"]
+            assert all(f is not None for f in s.get_many("slow", ids[:20]))  # smaller rounds from the start
+            assert s.counters["errors"] == 0 and s.counters["misses"] == 0
+            assert s.counters["read_rounds_halved"] - halved <= 1
+        finally:
+            s.close()
+
+
 def test_the_object_is_self_describing_and_checked():
     f = make_fact(4, dtype=torch.bfloat16)
     head, back = unpack(pack(FP_A, "u", "x@v2", f))
