@@ -557,19 +557,16 @@ class ClusterStore:
                     failed += codes
                     expired += sum(rc == _LEASE_EXPIRED for rc in codes.values())
                 exists.update(self._exist(client, keys, failed))
-                # Present but not read: read again as long as each pass reads some. A pass that reads none is
-                # repeated in smaller rounds when its leases ran out (READ_PASSES_AT_ONE), else ends the read.
+                # Present but not read: read again, in smaller rounds when leases ran out (READ_PASSES_AT_ONE); a
+                # pass that reads none ends the read unless its leases ran out.
                 again = [i for i in failed if exists[i] == 1]
-                if len(again) == len(todo):
-                    if not expired:
+                if expired and max(len(b) for b in batches) > 1:
+                    round_bytes, shrunk = max(1, round_bytes // 2), True
+                    self.counters["read_rounds_halved"] += 1
+                elif len(again) == len(todo):
+                    passes_at_one += 1
+                    if not expired or passes_at_one > READ_PASSES_AT_ONE:
                         break
-                    if max(len(b) for b in batches) > 1:
-                        round_bytes, shrunk = max(1, round_bytes // 2), True
-                        self.counters["read_rounds_halved"] += 1
-                    else:
-                        passes_at_one += 1
-                        if passes_at_one > READ_PASSES_AT_ONE:
-                            break
                 todo = again
             self.read_round_bytes = round_bytes if shrunk else min(self.read_buffer.limit, 2 * round_bytes)
         except _ReadFailed as e:  # what was kept is the caller's already: returned, the rest are misses
