@@ -677,6 +677,10 @@ def summarize(cell_id: str, door: str, n: int, mode: str, k: int, recs: list[dic
            "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in ok) if ok else None,
            "prefilled_tokens_mean": statistics.mean(r["prefilled_tokens"] for r in ok
                                                     if r.get("prefilled_tokens") is not None) if ok else None,
+           # KV requests whose memory vLLM computed after all (a failed load: facts in no tier, a read that failed):
+           # more than half of the prompt prefilled. They are the KV path's slowest requests; the count says why.
+           "recomputed": sum(1 for r in ok if mode == "inject" and r.get("prefilled_tokens") is not None
+                             and r["prefilled_tokens"] > r["prompt_tokens"] / 2),
            "timings_ms_p50": {key: pct([r["timings_ms"][key] for r in ok if key in (r.get("timings_ms") or {})], 50)
                               for key in timing_keys}}
     for name, vals in (("first_chunk_ms", first), ("total_ms", total), ("engine_ttft_ms", ttft)):
@@ -798,12 +802,13 @@ def markdown(result: dict) -> str:
         hops = ", ".join(f"{k} {t[k]:.0f}" for k in sorted(t, key=hop_order) if t[k] is not None) or "–"
         fails = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items())) or "0"
         retried = f" ({r['retried']} retried)" if r.get("retried") else ""
+        recomputed = f" ({r['recomputed']} recomputed)" if r.get("recomputed") else ""
         lines.append(
             f"| {r['door']} | {r['users']} | {r['mode']} | {r['k']} | {r['requests']} | {r['ok']}{retried} | {fails} | "
             f"{fmt(r['req_per_s'], 2)} | {fmt(r['first_chunk_ms_p50'])} / {fmt(r['first_chunk_ms_p90'])} / "
             f"{fmt(r['first_chunk_ms_p99'])} | {fmt(r['total_ms_p50'])} / {fmt(r['total_ms_p99'])} | "
             f"{fmt(r['engine_ttft_ms_p50'])} / {fmt(r['engine_ttft_ms_p90'])} | {fmt(r['prompt_tokens_mean'])} | "
-            f"{fmt(r['prefilled_tokens_mean'])} | {hops} |")
+            f"{fmt(r['prefilled_tokens_mean'])}{recomputed} | {hops} |")
     lines += ["", "Targets (issue 12, item 2; ratios of this run):", "",
               "| target | door | users | mode | k | measured | limit | verdict | margin |",
               "|---|---|---|---|---|---|---|---|---|"]

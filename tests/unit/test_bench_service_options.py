@@ -130,3 +130,17 @@ def test_service_ratios_without_the_engine_phase_are_not_computable_rather_than_
     assert (kv_pi["value"], kv_pi["limit"], kv_pi["met"], kv_pi["margin"]) == (1.0, None, None, None)
     assert out["service req/s / engine-level req/s"]["met"] is None
     assert out["first chunk / engine TTFT (final chunk)"]["met"] is True  # 1.7 <= 2.0: computed without the engine
+
+
+def test_kv_requests_whose_memory_was_computed_after_all_are_counted():
+    """A KV request whose load failed is answered with its memory prefilled (correct, slow): the cell counts them,
+    so a slow tail says why (seen: one 1,108-token recompute in a 13 s step). Prompt injection prefills by design."""
+    service = import_service()
+
+    def rec(prefilled: int) -> dict:
+        return {"status": "OK", "t_first_s": 0.2, "t_total_s": 0.5, "ttft_ms": 150.0, "prompt_tokens": 1000,
+                "prefilled_tokens": prefilled, "timings_ms": {}}
+
+    recs = [rec(20), rec(30), rec(990), {"status": "RESOURCE_EXHAUSTED"}]
+    assert service.summarize("c", "grpc", 25, "inject", 50, recs, 2.0)["recomputed"] == 1
+    assert service.summarize("c", "grpc", 25, "prompt", 50, [rec(990)] * 3, 2.0)["recomputed"] == 0
