@@ -41,7 +41,10 @@ class Limits:
     request_burst_per_caller: int = 200
     # Each caller's budget of work on a gateway replica (services/gateway/work_budget.py), in work units (tokens
     # the model forwards): a rate of a quarter of what the reference node forwards per second (the sizing rule:
-    # docs/security.md), and the burst a quiet caller may spend at once. In debt: CALLER_WORK until refilled.
+    # docs/security.md), and the burst a quiet caller may spend at once. The caller has one such balance for each
+    # shared resource (the encoder pool, the engine, the gateway's own scans), each of this rate and burst; in debt
+    # for one, the routes that use it get CALLER_WORK until it has refilled (an import's encoder debt leaves the
+    # caller's questions served).
     work_units_per_s_per_caller: float = 64.0
     work_burst_per_caller: float = 8192.0  # one full context of the default model (SmolLM2: 8,192 tokens)
 

@@ -51,7 +51,7 @@ from ..registry import (
     check_idempotency_key,
 )
 from .principal_limits import PrincipalLimit, PrincipalLimits
-from .work_budget import WorkBudget, WorkLimit, scan_units, text_units
+from .work_budget import Resource, WorkBudget, WorkLimit, scan_units, text_units
 
 if TYPE_CHECKING:  # mem0ai loads on the first infer=true request, not at import
     from ..mem0_provider import Mem0Extractor
@@ -210,7 +210,8 @@ class GatewayCore:
         if rpc in OPEN_RPCS:
             return None
         caller = await self.auth.authenticate_async(authorization)
-        self.work.admit(caller)  # first: a caller in debt takes no slot or rate token
+        # first: a caller in debt for a resource this route uses takes no slot or rate token
+        self.work.admit(caller, rpc)
         self.caller_limits.admit(caller)  # this caller's share: requests in flight, request rate
         return caller
 
@@ -283,7 +284,7 @@ class GatewayCore:
                           f"windows they are encoded behind), the limit per request is "
                           f"{self.limits.max_encode_chars_per_request}: send fewer facts per request; nothing "
                           "was stored", "facts")
-        self.work.charge(text_units(encoded))  # before the encoder pool is asked for anything
+        self.work.charge(Resource.ENCODE, text_units(encoded))  # before the encoder pool is asked for anything
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         try:
@@ -386,7 +387,8 @@ class GatewayCore:
             (kv_bytes,) = await self._check_encodable([text], ["text"])
             old = await _blocking(self.registry.get, user_id, fact_id)
             seq = await _blocking(self.registry.seq_of, user_id, fact_id)
-            self.work.charge(text_units(len(text) + sum(len(turn) for turn in old.window)))  # its re-encode
+            reencode = text_units(len(text) + sum(len(turn) for turn in old.window))
+            self.work.charge(Resource.ENCODE, reencode)  # its re-encode
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
                               embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes, expires_at=expires_at)
@@ -418,7 +420,8 @@ class GatewayCore:
         page, _ = await _blocking(self.registry.list_after, user_id, seq, REWINDOW_SPAN)
         changed = list((await self._rewrite_windows(user_id, [rec for _, rec in page], old_text, new_text)).values())
         # The neighbours re-encoded: work the delete or update causes once it is done, so charged, never refused.
-        self.work.spent(text_units(sum(len(r.text) + sum(len(turn) for turn in r.window) for r in changed)))
+        self.work.spent(Resource.ENCODE,
+                        text_units(sum(len(r.text) + sum(len(turn) for turn in r.window) for r in changed)))
         if changed and self.backends is not None:  # a failed push is repaired by the replicas' sync
             await self._push(self.backends.index_facts(user_id, changed), "index_facts (neighbour left)")
         return changed
@@ -469,6 +472,9 @@ class GatewayCore:
         (queueing included) is stopped: nothing of it is written after its error is returned. `stamp`: NewFact
         fields (created_at, expires_at) the facts it adds get."""
         self._need("AddMemory with infer=true")
+        # The route (AddMemory) was admitted for the encoder only: the body said infer=true, so the extraction's
+        # engine work is checked now, before it queues (its prompts are charged as they run, never refused).
+        self.work.check(Resource.ENGINE)
         if self._mem0_pending >= 1 + MEM0_QUEUE:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"too many AddMemory calls with infer=true in progress on this server (1 running, "
@@ -592,7 +598,8 @@ class GatewayCore:
         while True:
             hits = await backends.search(uid, query, want)
             recs = await self._records(uid, [f for f, _ in hits])
-            self.work.spent(scan_units(len(hits)))  # a filter widens the read up to the user's every fact
+            # a filter widens the read up to the user's every fact
+            self.work.spent(Resource.GATEWAY, scan_units(len(hits)))
             out = [(recs[f], s) for f, s in hits if f in recs and (threshold is None or s >= threshold)]
             if match is not None:  # up to max_facts_per_user records: matched in a worker thread, never the loop
                 out = await asyncio.to_thread(lambda: [(r, s) for r, s in out if match(r)])
@@ -634,11 +641,12 @@ class GatewayCore:
         backends = self._need("Answer")
         extra = {"openai": openai} if openai is not None else {}
         estimate = self._answer_units(query, conversation, max_tokens, openai)
-        self.work.charge(estimate)  # before the engine is asked; corrected by what it reports at the end
+        # before the engine is asked; corrected by what it reports at the end
+        self.work.charge(Resource.ENGINE, estimate)
         async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation,
                                            **extra):
             if isinstance(piece, AnswerEnd):
-                self.work.spent(piece.prefilled_tokens + piece.completion_tokens - estimate)
+                self.work.spent(Resource.ENGINE, piece.prefilled_tokens + piece.completion_tokens - estimate)
             yield piece
 
     def _answer_units(self, query: str, conversation: list[dict] | None, max_tokens: int,
@@ -676,7 +684,7 @@ class GatewayCore:
         after = page_token(req.page_token, scope)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
-        self.work.spent(scan_units(len(page)))
+        self.work.spent(Resource.GATEWAY, scan_units(len(page)))
         facts: list = []  # pb2.Fact messages
         total, now = 0, time.time()
         for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
@@ -846,8 +854,10 @@ class GatewaySink:
     def chat(self, user_id, messages, max_tokens, temperature, structured):
         async def chat():
             # The extraction's prompt and its answer's cap, charged to the add that runs it (never refused: the
-            # add was admitted, and its own work cannot refuse it).
-            self.core.work.spent(text_units(sum(len(str(m.get("content", ""))) for m in messages)) + max_tokens)
+            # add's engine balance was checked before the extraction started, _extract, and its own work cannot
+            # refuse it).
+            self.core.work.spent(Resource.ENGINE,
+                                 text_units(sum(len(str(m.get("content", ""))) for m in messages)) + max_tokens)
             return await self.core.backends.chat(user_id, messages, max_tokens, temperature, structured)
         return self._run(chat)
 

@@ -203,7 +203,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     async def models(request: Request):
         done = Outcome(metrics(), "models")
         try:
-            await core_getter().authenticate("Answer", request.headers.get("authorization"))
+            await core_getter().authenticate("Models", request.headers.get("authorization"))
         except Exception as e:  # noqa: BLE001
             err = status_of("models", e)
             done(err.code)
@@ -215,7 +215,7 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
     async def model(model: str, request: Request):
         done = Outcome(metrics(), "models")
         try:
-            await core_getter().authenticate("Answer", request.headers.get("authorization"))
+            await core_getter().authenticate("Models", request.headers.get("authorization"))
             if model not in config().served_model_names:
                 raise ModelNotFound(model, config().served_model_names)
         except Exception as e:  # noqa: BLE001

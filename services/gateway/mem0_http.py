@@ -50,7 +50,7 @@ from .http_common import (
     read_body,
     retry_after_header,
 )
-from .work_budget import scan_units
+from .work_budget import Resource, scan_units
 
 DEFAULT_TOP_K = 10   # Mem0's default for search
 IDEMPOTENCY_HEADER = "idempotency-key"  # add's idempotency key (infer=false), as the IETF httpapi draft names it
@@ -675,7 +675,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         offset: int | None = 0
         while offset is not None:
             recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
-            core.work.spent(scan_units(read))
+            core.work.spent(Resource.GATEWAY, scan_units(read))
             doomed += [r.fact_id for r in recs]
         for fid in doomed:
             try:
@@ -727,14 +727,14 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         if match is None:  # the page alone: the count is the registry's
             count = await asyncio.to_thread(core.registry.count, uid)
             recs = (await asyncio.to_thread(core.registry.list, uid, first, size))[0] if first < count else []
-            core.work.spent(scan_units(len(recs)))
+            core.work.spent(Resource.GATEWAY, scan_units(len(recs)))
             results = [memory_json(r) for r in recs]
         else:  # one pass over the user's facts, 1000 at a time, read and matched in a worker thread (never the loop)
             count, results = 0, []
             offset: int | None = 0
             while offset is not None:
                 recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
-                core.work.spent(scan_units(read))
+                core.work.spent(Resource.GATEWAY, scan_units(read))
                 results += [memory_json(r) for r in recs[max(0, first - count):max(0, first + size - count)]]
                 count += len(recs)
         base = f"{str(request.base_url).rstrip('/')}/v3/memories/?page_size={size}&page="

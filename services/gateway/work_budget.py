@@ -4,30 +4,35 @@ most of the node; this bounds what its requests make the node compute, in one un
 
 A work unit is one token the shared model forwards, for the engine (prefill, decode) or the encoder pool; other work
 is weighed in those tokens (the weights below, docs/security.md "A caller's work budget"). Each caller (token subject)
-has a balance that refills at `rate_per_s` up to `burst`. The budget is a debt: a request is admitted while its
-caller's balance is not negative, and its cost, charged where it is known (before the work when it can be: an add's
-characters to encode, an answer's choices x max_tokens), may take the balance below zero; a caller in debt is refused
-with RESOURCE_EXHAUSTED (HTTP 429), reason CALLER_WORK, and a retry hint of the time its balance takes to refill to
-zero. So no request is refused for its own size (the per-request limits bound that), only for work already done.
+has one balance PER SHARED RESOURCE its requests draw on (Resource: the gateway replica itself, the encoder pool, the
+engine), each refilling at `rate_per_s` up to `burst`. A balance is a debt: a request is admitted while its caller's
+balance of every resource its route uses (ROUTE_RESOURCES) is not negative, and its cost, charged to the resource
+that does the work where it is known (before the work when it can be: an add's characters to encode, an answer's
+choices x max_tokens), may take that balance below zero; a caller in debt for a resource the request will use is
+refused with RESOURCE_EXHAUSTED (HTTP 429), reason CALLER_WORK, and a retry hint of the time that balance takes to
+refill to zero. So no request is refused for its own size (the per-request limits bound that), only for work already
+done, and only on the resource that work used: a user who just imported its history (the encoder pool) may ask at
+once (the engine), and a caller whose answers spent its engine share may still add.
 
-The budget is a share, so it binds only when there is someone to share with (work-conserving): a caller in debt is
-refused while another caller NOT in debt has been active on this gateway replica within CONTENTION_WINDOW_S (the
-well-behaved tenant the debt would cost). A caller alone, or callers who are all in debt (a hundred users importing
-their memories at once: the encoder pool's fair queue divides that), keep being served; the debt stays and binds
-the moment a light caller shows up.
+A balance is a share, so it binds only when there is someone to share THAT resource with (work-conserving): a caller
+in debt for a resource is refused while another caller NOT in debt for it has used it on this gateway replica within
+CONTENTION_WINDOW_S (the well-behaved tenant the debt would cost). A caller alone on a resource, or callers who are all
+in debt for it (a hundred users importing their memories at once: the encoder pool's fair queue divides that), keep
+being served; the debt stays and binds the moment a light caller of that resource shows up.
 
 The request's bill follows it in a context variable, as the caller's deadline does (services/deadlines.py): the
 front door admits the caller in the request's task, and the work is charged deep in the core (GatewayCore.store_new,
 answer_pieces, scans, Mem0 extraction's writes) without every path carrying the caller. A bill is per request: a
-charge made before the work is refused when OTHER requests of the caller have put it in debt meanwhile (concurrent
-requests all admitted at a non-negative balance cannot all do their work), never for the request's own charges.
-Admin tokens (memory:admin) are not limited. Per gateway replica, like the request limits."""
+charge made before the work is refused when OTHER requests of the caller have put it in debt for that resource
+meanwhile (concurrent requests all admitted at a non-negative balance cannot all do their work), never for the
+request's own charges. Admin tokens (memory:admin) are not limited. Per gateway replica, like the request limits."""
 from __future__ import annotations
 
 import contextvars
+import enum
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -42,12 +47,53 @@ CHARS_PER_TOKEN = 4.0     # text to encode or prefill, before it is tokenized: ~
 FACTS_READ_PER_UNIT = 32  # a scan (a filtered listing, a search widened by a filter, a filtered delete): a fact
 #                           read from Redis and matched against a filter of up to filters.MAX_NODES conditions
 
-# A caller counts as active for this long after its last request (the well-behaved users of bench/noisy_neighbour.py
-# ask every 15 s, 20 of them: one of them is always within 10 s); a debt binds only while one such caller is not in
-# debt. At most CONTENTION_SCAN recently active callers are looked at before the answer is "contended" (bounded
-# work per request, whatever the number of callers).
+# A caller counts as active on a resource for this long after its last charge there (the well-behaved users of
+# bench/noisy_neighbour.py ask every 15 s, 20 of them: one of them is always within 10 s); a debt binds only while
+# one such caller is not in debt for it. At most CONTENTION_SCAN recently active callers are looked at before the
+# answer is "contended" (bounded work per request, whatever the number of callers).
 CONTENTION_WINDOW_S = 10.0
 CONTENTION_SCAN = 256
+
+
+class Resource(enum.Enum):
+    """A shared resource of the node that a request's work draws on; each caller has a balance of each."""
+    # The gateway replica itself: every request's authentication, parsing and answer (REQUEST_UNITS), and scans
+    # (registry reads and filter matching). Scans have this share rather than the engine's or the encoder's: they
+    # run here (Redis and the gateway's worker threads), and neither model forwards anything for them, so a scan-
+    # heavy tenant costs the others this replica, not their answers or adds. Every request uses the gateway, so a
+    # debt here binds every route; scans make one (a unit is 32 facts read: a burst of 8,192 reads 262,144), or a
+    # request rate above the budget's rate (REQUEST_UNITS each) kept up for minutes.
+    GATEWAY = "gateway"
+    # The encoder pool: an add's facts and the windows they are encoded behind, an update's re-encode, the
+    # neighbours re-encoded when a fact's text leaves the memory.
+    ENCODE = "encode"
+    # The vLLM engine: an answer's prompt and n x max_tokens (corrected by the usage it reports), Mem0's
+    # extraction prompts and their caps.
+    ENGINE = "engine"
+
+
+# The resources each route's work may draw on besides the gateway (every request uses that one), known from the
+# route alone (the gRPC method or the HTTP door's route) so that a caller in debt is refused before its body is
+# read. The names are auth.RPC_SCOPES' (what the front doors authenticate with), and "Models" (the OpenAI door's
+# model listing). Mem0's add (AddMemory) encodes what it stores; with infer=true it also runs an extraction on the
+# engine, which only the body says: GatewayCore._extract checks the engine's balance (WorkBudget.check) before it
+# starts. An update re-encodes its fact (and a delete the facts encoded behind the one that left): ENCODE.
+ROUTE_RESOURCES: dict[str, frozenset[Resource]] = {
+    "AddFacts": frozenset({Resource.ENCODE}), "AddMemory": frozenset({Resource.ENCODE}),
+    "UpdateMemory": frozenset({Resource.ENCODE}), "DeleteMemory": frozenset({Resource.ENCODE}),
+    "Answer": frozenset({Resource.ENGINE}),
+    "DeleteUser": frozenset(), "Search": frozenset(), "GetMemory": frozenset(), "ListMemories": frozenset(),
+    "Models": frozenset(),
+}
+
+
+def route_resources(route: str) -> frozenset[Resource]:
+    """Every resource a request of `route` may draw on, the gateway included."""
+    try:
+        return ROUTE_RESOURCES[route] | {Resource.GATEWAY}
+    except KeyError:  # a front door authenticating a route nobody sized: a bug, not the caller's
+        raise ValueError(f"the work budget does not know which resources the route {route!r} uses "
+                         "(services/gateway/work_budget.py ROUTE_RESOURCES)") from None
 
 
 def text_units(chars: int) -> float:
@@ -62,6 +108,7 @@ def scan_units(facts: int) -> float:
 
 @dataclass(frozen=True)
 class WorkLimit:
+    """Each caller's share of EACH resource (the same numbers for all: a unit is a token forwarded, or its weight)."""
     rate_per_s: float = 64.0  # work units per second (services/limits.py, Limits.work_units_per_s_per_caller)
     burst: float = 8192.0     # what a caller that has been quiet may spend at once: one full context
 
@@ -72,9 +119,9 @@ class WorkLimit:
 
 @dataclass
 class _Bill:
-    """One request's charges so far, for its caller `subject`."""
+    """One request's charges so far, per resource, for its caller `subject`."""
     subject: str
-    units: float = 0.0
+    units: dict[Resource, float] = field(default_factory=dict)
 
 
 # The bill of the request this task (and the tasks and threads it starts) serves; None: nothing to charge (an open
@@ -82,64 +129,28 @@ class _Bill:
 _BILL: contextvars.ContextVar[_Bill | None] = contextvars.ContextVar("inferscale_work_bill", default=None)
 
 
-class WorkBudget:
-    def __init__(self, limit: WorkLimit = WorkLimit(), tracked: int = TRACKED_PRINCIPALS):
+class _Balances:
+    """Every tracked caller's balance of one resource: subject -> (balance, at), in order of last charge (an LRU of
+    at most `tracked`; a caller forgotten has a full burst again)."""
+
+    def __init__(self, limit: WorkLimit, tracked: int):
         self.limit, self.tracked = limit, tracked
-        self._balances: OrderedDict[str, tuple[float, float]] = OrderedDict()  # subject -> (balance, at), LRU
-        self.refused = 0
+        self._by_subject: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
-    def admit(self, caller: Principal | None) -> None:
-        """At authentication, before the request is read: refuses a caller in debt while another caller not in debt
-        is active (CALLER_WORK), else opens the request's bill with REQUEST_UNITS. A request authenticated twice (a
-        front door and the core) is billed once."""
-        if caller is None or caller.admin:
-            _BILL.set(None)
-            return
-        bill = _BILL.get()
-        if bill is not None and bill.subject == caller.subject:
-            return
-        now = time.monotonic()
-        balance = self._refilled(caller.subject, now)
-        if balance < 0 and self._contended(caller.subject, now):
-            self._refuse(balance)
-        bill = _Bill(caller.subject)
-        _BILL.set(bill)
-        self._debit(bill, REQUEST_UNITS)
+    def __len__(self) -> int:
+        return len(self._by_subject)
 
-    def charge(self, units: float) -> None:
-        """Work known before it is done, charged before it is done: refused (CALLER_WORK) when the caller's other
-        requests have put its balance below zero since this request was admitted, and another caller not in debt is
-        active."""
-        bill = _BILL.get()
-        if bill is None or units <= 0:
-            return
-        now = time.monotonic()
-        others = self._refilled(bill.subject, now) + bill.units  # the balance without this request's own charges
-        if others < 0 and self._contended(bill.subject, now):
-            self._refuse(others)
-        self._debit(bill, units)
-
-    def spent(self, units: float) -> None:
-        """Work already done (or a correction of an estimate, negative for a refund): charged, never refused."""
-        bill = _BILL.get()
-        if bill is not None and units:
-            self._debit(bill, units)
-
-    def balance(self, subject: str) -> float:
-        """The caller's balance now (a caller not tracked has a full burst)."""
-        return self._refilled(subject, time.monotonic())
-
-    def _refilled(self, subject: str, now: float) -> float:
-        return self._refill(*self._balances.get(subject, (self.limit.burst, now)), now)
+    def refilled(self, subject: str, now: float) -> float:
+        return self._refill(*self._by_subject.get(subject, (self.limit.burst, now)), now)
 
     def _refill(self, balance: float, at: float, now: float) -> float:
         """A balance of `balance` at time `at`, refilled up to the burst by `now`."""
         return min(self.limit.burst, balance + (now - at) * self.limit.rate_per_s)
 
-    def _contended(self, subject: str, now: float) -> bool:
-        """Whether another caller not in debt was active within CONTENTION_WINDOW_S. The balances are kept in order of
-        last charge (every admitted request is charged), so the walk from the newest stops at the window's edge."""
-        for looked, (other, (balance, at)) in enumerate(reversed(self._balances.items())):
+    def contended(self, subject: str, now: float) -> bool:
+        """Whether another caller not in debt for this resource used it within CONTENTION_WINDOW_S. The balances are
+        in order of last charge, so the walk from the newest stops at the window's edge."""
+        for looked, (other, (balance, at)) in enumerate(reversed(self._by_subject.items())):
             if now - at > CONTENTION_WINDOW_S:
                 return False
             if looked >= CONTENTION_SCAN:
@@ -148,19 +159,89 @@ class WorkBudget:
                 return True
         return False
 
-    def _debit(self, bill: _Bill, units: float) -> None:
-        now = time.monotonic()
-        balance = min(self.limit.burst, self._refilled(bill.subject, now) - units)  # a refund fills to the burst
-        self._balances.pop(bill.subject, None)
-        self._balances[bill.subject] = (balance, now)  # most recently used last
-        bill.units += units
-        while len(self._balances) > self.tracked:  # the least recently used is forgotten: a full burst again
-            self._balances.popitem(last=False)
+    def debit(self, subject: str, units: float, now: float) -> None:
+        balance = min(self.limit.burst, self.refilled(subject, now) - units)  # a refund fills to the burst
+        self._by_subject.pop(subject, None)
+        self._by_subject[subject] = (balance, now)  # most recently used last
+        while len(self._by_subject) > self.tracked:  # the least recently used is forgotten: a full burst again
+            self._by_subject.popitem(last=False)
 
-    def _refuse(self, balance: float) -> None:
+
+class WorkBudget:
+    def __init__(self, limit: WorkLimit = WorkLimit(), tracked: int = TRACKED_PRINCIPALS):
+        self.limit, self.tracked = limit, tracked
+        self._balances = {r: _Balances(limit, tracked) for r in Resource}
+        self.refused = 0
+
+    def admit(self, caller: Principal | None, route: str) -> None:
+        """At authentication, before the request is read: refuses a caller in debt for a resource `route` uses
+        (route_resources) while another caller not in debt for it is active there (CALLER_WORK), else opens the
+        request's bill with REQUEST_UNITS of the gateway. A request authenticated twice (a front door and the core)
+        is billed once."""
+        resources = route_resources(route)  # an unknown route fails for admins too: the map must be complete
+        if caller is None or caller.admin:
+            _BILL.set(None)
+            return
+        bill = _BILL.get()
+        if bill is not None and bill.subject == caller.subject:
+            return
+        now = time.monotonic()
+        owed = {r: b for r in resources
+                if (b := self._balances[r].refilled(caller.subject, now)) < 0
+                and self._balances[r].contended(caller.subject, now)}
+        if owed:
+            self._refuse(owed)
+        bill = _Bill(caller.subject)
+        _BILL.set(bill)
+        self._debit(bill, Resource.GATEWAY, REQUEST_UNITS)
+
+    def check(self, resource: Resource) -> None:
+        """Refuses (CALLER_WORK) the request when its caller's OTHER requests have put its balance of `resource`
+        below zero (its own charges do not count) and another caller not in debt for it is active there. For a
+        resource a request turns out to need once its body is read (Mem0's add with infer=true: the engine), and
+        before every charge."""
+        bill = _BILL.get()
+        if bill is None:
+            return
+        now = time.monotonic()
+        others = self._balances[resource].refilled(bill.subject, now) + bill.units.get(resource, 0.0)
+        if others < 0 and self._balances[resource].contended(bill.subject, now):
+            self._refuse({resource: others})
+
+    def charge(self, resource: Resource, units: float) -> None:
+        """Work on `resource` known before it is done, charged before it is done: refused as check() says."""
+        bill = _BILL.get()
+        if bill is None or units <= 0:
+            return
+        self.check(resource)
+        self._debit(bill, resource, units)
+
+    def spent(self, resource: Resource, units: float) -> None:
+        """Work already done on `resource` (or a correction of an estimate, negative for a refund): charged, never
+        refused."""
+        bill = _BILL.get()
+        if bill is not None and units:
+            self._debit(bill, resource, units)
+
+    def balance(self, subject: str, resource: Resource) -> float:
+        """The caller's balance of `resource` now (a caller not tracked has a full burst)."""
+        return self._balances[resource].refilled(subject, time.monotonic())
+
+    def tracked_callers(self, resource: Resource) -> int:
+        return len(self._balances[resource])
+
+    def _debit(self, bill: _Bill, resource: Resource, units: float) -> None:
+        self._balances[resource].debit(bill.subject, units, time.monotonic())
+        bill.units[resource] = bill.units.get(resource, 0.0) + units
+
+    def _refuse(self, owed: dict[Resource, float]) -> None:
+        """Refuses with the longest of the owed resources' refill times: the request needs them all."""
         self.refused += 1
+        debts = ", ".join(f"{-b:.0f} units for the {r.value}"
+                          for r, b in sorted(owed.items(), key=lambda item: item[0].value))
         raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"this caller's requests have used more work than its budget ({self.limit.rate_per_s:g} work "
-                       f"units per second, bursts of {self.limit.burst:g}: tokens the model forwards, "
-                       f"docs/security.md); it is {-balance:.0f} units in debt; retry when it has refilled",
-                       retry_after_s=-balance / self.limit.rate_per_s, reason="CALLER_WORK")
+                       f"this caller's requests have used more work than its budget of what this request needs "
+                       f"({self.limit.rate_per_s:g} work units per second of each shared resource, bursts of "
+                       f"{self.limit.burst:g}: tokens the model forwards, docs/security.md); it is in debt ({debts}); "
+                       "retry when it has refilled",
+                       retry_after_s=max(-b for b in owed.values()) / self.limit.rate_per_s, reason="CALLER_WORK")

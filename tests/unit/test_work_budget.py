@@ -1,9 +1,12 @@
-"""Each caller's work budget on a gateway replica (services/gateway/work_budget.py, issue 31): the bucket's
-arithmetic (refill, debt, the retry hint, admins exempt, the LRU of tracked callers), and through the real gRPC
-server and the real Mem0 HTTP app: a caller whose heavy requests spent its budget is refused with
-RESOURCE_EXHAUSTED / HTTP 429, reason CALLER_WORK and a retry hint, while another caller is served at the same
-moment. A debt binds only while another caller not in debt is active (the budget is a share: work-conserving). No Ray: the gateway runs in registry-only mode, where an add's encode cost is still charged before the
-encoder would be asked."""
+"""Each caller's work budget on a gateway replica (services/gateway/work_budget.py, issue 31): one balance per shared
+resource (the gateway, the encoder pool, the engine) and the arithmetic of each (refill, debt, the retry hint, admins
+exempt, the LRU of tracked callers); a debt refuses only the routes that use its resource (an import's encoder debt
+leaves questions served, an answer-heavy caller's engine debt leaves its adds served); and through the real gRPC
+server and the real Mem0 HTTP app: a caller whose heavy adds spent its encoder share is refused further adds with
+RESOURCE_EXHAUSTED / HTTP 429, reason CALLER_WORK and a retry hint, while its reads and questions pass the budget and
+another caller is served at the same moment. A debt binds only while another caller not in debt for that resource is
+active on it (the budget is a share: work-conserving). No Ray: the gateway runs in registry-only mode, where an add's
+encode cost is still charged before the encoder would be asked."""
 from __future__ import annotations
 
 import contextvars
@@ -16,51 +19,133 @@ import pytest
 from support.auth_fixture import rich_refusal, token_channel, token_for
 from support.gateway_doors import both_doors
 
+from inferscale_server import api
 from inferscale_server.api import pb2, pb2_grpc
-from inferscale_server.auth import Principal
+from inferscale_server.auth import OPEN_RPCS, RPC_SCOPES, Principal
 from inferscale_server.errors import ApiError
-from inferscale_server.gateway.work_budget import REQUEST_UNITS, WorkBudget, WorkLimit
+from inferscale_server.gateway.work_budget import (
+    REQUEST_UNITS,
+    ROUTE_RESOURCES,
+    Resource,
+    WorkBudget,
+    WorkLimit,
+    route_resources,
+)
 from inferscale_server.limits import Limits
 
 ALICE, BOB = Principal("alice", frozenset({"memory:read"})), Principal("bob", frozenset({"memory:read"}))
 ADMIN = Principal("ops", frozenset({"memory:read", "memory:admin"}))
+ENCODE, ENGINE, GATEWAY = Resource.ENCODE, Resource.ENGINE, Resource.GATEWAY
 
 
-def request(budget: WorkBudget, caller: Principal, *charges: float, spent: float = 0.0) -> None:
-    """One request of `caller` (its own context, as a front door's task has): admitted, then `charges` before its
-    work, then `spent` after it."""
+def request(budget: WorkBudget, caller: Principal, *charges: float, route: str = "AddFacts",
+            spent: float = 0.0) -> None:
+    """One request of `caller` on `route` (its own context, as a front door's task has): admitted, then `charges`
+    before its work, then `spent` after it, all on the resource the route's work draws on (AddFacts: the encoder,
+    Answer: the engine, a read: the gateway)."""
+    resource = next(iter(ROUTE_RESOURCES[route]), GATEWAY)
+
     def run():
-        budget.admit(caller)
+        budget.admit(caller, route)
         for units in charges:
-            budget.charge(units)
-        budget.spent(spent)
+            budget.charge(resource, units)
+        budget.spent(resource, spent)
     contextvars.copy_context().run(run)
+
+
+def refusal(budget: WorkBudget, caller: Principal, route: str, *charges: float) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        request(budget, caller, *charges, route=route)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.reason == "CALLER_WORK"
+    return e.value
 
 
 def test_a_request_runs_into_debt_and_the_caller_is_refused_until_it_has_refilled():
     budget = WorkBudget(WorkLimit(rate_per_s=100.0, burst=100.0))
-    request(budget, BOB)  # a light caller, active: alice's debt costs bob, so it binds
+    request(budget, BOB, 1.0)  # a light caller of the encoder, active: alice's debt costs bob, so it binds
     request(budget, ALICE, 40.0)
-    assert budget.balance("alice") == pytest.approx(100 - REQUEST_UNITS - 40, abs=20)
+    assert budget.balance("alice", ENCODE) == pytest.approx(100 - 40, abs=20)
+    assert budget.balance("alice", GATEWAY) == pytest.approx(100 - REQUEST_UNITS, abs=20)  # every request's
     # a request is never refused for its own size: admitted at a balance >= 0, it may charge far past zero
     request(budget, ALICE, 300.0)
-    debt = -budget.balance("alice")
-    assert debt == pytest.approx(300 + 2 * REQUEST_UNITS - 100 + 40, abs=20)
-    with pytest.raises(ApiError) as e:
-        request(budget, ALICE)
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.reason == "CALLER_WORK"
-    assert e.value.retry_after_s == pytest.approx(debt / 100.0, abs=0.2)  # the time to refill to zero
-    assert "in debt" in e.value.message and budget.refused == 1
+    debt = -budget.balance("alice", ENCODE)
+    assert debt == pytest.approx(300 - 100 + 40, abs=20)
+    e = refusal(budget, ALICE, "AddFacts")
+    assert e.retry_after_s == pytest.approx(debt / 100.0, abs=0.2)  # the time to refill to zero
+    assert "in debt" in e.message and "the encode" in e.message and budget.refused == 1
     request(budget, BOB, 90.0)  # another caller, at the same moment: its own balance
     for _ in range(5):
         request(budget, ADMIN, 10_000.0)  # admins are not limited, nor tracked
-    assert budget.balance("ops") == 100.0
-    time.sleep(e.value.retry_after_s + 0.05)
+    assert all(budget.balance("ops", r) == 100.0 for r in Resource)
+    time.sleep(e.retry_after_s + 0.05)
     request(budget, ALICE)  # the hint was enough
     time.sleep(1.1)
-    assert budget.balance("alice") == 100.0  # refilled up to the burst, not past it
+    assert budget.balance("alice", ENCODE) == 100.0  # refilled up to the burst, not past it
     with pytest.raises(ValueError, match="positive"):
         WorkLimit(rate_per_s=0.0)
+
+
+def test_an_encoder_debt_leaves_the_callers_questions_and_reads_served_and_refuses_its_further_writes():
+    """The bench's onboarding user (bench/service.py: an import of its history, then questions): its import spent
+    its encoder share, not its engine share; while another caller uses both, its answers and reads are admitted, its
+    further adds, updates and deletes (which re-encode) are refused until its encoder balance has refilled."""
+    budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=100.0))
+    request(budget, BOB, 1.0)  # bob is active on the encoder ...
+    request(budget, BOB, 1.0, route="Answer")  # ... and on the engine, in debt for neither
+    request(budget, ALICE, 5000.0)  # alice imports her history: ~4,900 units in debt on the encoder
+    for _ in range(3):
+        request(budget, ALICE, 60.0, route="Answer", spent=-10.0)  # her questions: the engine is hers to share
+    for route in ("ListMemories", "Search", "GetMemory", "DeleteUser"):
+        request(budget, ALICE, route=route)
+    assert budget.balance("alice", ENGINE) == pytest.approx(100 - 3 * 50, abs=1)  # an engine debt of its own now
+    e = refusal(budget, ALICE, "AddFacts", 1.0)
+    assert e.retry_after_s == pytest.approx(4900, abs=5) and "4900 units for the encode" in e.message
+    for route in ("AddMemory", "UpdateMemory", "DeleteMemory"):
+        refusal(budget, ALICE, route)
+    request(budget, BOB, 1.0)  # bob's adds at the same moment
+    assert budget.refused == 4
+
+
+def test_an_engine_debt_refuses_the_callers_answers_and_extractions_and_leaves_its_adds_served():
+    """The reverse: a caller whose n x max_tokens answers spent its engine share is refused answers (and Mem0's
+    infer=true extraction, checked once the body says infer=true: WorkBudget.check), never its plain adds."""
+    budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=100.0))
+    request(budget, BOB, 1.0, route="Answer")
+    request(budget, BOB, 1.0)
+    request(budget, ALICE, 16 * 780.0, route="Answer")  # n=16 x 780 tokens: ~12,400 units in debt on the engine
+    e = refusal(budget, ALICE, "Answer")
+    assert e.retry_after_s == pytest.approx(16 * 780 - 100, abs=5) and "for the engine" in e.message
+    request(budget, ALICE, 50.0)  # an add: the encoder is another resource
+    request(budget, ALICE, 40.0, route="AddMemory")  # Mem0's add with infer=false: admitted, encoded
+    extraction = contextvars.copy_context()
+    extraction.run(budget.admit, ALICE, "AddMemory")  # admitted for its encoder work ...
+    extraction.run(budget.check, ENCODE)
+    with pytest.raises(ApiError) as refused:
+        extraction.run(budget.check, ENGINE)  # ... the body says infer=true: the engine it needs is in debt
+    assert refused.value.reason == "CALLER_WORK"
+    assert budget.balance("alice", ENCODE) == pytest.approx(100 - 90, abs=1) and budget.refused == 2
+
+
+def test_a_scan_debt_binds_every_route_because_every_request_uses_the_gateway():
+    """Scans (registry reads, filter matching) are the gateway replica's own work: a share of their own, and every
+    request uses the gateway, so a caller in debt there is refused everything while another caller is active."""
+    budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=100.0))
+    request(budget, BOB, route="GetMemory")
+    request(budget, ALICE, 500.0, route="ListMemories")  # 16,000 facts read and matched
+    assert budget.balance("alice", GATEWAY) < -300
+    assert budget.balance("alice", ENCODE) == budget.balance("alice", ENGINE) == 100.0
+    for route in ("ListMemories", "AddFacts", "Answer", "Models"):
+        refusal(budget, ALICE, route)
+
+
+def test_every_route_the_doors_authenticate_names_its_resources():
+    """The front doors authenticate with the RPC names (gRPC, the Mem0 door) and "Models" (the OpenAI door's
+    model listing); each is mapped, the gateway always included; an unmapped route is a bug, said plainly."""
+    for rpc in (set(api.REQUEST_TYPES) - OPEN_RPCS) | set(RPC_SCOPES) | {"Models"}:
+        assert GATEWAY in route_resources(rpc)
+    assert route_resources("Answer") == {GATEWAY, ENGINE} and route_resources("AddFacts") == {GATEWAY, ENCODE}
+    with pytest.raises(ValueError, match="'Frobnicate'"):
+        WorkBudget().admit(ADMIN, "Frobnicate")
 
 
 def test_a_charge_is_refused_for_the_debt_of_the_callers_other_requests_never_for_its_own():
@@ -68,43 +153,44 @@ def test_a_charge_is_refused_for_the_debt_of_the_callers_other_requests_never_fo
     charges before their work are refused. Work already done (`spent`) is never refused, and a refund (an estimate
     corrected down) fills the balance back, up to the burst."""
     budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=50.0))
-    request(budget, BOB)
+    request(budget, BOB, 1.0)
     first, second = contextvars.copy_context(), contextvars.copy_context()
-    first.run(budget.admit, ALICE)
-    second.run(budget.admit, ALICE)  # both admitted: the balance is 48
-    first.run(budget.charge, 30.0)
-    first.run(budget.charge, 30.0)  # its own charges: never a refusal, whatever the balance
+    first.run(budget.admit, ALICE, "AddFacts")
+    second.run(budget.admit, ALICE, "AddFacts")  # both admitted: the encoder balance is 50
+    first.run(budget.charge, ENCODE, 30.0)
+    first.run(budget.charge, ENCODE, 30.0)  # its own charges: never a refusal, whatever the balance
     with pytest.raises(ApiError) as e:
-        second.run(budget.charge, 5.0)  # the first request's debt, made since this one was admitted
-    assert e.value.reason == "CALLER_WORK" and e.value.retry_after_s == pytest.approx(12 - REQUEST_UNITS, abs=0.2)
-    second.run(budget.spent, 5.0)  # done work is charged, never refused
-    assert budget.balance("alice") == pytest.approx(50 - 2 * REQUEST_UNITS - 65, abs=0.2)
-    first.run(budget.spent, -500.0)  # an estimate corrected by what the request really cost
-    assert budget.balance("alice") == 50.0
-    budget.spent(1e9)  # outside any request (no bill): nothing is charged
-    assert budget.balance("alice") == 50.0
+        second.run(budget.charge, ENCODE, 5.0)  # the first request's debt, made since this one was admitted
+    assert e.value.reason == "CALLER_WORK" and e.value.retry_after_s == pytest.approx(10, abs=0.2)
+    second.run(budget.charge, ENGINE, 5.0)  # another resource: its balance is not in debt
+    second.run(budget.spent, ENCODE, 5.0)  # done work is charged, never refused
+    assert budget.balance("alice", ENCODE) == pytest.approx(50 - 65, abs=0.2)
+    first.run(budget.spent, ENCODE, -500.0)  # an estimate corrected by what the request really cost
+    assert budget.balance("alice", ENCODE) == 50.0
+    budget.spent(ENCODE, 1e9)  # outside any request (no bill): nothing is charged
+    assert budget.balance("alice", ENCODE) == 50.0
 
 
-def test_a_debt_binds_only_while_a_caller_not_in_debt_is_active():
+def test_a_debt_binds_only_while_a_caller_not_in_debt_is_active_on_that_resource():
     """Work-conserving: a caller alone is served however deep in debt; so are callers who are all in debt (the
-    encoder's fair queue divides their work); the debt binds as soon as a light caller is active, and stops binding
-    once that caller has been quiet for CONTENTION_WINDOW_S."""
+    encoder's fair queue divides their work); the debt binds as soon as a light caller of the same resource is
+    active (a caller active only on another one does not count), and stops binding once that caller has been quiet
+    for CONTENTION_WINDOW_S."""
     from inferscale_server.gateway import work_budget
 
     budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=10.0))
     for _ in range(3):
         request(budget, ALICE, 1000.0)  # alone: admitted every time, the debt grows
-    assert budget.balance("alice") < -2900 and budget.refused == 0
+    assert budget.balance("alice", ENCODE) < -2900 and budget.refused == 0
     request(budget, BOB, 500.0)  # bob in debt too: nobody light to protect, both served
     request(budget, ALICE)
     carol = Principal("carol", frozenset({"memory:read"}))
-    request(budget, carol)  # a light caller arrives
-    with pytest.raises(ApiError) as e:
-        request(budget, ALICE)
-    assert e.value.reason == "CALLER_WORK"
-    with pytest.raises(ApiError):
-        request(budget, BOB)
-    request(budget, carol)  # carol is served, of course
+    request(budget, carol, 5.0, route="Answer")  # a light caller of the engine, not of the encoder
+    request(budget, ALICE)
+    request(budget, carol, 1.0)  # now of the encoder too
+    refusal(budget, ALICE, "AddFacts")
+    refusal(budget, BOB, "AddFacts")
+    request(budget, carol, 1.0)  # carol is served, of course
     saved = work_budget.CONTENTION_WINDOW_S
     work_budget.CONTENTION_WINDOW_S = 0.2
     try:
@@ -120,11 +206,11 @@ def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burs
     for who in ("p0", "p1", "p2"):
         request(budget, Principal(who, frozenset({"memory:read"})), 100.0)
     request(budget, Principal("p3", frozenset({"memory:read"})), 5.0)  # the least recently charged (p0) goes
-    assert budget.balance("p0") == 10.0 and budget.balance("p1") < 0 and budget.balance("p2") < 0
-    assert budget.balance("p3") == pytest.approx(10 - REQUEST_UNITS - 5, abs=0.01)
-    with pytest.raises(ApiError):
-        request(budget, Principal("p1", frozenset({"memory:read"})))  # still tracked: still in debt
-    assert len(budget._balances) == 3
+    assert budget.balance("p0", ENCODE) == 10.0 and budget.balance("p1", ENCODE) < 0
+    assert budget.balance("p2", ENCODE) < 0 and budget.balance("p3", ENCODE) == pytest.approx(10 - 5, abs=0.01)
+    refusal(budget, Principal("p1", frozenset({"memory:read"})), "AddFacts")  # still tracked: still in debt
+    assert budget.tracked_callers(ENCODE) == budget.tracked_callers(GATEWAY) == 3
+    assert budget.tracked_callers(ENGINE) == 0
 
 
 @pytest.fixture(scope="module")
@@ -136,47 +222,66 @@ def gateway(redis_url, jwt_secret):
 WINDOW = ["w" * 999 + " "] * 16  # the largest caller window: 16,000 characters, about 4,000 tokens to encode
 
 
-def test_a_caller_whose_heavy_adds_spent_its_budget_is_refused_at_both_doors_while_another_is_served(gateway):
+def test_a_caller_whose_heavy_adds_spent_its_budget_is_refused_further_adds_at_both_doors_while_another_is_served(
+        gateway):
+    """Through the real doors: carol's add behind the largest window spends her encoder share; while dave adds too,
+    her next add is refused on gRPC and on Mem0's door (429, Retry-After), and dave's is served at the same moment;
+    her listing and her question pass the budget (the question then meets registry-only mode's missing engine:
+    BACKENDS_NOT_DEPLOYED, not CALLER_WORK)."""
     core, grpc_server, http_server, secret = gateway
     ch = grpc_server.channel()
     carol, dave = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("carol", "dave"))
     stub = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, carol)))
     other = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, dave)))
-    assert list(other.ListMemories(pb2.ListMemoriesRequest(user_id=dave)).facts) == []  # dave is active, not in debt
+    small = pb2.AddFactsRequest(user_id=dave, facts=[pb2.FactInput(text="Dave likes tea.")])
+    other.AddFacts(small)  # dave is active on the encoder, not in debt: carol's debt would cost him
     heavy = pb2.AddFactsRequest(user_id=carol, facts=[pb2.FactInput(text="Carol's fact behind a huge window.",
                                                                  window=WINDOW)])
     stub.AddFacts(heavy)  # about 4,000 units from a burst of 1,000: admitted, and not refused for its own size
-    assert core.work.balance(carol) < -2900
-    code, details, trailers = rich_refusal(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id=carol)))
+    assert core.work.balance(carol, Resource.ENCODE) < -2900
+    assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=carol)).facts) == 1  # a read: the gateway's share
+    code, details, _ = rich_refusal(lambda: list(stub.Answer(pb2.AnswerRequest(user_id=carol, query="What?"))))
+    assert code == grpc.StatusCode.UNAVAILABLE and details["ErrorInfo"].reason == "BACKENDS_NOT_DEPLOYED"
+    code, details, trailers = rich_refusal(lambda: stub.AddFacts(heavy))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details["ErrorInfo"].reason == "CALLER_WORK"
     assert details["RetryInfo"].retry_delay.seconds >= 700  # ~3,000 units in debt at 4 a second
-    assert list(other.ListMemories(pb2.ListMemoriesRequest(user_id=dave)).facts) == []  # the same moment
-    r = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers={"authorization": f"Token {token_for(secret, carol)}"})
+    assert len(other.AddFacts(small).facts) == 1  # the same moment
+    add = {"messages": [{"role": "user", "content": "One more note."}], "infer": False}
+    r = httpx.post(f"{http_server.url}/v3/memories/add/", json={**add, "user_id": carol},
+                   headers={"authorization": f"Token {token_for(secret, carol)}"})
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 700 and "budget" in r.json()["detail"]
-    ok = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers={"authorization": f"Token {token_for(secret, dave)}"})
-    assert ok.status_code == 200 and ok.json()["count"] == 0
+    r = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers={"authorization": f"Token {token_for(secret, carol)}"})
+    assert r.status_code == 200 and r.json()["count"] == 1  # her listing on Mem0's door too
+    ok = httpx.post(f"{http_server.url}/v3/memories/add/", json={**add, "user_id": dave},
+                    headers={"authorization": f"Token {token_for(secret, dave)}"})
+    assert ok.status_code == 200, ok.text
     admin = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, "support", admin=True)))
-    assert len(admin.ListMemories(pb2.ListMemoriesRequest(user_id=carol)).facts) == 1  # admins are not limited
+    admin.AddFacts(pb2.AddFactsRequest(user_id=carol, facts=[pb2.FactInput(text="Added by support.",
+                                                                           window=WINDOW)]))  # admins: unlimited
     ch.close()
 
 
-def test_mem0_adds_are_charged_and_refuse_their_caller_on_grpc_afterwards(gateway):
-    """The Mem0 door's add (infer=false) is charged through the same core as AddFacts: its caller's next request,
-    on gRPC, is refused, and another caller's Mem0 add goes through."""
+def test_mem0_adds_are_charged_and_refuse_their_callers_adds_on_grpc_afterwards(gateway):
+    """The Mem0 door's add (infer=false) is charged to the encoder through the same core as AddFacts: its caller's
+    next add, on gRPC, is refused, its reads are not, and another caller's Mem0 add goes through."""
     core, grpc_server, http_server, secret = gateway
     erin, frank = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("erin", "frank"))
     # 4 facts of ~1,900 characters, each encoded behind the ones before it: ~19,000 characters, ~4,800 units
     messages = [{"role": "user", "content": f"Erin's note {i}: " + "x" * 1900} for i in range(4)]
-    r = httpx.post(f"{http_server.url}/v3/memories/", json={}, headers={"authorization": f"Token {token_for(secret, frank)}"})
-    assert r.status_code == 200  # frank is active, not in debt: erin's debt would cost him
+    r = httpx.post(f"{http_server.url}/v3/memories/add/", json={"messages": messages[:1], "user_id": frank,
+                                                                "infer": False},
+                   headers={"authorization": f"Token {token_for(secret, frank)}"})
+    assert r.status_code == 200, r.text  # frank is active on the encoder, not in debt: erin's debt would cost him
     r = httpx.post(f"{http_server.url}/v3/memories/add/", json={"messages": messages, "user_id": erin, "infer": False},
                    headers={"authorization": f"Token {token_for(secret, erin)}"})
     assert r.status_code == 200, r.text
-    assert core.work.balance(erin) < -3000  # from a burst of 1,000
+    assert core.work.balance(erin, Resource.ENCODE) < -3000  # from a burst of 1,000
     ch = grpc_server.channel()
     stub = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, erin)))
-    code, details, _ = rich_refusal(lambda: stub.ListMemories(pb2.ListMemoriesRequest(user_id=erin)))
+    code, details, _ = rich_refusal(lambda: stub.AddFacts(pb2.AddFactsRequest(
+        user_id=erin, facts=[pb2.FactInput(text="Another note.")])))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details["ErrorInfo"].reason == "CALLER_WORK"
+    assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=erin)).facts) == 4
     r = httpx.post(f"{http_server.url}/v3/memories/add/", json={"messages": messages[:1], "user_id": frank, "infer": False},
                    headers={"authorization": f"Token {token_for(secret, frank)}"})
     assert r.status_code == 200, r.text
