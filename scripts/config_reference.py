@@ -532,10 +532,11 @@ REASON_MEANINGS = {
     "CALLER_RATE": "This caller (token subject) is over its request rate on a gateway replica "
                    "(`requests_per_s_per_caller`, bursts of `request_burst_per_caller`). Admins are not limited.",
     "CALLER_CONCURRENCY": "This caller has `max_in_flight_per_caller` requests in flight on a gateway replica.",
-    "CALLER_WORK": "This caller's requests have used more work than its budget on a gateway replica (work units: "
-                   "tokens the model forwards, `work_units_per_s_per_caller`, bursts of `work_burst_per_caller`; "
-                   "docs/security.md): refused until its balance has refilled to zero (the retry hint). Admins are "
-                   "not limited.",
+    "CALLER_WORK": "This caller's requests have used more work than its budget of a resource this request needs, on "
+                   "a gateway replica (one balance each for the gateway, the encoder pool and the engine; work "
+                   "units: tokens the model forwards, `work_units_per_s_per_caller`, bursts of "
+                   "`work_burst_per_caller`; docs/security.md): refused until that balance has refilled to zero (the "
+                   "retry hint). Admins are not limited.",
     "EXTRACTION_QUEUE_FULL": "Too many AddMemory calls with infer=true (Mem0's extraction) wait on this gateway "
                              "replica, or this user already has its share of them in progress "
                              "(services/gateway/core.py MEM0_QUEUE, MEM0_PER_USER); retry later or send infer=false.",
