@@ -21,6 +21,7 @@ from bench.local_redis import (
     local_redis_server,
     redis_server_exe,
 )
+from support.redis_cluster_fixture import confirm_replicas_follow
 from support.tls_certs import CertificateAuthority
 
 
@@ -59,4 +60,6 @@ def redis_tls_password_url(redis_tls):
 @pytest.fixture(scope="session")
 def redis_tls_cluster_url(redis_tls):
     with local_redis_cluster_nodes(masters=3, replicas_per_master=1, tls=redis_tls) as cluster:
+        # every write on it waits for a replica: handed out once each master's replica confirms one
+        confirm_replicas_follow(cluster, redis_tls.client_kwargs())
         yield cluster.url

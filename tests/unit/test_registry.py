@@ -785,6 +785,29 @@ def test_seed_nodes_reach_a_cluster_whose_first_node_does_not_answer(redis_clust
         RedisRegistry(f"redis://{nodes[0]}/0?seeds=redis-1")
 
 
+def test_a_replica_cluster_is_handed_out_once_its_replicas_confirm_writes(redis_replica_cluster):
+    """The readiness of the clusters with replicas (support.redis_cluster_fixture.confirm_replicas_follow, which
+    redis_replica_cluster and redis_tls_cluster_url run before they yield): a write on every master is confirmed by
+    WAIT at once; with one master's replica stopped (SIGSTOP: linked, answering nothing) it refuses, naming that
+    master, and passes again once the replica resumes."""
+    import os
+    import signal
+
+    from support.redis_cluster_fixture import PROBE_WAIT_MS, confirm_replicas_follow
+
+    cluster = redis_replica_cluster
+    confirm_replicas_follow(cluster, timeout_s=0)  # the fixture's own check held: each first probe is confirmed
+    master = cluster.masters()[1]
+    replica = next(n for n in cluster.nodes if n.master_port == master.port)
+    os.kill(replica.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError, match=f"master 127.0.0.1:{master.port}: 0 of its 1 replicas confirmed"):
+            confirm_replicas_follow(cluster, timeout_s=PROBE_WAIT_MS / 1000 / 2)  # one probe, then the error
+    finally:
+        os.kill(replica.proc.pid, signal.SIGCONT)
+    confirm_replicas_follow(cluster, timeout_s=10)
+
+
 def test_tombstones_from_another_writer_reach_a_polling_reader(any_redis_url):
     """An engine replica's poll: a reader at the log's end, polled while nothing moves (it then skips the masters
     whose XADD count did not move), sees every tombstone another process writes afterwards, for users of
