@@ -38,7 +38,7 @@ def _bucket_leftovers(reg: RedisRegistry, user: str) -> set[str]:
     return {reg._key(user, "seq"), reg._key(user, "tombstones"), reg._user_key(user, "ver")}
 
 
-def test_delete_user_on_one_master_while_another_master_is_down(redis_stoppable_cluster):
+def test_delete_user_on_one_master_while_another_master_is_stopped_then_killed(redis_stoppable_cluster):
     """Master A stopped (SIGSTOP: its port still accepts connections, nothing answers: a hung or partitioned
     master, the worst case for a client, which waits for its timeouts rather than being refused at once), for
     less than the cluster-node-timeout, so the cluster has not declared it failed: DeleteUser of a user on master
@@ -96,6 +96,27 @@ def test_delete_user_on_one_master_while_another_master_is_down(redis_stoppable_
     assert _keys_on(a.port, reg.prefix) == _bucket_leftovers(reg, user_a)
     assert _keys_on(b.port, reg.prefix) == _bucket_leftovers(reg, user_b)
     assert reg.placements() == {}
+
+    # A killed (its port refuses connections; with a replica, this is a failover's first seconds): B's users are
+    # still deleted at once, and a write for A's user, refused before anything was sent, is tried again (the slot
+    # map refreshed) for WRITE_RIDE_THROUGH_S, as a failover needs, before it answers UNAVAILABLE. (Before the fix
+    # in RedisRegistry._on_master the refused connection was raised at once, within a millisecond.)
+    user_b2 = by_master[b.port][1]
+    reg.create(user_b2, [NewFact("second on B")])
+    os.kill(a.proc.pid, signal.SIGKILL)
+    a.proc.wait(timeout=10)
+    started = time.monotonic()
+    assert reg.delete_user(user_b2) == 1
+    assert time.monotonic() - started < SOCKET_TIMEOUT_S / 2
+    assert _keys_on(b.port, reg.prefix) == _bucket_leftovers(reg, user_b) | _bucket_leftovers(reg, user_b2)
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError) as refused:
+        reg.create(user_a, [NewFact("while A is dead")])
+    took = time.monotonic() - started
+    err = to_api_error(refused.value)
+    assert err.code == grpc.StatusCode.UNAVAILABLE and err.retry_after_s, err
+    # the last pause before the deadline is at most 0.5 s (its backoff's cap)
+    assert WRITE_RIDE_THROUGH_S - 0.6 <= took < WRITE_RIDE_THROUGH_S + SOCKET_TIMEOUT_S, took
     reg.close()
 
 
