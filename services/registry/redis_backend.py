@@ -664,8 +664,11 @@ class RedisRegistry(Registry):
         while True:
             node = self._master_client(key)
             sent: list = []
-            conn = node.connection_pool.get_connection()
+            conn = None
             try:
+                # Inside the try: a master that refuses the connection (killed, its replica not yet promoted) has
+                # been sent nothing, so it is retried like a refusal for the topology, not raised at once.
+                conn = node.connection_pool.get_connection()
                 out = op(node, conn, sent)
                 if sent:
                     self._confirm(node, conn)
@@ -674,19 +677,22 @@ class RedisRegistry(Registry):
                 lost = e.__context__  # redis-py turns a connection lost while watching into a WatchError
                 if not isinstance(lost, (redis.ConnectionError, redis.TimeoutError)):
                     continue  # a watched key moved: read again
+                assert conn is not None  # a WatchError comes from a watch on it
                 conn.disconnect()
                 if sent:
                     raise _unconfirmed(node, lost) from lost
                 err = lost
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                conn.disconnect()
+                if conn is not None:  # else the pool could not make one: it has dropped it already
+                    conn.disconnect()
                 if sent:
                     raise _unconfirmed(node, e) from e
                 err = e
             except _refused_for_topology() as e:  # refused whole: a MULTI is aborted, a script stops at its first write
                 err = e
             finally:
-                node.connection_pool.release(conn)
+                if conn is not None:
+                    node.connection_pool.release(conn)
             if time.monotonic() + pause > deadline:
                 raise err
             time.sleep(pause)

@@ -4,7 +4,9 @@ A pytest plugin (tests/conftest.py): ask for `redis_cluster_url` by name (the UR
 without replicas, started once per test session, about 3 s: the nodes meet by gossip; any node's URL reaches the
 whole cluster), or `redis_replica_cluster` (3 masters with one replica each and a cluster-node-timeout of
 REPLICA_CLUSTER_NODE_TIMEOUT_MS, so that a master killed or stopped is replaced within seconds; a LocalRedisCluster
-with the nodes' ports and processes; one per test, since such tests kill and stop its nodes). Tests give their
+with the nodes' ports and processes; one per test, since such tests kill and stop its nodes), or `redis_stoppable_cluster` (3 masters without replicas and a
+cluster-node-timeout of STOPPABLE_CLUSTER_NODE_TIMEOUT_MS, so that a master stopped for a few seconds is down but not
+yet declared failed: the window in which the other masters still serve; one per test). Tests give their
 registries a fresh key prefix, so they never see each other's keys.
 
 A cluster with replicas is handed out only once every master's replicas confirm its writes
@@ -23,6 +25,10 @@ REPLICA_CLUSTER_NODE_TIMEOUT_MS = 1500
 # its master streams to it (confirm_replicas_follow), so that one probe normally suffices.
 PROBE_WAIT_MS = 1500
 CONFIRM_TIMEOUT_S = 30.0  # as long as the cluster's own start may take (local_redis_cluster_nodes)
+# Redis's own default. A master silent this long is declared failed; with no replica to promote, every node then
+# refuses every command (CLUSTERDOWN: cluster-require-full-coverage, Redis's default), so a test that stops a master
+# of redis_stoppable_cluster must resume it well within this.
+STOPPABLE_CLUSTER_NODE_TIMEOUT_MS = 15_000
 
 
 def confirm_replicas_follow(cluster: LocalRedisCluster, client_kwargs: dict | None = None,
@@ -83,3 +89,16 @@ def redis_replica_cluster():
             yield cluster
     except RedisServerMissing as e:  # raised before the servers start
         pytest.fail(f"{e}; the registry's failover tests need it")
+
+
+@pytest.fixture
+def redis_stoppable_cluster():
+    """3 masters without replicas, one per test (its tests stop a master: never the session's redis_cluster_url,
+    which other tests go on using); a master stopped for less than STOPPABLE_CLUSTER_NODE_TIMEOUT_MS is down for
+    its own slots only."""
+    try:
+        with local_redis_cluster_nodes(masters=3, replicas_per_master=0,
+                                       node_timeout_ms=STOPPABLE_CLUSTER_NODE_TIMEOUT_MS) as cluster:
+            yield cluster
+    except RedisServerMissing as e:  # raised before the servers start
+        pytest.fail(f"{e}; the registry's shard-outage tests need it")
