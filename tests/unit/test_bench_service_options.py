@@ -144,3 +144,19 @@ def test_kv_requests_whose_memory_was_computed_after_all_are_counted():
     recs = [rec(20), rec(30), rec(990), {"status": "RESOURCE_EXHAUSTED"}]
     assert service.summarize("c", "grpc", 25, "inject", 50, recs, 2.0)["recomputed"] == 1
     assert service.summarize("c", "grpc", 25, "prompt", 50, [rec(990)] * 3, 2.0)["recomputed"] == 0
+
+
+def test_the_single_user_cells_have_a_user_of_their_own_when_larger_n_run_too():
+    """N=1's user asks 10 questions per cell back to back (prompt injection's long prefills included) and leaves the
+    cells in debt for the engine at the per-caller work budget; reused at N=100 it was refused while the others
+    asked. It is an extra user now, in no larger N; alone (--users 1) the run keeps one user."""
+    service = import_service()
+    args = service.parse_args(["--data", str(LOCOMO), "--users", "1,4", "--ks", "5", "--modes", "inject"])
+    assert service.users_needed(args) == 5
+    users = service.make_users(LOCOMO, 5, 3, "t")
+    tokens = {u.user_id: "tok" for u in users}
+    cells = {c.id: [p["user_id"] for p in c.plan] for c in service.make_cells(args, users, tokens)}
+    assert cells["grpc-n1-inject-k5"] == [users[4].user_id]
+    assert cells["grpc-n4-inject-k5"] == [u.user_id for u in users[:4]]
+    alone = service.parse_args(["--data", str(LOCOMO), "--users", "1", "--ks", "5"])
+    assert service.users_needed(alone) == 1 and service.single_user(alone, users[:1]) is users[0]
