@@ -255,6 +255,15 @@ def report(log: Log, phases: list[str], args, cpu: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def app_args(dtype: str) -> argparse.Namespace:
+    """bench/service.py's settings for its own app (`own_service`), from its own parser: its defaults (one engine
+    replica, one Redis, no cluster tier, the packaged model) with this run's dtype. A hand-built namespace fell
+    behind when bench/service.py grew --retrieval-replicas, and this benchmark failed at its start."""
+    from bench import service
+
+    return service.parse_args(["--quick", "--dtype", dtype])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=20, help="well-behaved users (default 20)")
@@ -273,9 +282,7 @@ def main() -> int:
     from inferscale_client import MemoryClient
     from inferscale_server.auth import mint
 
-    service_args = SimpleNamespace(registry="redis", cluster_tier=False, segment_gib=1.0, model=None,
-                                   dtype=args.dtype, max_model_len=None, engine_replicas=1, max_replicas=1,
-                                   engine_cpu_cores=None)
+    service_args = app_args(args.dtype)
     log = Log()
     users = [f"tenant-{i:02d}" for i in range(args.users)]
     with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, own_service(service_args, Path(tmp)) as (cfg, secret):

@@ -160,3 +160,16 @@ def test_the_single_user_cells_have_a_user_of_their_own_when_larger_n_run_too():
     assert cells["grpc-n4-inject-k5"] == [u.user_id for u in users[:4]]
     alone = service.parse_args(["--data", str(LOCOMO), "--users", "1", "--ks", "5"])
     assert service.users_needed(alone) == 1 and service.single_user(alone, users[:1]) is users[0]
+
+
+def test_the_noisy_neighbour_benchmark_builds_its_app_from_the_service_benchmarks_own_settings(tmp_path):
+    """bench/noisy_neighbour.py starts its app through bench/service.py's own_service; its hand-built settings fell
+    behind when --retrieval-replicas was added, and the benchmark died at its start (AttributeError). It takes
+    them from bench/service.py's parser now, so the app's config is made whatever options are added later."""
+    service = import_service()
+    import bench.noisy_neighbour as noisy
+
+    args = noisy.app_args("float32")
+    cfg = service.service_config(args, tmp_path, "redis://127.0.0.1:1/0", {}, tmp_path / "secret")
+    assert cfg.dtype == "float32" and cfg.registry_url == "redis://127.0.0.1:1/0"
+    assert cfg.deployments["EngineReplica"].max_replicas == 1 and not args.cluster_tier
