@@ -285,7 +285,8 @@ def main() -> int:
     service_args = app_args(args.dtype)
     log = Log()
     users = [f"tenant-{i:02d}" for i in range(args.users)]
-    with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, own_service(service_args, Path(tmp)) as (cfg, secret):
+    with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, \
+            own_service(service_args, Path(tmp)) as (cfg, secret, _registry):
         def make_token(user: str) -> str:
             return mint(secret, user)
 
