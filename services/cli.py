@@ -51,7 +51,12 @@ def add_commands(sub) -> None:
                         "when the engine starts)")
     p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                    help="cluster KV tier: a running mooncake_master's RPC address (default: none: KV reaches vLLM "
-                        "through the engine core's RPC channel; --local-mooncake starts one here)")
+                        "through the engine core's RPC channel; --local-mooncake starts one here); needs "
+                        "--mooncake-pool-gib")
+    p.add_argument("--mooncake-pool-gib", type=_positive_float, default=None, metavar="GIB",
+                   help="with --mooncake-master: the memory segments that store always has, together, the base of "
+                        "each user's share of the tier (pool / (2 copies x 16 tenants): no tenant's KV flushes the "
+                        "others'); the fewest nodes' segments, never what autoscaling may add")
     p.add_argument("--mooncake-metadata", default=None, metavar="URL",
                    help="a metadata server's URL, for a master started with one (default: none, segment "
                         "descriptors are exchanged peer to peer: Mooncake's P2PHANDSHAKE)")
@@ -199,19 +204,31 @@ def local_cluster_tier(args, stack: contextlib.ExitStack) -> dict:
 def _cluster_line(args, cluster: dict) -> str:
     if not cluster:
         return "none: KV through the engine's RPC channel (--local-mooncake or --mooncake-master for the cluster path)"
-    if getattr(args, "local_mooncake_gib", None):
-        from inferscale_core.cluster_store import ClusterConfig  # imports torch (~2 s): only when serve runs a store
+    from inferscale_core.cluster_store import ClusterConfig  # imports torch (~2 s): only when serve uses a store
 
-        config = ClusterConfig.from_dict(cluster)
-        cap = config.user_cap() if config else None
-        share = f"each user's KV at most {cap / 2**20:.0f} MiB; " if cap else ""
-        return (f"Mooncake Store started by serve ({args.local_mooncake_gib:.1f} GiB; {share}its transfer ports listen "
-                f"on every interface), master {cluster['master']}")
-    return f"Mooncake Store, master {cluster['master']}"
+    config = ClusterConfig.from_dict(cluster)
+    cap = config.user_cap() if config else None
+    share = f"each user's KV at most {cap / 2**20:.0f} MiB" if cap else ""
+    if getattr(args, "local_mooncake_gib", None):
+        return (f"Mooncake Store started by serve ({args.local_mooncake_gib:.1f} GiB; {share}{'; ' if share else ''}"
+                f"its transfer ports listen on every interface), master {cluster['master']}")
+    pool = f"pool {cluster.get('pool_bytes', 0) / 2**30:g} GiB"
+    return f"Mooncake Store, master {cluster['master']} ({pool}{'; ' if share else ''}{share})"
 
 
 def cluster_store_settings(args) -> dict:
-    """ServiceConfig.cluster_store from --mooncake-master / --mooncake-metadata ({} without a master)."""
+    """ServiceConfig.cluster_store from --mooncake-master / --mooncake-pool-gib / --mooncake-metadata ({} without a
+    master). Called before anything starts, so a refusal leaves nothing running."""
+    if args.local_mooncake and (args.mooncake_master or args.mooncake_pool_gib is not None):
+        # serve's own store has its pool from --mooncake-segment-gib; one cluster tier, not two
+        raise SystemExit("inferscale serve: --local-mooncake starts its own store (sized by --mooncake-segment-gib); "
+                         "it does not go with --mooncake-master or --mooncake-pool-gib")
+    if (args.mooncake_master is None) != (args.mooncake_pool_gib is None):
+        # Without the pool an external store would have no per-user share (ClusterConfig.user_cap None): one
+        # tenant's KV could flush every other's out of the master's LRU (services/kv_tier_share.py).
+        raise SystemExit("inferscale serve: --mooncake-master and --mooncake-pool-gib go together: each user's "
+                         "share of the cluster KV tier is taken from the memory segments of the store that master "
+                         "serves (--mooncake-pool-gib GIB, all its segments together)")
     if not args.mooncake_master:
         if args.mooncake_metadata:
             raise SystemExit("--mooncake-metadata needs --mooncake-master")
@@ -219,7 +236,8 @@ def cluster_store_settings(args) -> dict:
     host, _, port = args.mooncake_master.rpartition(":")
     if not host or not port.isdigit():
         raise SystemExit(f"--mooncake-master must be HOST:PORT, got {args.mooncake_master!r}")
-    return {"master": args.mooncake_master, **({"metadata": args.mooncake_metadata} if args.mooncake_metadata else {})}
+    return {"master": args.mooncake_master, "pool_bytes": int(args.mooncake_pool_gib * (1 << 30)),
+            **({"metadata": args.mooncake_metadata} if args.mooncake_metadata else {})}
 
 
 # SIGTERM (docker stop, systemctl stop, kill) and SIGINT (Ctrl-C) stop `serve` at any point, start-up included; the
@@ -376,6 +394,7 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
     if refusal:
         print(f"inferscale serve: {refusal}", file=sys.stderr)
         return 2
+    external_store = cluster_store_settings(args)  # its flags refused now, before Redis, Ray or a store starts
     if args.redis_url:  # a registry that cannot be reached: say so now, never report the service ready
         try:
             from .registry import RedisRegistry
@@ -391,7 +410,7 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
                         max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), store_options=store_settings(args),
                         deployments=single_node_deployments(),
-                        cluster_store=cluster_store_settings(args) or local_cluster_tier(args, stack),
+                        cluster_store=external_store or local_cluster_tier(args, stack),
                         auth=auth_settings(args))
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)

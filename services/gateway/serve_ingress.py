@@ -184,6 +184,16 @@ class Gateway:
         self.core = GatewayCore(open_registry(registry_url, index_owners=not authenticator.enabled), backends,
                                 Limits(**(limits or {})), embedder_path, auth=authenticator)
 
+    async def stats(self, subject: str | None = None) -> dict:
+        """This replica's work budget (work_budget.WorkBudget.stats; with `subject`, that caller's balance and net
+        charges per resource). Called through a Serve handle only: Serve's gRPC proxy routes the Memory service's
+        methods and the HTTP ingress its FastAPI routes, so no client reaches this."""
+        from ray import serve
+
+        # the budget is per gateway replica: which one answered says whose books these are
+        return {"replica_id": serve.get_replica_context().replica_id.unique_id,
+                "work_budget": self.core.work.stats(subject)}
+
     async def _caller(self, name: str, grpc_context):
         return await self.core.authenticate(name, metadata_value(grpc_context.invocation_metadata(), "authorization"))
 

@@ -131,17 +131,23 @@ _BILL: contextvars.ContextVar[_Bill | None] = contextvars.ContextVar("inferscale
 
 class _Balances:
     """Every tracked caller's balance of one resource: subject -> (balance, at), in order of last charge (an LRU of
-    at most `tracked`; a caller forgotten has a full burst again)."""
+    at most `tracked`; a caller forgotten has a full burst again), and the net units charged to each since it was
+    last tracked (`charged`: what the stats report, so that a check can see an estimate and its correction sum to
+    the work done, which the balance's refill hides)."""
 
     def __init__(self, limit: WorkLimit, tracked: int):
         self.limit, self.tracked = limit, tracked
         self._by_subject: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._charged: dict[str, float] = {}  # the same keys as _by_subject
 
     def __len__(self) -> int:
         return len(self._by_subject)
 
     def refilled(self, subject: str, now: float) -> float:
         return self._refill(*self._by_subject.get(subject, (self.limit.burst, now)), now)
+
+    def charged(self, subject: str) -> float:
+        return self._charged.get(subject, 0.0)
 
     def _refill(self, balance: float, at: float, now: float) -> float:
         """A balance of `balance` at time `at`, refilled up to the burst by `now`."""
@@ -163,8 +169,10 @@ class _Balances:
         balance = min(self.limit.burst, self.refilled(subject, now) - units)  # a refund fills to the burst
         self._by_subject.pop(subject, None)
         self._by_subject[subject] = (balance, now)  # most recently used last
+        self._charged[subject] = self._charged.get(subject, 0.0) + units  # a refund counted whole, unlike above
         while len(self._by_subject) > self.tracked:  # the least recently used is forgotten: a full burst again
-            self._by_subject.popitem(last=False)
+            forgotten, _ = self._by_subject.popitem(last=False)
+            del self._charged[forgotten]
 
 
 class WorkBudget:
@@ -229,6 +237,19 @@ class WorkBudget:
 
     def tracked_callers(self, resource: Resource) -> int:
         return len(self._balances[resource])
+
+    def stats(self, subject: str | None = None) -> dict:
+        """This replica's budget (the limits, callers tracked per resource, requests refused); with `subject`, that
+        caller's balance of each resource now and the net units charged to it there since it was last tracked (an
+        answer's estimate and the engine's correction sum to the tokens it really forwarded). For operators and
+        checks, through the Gateway deployment's stats() (a Serve handle, inside the cluster), never a front door:
+        a caller's usage is not another caller's business."""
+        out: dict = {"rate_per_s": self.limit.rate_per_s, "burst": self.limit.burst, "refused": self.refused,
+                     "tracked_callers": {r.value: len(b) for r, b in self._balances.items()}}
+        if subject is not None:
+            out["caller"] = {r.value: {"balance": self.balance(subject, r), "charged": b.charged(subject)}
+                             for r, b in self._balances.items()}
+        return out
 
     def _debit(self, bill: _Bill, resource: Resource, units: float) -> None:
         self._balances[resource].debit(bill.subject, units, time.monotonic())

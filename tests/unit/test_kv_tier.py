@@ -431,22 +431,72 @@ def test_config_is_validated():
             ClusterConfig.from_dict({"master": "x:1", "metadata": bad})
 
 
+def _serve_args(*argv: str):
+    """`inferscale serve ARGV`'s parsed flags, from serve's own parser (nothing starts)."""
+    import argparse
+
+    from inferscale_server.cli import add_commands
+
+    parser = argparse.ArgumentParser(prog="inferscale")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
+
+
 def test_serve_flags_name_the_master_and_default_to_peer_to_peer_metadata():
     """`inferscale serve --mooncake-master`: no metadata server unless --mooncake-metadata names one."""
-    from types import SimpleNamespace
-
     from inferscale_server.cli import cluster_store_settings
 
-    def settings(master, metadata=None):
-        return cluster_store_settings(SimpleNamespace(mooncake_master=master, mooncake_metadata=metadata))
+    def settings(*argv):
+        return cluster_store_settings(_serve_args(*argv))
 
-    assert settings(None) == {}
-    assert settings("10.0.0.5:50051") == {"master": "10.0.0.5:50051"}
-    assert ClusterConfig.from_dict(settings("10.0.0.5:50051")).metadata == P2P_METADATA
-    assert settings("m:1", "http://m:8080/metadata") == {"master": "m:1", "metadata": "http://m:8080/metadata"}
-    for bad in (("m", None), (None, "http://m:8080/metadata")):
+    pool = ("--mooncake-pool-gib", "1")
+    assert settings() == {}
+    assert settings("--mooncake-master", "10.0.0.5:50051", *pool) == {"master": "10.0.0.5:50051", "pool_bytes": 1 << 30}
+    assert ClusterConfig.from_dict(settings("--mooncake-master", "10.0.0.5:50051", *pool)).metadata == P2P_METADATA
+    assert settings("--mooncake-master", "m:1", *pool, "--mooncake-metadata", "http://m:8080/metadata") == {
+        "master": "m:1", "pool_bytes": 1 << 30, "metadata": "http://m:8080/metadata"}
+    for bad in (("--mooncake-master", "m", *pool), ("--mooncake-metadata", "http://m:8080/metadata")):
         with pytest.raises(SystemExit, match="--mooncake-m"):
             settings(*bad)
+
+
+def test_serve_bounds_each_users_share_of_an_external_store(capsys):
+    """`inferscale serve --mooncake-master` gets the chart's rule (issue 31): the pool's size is required with the
+    master, so every user's KV in that store is bounded to pool / (2 copies x 16 tenants); a master without it, a
+    pool without a master, or a pool that is not a number above 0 is refused with both flags named, before
+    anything starts (the settings are read first in serve)."""
+    from inferscale_server.cli import _cluster_line, cluster_store_settings
+
+    args = _serve_args("--mooncake-master", "10.0.0.5:50051", "--mooncake-pool-gib", "16")
+    config = cluster_store_settings(args)
+    assert config["pool_bytes"] == 16 << 30
+    assert ClusterConfig.from_dict(config).user_cap() == (16 << 30) // (2 * 16)  # 512 MiB, as the chart's share
+    assert _cluster_line(args, config) == ("Mooncake Store, master 10.0.0.5:50051 (pool 16 GiB; each user's KV at "
+                                           "most 512 MiB)")
+    assert cluster_store_settings(_serve_args("--mooncake-master", "m:1", "--mooncake-pool-gib", "0.5"))[
+        "pool_bytes"] == 1 << 29
+    for argv in (["--mooncake-master", "10.0.0.5:50051"], ["--mooncake-pool-gib", "16"],
+                 ["--local-mooncake", "--mooncake-master", "10.0.0.5:50051", "--mooncake-pool-gib", "16"],
+                 ["--local-mooncake", "--mooncake-pool-gib", "16"]):
+        with pytest.raises(SystemExit) as refused:
+            cluster_store_settings(_serve_args(*argv))
+        assert "--mooncake-pool-gib" in str(refused.value) and "--mooncake-master" in str(refused.value), argv
+    for bad in ("0", "-2", "nan", "inf", "lots"):  # the parser refuses the number, naming the flag
+        with pytest.raises(SystemExit):
+            _serve_args("--mooncake-master", "10.0.0.5:50051", "--mooncake-pool-gib", bad)
+        assert "--mooncake-pool-gib" in capsys.readouterr().err, bad
+
+
+def test_serve_refuses_a_master_without_its_pool_before_anything_starts():
+    """The refusal comes before the registry is reached, Ray starts or a store starts: _serve reads the cluster
+    tier's flags first (a Redis URL nobody listens on would otherwise be the error reported)."""
+    import contextlib
+
+    import inferscale_server.cli as cli
+
+    args = _serve_args("--mooncake-master", "10.0.0.5:50051", "--redis-url", "redis://127.0.0.1:1/0")
+    with contextlib.ExitStack() as stack, pytest.raises(SystemExit, match="--mooncake-pool-gib"):
+        cli._serve(args, stack)
 
 
 def test_serve_starts_a_mooncake_store_when_asked():

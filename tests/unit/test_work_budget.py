@@ -213,6 +213,28 @@ def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burs
     assert budget.tracked_callers(ENGINE) == 0
 
 
+def test_the_stats_show_a_callers_net_charges_per_resource_an_estimate_and_its_correction_summed():
+    """WorkBudget.stats (the Gateway deployment's stats()): each resource's net units charged to a caller, which the
+    balance's refill hides: an answer estimated at 1,000 engine units whose engine reported 60 leaves 60 charged
+    (and its REQUEST_UNITS on the gateway), while the balance is back at the burst; admins are not tracked; a
+    caller the LRU forgets starts again at 0."""
+    budget = WorkBudget(WorkLimit(rate_per_s=64.0, burst=8192.0), tracked=2)
+    request(budget, ALICE, 1000.0, route="Answer", spent=60.0 - 1000.0)
+    request(budget, ADMIN, 500.0, route="Answer")
+    stats = budget.stats(ALICE.subject)
+    assert stats["caller"]["engine"]["charged"] == 60.0 and stats["caller"]["gateway"]["charged"] == REQUEST_UNITS
+    assert stats["caller"]["encode"] == {"balance": 8192.0, "charged": 0.0}
+    assert stats["caller"]["engine"]["balance"] == pytest.approx(8192.0 - 60.0, abs=1.0)  # a refund fills, no more
+    assert (stats["rate_per_s"], stats["burst"], stats["refused"]) == (64.0, 8192.0, 0)
+    assert stats["tracked_callers"] == {"gateway": 1, "encode": 0, "engine": 1}  # the admin is not among them
+    assert "caller" not in budget.stats() and budget.stats(ADMIN.subject)["caller"]["engine"]["charged"] == 0.0
+    request(budget, ALICE, 40.0, route="Answer", spent=-10.0)  # charges add up over requests
+    assert budget.stats(ALICE.subject)["caller"]["engine"]["charged"] == 90.0
+    for who in ("p1", "p2"):  # tracked=2: alice, the least recently charged, is forgotten
+        request(budget, Principal(who, frozenset({"memory:read"})), 5.0, route="Answer")
+    assert budget.stats(ALICE.subject)["caller"]["engine"] == {"balance": 8192.0, "charged": 0.0}
+
+
 @pytest.fixture(scope="module")
 def gateway(redis_url, jwt_secret):
     with both_doors(redis_url, jwt_secret, Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0), "work") as doors:

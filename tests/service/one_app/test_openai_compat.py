@@ -178,6 +178,34 @@ def test_sampling_parameters_reach_vllm(service):
     assert narrow.choices[0].message.content == greedy  # ...and top_p=1e-6 leaves only the greedy token
 
 
+def test_an_answer_that_stops_early_leaves_its_caller_charged_what_the_engine_forwarded(service):
+    """The work budget (issue 31) charges an answer's estimate to its caller's engine balance before the engine runs
+    (the text / 4 + the cap) and corrects it by the usage the engine reports at the end. Through the whole service:
+    an answer capped at 1,024 tokens that a stop string ends after a few leaves its caller charged exactly the tokens
+    prefilled plus those generated (the Gateway's stats(), its one replica here) and its balance within that of the
+    burst, not ~1,000 below it as the estimate alone would."""
+    from support.local_service import deployment_handle
+
+    user, cap = f"work-{uuid.uuid4().hex[:8]}", 1024
+    service.client.add_facts(user, ["Wanda keeps bees on the roof of her school."])  # the encoder's, not the engine's
+    gateway = deployment_handle("Gateway")
+
+    def budget() -> dict:
+        return gateway.stats.remote(user).result(timeout_s=60)["work_budget"]
+
+    assert budget()["caller"]["engine"]["charged"] == 0.0
+    question = "Where does Wanda keep her bees? Answer in a full sentence."
+    r = _client(service, user).chat.completions.create(
+        model="inferscale", max_completion_tokens=cap, temperature=0, stop=[" "],  # ends at the first space
+        messages=[{"role": "user", "content": question}])
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 16, r
+    forwarded = r.model_extra["inferscale"]["prefilled_tokens"] + r.usage.completion_tokens
+    assert forwarded < (len(question) / 4 + cap) / 4  # far below the estimate charged before the engine ran
+    after = budget()
+    assert after["caller"]["engine"]["charged"] == pytest.approx(forwarded), (forwarded, after)
+    assert after["caller"]["engine"]["balance"] >= after["burst"] - forwarded - 1e-6, (forwarded, after)
+
+
 def test_response_format_json_schema(service):
     import jsonschema
 
