@@ -74,7 +74,14 @@ BUFFER_SHARE = 0.75
 # round, and then READ_PASSES_AT_ONE times more before its objects count as unreadable; the reader keeps the smaller
 # rounds for its next reads and doubles them back after each read that needed no smaller round. A pass that reads
 # none for another reason (a copy on a dead node's segment until the master drops it) ends the read at once.
+# A copy on a dead segment fails otherwise (-800, measured), but its round waits ~1 s for the peer that does not
+# answer, so the live objects beside it in that round expire: an object that failed for another reason than its
+# lease is not read again (it is unreadable for this read, and read again by a later one), the expired ones are, in
+# rounds without it. Every retry happens within READ_RETRY_LEASES leases of the read's start (at least
+# READ_RETRY_MIN_S): whatever is still unread then is unreadable for this read, so a read is bounded in time.
 READ_PASSES_AT_ONE = 2
+READ_RETRY_LEASES = 4
+READ_RETRY_MIN_S = 2.0
 REMOVE_ATTEMPTS = 30  # a remove refused for a lease is tried again after each lease, this often at most
 MIN_REMOVE_ATTEMPTS = 3  # ... and this often at least (see ClusterStore._remove)
 
@@ -548,24 +555,24 @@ class ClusterStore:
             # more call tells which (a hit costs two calls: the sizes, then the read).
             exists.update(self._exist(client, keys, [i for i in range(len(keys)) if i not in sizes]))
             round_bytes, shrunk, passes_at_one = self.read_round_bytes, False, 0
+            retry_until = time.monotonic() + max(READ_RETRY_MIN_S, READ_RETRY_LEASES * self.config.lease_s)
             while todo:
                 batches = self._batches(todo, sizes.__getitem__, round_bytes)
-                failed: list[int] = []
-                expired = 0
+                codes: dict[int, int] = {}
                 for batch in batches:
-                    codes = self._read_round(client, user_id, kv_ids, keys, sizes, batch, keep, out)
-                    failed += codes
-                    expired += sum(rc == _LEASE_EXPIRED for rc in codes.values())
-                exists.update(self._exist(client, keys, failed))
-                # Present but not read: read again, in smaller rounds when leases ran out (READ_PASSES_AT_ONE); a
-                # pass that reads none ends the read unless its leases ran out.
-                again = [i for i in failed if exists[i] == 1]
-                if expired and max(len(b) for b in batches) > 1:
+                    codes.update(self._read_round(client, user_id, kv_ids, keys, sizes, batch, keep, out))
+                exists.update(self._exist(client, keys, list(codes)))
+                # Listed but not read because its lease ran out: read again (READ_PASSES_AT_ONE's comment), in
+                # smaller rounds when its round held more than one object; anything else is unreadable this time.
+                again = [i for i, rc in codes.items() if rc == _LEASE_EXPIRED and exists[i] == 1]
+                if not again or time.monotonic() >= retry_until:
+                    break
+                if max(len(b) for b in batches) > 1:
                     round_bytes, shrunk = max(1, round_bytes // 2), True
                     self.counters["read_rounds_halved"] += 1
                 elif len(again) == len(todo):
                     passes_at_one += 1
-                    if not expired or passes_at_one > READ_PASSES_AT_ONE:
+                    if passes_at_one > READ_PASSES_AT_ONE:
                         break
                 todo = again
             self.read_round_bytes = round_bytes if shrunk else min(self.read_buffer.limit, 2 * round_bytes)
