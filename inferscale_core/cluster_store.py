@@ -70,15 +70,13 @@ BUFFER_SHARE = 0.75
 # client from its replica query to the end of the round's transfer): Mooncake fails EVERY object of a round that ends
 # later (LEASE_EXPIRED), whatever landed. On a loaded 2-core machine one 48 MB round of fp32 SmolLM2 facts took longer
 # than `inferscale serve`'s 0.5 s lease (bench/service.py at 25 users, 2026-11-29: the whole request's memory was
-# then recomputed). So a pass whose rounds all expired is tried again in rounds half as large, down to one object a
-# round, and then READ_PASSES_AT_ONE times more before its objects count as unreadable; the reader keeps the smaller
-# rounds for its next reads and doubles them back after each read that needed no smaller round. A pass that reads
-# none for another reason (a copy on a dead node's segment until the master drops it) ends the read at once.
-# A copy on a dead segment fails otherwise (-800, measured), but its round waits ~1 s for the peer that does not
-# answer, so the live objects beside it in that round expire: an object that failed for another reason than its
-# lease is not read again (it is unreadable for this read, and read again by a later one), the expired ones are, in
-# rounds without it. Every retry happens within READ_RETRY_LEASES leases of the read's start (at least
-# READ_RETRY_MIN_S): whatever is still unread then is unreadable for this read, so a read is bounded in time.
+# then recomputed). So the objects whose lease ran out are read again, in rounds half as large while a round held more
+# than one object, then READ_PASSES_AT_ONE more passes of one object a round; the reader keeps the smaller rounds for
+# its next reads and doubles them back after each read that needed no smaller round. An object that failed for
+# another reason is not read again by this read (unreadable now, read again by a later one): a copy on a dead node's
+# segment fails with -800 (measured), and its round waits ~1 s for the peer, so the live objects beside it expire and
+# are read again in rounds without it. Every retry happens within READ_RETRY_LEASES leases of the read's start (at
+# least READ_RETRY_MIN_S): whatever is still unread then is unreadable for this read, so a read is bounded in time.
 READ_PASSES_AT_ONE = 2
 READ_RETRY_LEASES = 4
 READ_RETRY_MIN_S = 2.0
