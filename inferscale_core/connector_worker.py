@@ -27,7 +27,9 @@ client of its own (`cluster_store` + `kv_fingerprint` in kv_connector_extra_conf
 tier under the encoder pool's fingerprint). `start_load_kv` hands each such request to a loader thread, which
 reads the facts the store lacks from the cluster tier into the store (the read, its unpacking and the dtype
 conversion run there, outside vLLM's step): Mooncake lands the objects in the client's registered read buffer
-(`batch_get_into`) and each fact goes from there into the store, one copy, no Python bytes in between.
+(`batch_get_into`) and each fact goes from there into the store's memory, one copy, no Python bytes in between; its
+disk-tier file is written behind the load by one thread (FactStore.write_back): written per fact with an fsync
+under the store's lock, the files made each cluster read ~3.4x slower here and held every step's gather behind them.
 `get_finished` writes the blocks of every load that has arrived, on the step's thread as a synchronous load is
 written, and reports the request to vLLM, which schedules it in the next step. A fact found in no tier fails the request's blocks (vLLM recomputes them with the query: slower, never
 wrong) and is listed for `take_missing`, so the serving process queues one re-encode. The KV of a request never
@@ -186,6 +188,9 @@ class WorkerSide:
         # writes of get_finished go through the attention layers it holds).
         self.cluster: ClusterStore | None = None
         self._loader: ThreadPoolExecutor | None = None
+        # Writes the disk-tier files of the facts the loaders read (FactStore.write_back): one thread, behind the
+        # loads, so a load never waits for a file and its fsync (made with the store when it has a disk tier).
+        self._disk_writer: ThreadPoolExecutor | None = None
         self._fetching: dict[str, tuple[LoadSpec, Future]] = {}
         self._aborted: set[str] = set()
         self._missing: dict[str, set[str]] = {}
@@ -229,6 +234,8 @@ class WorkerSide:
             self.cluster = ClusterStore(self.cluster_config, self.extra_config["kv_fingerprint"], reads_to=self.device)
             self.cluster.available  # noqa: B018 - connects in the background; a load before that is a miss
         self._loader = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="inferscale-fetch")
+        if self.store.disk_dir is not None:
+            self._disk_writer = ThreadPoolExecutor(1, thread_name_prefix="inferscale-disk")
         logger.info("InferScale worker: %d layers on %s (facts in %s, cache %s), block size %d, device budget %s, "
                     "cluster tier %s", len(kv_caches), self.device, self.kv_dtype, self.cache_dtype, self.block_size,
                     "none" if self.device_budget_bytes is None else f"{self.device_budget_bytes} B",
@@ -390,13 +397,17 @@ class WorkerSide:
             one copy); the bytes kept, None when the store refuses it (a miss, computed by vLLM)."""
             try:
                 fact = self._fitting(fact, store)
-                store.put(user_id, kv, fact)
+                store.put(user_id, kv, fact, write_file=False)  # its file: write-behind, below
             except ValueError as e:  # a shape or budget the store refuses
                 logger.warning("InferScale: the cluster object of %s cannot be stored: %s", kv, e)
                 return None
             return fact.nbytes
 
         got = self.cluster.read(user_id, need, keep)
+        if self._disk_writer is not None:
+            kept = [kv for kv, n in zip(need, got.facts) if n is not None]
+            if kept:
+                self._disk_writer.submit(self._write_back, store, user_id, kept)
         missing = [kv for kv, kept in zip(need, got.facts) if kept is None]
         # Listed on a dead node's segment: read again later, not re-encoded.
         unreadable = [kv for kv, unread in zip(need, got.unreadable) if unread]
@@ -404,6 +415,17 @@ class WorkerSide:
                   "fetch_unreadable": len(unreadable), "fetch_seconds": time.perf_counter() - t0}
         fetched = [kv for kv, kept in zip(need, got.facts) if kept is not None]
         return FetchResult(user_id, missing, unreadable, counts, fetched)
+
+    @staticmethod
+    def _write_back(store: FactStore, user_id: str, kv_ids: list[str]) -> None:
+        """On the disk writer's thread: the files of facts a load read from the cluster tier (a fact deleted,
+        replaced or evicted meanwhile is skipped by write_back). A failure costs the node-local copy only."""
+        for kv in kv_ids:
+            try:
+                store.write_back(user_id, kv)
+            except OSError as e:  # a full or failing disk: the fact stays in memory and in the cluster tier
+                logger.warning("InferScale: writing the disk-tier file of a loaded fact failed: %s", e)
+                return
 
     def _settle(self, result: "FetchResult") -> None:
         """A load's counters and its facts found nowhere (for take_missing), on the step's thread."""
@@ -519,6 +541,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self._loader is not None:
             self._loader.shutdown(wait=True, cancel_futures=True)
+        if self._disk_writer is not None:  # files not written yet stay unwritten: the cluster tier has the facts
+            self._disk_writer.shutdown(wait=True, cancel_futures=True)
         if self.cluster is not None:
             self.cluster.close()
 

@@ -5,7 +5,9 @@ Tiers, fastest first:
   host    CPU memory, pinned when the device is CUDA so promotion is an async copy (by default only when the
           device is not the CPU: a CPU store would otherwise hold the same bytes twice),
   disk    one safetensors file per fact under `disk_dir`, written on every put (write-through), so a fact
-          survives a restart and a fact demoted out of memory costs nothing more to drop. Optionally under a
+          survives a restart and a fact demoted out of memory costs nothing more to drop; or, for a put with
+          `write_file=False`, written later by `write_back` (write-behind: the connector worker's loads, whose
+          facts the cluster tier holds anyway, never wait for a file or its fsync). Optionally under a
           byte budget (`disk_budget_bytes`, bytes of the files): a write that would exceed it first deletes files,
           by the rule every tier shares (below). A fact whose file is deleted stays
           while a memory tier holds it (until it is demoted out of memory); one in no memory tier is forgotten,
@@ -104,6 +106,7 @@ class _Entry:
     fact: EncodedFact | None  # the in-memory copy (on the device or on the host); None when disk-only
     on_disk: bool
     file_bytes: int = 0  # the size of its file (0 without one)
+    version: int = 0  # counts puts of this fact: a write_back whose copy was replaced meanwhile is dropped
 
 
 class FactStore:
@@ -185,15 +188,23 @@ class FactStore:
 
     # ----------------------------------------------------------------- public API
 
-    def put(self, user_id: str, fact_id: str, fact: EncodedFact) -> None:
-        """Insert or replace a fact. Raises ValueError naming the problem for a fact that does not fit."""
+    def put(self, user_id: str, fact_id: str, fact: EncodedFact, write_file: bool = True) -> None:
+        """Insert or replace a fact. Raises ValueError naming the problem for a fact that does not fit.
+
+        `write_file=False` (a store with a disk tier): the fact is kept in a memory tier only, and `write_back`
+        writes its file later, off the caller's path and outside the store's lock (the connector worker's loader:
+        its facts come from the cluster tier, the file is only a node-local copy, and a file written and fsynced
+        per fact under the lock held every step's gather behind it). Until then the fact is like one whose file
+        the disk budget collected: demoted out of memory, it is gone. A fact no memory tier can hold has its file
+        written now."""
         check_id("user_id", user_id)
         check_id("fact_id", fact_id)
         with self._lock:
             self._check_fact(fact, source=f"fact {fact_id!r}")
-            data = self._file_data(user_id, fact_id, fact) if self.disk_dir is not None else None
-            if data is not None and not self._disk_fits(len(data)) and not any(
-                    self._fits(t, fact.nbytes) for t in self._memory_tiers):
+            in_memory = any(self._fits(t, fact.nbytes) for t in self._memory_tiers)
+            later = not write_file and in_memory
+            data = self._file_data(user_id, fact_id, fact) if self.disk_dir is not None and not later else None
+            if data is not None and not self._disk_fits(len(data)) and not in_memory:
                 raise ValueError(f"fact {fact_id!r}: its file of {len(data)} bytes is over the disk budget "
                                  f"({self.disk_budget_bytes} bytes) and its {fact.nbytes} KV bytes fit no memory tier")
             entry = self._users.get(user_id, {}).get(fact_id)
@@ -206,12 +217,42 @@ class FactStore:
             elif entry.on_disk:  # the old file is outdated: its bytes are free for the new one
                 self._drop_file(entry, forget=False, collected=False)
             entry.nbytes = stored.nbytes
+            entry.version += 1  # a write_back of the older copy must not land over this one
             if tier is not None:
                 self._place(entry, tier, stored)
             if data is not None and self._disk_fits(len(data)):
                 self._collect(len(data), writer=user_id)  # room first: the largest holder's oldest files leave
                 self._write_file(user_id, fact_id, data)
                 self._add_file(entry, len(data))
+
+    def write_back(self, user_id: str, fact_id: str) -> bool:
+        """Writes the file of a fact `put` with `write_file=False`, if it is still in memory without one; returns
+        whether a file was written. The file is serialized and fsynced outside the store's lock, and put in place
+        under it only if the fact is still the same copy: a delete or a newer put meanwhile wins (its temporary file
+        is removed, nothing of a deleted fact is left)."""
+        if self.disk_dir is None:
+            return False
+        with self._lock:
+            entry = self._users.get(user_id, {}).get(fact_id)
+            if entry is None or entry.on_disk or entry.fact is None:
+                return False
+            fact, version = entry.fact, entry.version
+        data = self._file_data(user_id, fact_id, fact)
+        if not self._disk_fits(len(data)):
+            return False
+        path = self._path(user_id, fact_id)
+        tmp = path.with_name(f"{path.name}.{threading.get_ident()}.behind")
+        self._write_unplaced(tmp, data)
+        with self._lock:
+            if self._users.get(user_id, {}).get(fact_id) is not entry or entry.version != version or entry.on_disk:
+                tmp.unlink(missing_ok=True)
+                if user_id not in self._users:  # deleted meanwhile: the folder our write made again goes too
+                    shutil.rmtree(path.parent, ignore_errors=True)
+                return False
+            self._collect(len(data), writer=user_id)  # files only: this fact has none and stays
+            os.replace(tmp, path)
+            self._add_file(entry, len(data))
+            return True
 
     def get(self, user_id: str, fact_id: str) -> EncodedFact:
         """The fact on the store's device; promotes it to the device tier and counts a hit for its tier. A fact
@@ -526,13 +567,18 @@ class FactStore:
     def _write_file(self, user_id: str, fact_id: str, data: bytes) -> None:
         """Atomic, durable write: temp file, fsync, rename over the old file."""
         path = self._path(user_id, fact_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
+        self._write_unplaced(tmp, data)
+        os.replace(tmp, path)
+
+    @staticmethod
+    def _write_unplaced(tmp: Path, data: bytes) -> None:
+        """A temporary file's bytes, durable (fsync) before it is renamed into place."""
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def _read_file(self, entry: _Entry) -> EncodedFact:
         path = self._path(entry.user_id, entry.fact_id)
@@ -553,6 +599,8 @@ class FactStore:
         assert self.disk_dir is not None  # only a store with a disk tier has fact files
         files = []
         for user_dir in sorted(p for p in self.disk_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            for stray in [*user_dir.glob("*.tmp"), *user_dir.glob("*.behind")]:  # a write a crash cut short:
+                stray.unlink(missing_ok=True)  # never renamed into place, and maybe a since-deleted fact's bytes
             for path in sorted(user_dir.glob("*" + FACT_SUFFIX)):
                 try:
                     user_id, fact_id, nbytes = self._read_header(path)

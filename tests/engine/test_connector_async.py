@@ -7,6 +7,8 @@ vLLM keeps the request outside the batch (InjectionParams.fetch); no KV byte cro
 - a slow cluster read does not hold up another request: it finishes while the first still waits;
 - the wait for a load is timed on vLLM's clock and reaches the caller on the RequestOutput (`kv_load`, at least
   the injected delay, and outside vLLM's queued -> scheduled, which contains it); a warm request reports none;
+- the disk-tier files of loaded facts are written behind the load: a load whose files cannot be written yet is
+  answered all the same, and the files follow;
 - a fact in no tier, and the Mooncake master killed in the middle of a load, are recomputed by vLLM (the answer
   is the prompt's, exactly) and listed for one re-encode.
 """
@@ -17,6 +19,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from support.connector_harness import (
     FACT_LENS,
     Harness,
@@ -41,7 +44,9 @@ def setup(tmp_path_factory, mooncake):
     from inferscale_core.vllm_setup import kv_transfer_config
 
     folder = build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-    options = {"inject_group_tokens": 128, "cluster_store": mooncake.config, "kv_fingerprint": FP}
+    # With a disk tier, as the service's engine replicas have: the files of loaded facts are written behind the loads.
+    options = {"inject_group_tokens": 128, "cluster_store": mooncake.config, "kv_fingerprint": FP,
+               "disk_dir": str(tmp_path_factory.mktemp("worker-disk"))}
     # A KV cache of 24 blocks (768 tokens): one or two requests fit; six long ones get preempted.
     h = open_harness(folder, kv_transfer_config=kv_transfer_config(options), num_gpu_blocks_override=24,
                      max_model_len=512)
@@ -236,6 +241,47 @@ def test_the_wait_for_a_slow_load_is_the_kv_load_hop_and_a_warm_request_has_none
     assert quick.seconds < 0.5 and "kv_load_read" not in engine_timings(
         SimpleNamespace(ttft_s=None, engine_stats=again.metrics, kv_load=quick))
     assert_same(again, ref)
+
+
+def test_a_load_never_waits_for_its_disk_files_which_follow_it(setup):
+    """The worker store's disk-tier files of the facts a load read are written by a thread behind the load
+    (FactStore.write_back): with every file write held until the answer has come back, the answer comes back
+    (before, each fact's file was written and fsynced inside the read, under the store's lock); then the files
+    are written, and a store opened on the folder serves the facts bit for bit."""
+    from inferscale_core.store import FactStore
+
+    h, writer, _ = setup
+    store = h.worker.store
+    chunks, query = layout(700)
+    in_cluster(h, writer, "behind", "prefix-behind", chunks)
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    release, waiting = threading.Event(), threading.Event()
+    write = store._write_unplaced
+
+    def held_write(tmp, data):
+        waiting.set()
+        assert release.wait(120), "the test never released the disk writes"
+        write(tmp, data)
+
+    store._write_unplaced = held_write
+    try:
+        (out,) = h.run(fetching("behind", "prefix-behind", chunks, query))
+        assert store.bytes_used("behind")["disk"] == 0  # answered with no file written,
+        assert waiting.wait(30)  # while the disk writer was held at its first file
+    finally:
+        release.set()
+        del store._write_unplaced
+    assert out.num_cached_tokens == M
+    assert_same(out, ref)
+    deadline = time.monotonic() + 60
+    while store.bytes_used("behind")["disk"] < sum(e.nbytes for e in h.encode_joint(chunks)[1:]):
+        assert time.monotonic() < deadline, store.bytes_used("behind")
+        time.sleep(0.05)
+    on_disk = FactStore.open(store.disk_dir, num_layers=store._shape["num_layers"],
+                             num_kv_heads=store._shape["num_kv_heads"], head_dim=store._shape["head_dim"])
+    for fid, fact in zip(FIDS, h.encode_joint(chunks)[1:]):
+        got = on_disk.get("behind", fid)
+        assert torch.equal(got.k_pre, fact.k_pre.to(got.k_pre.dtype)) and torch.equal(got.v, fact.v.to(got.v.dtype))
 
 
 def test_a_fact_in_no_tier_is_recomputed_and_listed_once_for_reencode(setup):

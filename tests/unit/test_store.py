@@ -608,3 +608,66 @@ def test_byte_books_stay_right_through_evictions_deletes_and_replacements(tmp_pa
             s.delete(user, f)
         assert_books(s, {k: v for k, v in sizes.items() if s.contains(*k)})
     assert s.stats()["disk_collected"] > 0 and s.stats()["demotions"] > 0
+
+
+def files_in(folder) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if p.is_file())
+
+
+def test_write_behind_keeps_the_fact_in_memory_and_writes_its_file_later(tmp_path):
+    """put(write_file=False) (the connector worker's loads) writes no file; write_back writes it once, and the
+    reopened store serves it bit for bit. Until then a demotion out of memory forgets it: a clean miss."""
+    s = store(tmp_path)
+    fact = make_fact(5, seed=1)
+    s.put("u", "a", fact, write_file=False)
+    assert files_in(tmp_path) == [] and s.tier_of("u", "a") == "device"
+    assert s.bytes_used()["disk"] == 0
+    assert s.write_back("u", "a") is True
+    assert files_in(tmp_path) == [s._path("u", "a").name] and s.bytes_used()["disk"] == fact.nbytes
+    assert s.write_back("u", "a") is False  # already on disk: nothing written twice
+    assert_same(FactStore.open(tmp_path).get("u", "a"), fact)
+
+    kv = fact.nbytes
+    small = store(tmp_path / "small", device_budget_bytes=kv)
+    small.put("u", "a", make_fact(5, seed=1), write_file=False)
+    small.put("u", "b", make_fact(5, seed=2))  # a leaves memory before its file was written: gone
+    assert small.fact_ids("u") == ["b"] and small.write_back("u", "a") is False
+    with pytest.raises(UnknownFactError):
+        small.get("u", "a")
+
+
+def test_a_write_back_loses_to_a_delete_or_a_newer_put_made_while_it_wrote(tmp_path, monkeypatch):
+    """The file is written outside the store's lock; a delete (of the fact, or of the user) or a newer put that
+    lands meanwhile wins: no file of the deleted fact or of the older copy is left, not even its temporary file."""
+    s = store(tmp_path)
+    write = FactStore._write_unplaced
+    meanwhile = {}
+
+    def slow_write(tmp, data):  # what another thread does while the file is written
+        write(tmp, data)
+        meanwhile["action"]()
+
+    monkeypatch.setattr(FactStore, "_write_unplaced", staticmethod(slow_write))
+    for name, action in (("delete", lambda: s.delete("u", "a")),
+                         ("delete_user", lambda: s.delete_user("u")),
+                         ("newer put", lambda: s.put("u", "a", make_fact(3, seed=9), write_file=False))):
+        s.put("u", "a", make_fact(4, seed=1), write_file=False)
+        meanwhile["action"] = action
+        assert s.write_back("u", "a") is False, name
+        assert files_in(tmp_path) == [], name
+        if name == "newer put":  # the newer copy is what is served, and its own write_back writes it
+            monkeypatch.setattr(FactStore, "_write_unplaced", staticmethod(write))
+            assert s.write_back("u", "a") is True
+            assert_same(FactStore.open(tmp_path).get("u", "a"), make_fact(3, seed=9))
+        else:
+            assert not s.contains("u", "a") and not (tmp_path / s._path("u", "a").parent.name).exists(), name
+
+
+def test_temporary_files_a_crash_left_are_removed_at_open(tmp_path):
+    s = store(tmp_path)
+    s.put("u", "a", make_fact(4, seed=1))
+    folder = s._path("u", "a").parent
+    (folder / "x.safetensors.tmp").write_bytes(b"half a fact")
+    (folder / "y.safetensors.140.behind").write_bytes(b"a deleted fact's bytes")
+    reopened = FactStore.open(tmp_path)
+    assert reopened.fact_ids("u") == ["a"] and files_in(tmp_path) == [s._path("u", "a").name]
