@@ -14,7 +14,8 @@ likely that the replica it picks already holds the user:
      requests, sent every ROUTING_STATS_PERIOD_S as Serve's routing stats; Serve's per-router queue-length
      cache is not used: a probe taken under load stays in it while the router keeps sending) is skipped for
      the next replica in the user's hash order that is below it; that replica reads the user's KV from the cluster tier. When
-     every replica is that busy the least busy goes first. Serve itself skips a replica at its
+     every replica is that busy the user stays with the first of them in its order unless another has more than `move_at`
+     fewer requests in flight (then the least busy goes first): a move is a cold load. Serve itself skips a replica at its
      max_ongoing_requests and tries the next in the order, so a full or dead home never holds a user up.
   3. When the load falls the user goes home again (the home still holds it, or reads it from the cluster).
 Requests without a user (plain chat, health) keep Serve's power-of-two choice.
@@ -59,7 +60,14 @@ def preference_order(user_id: str, replicas: Sequence[R], key: Callable[[R], str
     keep the hash order by the key then the input order."""
     ranked = sorted(replicas, key=lambda r: affinity_score(user_id, key(r)), reverse=True)
     free = [r for r in ranked if (ongoing(r) or 0) < move_at]
-    busy = sorted((r for r in ranked if (ongoing(r) or 0) >= move_at), key=lambda r: ongoing(r) or 0)
+    busy = [r for r in ranked if (ongoing(r) or 0) >= move_at]
+    # Every replica busy: a move costs the user a cold load on the other replica (at k=50 some 35 MB read from the
+    # cluster tier, queued behind that replica's other loads) and gains nothing when the others are as busy, so
+    # the first busy one in the user's order keeps it unless another has more than `move_at` fewer in flight. (Least busy
+    # first, as before, sent most users' requests at 100 users on 2 replicas alternately to both, each move a
+    # cold load: bench/results/service_n1_n100_k50_2replicas_bf16.md, 135 of 199 KV requests loaded cold.)
+    first = busy[0] if busy else None
+    busy.sort(key=lambda r: (ongoing(r) or 0) - (move_at if r is first else 0))
     return free + busy
 
 

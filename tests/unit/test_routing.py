@@ -108,6 +108,25 @@ def test_an_overloaded_home_is_passed_over_for_the_next_in_the_users_order():
     assert order(user, replicas) == quiet
 
 
+def test_when_every_replica_is_busy_a_user_stays_unless_another_is_much_less_busy():
+    """A move is a cold load: among replicas all at or above move_at (8 here) the user's first in order keeps it
+    while the others have at most move_at fewer in flight; past that the least busy goes first. At 100 users on 2
+    replicas (about 50 in flight each) every user stays home instead of alternating between the two."""
+    replicas = three()
+    for user in USERS[:20]:
+        quiet = order(user, replicas)
+        quiet[0].ongoing, quiet[1].ongoing, quiet[2].ongoing = 50, 45, 48  # all busy, alike: home
+        assert order(user, replicas)[0] is quiet[0]
+        quiet[1].ongoing = 42  # exactly move_at fewer: still home
+        assert order(user, replicas)[0] is quiet[0]
+        quiet[1].ongoing = 41  # more than move_at fewer: the least busy first, then home
+        assert order(user, replicas) == [quiet[1], quiet[0], quiet[2]]
+        quiet[0].ongoing = 30  # home busy, its second choice busier: home first, the rest least busy first
+        assert order(user, replicas) == [quiet[0], quiet[1], quiet[2]]
+        for r in replicas:
+            r.ongoing = None
+
+
 def test_overflow_spreads_a_busy_replicas_users_over_the_others():
     """The users of an overloaded home go to their own second choices, not all to one replica."""
     replicas = [Replica(f"id-{s}", slot=s) for s in range(4)]
