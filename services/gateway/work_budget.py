@@ -38,14 +38,29 @@ import grpc
 
 from ..auth import Principal
 from ..errors import ApiError
+from ..filters import Filter
 from .principal_limits import TRACKED_PRINCIPALS
 
 # The weights, in tokens the model forwards (on the reference node, SmolLM2-135M fp32 on 2 cores, a token costs
 # a few ms of a core; docs/security.md gives the rule):
 REQUEST_UNITS = 1.0       # every admitted request: authentication, parsing, the answer's serialization (~ms)
 CHARS_PER_TOKEN = 4.0     # text to encode or prefill, before it is tokenized: ~4 characters a token
-FACTS_READ_PER_UNIT = 32  # a scan (a filtered listing, a search widened by a filter, a filtered delete): a fact
-#                           read from Redis and matched against a filter of up to filters.MAX_NODES conditions
+# A scan (a listing, a search widened by a filter, a filtered delete) is charged per fact read, and per fact by the
+# filter's size (scan_units), from bench/filter_cost.py (bench/results/filter_cost.md: the gateway's and Redis's CPU
+# of Mem0's get_all through the real door over 0-3,000 facts with metadata at the door's limits, on the 2-core
+# reference node, against 3.7 ms of a core per token: SmolLM2-135M fp32 prefill on one thread):
+#   a fact read (Redis, decoded, the page's JSON)   ~81 us   -> 46 a unit measured; FACTS_READ_PER_UNIT 32
+#   a condition evaluated (eq, in's set lookup...)  ~0.5 us  -> ~7,000 a unit;       CONDITIONS_PER_UNIT 4,096
+#   a text condition (contains / icontains) on a    ~21 us   -> ~180 a unit;         TEXT_CONDITIONS_PER_UNIT 128
+#     value at the door's 1,024 characters (the worst: a list of 255 strings, a Python loop per item)
+# An `in` list's items are one set lookup per fact, so they count at compile (a 256-node filter compiles in ~2 ms,
+# inside the request's REQUEST_UNITS), not per fact. Each weight rounds the measurement up, so a scan is never
+# charged less than it costs on the reference node: a maximal filter (255 conditions, 127 of them text) over N facts
+# is ~1.09 N units (N x 1.4 ms measured at the worst, 0.38 N units; x2.9 margin), a plain listing N / 32, the old
+# weight; everything bounded by filters.MAX_NODES and the door's metadata limits, whatever the caller sends.
+FACTS_READ_PER_UNIT = 32
+CONDITIONS_PER_UNIT = 4096
+TEXT_CONDITIONS_PER_UNIT = 128
 
 # A caller counts as active on a resource for this long after its last charge there (the well-behaved users of
 # bench/noisy_neighbour.py ask every 15 s, 20 of them: one of them is always within 10 s); a debt binds only while
@@ -101,9 +116,12 @@ def text_units(chars: int) -> float:
     return chars / CHARS_PER_TOKEN
 
 
-def scan_units(facts: int) -> float:
-    """What reading and matching `facts` facts costs."""
-    return facts / FACTS_READ_PER_UNIT
+def scan_units(facts: int, match: Filter | None = None) -> float:
+    """What reading `facts` facts costs, and matching each against `match` (None: no filter): the weights above."""
+    per_fact = 1 / FACTS_READ_PER_UNIT
+    if match is not None:
+        per_fact += match.conditions / CONDITIONS_PER_UNIT + match.text_conditions / TEXT_CONDITIONS_PER_UNIT
+    return facts * per_fact
 
 
 @dataclass(frozen=True)
