@@ -76,8 +76,9 @@ class Resource(enum.Enum):
     # (registry reads and filter matching). Scans have this share rather than the engine's or the encoder's: they
     # run here (Redis and the gateway's worker threads), and neither model forwards anything for them, so a scan-
     # heavy tenant costs the others this replica, not their answers or adds. Every request uses the gateway, so a
-    # debt here binds every route; scans make one (a unit is 32 facts read: a burst of 8,192 reads 262,144), or a
-    # request rate above the budget's rate (REQUEST_UNITS each) kept up for minutes.
+    # debt here binds every route; scans make one (a unit is 32 facts read, or ~0.9 of a fact under the maximal
+    # filter: a burst of 8,192 reads 262,144 facts without a filter, ~7,500 under that one), or a request rate
+    # above the budget's rate (REQUEST_UNITS each) kept up for minutes.
     GATEWAY = "gateway"
     # The encoder pool: an add's facts and the windows they are encoded behind, an update's re-encode, the
     # neighbours re-encoded when a fact's text leaves the memory.
