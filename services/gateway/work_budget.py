@@ -48,16 +48,17 @@ CHARS_PER_TOKEN = 4.0     # text to encode or prefill, before it is tokenized: ~
 # A scan (a listing, a search widened by a filter, a filtered delete) is charged per fact read, and per fact by the
 # filter's size (scan_units), from bench/filter_cost.py (bench/results/filter_cost.md: the gateway's and Redis's CPU
 # of Mem0's get_all through the real door over 0-3,000 facts with metadata at the door's limits, on the 2-core
-# reference node, against 3.7 ms of a core per token: SmolLM2-135M fp32 prefill on one thread):
-#   a fact read (Redis, decoded, the page's JSON)   ~81 us   -> 46 a unit measured; FACTS_READ_PER_UNIT 32
-#   a condition evaluated (eq, in's set lookup...)  ~0.5 us  -> ~7,000 a unit;       CONDITIONS_PER_UNIT 4,096
-#   a text condition (contains / icontains) on a    ~21 us   -> ~180 a unit;         TEXT_CONDITIONS_PER_UNIT 128
-#     value at the door's 1,024 characters (the worst: a list of 255 strings, a Python loop per item)
-# An `in` list's items are one set lookup per fact, so they count at compile (a 256-node filter compiles in ~2 ms,
-# inside the request's REQUEST_UNITS), not per fact. Each weight rounds the measurement up, so a scan is never
-# charged less than it costs on the reference node: a maximal filter (255 conditions, 127 of them text) over N facts
-# is ~1.09 N units (N x 1.4 ms measured at the worst, 0.38 N units; x2.9 margin), a plain listing N / 32, the old
-# weight; everything bounded by filters.MAX_NODES and the door's metadata limits, whatever the caller sends.
+# reference node, against one token = 3.8 ms of a core: SmolLM2-135M fp32 prefill on one thread):
+#   a fact read (Redis, decoded, matched by a 1-condition filter)  ~77 us   -> 50 a unit;  FACTS_READ_PER_UNIT 32
+#   a condition evaluated (eq, an `in` set's lookup, ...)          ~0.56 us -> ~6,800;     CONDITIONS_PER_UNIT 4,096
+#   a text condition (contains / icontains) at its worst, a list   ~13.5 us -> ~280;       TEXT_CONDITIONS_PER_UNIT 128
+#     of 255 strings in the door's 1,024 characters (a Python loop per item; on a 1,000-character string ~1.3 us)
+# An `in` list's items are one set lookup per fact, so they count toward the filter's size limit, not per fact (a
+# 256-node filter compiles in ~2 ms: a listing of no facts with it costs ~4 ms in all, about its REQUEST_UNITS).
+# Each weight rounds the measurement up, so no scan is charged less than it costs the reference node: the maximal
+# filter (255 conditions, 127 of them text) is 1/32 + 255/4,096 + 127/128 = ~1.09 units a fact against 0.49
+# measured (x2.2), a plain read 1/32 against 0.020; bounded whatever the caller sends (filters.MAX_NODES, the door's
+# metadata limits).
 FACTS_READ_PER_UNIT = 32
 CONDITIONS_PER_UNIT = 4096
 TEXT_CONDITIONS_PER_UNIT = 128
