@@ -398,7 +398,7 @@ def test_a_flood_of_maximal_filtered_listings_is_refused_within_the_requests_the
     the burst (1,000 here) runs out after ceil(1000 / 109.6) = 10 listings (the refill, 4 a second, adds less than
     one listing's cost in the seconds they take): the 11th is refused on Mem0's door (429, CALLER_WORK, Retry-After)
     and on gRPC (RESOURCE_EXHAUSTED, CALLER_WORK), and the light caller is served at the same moment. With the old
-    weight (100/32 + 1 a listing) the same flood had 240 listings before a refusal. The charge is the filter's, not
+    weight (100/32 + 1 a listing) the same flood had ~240 listings before a refusal. The charge is the filter's, not
     the facts' (their tags are short here, so that the flood is quick): what the caller sends decides it."""
     import json
     import math
