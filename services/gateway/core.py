@@ -599,7 +599,7 @@ class GatewayCore:
             hits = await backends.search(uid, query, want)
             recs = await self._records(uid, [f for f, _ in hits])
             # a filter widens the read up to the user's every fact
-            self.work.spent(Resource.GATEWAY, scan_units(len(hits)))
+            self.work.spent(Resource.GATEWAY, scan_units(len(hits), match))
             out = [(recs[f], s) for f, s in hits if f in recs and (threshold is None or s >= threshold)]
             if match is not None:  # up to max_facts_per_user records: matched in a worker thread, never the loop
                 out = await asyncio.to_thread(lambda: [(r, s) for r, s in out if match(r)])
@@ -684,7 +684,7 @@ class GatewayCore:
         after = page_token(req.page_token, scope)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
-        self.work.spent(Resource.GATEWAY, scan_units(len(page)))
+        self.work.spent(Resource.GATEWAY, scan_units(len(page), match))
         facts: list = []  # pb2.Fact messages
         total, now = 0, time.time()
         for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)

@@ -675,7 +675,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         offset: int | None = 0
         while offset is not None:
             recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
-            core.work.spent(Resource.GATEWAY, scan_units(read))
+            core.work.spent(Resource.GATEWAY, scan_units(read, match))
             doomed += [r.fact_id for r in recs]
         for fid in doomed:
             try:
@@ -718,9 +718,10 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     async def get_all(core, caller, request, body: ListRequest):
         no_params(request, ("page", "page_size"))
         uid = owner(core, caller, "ListMemories", body.user_id, filters.user_of(body.filters))
-        match, now = _match(body, uid), time.time()
+        flt, now = _match(body, uid), time.time()
+        match = flt
         if not body.show_expired and await asyncio.to_thread(core.registry.expired_facts, uid, now):
-            match = _unexpired(match, now)  # the user has expired memories: hidden, so the count is a pass too
+            match = _unexpired(flt, now)  # the user has expired memories: hidden, so the count is a pass too
         page = _int_param(request, "page", 1, 1 << 30, 1)
         size = _int_param(request, "page_size", 1, core.limits.max_page_size, core.limits.default_page_size)
         first = (page - 1) * size
@@ -734,7 +735,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
             offset: int | None = 0
             while offset is not None:
                 recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
-                core.work.spent(Resource.GATEWAY, scan_units(read))
+                core.work.spent(Resource.GATEWAY, scan_units(read, flt))  # the filter's weight, not the expiry's
                 results += [memory_json(r) for r in recs[max(0, first - count):max(0, first + size - count)]]
                 count += len(recs)
         base = f"{str(request.base_url).rstrip('/')}/v3/memories/?page_size={size}&page="

@@ -38,14 +38,30 @@ import grpc
 
 from ..auth import Principal
 from ..errors import ApiError
+from ..filters import Filter
 from .principal_limits import TRACKED_PRINCIPALS
 
 # The weights, in tokens the model forwards (on the reference node, SmolLM2-135M fp32 on 2 cores, a token costs
 # a few ms of a core; docs/security.md gives the rule):
 REQUEST_UNITS = 1.0       # every admitted request: authentication, parsing, the answer's serialization (~ms)
 CHARS_PER_TOKEN = 4.0     # text to encode or prefill, before it is tokenized: ~4 characters a token
-FACTS_READ_PER_UNIT = 32  # a scan (a filtered listing, a search widened by a filter, a filtered delete): a fact
-#                           read from Redis and matched against a filter of up to filters.MAX_NODES conditions
+# A scan (a listing, a search widened by a filter, a filtered delete) is charged per fact read, and per fact by the
+# filter's size (scan_units), from bench/filter_cost.py (bench/results/filter_cost.md: the gateway's and Redis's CPU
+# of Mem0's get_all through the real door over 0-3,000 facts with metadata at the door's limits, on the 2-core
+# reference node, against one token = 3.8 ms of a core: SmolLM2-135M fp32 prefill on one thread):
+#   a fact read (Redis, decoded, matched by a 1-condition filter)  ~77 us   -> 50 a unit;  FACTS_READ_PER_UNIT 32
+#   a condition evaluated (eq, an `in` set's lookup, ...)          ~0.56 us -> ~6,800;     CONDITIONS_PER_UNIT 4,096
+#   a text condition (contains / icontains) at its worst, a list   ~13.5 us -> ~280;       TEXT_CONDITIONS_PER_UNIT 128
+#     of 255 strings in the door's 1,024 characters (a Python loop per item; on a 1,000-character string ~1.3 us)
+# An `in` list's items are one set lookup per fact, so they count toward the filter's size limit, not per fact (a
+# 256-node filter compiles in ~2 ms: a listing of no facts with it costs ~4 ms in all, about its REQUEST_UNITS).
+# Each weight rounds the measurement up, so no scan is charged less than it costs the reference node: the maximal
+# filter (255 conditions, 127 of them text) is 1/32 + 255/4,096 + 127/128 = ~1.09 units a fact against 0.49
+# measured (x2.2), a plain read 1/32 against 0.020; bounded whatever the caller sends (filters.MAX_NODES, the door's
+# metadata limits).
+FACTS_READ_PER_UNIT = 32
+CONDITIONS_PER_UNIT = 4096
+TEXT_CONDITIONS_PER_UNIT = 128
 
 # A caller counts as active on a resource for this long after its last charge there (the well-behaved users of
 # bench/noisy_neighbour.py ask every 15 s, 20 of them: one of them is always within 10 s); a debt binds only while
@@ -61,8 +77,9 @@ class Resource(enum.Enum):
     # (registry reads and filter matching). Scans have this share rather than the engine's or the encoder's: they
     # run here (Redis and the gateway's worker threads), and neither model forwards anything for them, so a scan-
     # heavy tenant costs the others this replica, not their answers or adds. Every request uses the gateway, so a
-    # debt here binds every route; scans make one (a unit is 32 facts read: a burst of 8,192 reads 262,144), or a
-    # request rate above the budget's rate (REQUEST_UNITS each) kept up for minutes.
+    # debt here binds every route; scans make one (a unit is 32 facts read, or ~0.9 of a fact under the maximal
+    # filter: a burst of 8,192 reads 262,144 facts without a filter, ~7,500 under that one), or a request rate
+    # above the budget's rate (REQUEST_UNITS each) kept up for minutes.
     GATEWAY = "gateway"
     # The encoder pool: an add's facts and the windows they are encoded behind, an update's re-encode, the
     # neighbours re-encoded when a fact's text leaves the memory.
@@ -101,9 +118,12 @@ def text_units(chars: int) -> float:
     return chars / CHARS_PER_TOKEN
 
 
-def scan_units(facts: int) -> float:
-    """What reading and matching `facts` facts costs."""
-    return facts / FACTS_READ_PER_UNIT
+def scan_units(facts: int, match: Filter | None = None) -> float:
+    """What reading `facts` facts costs, and matching each against `match` (None: no filter): the weights above."""
+    per_fact = 1 / FACTS_READ_PER_UNIT
+    if match is not None:
+        per_fact += match.conditions / CONDITIONS_PER_UNIT + match.text_conditions / TEXT_CONDITIONS_PER_UNIT
+    return facts * per_fact
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,19 @@ def test_the_operator_and_structure_errors_still_name_where():
     for _ in range(filters.MAX_DEPTH + 1):
         deep = {"AND": [deep]}
     assert "deeper than" in refused(deep).message
+
+
+def test_a_compiled_filter_says_its_conditions_and_text_conditions_which_list_items_are_not():
+    """What work_budget.scan_units weighs a scan by: every key and operator is a condition evaluated per fact; an
+    `in` / `nin` list's items are one set lookup, not conditions (they count toward MAX_NODES only); contains and
+    icontains are text conditions too. Both are bounded by MAX_NODES whatever the filter."""
+    flt = filters.compile_filter({"lang": {"in": [f"v{i}" for i in range(100)]}, "agent_id": "bot",
+                                  "OR": [{"note": {"icontains": "tea"}}, {"metadata": {"tags": {"contains": "x"}}}]},
+                                 OWNER)
+    # lang, in | agent_id | OR, note, icontains, metadata, tags, contains
+    assert flt is not None and (flt.conditions, flt.text_conditions) == (9, 2)
+    assert flt(record({"lang": "v7", "agent_id": "bot", "note": "Green TEA"}))
+    assert not flt(record({"lang": "v7", "agent_id": "bot", "note": "coffee"}))
+    widest = filters.compile_filter({"OR": [{"note": {"icontains": f"z{i}"}} for i in range(127)]}, OWNER)
+    assert widest is not None and (widest.conditions, widest.text_conditions) == (255, 127)
+    assert filters.compile_filter({}, OWNER) is None

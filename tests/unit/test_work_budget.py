@@ -328,3 +328,105 @@ def test_an_answer_is_estimated_from_its_text_and_every_choices_cap_before_it_ru
     assert core._answer_units(story[0]["content"], None, 256, uncapped) == prefill + 2 * core.limits.default_max_tokens
     huge = OpenAIChat(sampling={"max_tokens": 10**6, "n": "x"}, messages=story)  # odd values: the engine refuses them
     assert core._answer_units(story[0]["content"], None, 256, huge) == prefill + MAX_OUTPUT_TOKENS
+
+
+# The most a filter makes a fact cost (services/filters.py limits): 255 conditions (OR, and 127 key + operator pairs),
+# 127 of them text conditions, each walking a metadata list at the door's 1,024 characters (255 strings: a Python
+# loop per item, the worst bench/filter_cost.py found).
+MAXIMAL = {"OR": [{"tags": {"icontains": f"zz{i}"}} for i in range(127)]}
+# What work_budget.py's weights make of it, written out: a fact read (1/32 of a unit), 255 conditions (1/4096 each),
+# 127 text conditions (1/128 each).
+MAXIMAL_UNITS_PER_FACT = 1 / 32 + 255 / 4096 + 127 / 128
+
+
+def scanned_user(core, facts: int, tags: int = 255) -> str:
+    """A user of `facts` facts whose metadata the maximal filter walks whole (none matches: a list of `tags` strings,
+    255 the door's most), written to the registry directly (an add through the door would cost the caller's encoder
+    share, not what is measured here)."""
+    from inferscale_server.registry import NewFact
+
+    uid = f"scanned-{uuid.uuid4().hex[:6]}"
+    for start in range(0, facts, 100):
+        core.registry.create(uid, [NewFact(f"Fact {i} about tea.", {"tags": [""] * tags})
+                                   for i in range(start, min(facts, start + 100))])
+    return uid
+
+
+def test_a_maximal_filter_over_n_facts_costs_what_the_formula_says_on_every_scan(gateway):
+    """A scan is charged per fact read AND by the filter's size (work_budget.scan_units): Mem0's get_all and
+    delete_all with the maximal filter over 150 facts, and gRPC's ListMemories over a page of them, each charge
+    the caller's gateway balance REQUEST_UNITS + facts x (1/32 + 255/4096 + 127/128), read from the budget's stats;
+    the same listing without a filter 150/32 (the read alone)."""
+    import json
+
+    core, grpc_server, http_server, secret = gateway
+    uid = scanned_user(core, 150)
+    headers = {"authorization": f"Token {token_for(secret, uid)}"}
+
+    def charged() -> float:
+        return core.work.stats(uid)["caller"]["gateway"]["charged"]
+
+    before = charged()
+    r = httpx.post(f"{http_server.url}/v3/memories/", json={"filters": MAXIMAL}, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] == 0, r.text
+    assert charged() - before == pytest.approx(REQUEST_UNITS + 150 * MAXIMAL_UNITS_PER_FACT)
+    assert 150 * MAXIMAL_UNITS_PER_FACT > 160  # ~1.09 a fact: 35x the read-only weight of 1/32
+    before = charged()
+    r = httpx.post(f"{http_server.url}/v3/memories/", json={"filters": {"tags": "*"}}, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] == 150  # a one-condition filter: close to the read alone
+    assert charged() - before == pytest.approx(REQUEST_UNITS + 150 * (1 / 32 + 1 / 4096))
+    before = charged()
+    r = httpx.request("DELETE", f"{http_server.url}/v1/memories/", params={"filters": json.dumps(MAXIMAL)},
+                      headers=headers, timeout=60)
+    assert r.status_code == 200, r.text  # nothing matched, nothing deleted: the scan is charged all the same
+    assert charged() - before == pytest.approx(REQUEST_UNITS + 150 * MAXIMAL_UNITS_PER_FACT)
+    ch = grpc_server.channel()
+    stub = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, uid)))
+    before = charged()
+    page = stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, page_size=100, filters=json.dumps(MAXIMAL)))
+    assert len(page.facts) == 0 and page.next_page_token  # one page of 100 read, more to come
+    assert charged() - before == pytest.approx(REQUEST_UNITS + 100 * MAXIMAL_UNITS_PER_FACT)
+    before = charged()
+    assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, page_size=100)).facts) == 100
+    assert charged() - before == pytest.approx(REQUEST_UNITS + 100 / 32)
+    ch.close()
+
+
+def test_a_flood_of_maximal_filtered_listings_is_refused_within_the_requests_the_calibration_predicts(gateway):
+    """The noisy neighbour's filter attack at the per-fact limits: a caller of 100 facts lists them with the maximal
+    filter again and again while a light caller is active. Each listing costs REQUEST_UNITS + 100 x ~1.09 units, so
+    the burst (1,000 here) runs out after ceil(1000 / 109.6) = 10 listings (the refill, 4 a second, adds less than
+    one listing's cost in the seconds they take): the 11th is refused on Mem0's door (429, CALLER_WORK, Retry-After)
+    and on gRPC (RESOURCE_EXHAUSTED, CALLER_WORK), and the light caller is served at the same moment. With the old
+    weight (100/32 + 1 a listing) the same flood had ~240 listings before a refusal. The charge is the filter's, not
+    the facts' (their tags are short here, so that the flood is quick): what the caller sends decides it."""
+    import json
+    import math
+
+    core, grpc_server, http_server, secret = gateway
+    abuser = scanned_user(core, 100, tags=1)
+    light = f"light-{uuid.uuid4().hex[:6]}"
+    light_headers = {"authorization": f"Token {token_for(secret, light)}"}
+    headers = {"authorization": f"Token {token_for(secret, abuser)}"}
+    per_listing = REQUEST_UNITS + 100 * MAXIMAL_UNITS_PER_FACT
+    predicted = math.ceil(core.limits.work_burst_per_caller / per_listing)
+    assert predicted == 10
+    served = 0
+    t0 = time.monotonic()
+    for _ in range(predicted + 5):  # bounded: a few past the prediction
+        # the light caller asks between the listings (active on the gateway, never in debt): the debt binds
+        assert httpx.post(f"{http_server.url}/v3/memories/", json={}, headers=light_headers).status_code == 200
+        r = httpx.post(f"{http_server.url}/v3/memories/", json={"filters": MAXIMAL}, headers=headers, timeout=60)
+        if r.status_code != 200:
+            break
+        served += 1
+    assert time.monotonic() - t0 < per_listing / core.limits.work_units_per_s_per_caller  # the refill: < a listing
+    assert served == predicted, (served, predicted)
+    assert r.status_code == 429 and "budget" in r.json()["detail"] and int(r.headers["Retry-After"]) >= 1
+    ch = grpc_server.channel()
+    stub = pb2_grpc.MemoryStub(token_channel(ch, token_for(secret, abuser)))
+    code, details, _ = rich_refusal(lambda: stub.ListMemories(pb2.ListMemoriesRequest(
+        user_id=abuser, filters=json.dumps(MAXIMAL))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details["ErrorInfo"].reason == "CALLER_WORK"
+    assert httpx.post(f"{http_server.url}/v3/memories/", json={}, headers=light_headers).status_code == 200
+    ch.close()
