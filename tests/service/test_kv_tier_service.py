@@ -79,7 +79,7 @@ def registry_cluster():
 @pytest.fixture(scope="module")
 def service(registry_cluster, mooncake, tmp_path_factory, jwt_secret):
 
-    from inferscale_server.app import ServiceConfig, single_node_deployments
+    from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments
     from inferscale_server.local_processes import free_port
 
     deployments = single_node_deployments()
@@ -92,7 +92,10 @@ def service(registry_cluster, mooncake, tmp_path_factory, jwt_secret):
     cfg = ServiceConfig(registry_url=registry_url(registry_cluster), kv_dir=str(kv_dir), max_model_len=2048, http_port=free_port(),
                         grpc_port=free_port(), deployments=deployments, cluster_store=dict(mooncake.config),
                         auth={"hs256_secret_file": str(jwt_secret[0])}, store_options={"recompute_facts": 0})
-    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars={"INFERSCALE_ENGINE_MAX_USERS": "2"}) as svc:
+    # Serve's proxies set up as `inferscale serve` sets them (serve_start_env): the failover test reads the retry
+    # pushback that services/proxy_setup.py adds to the Gateway's errors.
+    env = {"INFERSCALE_ENGINE_MAX_USERS": "2", **serve_start_env("127.0.0.1")}
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env) as svc:
         svc.answers = {}
         yield svc
 
@@ -207,7 +210,6 @@ def test_update_delete_and_delete_user_remove_the_objects_and_files(service, moo
     assert "Shadow" in text and final.prefilled_tokens < final.prompt_tokens
     stats = engine_stats("alice")
     assert not fact_file(stats, "alice", ids[0], 1).exists() and fact_file(stats, "alice", ids[0], 2).is_file()
-    print("\nDIAG k=3 facts on disk:", {f: fact_file(stats, "alice", f, 1).is_file() for f in final.fact_ids})
     # One fact deleted (gRPC DeleteMemory) after an answer injected it: the next answer, asked for every fact she
     # has, no longer uses it, and its file and its object are gone.
     (car,) = c.add_facts("alice", ["Alice drives a green Fiat she calls Olive."])
