@@ -462,6 +462,31 @@ class _HeldConnection:
         pass  # the write gives it back to its real pool when it is done
 
 
+def _reduce_redis_error(err: BaseException):
+    """What pickle makes of a redis-py error by default (its class, args and attributes), less `connection`."""
+    state = {k: v for k, v in vars(err).items() if k != "connection"}
+    return type(err), err.args, state or None
+
+
+def picklable_redis_errors() -> None:
+    """Makes every redis-py error picklable again (idempotent; in each process that opens a registry). redis-py's
+    cluster client stores the node or connection a command failed on in the error it raises (`err.connection`, for
+    its metrics), and that object holds locks: the error cannot be pickled. Raised in a backend replica (retrieval,
+    engine, encoder) during a failover, Ray then hands the gateway a bare RayError in its place, and the gateway,
+    unable to tell the registry was unreachable, answered INTERNAL (seen: a master SIGKILLed under load,
+    tests/service/test_kv_tier_service.py). Pickled without that attribute, the error reaches the gateway as what it
+    is: UNAVAILABLE with a retry hint (errors.to_api_error)."""
+    import copyreg
+
+    from redis.exceptions import RedisClusterException, RedisError
+
+    todo: list[type] = [RedisError, RedisClusterException]
+    while todo:  # copyreg is keyed by the exact class: every subclass redis-py defines
+        cls = todo.pop()
+        copyreg.pickle(cls, _reduce_redis_error)
+        todo.extend(cls.__subclasses__())
+
+
 class RedisRegistry(Registry):
     """Keys, all under `prefix` and then the user's bucket tag T = `{b<N>}` (N = bucket_of(user_id)):
       T:fact/{user_id}/{fact_id}     hash  user_id, text, metadata (JSON), version, created_at, updated_at,
@@ -544,6 +569,7 @@ class RedisRegistry(Registry):
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
+        picklable_redis_errors()
         kw = {}
         if urlsplit(self.url).password is None:
             password = os.environ.get(PASSWORD_ENV) or _read_password_file(os.environ.get(PASSWORD_FILE_ENV))

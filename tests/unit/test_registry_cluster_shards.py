@@ -168,3 +168,30 @@ def test_tombstones_written_on_every_master_reach_every_reader(redis_cluster_url
     assert len(everything) == 12 and {t.user_id for t in everything} == set(users)
     for r in (writer, *readers):
         r.close()
+
+
+def test_a_killed_master_s_error_crosses_ray_as_unavailable(redis_stoppable_cluster):
+    """redis-py's cluster client puts the node a command failed on into the error (`connection`), which cannot be
+    pickled: raised in a backend replica, Ray replaced it by a bare RayError and the gateway answered INTERNAL
+    during a failover (tests/service/test_kv_tier_service.py). The registry makes redis-py's errors picklable
+    without it: the read of a user on a killed master reaches another process as the ConnectionError it is, and
+    the gateway's mapping of Ray's wrapper says UNAVAILABLE with a retry hint."""
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    cluster = redis_stoppable_cluster
+    a = cluster.masters()[1]
+    reg = RedisRegistry(cluster.url, prefix=f"pk{uuid.uuid4().hex[:8]}:")
+    user = _users_by_master(reg)[a.port][0]
+    reg.create(user, [NewFact(f"{user} one")])
+    os.kill(a.proc.pid, signal.SIGKILL)
+    with pytest.raises(redis.ConnectionError) as raised:
+        reg.user_version(user)
+    assert getattr(raised.value, "connection", None) is not None  # what made it unpicklable
+    back = pickle.loads(pickle.dumps(raised.value))
+    assert type(back) is redis.ConnectionError and back.args == raised.value.args
+    wrapped = pickle.loads(pickle.dumps(RayTaskError("search", "traceback", raised.value)))
+    assert isinstance(wrapped.cause, redis.ConnectionError)  # not Ray's "isn't serializable" RayError
+    err = to_api_error(wrapped)
+    assert err.code == grpc.StatusCode.UNAVAILABLE and err.retry_after_s, err
