@@ -130,6 +130,17 @@ def fact_file(stats: dict, user_id: str, fact_id: str, version: int) -> Path:
     return Path(stats["disk_dir"]) / _hash_name(user_id) / (_hash_name(kv_id(fact_id, version)) + FACT_SUFFIX)
 
 
+def written(path: Path, within_s: float = 30.0) -> bool:
+    """Whether the file is there, waiting for it: the worker writes the files of the facts it loads behind the load
+    (FactStore.write_back), so the answer can come back first."""
+    deadline = time.monotonic() + within_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def ask(service, user_id: str, query: str, **kw):
     chunks = list(service.client.answer(user_id, query, **kw))
     assert chunks and chunks[-1].final
@@ -179,7 +190,7 @@ def test_a_restarted_replica_reads_the_cluster_tier_and_applies_the_deletes_it_m
     ida = [f.fact_id for f in c.add_facts("ida", ["Ida collects old maps.", "Ida's sister lives in Quebec."])]
     ask(service, "ida", "What does Ida collect?", k=2, max_tokens=4)
     old = engine_stats("alice")
-    assert fact_file(old, "ida", ida[0], 1).is_file()  # her KV is on the replica's disk
+    assert written(fact_file(old, "ida", ida[0], 1))  # her KV is on the replica's disk
     encoder_before = deployment_handle("EncoderPool").cluster_stats.remote().result(timeout_s=60)
     ray.kill(engine_actor(), no_restart=True)
     wait_gone(old["pid"])  # before the rmtree: a live replica writes into its folder
@@ -210,13 +221,13 @@ def test_update_delete_and_delete_user_remove_the_objects_and_files(service, moo
     text, final = ask(service, "alice", CAT_Q, k=3, max_tokens=24)
     assert "Shadow" in text and final.prefilled_tokens < final.prompt_tokens
     stats = engine_stats("alice")
-    assert not fact_file(stats, "alice", ids[0], 1).exists() and fact_file(stats, "alice", ids[0], 2).is_file()
+    assert written(fact_file(stats, "alice", ids[0], 2)) and not fact_file(stats, "alice", ids[0], 1).exists()
     # One fact deleted (gRPC DeleteMemory) after an answer injected it: the next answer, asked for every fact she
     # has, no longer uses it, and its file and its object are gone.
     (car,) = c.add_facts("alice", ["Alice drives a green Fiat she calls Olive."])
     car_q = "What does Alice call her car?"
     text, final = ask(service, "alice", car_q, k=1, max_tokens=8)
-    assert final.fact_ids == [car.fact_id] and fact_file(engine_stats("alice"), "alice", car.fact_id, 1).is_file()
+    assert final.fact_ids == [car.fact_id] and written(fact_file(engine_stats("alice"), "alice", car.fact_id, 1))
     c.delete("alice", car.fact_id)
     _, final = ask(service, "alice", car_q, k=len(ids) + 1, max_tokens=8)
     assert sorted(final.fact_ids) == sorted(ids)
@@ -288,6 +299,7 @@ def test_concurrent_updates_of_one_fact_inject_only_the_registry_s_text(service,
     assert (final.prompt_tokens, final.prefilled_tokens, text) == (twin_final.prompt_tokens,
                                                                    twin_final.prefilled_tokens, twin_text)
     stats = engine_stats("gil")
+    assert written(fact_file(stats, "gil", fact.fact_id, 10))
     assert [fact_file(stats, "gil", fact.fact_id, v).exists() for v in range(1, 11)] == [False] * 9 + [True]
     keys = object_keys("gil", [(fact.fact_id, v) for v in range(1, 11)])
     client = raw_client(mooncake.config)
