@@ -718,7 +718,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     async def get_all(core, caller, request, body: ListRequest):
         no_params(request, ("page", "page_size"))
         uid = owner(core, caller, "ListMemories", body.user_id, filters.user_of(body.filters))
-        flt, now = _match(body, uid), time.time()
+        flt, now = _match(body, uid), time.time()  # the request's filter: what a scan is charged for
         match = flt
         if not body.show_expired and await asyncio.to_thread(core.registry.expired_facts, uid, now):
             match = _unexpired(flt, now)  # the user has expired memories: hidden, so the count is a pass too

@@ -24,7 +24,6 @@ import shutil
 import signal
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from support.local_service import (
     wait_running,
 )
 from support.mooncake_fixture import raw_client
-from support.redis_cluster_fixture import replica_cluster
+from support.redis_cluster_fixture import replica_cluster, users_by_master
 from support.serve_specs import spec_with
 
 pytestmark = pytest.mark.slow
@@ -472,8 +471,6 @@ def test_a_registry_master_killed_under_ten_users_loses_nothing_acknowledged(ser
     failover bound; every user adds and answers again after the promotion; every acknowledged add is listed and
     answered from; Health is SERVING. (The registry-level version, with the replica cut off before the kill, is
     test_registry_failover.py.)"""
-    from redis.cluster import RedisCluster
-
     from inferscale_client import MemoryClient
     from inferscale_server.gateway.core import HEALTH_TTL_S
     from inferscale_server.registry import RedisRegistry
@@ -482,12 +479,12 @@ def test_a_registry_master_killed_under_ten_users_loses_nothing_acknowledged(ser
     victim = registry_cluster.masters()[1]  # not the URL's node: a replica restarted later still finds a seed
     replica = next(n for n in registry_cluster.nodes if n.master_port == victim.port)
     keys = RedisRegistry(url)  # the service's key layout (its default prefix): which user is in which slot
-    on, off = [], []
-    with RedisCluster(host="127.0.0.1", port=registry_cluster.nodes[0].port) as rc:
-        while len(on) < FAILOVER_ON_VICTIM or len(off) < FAILOVER_USERS - FAILOVER_ON_VICTIM:
-            u = f"fo{uuid.uuid4().hex[:8]}"
-            (on if rc.get_node_from_key(keys.user_keys(u)[0]).port == victim.port else off).append(u)
-    users = on[:FAILOVER_ON_VICTIM] + off[:FAILOVER_USERS - FAILOVER_ON_VICTIM]
+    try:
+        on, off = users_by_master(registry_cluster, lambda u: keys.user_keys(u)[0], victim.port, FAILOVER_ON_VICTIM,
+                                  FAILOVER_USERS - FAILOVER_ON_VICTIM, tag="fo")
+    finally:
+        keys.close()
+    users = on + off
     # The module's channel, a shorter timeout than its client's: a call that hangs fails the test within a minute.
     client = MemoryClient(channel=service.channel, timeout_s=60,
                           token=token_for(service.secret, "e2e-admin", admin=True))

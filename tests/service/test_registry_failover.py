@@ -21,6 +21,7 @@ import grpc
 import pytest
 import redis
 from redis.cluster import RedisCluster
+from support.redis_cluster_fixture import users_by_master
 
 from inferscale_core.errors import UnknownFactError
 from inferscale_server.errors import ApiError, to_api_error
@@ -102,16 +103,6 @@ class Writer(threading.Thread):
                 time.sleep(0.05)
 
 
-def _users(cluster_url: str, reg: RedisRegistry, victim_port: int) -> list[str]:
-    """WRITERS user ids, ON_VICTIM of them on the victim master."""
-    on, off = [], []
-    with RedisCluster.from_url(cluster_url.removesuffix("/0")) as rc:
-        while len(on) < ON_VICTIM or len(off) < WRITERS - ON_VICTIM:
-            u = f"u{uuid.uuid4().hex[:8]}"
-            (on if rc.get_node_from_key(reg.user_keys(u)[0]).port == victim_port else off).append(u)
-    return on[:ON_VICTIM] + off[:WRITERS - ON_VICTIM]
-
-
 def _consistent(reg: RedisRegistry, cluster_url: str, user: str) -> None:
     """The user's listing, fact count and byte counter agree with its facts: no transaction applied twice or in
     part (a byte counter bumped twice for one fact shows here)."""
@@ -129,7 +120,8 @@ def test_a_master_killed_under_ten_writers_loses_no_acknowledged_write(redis_rep
     reg = RedisRegistry(cluster.url, prefix=prefix)  # durability: the default (auto: WAIT 1 where a replica is)
     victim = cluster.masters()[0]
     replica = next(n for n in cluster.nodes if n.master_port == victim.port)
-    users = _users(cluster.url, reg, victim.port)
+    on, off = users_by_master(cluster, lambda u: reg.user_keys(u)[0], victim.port, ON_VICTIM, WRITERS - ON_VICTIM)
+    users = on + off
     stop = threading.Event()
     writers = [Writer(reg, u, seed, stop) for seed, u in enumerate(users)]
     for w in writers:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -70,6 +72,22 @@ def confirm_replicas_follow(cluster: LocalRedisCluster, client_kwargs: dict | No
                     raise RuntimeError(f"the Redis Cluster's master 127.0.0.1:{master.port}: {got} of its {want} "
                                        f"replicas confirmed a write within {timeout_s:.0f} s (WAIT); "
                                        f"its replication: {node.info('replication')}")
+
+
+def users_by_master(cluster: LocalRedisCluster, user_key: Callable[[str], str], master_port: int, on: int,
+                    off: int, tag: str = "u") -> tuple[list[str], list[str]]:
+    """`on` fresh user ids whose registry keys are in the slots of the master on `master_port`, and `off` whose keys
+    are elsewhere (the failover tests' victims and bystanders). `user_key(user_id)` is one of a user's keys (every
+    key of a user is in one slot: RedisRegistry.user_keys)."""
+    from redis.cluster import RedisCluster
+
+    victims: list[str] = []
+    others: list[str] = []
+    with RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as rc:
+        while len(victims) < on or len(others) < off:
+            u = f"{tag}{uuid.uuid4().hex[:8]}"
+            (victims if rc.get_node_from_key(user_key(u)).port == master_port else others).append(u)
+    return victims[:on], others[:off]
 
 
 @pytest.fixture(scope="session")
