@@ -566,7 +566,10 @@ class ClusterStore:
                 if not again or time.monotonic() >= retry_until:
                     break
                 if max(len(b) for b in batches) > 1:
-                    round_bytes, shrunk = max(1, round_bytes // 2), True
+                    # Half the largest round actually read, not half the budget: a budget twice the data halved
+                    # once would read the same one round again.
+                    largest_round = max(sum(sizes[i] for i in b) for b in batches)
+                    round_bytes, shrunk = max(1, min(round_bytes, largest_round) // 2), True
                     self.counters["read_rounds_halved"] += 1
                 elif len(again) == len(todo):
                     passes_at_one += 1
