@@ -117,6 +117,9 @@ def parse_args(argv=None):
     ap.add_argument("--jwt-secret-file", type=Path, default=None, help="--target: HS256 secret to sign user tokens")
     ap.add_argument("--token", default=None, help="--target: one token with the memory:admin scope for all users")
     ap.add_argument("--skip-engine", action="store_true", help="no engine-level phase (no ratios)")
+    ap.add_argument("--settle-s", type=float, default=10.0,
+                    help="seconds between the last add and the load: an engine replica warms the facts written for "
+                         "the users it serves in its background (a few seconds behind the writes); 0: none")
     ap.add_argument("--engine-niceness", type=int, default=15,
                     help="niceness of the engine-level phase (default 15: what Ray gives the service's replicas)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -824,6 +827,16 @@ def markdown(result: dict) -> str:
             f"{fmt(r['first_chunk_ms_p99'])} | {fmt(r['total_ms_p50'])} / {fmt(r['total_ms_p99'])} | "
             f"{fmt(r['engine_ttft_ms_p50'])} / {fmt(r['engine_ttft_ms_p90'])} | {fmt(r['prompt_tokens_mean'])} | "
             f"{fmt(r['prefilled_tokens_mean'])}{recomputed} | {hops} |")
+    cold = {}
+    for r in result.get("requests", []):
+        if r.get("status") == "OK" and "-inject-" in r["cell"] and not r["cell"].startswith("engine-"):
+            c = cold.setdefault(r["cell"], [0, 0])
+            c[0] += "kv_load_read" in r["timings_ms"]
+            c[1] += 1
+    if cold:
+        lines += ["", f"Loads by the connector's worker (settled {m.get('settle_s', 0):.0f} s after the adds; a cold "
+                  "load read the cluster tier): " + "; ".join(f"{cell} {c[0]} cold of {c[1]}"
+                                                              for cell, c in sorted(cold.items())) + "."]
     lines += ["", "Targets (issue 12, item 2; ratios of this run):", "",
               "| target | door | users | mode | k | measured | limit | verdict | margin |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -958,7 +971,10 @@ def main(argv=None) -> int:
             for a in added:
                 next(u for u in users if u.user_id == a["user_id"]).fact_ids = a["fact_ids"]
             n_facts = sum(len(u.facts) for u in users)
-            print(f"# {len(users)} users, {n_facts} facts added in {add_s:.0f} s", flush=True)
+            print(f"# {len(users)} users, {n_facts} facts added in {add_s:.0f} s; {args.settle_s:.0f} s to settle",
+                  flush=True)
+            time.sleep(args.settle_s)  # the engine replicas' warm-ups of the last writes (each request says
+            # where its facts came from: `facts_from` in its kv_load report, "cluster" for a cold read)
 
             # Warm-up (not recorded): one request per mode and door, as the engine phase gets.
             one = single_user(args, users)
@@ -1020,7 +1036,7 @@ def main(argv=None) -> int:
         "requests_n1": args.requests_n1, "requests_per_user": args.requests_per_user,
         "retry_overload": args.retry_overload,
         "user_counts": args.user_counts, "ks": args.k_values, "http_users": args.http_counts,
-        "add_facts_s": add_s, "facts": n_facts, "wall_s": time.monotonic() - t_run}}
+        "add_facts_s": add_s, "settle_s": args.settle_s, "facts": n_facts, "wall_s": time.monotonic() - t_run}}
     if engine is not None:
         result["meta"]["engine_desc"] = (f"AsyncInjectingEngine in this process after the service stopped, at "
                                          f"niceness {args.engine_niceness} (Ray's replicas run at 15); the gRPC "

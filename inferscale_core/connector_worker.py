@@ -39,6 +39,7 @@ facts of a service without a cluster tier).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,6 +71,12 @@ WORKER_OPTIONS = ("disk_dir", "device_budget_bytes", "host_budget_bytes", "disk_
                   "inject_group_tokens", "cluster_store", "kv_fingerprint", "fetch_threads", "fused_injection")
 # Loader threads reading the cluster tier for asynchronous loads (Mooncake's get releases the GIL while it waits).
 FETCH_THREADS = 2
+# Warm-ups (`prefetch`: a replica warmed at a write, or by load_user) read on a thread of their own, behind the
+# requests' loads: a few facts per read, so a request's load that arrives meanwhile waits for at most one such read
+# (reads share the cluster client's buffer, one at a time), and before each read up to WARM_YIELD_S while requests'
+# loads are in flight (then one read anyway, so a busy replica still warms, slowly).
+WARM_CHUNK_FACTS = 8
+WARM_YIELD_S = 1.0
 # Read by the scheduler side (connector_scheduler.py); accepted here so one extra_config serves both sides.
 SCHEDULER_OPTIONS = ("recompute_tokens", "recompute_facts", "recompute_facts_max_k")
 
@@ -130,13 +137,51 @@ class LoadError(InferScaleError):
 
 @dataclass
 class FetchResult:
-    """What one loader-thread read found: the user's kv_ids in no tier (of which `unreadable`: listed in the
-    cluster tier on a segment that cannot be read), and the counters to add on the step's thread."""
+    """What one loader-thread read found: the user's kv_ids not in the store (of which `unreadable`: listed in the
+    cluster tier on a segment that cannot be read; `deleted`: deleted while being read; the rest are in no tier),
+    and the counters to add on the step's thread."""
     user_id: str
     missing: list[str]
     unreadable: list[str]
     counts: dict[str, float]
     fetched: list[str] = field(default_factory=list)  # the kv_ids read from the cluster tier into the store
+    deleted: list[str] = field(default_factory=list)  # of `missing`: read, but deleted since the load began
+
+
+class DeletesDuringLoads:
+    """The deletes the worker applied while a load of the same user was reading the cluster tier, so that the load
+    puts back no fact a delete named after it began: a delete (or an eviction) wins over a read in flight, which
+    would otherwise store the deleted KV again and write its file behind it. Kept only while a load of that user
+    runs. `lock` is held around a delete and around each put of a load, so the check and the put are one step."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._loads: dict[str, int] = {}  # user -> loads reading now
+        self._deletes: dict[str, list[frozenset[str] | None]] = {}  # user -> deletes since its oldest load began
+
+    def begin(self, user_id: str) -> int:
+        """A load of the user begins; returns its mark (the deletes before it do not concern it)."""
+        with self.lock:
+            self._loads[user_id] = self._loads.get(user_id, 0) + 1
+            return len(self._deletes.get(user_id, ()))
+
+    def end(self, user_id: str) -> None:
+        with self.lock:
+            left = self._loads[user_id] - 1
+            if left:
+                self._loads[user_id] = left
+            else:
+                del self._loads[user_id]
+                self._deletes.pop(user_id, None)
+
+    def record(self, user_id: str, kv_ids: list[str] | None) -> None:
+        """A delete of these kv_ids (None: the whole user). Under `lock`."""
+        if user_id in self._loads:
+            self._deletes.setdefault(user_id, []).append(None if kv_ids is None else frozenset(kv_ids))
+
+    def deleted_since(self, user_id: str, mark: int, kv: str) -> bool:
+        """Whether a delete after `mark` named this fact. Under `lock`."""
+        return any(d is None or kv in d for d in self._deletes.get(user_id, ())[mark:])
 
 
 class WorkerSide:
@@ -196,7 +241,14 @@ class WorkerSide:
         self._missing: dict[str, set[str]] = {}
         self._absent: dict[str, set[str]] = {}
         self._forward_context: "ForwardContext | None" = None
-        self._prefetching: list[Future] = []  # prefetch() loads not settled yet
+        self._prefetching: list[Future] = []  # prefetch() warm-ups not settled yet
+        self._warmer: ThreadPoolExecutor | None = None  # the warm-ups' thread (made with the loaders)
+        # Requests' loads submitted and not yet read: a warm-up waits for them (WARM_YIELD_S). Counted up on the
+        # step's thread, down on the loader's, under the lock.
+        self._request_loads = 0
+        self._request_loads_lock = threading.Lock()
+        self._closing = False
+        self._deletes = DeletesDuringLoads()
         # req_id -> where the facts of its asynchronous load came from, for the scheduler side
         # (take_load_details: vLLM's worker metadata of the step that reports the load finished).
         self._load_details: dict[str, dict[str, Any]] = {}
@@ -234,6 +286,7 @@ class WorkerSide:
             self.cluster = ClusterStore(self.cluster_config, self.extra_config["kv_fingerprint"], reads_to=self.device)
             self.cluster.available  # noqa: B018 - connects in the background; a load before that is a miss
         self._loader = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="inferscale-fetch")
+        self._warmer = ThreadPoolExecutor(1, thread_name_prefix="inferscale-warm")
         if self.store.disk_dir is not None:
             self._disk_writer = ThreadPoolExecutor(1, thread_name_prefix="inferscale-disk")
         logger.info("InferScale worker: %d layers on %s (facts in %s, cache %s), block size %d, device budget %s, "
@@ -277,18 +330,20 @@ class WorkerSide:
     def delete(self, user_id: str, kv_ids: list[str] | None) -> int:
         store = self._require_store()
         check_id("user_id", user_id)
-        if kv_ids is None:
-            if user_id not in store.users():
-                return 0
-            n = len(store.fact_ids(user_id))
-            store.delete_user(user_id)
-            return n
-        removed = 0
-        for kv in kv_ids:
-            if store.contains(user_id, kv):
-                store.delete(user_id, kv)
-                removed += 1
-        return removed
+        with self._deletes.lock:  # a load reading these now does not put them back
+            self._deletes.record(user_id, kv_ids)
+            if kv_ids is None:
+                if user_id not in store.users():
+                    return 0
+                n = len(store.fact_ids(user_id))
+                store.delete_user(user_id)
+                return n
+            removed = 0
+            for kv in kv_ids:
+                if store.contains(user_id, kv):
+                    store.delete(user_id, kv)
+                    removed += 1
+            return removed
 
     def preload(self, user_id: str) -> int:
         store = self._require_store()
@@ -319,8 +374,11 @@ class WorkerSide:
             if spec.fetch:
                 self._count("async_loads")
                 assert self._loader is not None  # made with the store, in register_kv_caches
-                self._fetching[spec.req_id] = (spec, self._loader.submit(self._fetch, spec.user_id,
-                                                                         list(spec.kv_ids[1:])))
+                with self._request_loads_lock:
+                    self._request_loads += 1
+                fut = self._loader.submit(self._fetch, spec.user_id, list(spec.kv_ids[1:]))
+                fut.add_done_callback(self._request_load_done)
+                self._fetching[spec.req_id] = (spec, fut)
         self._inject(forward_context, store, [spec for spec in meta.loads if not spec.fetch])
         self._count("injection_seconds", time.perf_counter() - t0)
 
@@ -391,19 +449,29 @@ class WorkerSide:
         if not need or self.cluster is None:
             return FetchResult(user_id, need, [], {})
         t0 = time.perf_counter()
+        mark = self._deletes.begin(user_id)
+        deleted: list[str] = []
 
         def keep(kv: str, fact: EncodedFact) -> int | None:
             """Inside the read round: the fact, a view of the cluster client's read buffer, into the store (its
-            one copy); the bytes kept, None when the store refuses it (a miss, computed by vLLM)."""
+            one copy); the bytes kept, None when the store refuses it or a delete named it since the load began
+            (a miss, computed by vLLM)."""
             try:
                 fact = self._fitting(fact, store)
-                store.put(user_id, kv, fact, write_file=False)  # its file: write-behind, below
+                with self._deletes.lock:
+                    if self._deletes.deleted_since(user_id, mark, kv):
+                        deleted.append(kv)
+                        return None
+                    store.put(user_id, kv, fact, write_file=False)  # its file: write-behind, below
             except ValueError as e:  # a shape or budget the store refuses
                 logger.warning("InferScale: the cluster object of %s cannot be stored: %s", kv, e)
                 return None
             return fact.nbytes
 
-        got = self.cluster.read(user_id, need, keep)
+        try:
+            got = self.cluster.read(user_id, need, keep)
+        finally:
+            self._deletes.end(user_id)
         if self._disk_writer is not None:
             kept = [kv for kv, n in zip(need, got.facts) if n is not None]
             if kept:
@@ -414,7 +482,7 @@ class WorkerSide:
         counts = {"fetched_facts": len(need) - len(missing), "fetched_bytes": sum(n for n in got.facts if n),
                   "fetch_unreadable": len(unreadable), "fetch_seconds": time.perf_counter() - t0}
         fetched = [kv for kv, kept in zip(need, got.facts) if kept is not None]
-        return FetchResult(user_id, missing, unreadable, counts, fetched)
+        return FetchResult(user_id, missing, unreadable, counts, fetched, deleted)
 
     @staticmethod
     def _write_back(store: FactStore, user_id: str, kv_ids: list[str]) -> None:
@@ -431,7 +499,7 @@ class WorkerSide:
         """A load's counters and its facts found nowhere (for take_missing), on the step's thread."""
         for key, n in result.counts.items():
             self._count(key, n)
-        found_nowhere = [kv for kv in result.missing if kv not in result.unreadable]
+        found_nowhere = [kv for kv in result.missing if kv not in result.unreadable and kv not in result.deleted]
         self._count("fetch_misses", len(found_nowhere))
         if found_nowhere:
             self._missing.setdefault(result.user_id, set()).update(found_nowhere)
@@ -439,15 +507,33 @@ class WorkerSide:
             self._absent.setdefault(result.user_id, set()).update(result.unreadable)
 
     def prefetch(self, user_id: str, kv_ids: list[str]) -> int:
-        """Loads these facts of the user from the cluster tier in the background (warming a replica); returns how
-        many were asked for. Their counters and misses are settled with the next step or take_missing."""
+        """Loads these facts of the user from the cluster tier in the background, behind the requests' loads
+        (warming a replica: WARM_CHUNK_FACTS); returns how many were asked for. Their counters and misses are
+        settled with the next step or take_missing."""
         check_id("user_id", user_id)
         ids = [check_id("kv_id", kv) for kv in kv_ids]
         self._require_store()
         if ids:
-            assert self._loader is not None  # made with the store, in register_kv_caches
-            self._prefetching.append(self._loader.submit(self._fetch, user_id, ids))
+            assert self._warmer is not None  # made with the store, in register_kv_caches
+            self._prefetching.append(self._warmer.submit(self._warm, user_id, ids))
         return len(ids)
+
+    def _request_load_done(self, _fut: Future) -> None:
+        with self._request_loads_lock:
+            self._request_loads -= 1
+
+    def _warm(self, user_id: str, kv_ids: list[str]) -> list["FetchResult"]:
+        """On the warm-up thread: reads `kv_ids` a few at a time, each read after the requests' loads in flight
+        (or WARM_YIELD_S of waiting for them)."""
+        results = []
+        for at in range(0, len(kv_ids), WARM_CHUNK_FACTS):
+            until = time.monotonic() + WARM_YIELD_S
+            while self._request_loads > 0 and not self._closing and time.monotonic() < until:
+                time.sleep(0.002)
+            if self._closing:
+                break
+            results.append(self._fetch(user_id, kv_ids[at:at + WARM_CHUNK_FACTS]))
+        return results
 
     def _settle_prefetches(self) -> None:
         still = []
@@ -456,7 +542,8 @@ class WorkerSide:
                 still.append(fut)
                 continue
             try:
-                self._settle(fut.result())
+                for result in fut.result():
+                    self._settle(result)
             except Exception:  # a warm-up that failed: requests load what they need
                 logger.exception("InferScale: a prefetch failed")
         self._prefetching = still
@@ -539,6 +626,9 @@ class WorkerSide:
                 "absent": {u: sorted(kvs) for u, kvs in absent.items()}}
 
     def shutdown(self) -> None:
+        self._closing = True  # a warm-up stops before its next read
+        if self._warmer is not None:
+            self._warmer.shutdown(wait=True, cancel_futures=True)
         if self._loader is not None:
             self._loader.shutdown(wait=True, cancel_futures=True)
         if self._disk_writer is not None:  # files not written yet stay unwritten: the cluster tier has the facts

@@ -10,8 +10,8 @@ version counter) however many facts it names.
 
 Writes from the gateway arrive as `put_facts(user, facts, encoded)` where `encoded` is the encoder pool's response
 that the gateway passed on unresolved: Serve resolves it here, from the object store. With a cluster tier it holds
-only token counts (`StoredKV`: the KV is in the cluster tier, read by the worker for the first request that needs
-it); without one, the EncodedFacts, put into the worker store now. A write is all or nothing: if the encoder failed
+only token counts (`StoredKV`: the KV is in the cluster tier; this replica's worker warms it in its background,
+behind the requests' loads, and the first request that names a fact finds it in memory or reads it then); without one, the EncodedFacts, put into the worker store now. A write is all or nothing: if the encoder failed
 on any of its facts, none is stored and the gateway undoes the registry rows."""
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class ReplicaCore:
         self.counters = {"facts_from_disk": 0, "facts_encoded": 0, "facts_recomputed": 0,
                          "facts_pushed": 0, "users_loaded": 0, "users_evicted": 0, "facts_unservable": 0,
                          "facts_evicted": 0, "facts_stale_pushes": 0, "tombstones_applied": 0,
-                         "tombstones_skipped": 0, "facts_put_failed": 0, "kv_reconciled": 0}
+                         "tombstones_skipped": 0, "facts_put_failed": 0, "kv_reconciled": 0, "facts_warmed": 0}
         self.background = Background()
         self.kv = KVPath(engine, encoder, registry, cluster, self.books, self.resident, self.counters,
                          self.background)
@@ -167,7 +167,8 @@ class ReplicaCore:
     async def put_facts(self, user_id: str, facts: list[FactWrite], encoded: list) -> int:
         """New facts (their registry versions and texts). `encoded` arrives resolved from the object store (the
         encoder's response, passed on unresolved): StoredKV (in the cluster tier: nothing to move now) or
-        EncodedFact (put into the worker store). All or nothing: if the encoder failed on any fact, nothing is
+        EncodedFact (put into the worker store). With a cluster tier the worker warms the written facts in its
+        background (KVPath.warm). All or nothing: if the encoder failed on any fact, nothing is
         stored and the error names it."""
         with self.metrics.request("put_facts"), engine_death_is_unavailable():
             for i, enc in enumerate(encoded):
@@ -183,6 +184,10 @@ class ReplicaCore:
                          if ok and not isinstance(e, StoredKV)]
                 if local:
                     await self.kv.put(user_id, [fv for fv, _ in local], [e for _, e in local])
+                stored = [kv_id(w.fact_id, int(w.version)) for w, e, ok in zip(facts, encoded, fresh)
+                          if ok and isinstance(e, StoredKV)]
+                if stored:  # in the cluster tier: this replica serves the user, so its worker reads them now
+                    self.background.run(self.kv.warm(user_id, stored))
                 self.counters["facts_stale_pushes"] += fresh.count(False)
             self.counters["facts_pushed"] += len(encoded)
             await self._hold_user(user_id)  # registers the user here (Serve routes its requests to this replica)

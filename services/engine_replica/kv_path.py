@@ -156,6 +156,21 @@ class KVPath:
             await self.engine.prefetch(user_id, kvs)
             self.book(user_id, [(kv, None) for kv in kvs])
 
+    async def warm(self, user_id: str, kvs: list[str]) -> None:
+        """Facts just written to the cluster tier for a user this replica serves: the worker reads them in its
+        background, behind the requests' loads (connector_worker.WARM_CHUNK_FACTS), so the user's first request
+        finds them in memory instead of waiting for a cold read (at N=100, every user's first request was cold).
+        Not booked: the next request that names them still asks the worker, which finds them there (or, if the
+        warm-up has not reached them, reads them then), so a request never counts on a read not yet landed. The
+        worker store's own byte budgets bound what warm-ups keep. A failure only leaves them cold."""
+        if not kvs:
+            return
+        try:
+            await self.engine.prefetch(user_id, kvs)
+            self.counters["facts_warmed"] += len(kvs)
+        except Exception as e:  # noqa: BLE001 - the next request loads what it needs
+            log.warning("warming %d facts of a user after a write failed: %s", len(kvs), e)
+
     async def requeue_missing(self) -> int:
         """Facts the worker's loads found in no tier (evicted from the cluster tier, never written, Mooncake away)
         leave the books, and ONE re-encode of each still-held version is queued (it writes the cluster tier; the

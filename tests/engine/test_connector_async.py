@@ -7,6 +7,8 @@ vLLM keeps the request outside the batch (InjectionParams.fetch); no KV byte cro
 - a slow cluster read does not hold up another request: it finishes while the first still waits;
 - the wait for a load is timed on vLLM's clock and reaches the caller on the RequestOutput (`kv_load`, at least
   the injected delay, and outside vLLM's queued -> scheduled, which contains it); a warm request reports none;
+- a warm-up (`prefetch`, a replica warmed at a write) reads a few facts at a time behind the requests' loads,
+  and a delete that arrives while a read is under way wins over it;
 - the disk-tier files of loaded facts are written behind the load: a load whose files cannot be written yet is
   answered all the same, and the files follow;
 - a fact in no tier, and the Mooncake master killed in the middle of a load, are recomputed by vLLM (the answer
@@ -282,6 +284,93 @@ def test_a_load_never_waits_for_its_disk_files_which_follow_it(setup):
     for fid, fact in zip(FIDS, h.encode_joint(chunks)[1:]):
         got = on_disk.get("behind", fid)
         assert torch.equal(got.k_pre, fact.k_pre.to(got.k_pre.dtype)) and torch.equal(got.v, fact.v.to(got.v.dtype))
+
+
+def test_a_warm_up_reads_behind_the_requests_loads(setup):
+    """A replica warmed at a write (`prefetch`: 24 facts of another user) while a request's load arrives: the
+    request's read waits for at most one of the warm-up's reads (WARM_CHUNK_FACTS facts) and the warm-up's next
+    read waits for it, so the request is answered before the warm-up ends; the warm-up then holds every fact.
+    Reads are made slow on purpose (0.1 s per fact, one at a time, as the cluster client's buffer serializes
+    them): a warm-up read as one load of 24 facts would hold the request's read back 2.4 s."""
+    from inferscale_core.connector_worker import WARM_CHUNK_FACTS
+
+    h, writer, _ = setup
+    chunks, query = layout(900)
+    in_cluster(h, writer, "served", "prefix-served", chunks)
+    (ref,) = h.run(h.plain([t for c in chunks for t in c] + query))
+    warm_facts = h.encode_joint(layout(901)[0])[1:]
+    warm_ids = [f"w{i}@v1" for i in range(3 * WARM_CHUNK_FACTS)]
+    assert writer.put_many("warmed", [(kv, warm_facts[i % len(warm_facts)]) for i, kv in enumerate(warm_ids)]) \
+        == [True] * len(warm_ids)
+    read, one_at_a_time = h.worker.cluster.read, threading.Lock()
+    reads: list[tuple[str, int, float, float]] = []  # user, facts, start, end
+
+    def slow(user_id, kv_ids, *keep):
+        with one_at_a_time:
+            start = time.monotonic()
+            time.sleep(0.1 * len(kv_ids))
+            got = read(user_id, kv_ids, *keep)
+            reads.append((user_id, len(kv_ids), start, time.monotonic()))
+            return got
+
+    h.worker.cluster.read = slow
+    try:
+        assert h.llm.collective_rpc("inferscale_prefetch", args=("warmed", warm_ids))[0] == len(warm_ids)
+        (out,) = h.run(fetching("served", "prefix-served", chunks, query))
+        deadline = time.monotonic() + 60
+        while not all(h.has("warmed", warm_ids)):
+            assert time.monotonic() < deadline, reads
+            time.sleep(0.05)
+    finally:
+        h.worker.cluster.read = read
+    assert_same(out, ref)
+    assert out.num_cached_tokens == M  # loaded and injected, not recomputed
+    served = [r for r in reads if r[0] == "served"]
+    warm = [r for r in reads if r[0] == "warmed"]
+    assert len(served) == 1 and [n for _, n, _, _ in warm] == [WARM_CHUNK_FACTS] * 3, reads
+    # The request's read came before the warm-up's last read: it waited for one warm-up read at most.
+    assert served[0][3] <= warm[-1][2], reads
+
+
+def test_a_delete_during_a_read_wins_over_the_read(setup):
+    """A warm-up reading a user's facts when their delete arrives (a write followed at once by its delete): the
+    read, landing after the delete, puts nothing back, in memory or on disk."""
+    h, writer, _ = setup
+    facts = h.encode_joint(layout(950)[0])[1:]
+    ids = [f"d{i}@v1" for i in range(len(facts))]
+    assert writer.put_many("deleted", list(zip(ids, facts))) == [True] * len(ids)
+    release, reading = threading.Event(), threading.Event()
+    read = h.worker.cluster.read
+
+    def held(user_id, kv_ids, *keep):
+        if user_id == "deleted":
+            reading.set()
+            assert release.wait(60), "the test never released the read"
+        return read(user_id, kv_ids, *keep)
+
+    h.worker.cluster.read = held
+    try:
+        h.llm.collective_rpc("inferscale_prefetch", args=("deleted", ids))
+        assert reading.wait(30)
+        h.delete("deleted", ids[:2])  # two of them, while their read is under way
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30
+    while h.worker._prefetching and any(not f.done() for f in h.worker._prefetching):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    h.worker.cluster.read = read
+    assert h.has("deleted", ids) == [False, False] + [True] * (len(ids) - 2)
+    # Deleted, not missing: nothing to re-encode.
+    assert h.llm.collective_rpc("inferscale_take_missing")[0] == {"missing": {}, "absent": {}}
+    store = h.worker.store
+    deadline = time.monotonic() + 30  # the disk writer behind the read: files of the kept facts only
+    while not all(store._path("deleted", kv).exists() for kv in ids[2:]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    on_disk = sorted(p.name for p in store._path("deleted", ids[0]).parent.iterdir())
+    assert on_disk == sorted(store._path("deleted", kv).name for kv in ids[2:]), on_disk
 
 
 def test_a_fact_in_no_tier_is_recomputed_and_listed_once_for_reencode(setup):

@@ -219,7 +219,8 @@ def run(coro):
 
 async def add(parts, registry, core, user: str, facts: dict[str, str], expires: dict[str, float] | None = None) -> list:
     """What the gateway does for AddFacts: registry rows (with `expires`: fact id -> expires_at), the pool's encode
-    (written to the cluster tier), the engine replica's put."""
+    (written to the cluster tier), the engine replica's put; returns once the replica's background work (the
+    write's warm-up) has ended, so tests see one order of events."""
     from inferscale_server.registry.base import NewFact
 
     expires = expires or {}
@@ -228,7 +229,13 @@ async def add(parts, registry, core, user: str, facts: dict[str, str], expires: 
     encoded = await core.encoder.encode_for.remote(user, [(r.fact_id, r.version, r.text, list(r.window))
                                                           for r in recs])  # the pool the replica calls
     await core.put_facts(user, [FactWrite(r.fact_id, r.version, r.text) for r in recs], encoded)
+    await settled(core)
     return recs
+
+
+async def settled(core) -> None:
+    while core.background.tasks:
+        await asyncio.gather(*list(core.background.tasks))
 
 
 async def gone(parts, user: str, kv: str, timeout_s: float = 20.0) -> bool:
@@ -354,8 +361,15 @@ def test_tiers_in_order_cluster_then_worker_store_and_no_reencode(parts):
         writer = await started(parts, registry)
         recs = await add(parts, registry, writer, USER, FACTS)
         assert all(r.version == 1 for r in recs)
-        # With a cluster tier the write moved no KV into the writer's engine: the pool wrote the objects.
-        assert writer.engine.kvs(USER) == set() and writer.engine.puts == 0
+        # With a cluster tier the write moved no KV through the writer: the pool wrote the objects, and the writer's
+        # worker (it serves the user) read them in its background (the write's warm-up, ids only crossed).
+        assert writer.engine.puts == 0 and writer.counters["facts_warmed"] == 3
+        assert writer.engine.kvs(USER) == {kv_id(f, 1) for f in FACTS}
+        warmed = await counts(writer)
+        assert warmed["facts_from_cluster"] == 3
+        final = await answer(writer, USER, ["f3", "f1"])  # its first request reads nothing: injected from memory
+        assert final.prefilled_tokens < final.prompt_tokens
+        assert (await counts(writer))["facts_from_cluster"] == 3 and writer.engine.puts == 0
 
         # A replica that never saw the user: the worker loads the k facts a request names from the cluster tier,
         # once; this replica reads and puts nothing (no KV crosses it).
@@ -396,10 +410,12 @@ def test_miss_everywhere_is_computed_by_vllm_and_reencoded_once(parts):
     user = "bob"
 
     async def go():
+        writer = await started(parts, registry)  # its warm-up holds the facts: another replica serves bob
+        await add(parts, registry, writer, user, {"b1": "Bob keeps bees.", "b2": "Bob sails on weekends."})
         core = await started(parts, registry)
-        await add(parts, registry, core, user, {"b1": "Bob keeps bees.", "b2": "Bob sails on weekends."})
         parts.cluster.remove_user(user)  # evicted from the cluster tier (or never written)
-        assert parts.cluster.get_many(user, [kv_id("b1", 1)]) == [None]
+        # (the warm-up's read lease may hold them a moment: ClusterStore removes them again after it)
+        assert await gone(parts, user, kv_id("b1", 1)) and await gone(parts, user, kv_id("b2", 1))
 
         # Two requests at once miss both facts: vLLM computes them (nothing injected), ONE re-encode per fact.
         first, second = await asyncio.gather(answer(core, user, ["b1", "b2"]), answer(core, user, ["b2", "b1"]))
