@@ -270,6 +270,11 @@ class ClusterConfig:
     tenants: int = 16
     # Each user's KV in the tier, in bytes, instead of the fair share above; null with pool_bytes 0: no bound.
     max_bytes_per_user: int | None = None
+    # Whether a write warms the user's engine replica: its connector's worker reads the facts just written into its
+    # memory in the background, behind the requests' loads, so the user's first request finds them there (docs/
+    # architecture.md "Warm at write"). false: the first request that names a fact reads it (a bulk import of
+    # users who will not ask soon spends no reads).
+    warm_at_write: bool = True
 
     def user_cap(self) -> int | None:
         """The bytes of KV one user may hold in the tier: max_bytes_per_user, else the user's fair share of the
@@ -296,6 +301,8 @@ class ClusterConfig:
         replicas = d.get("replicas", 2)
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"cluster_store.replicas must be an integer >= 1 (copies of each object), got {replicas!r}")
+        if not isinstance(d.get("warm_at_write", True), bool):
+            raise ValueError(f"cluster_store.warm_at_write must be true or false, got {d['warm_at_write']!r}")
         for name, low, what in (("pool_bytes", 0, "every segment's memory together; 0: not known"),
                                 ("tenants", 1, "users whose KV the pool is sized to hold at once"),
                                 ("max_bytes_per_user", 1, "a user's KV in the tier; null: the fair share")):

@@ -186,8 +186,8 @@ class ReplicaCore:
                     await self.kv.put(user_id, [fv for fv, _ in local], [e for _, e in local])
                 stored = [kv_id(w.fact_id, int(w.version)) for w, e, ok in zip(facts, encoded, fresh)
                           if ok and isinstance(e, StoredKV)]
-                if stored:  # in the cluster tier: this replica serves the user, so its worker reads them now
-                    self.background.run(self.kv.warm(user_id, stored))
+                if stored and self.cluster is not None and self.cluster.config.warm_at_write:  # this replica serves
+                    self.background.run(self.kv.warm(user_id, stored))  # the user: its worker reads them now
                 self.counters["facts_stale_pushes"] += fresh.count(False)
             self.counters["facts_pushed"] += len(encoded)
             await self._hold_user(user_id)  # registers the user here (Serve routes its requests to this replica)

@@ -87,10 +87,12 @@ def service(registry_cluster, mooncake, tmp_path_factory, jwt_secret):
                                              upscale_delay_s=2.0, downscale_delay_s=3600.0)
     kv_dir = tmp_path_factory.mktemp("kv")
     # Every fact injected (no fact recomputed by design at small k): a fact missing from every tier is then a
-    # failed load that vLLM recomputes, which the tests below count.
+    # failed load that vLLM recomputes, which the tests below count. Writes do not warm the replica here, so each
+    # test's first answer reads what it names from the cluster tier (the path under test); the default, a
+    # write that warms, is tested through the service in test_node_failure.py.
     cfg = ServiceConfig(registry_url=registry_url(registry_cluster), kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=free_port(), grpc_port=free_port(), deployments=deployments,
-                        cluster_store=dict(mooncake.config),
+                        cluster_store={**mooncake.config, "warm_at_write": False},
                         auth={"hs256_secret_file": str(jwt_secret[0])}, store_options={"recompute_facts": 0})
     # Serve's proxies set up as `inferscale serve` sets them (serve_start_env): the failover test reads the retry
     # pushback that services/proxy_setup.py adds to the Gateway's errors.

@@ -441,6 +441,10 @@ def test_config_is_validated():
     for bad in ("", None, 5):
         with pytest.raises(ValueError, match="cluster_store.metadata must be 'P2PHANDSHAKE'"):
             ClusterConfig.from_dict({"master": "x:1", "metadata": bad})
+    assert ClusterConfig.from_dict({"master": "x:1"}).warm_at_write is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="cluster_store.warm_at_write must be true or false"):
+            ClusterConfig.from_dict({"master": "x:1", "warm_at_write": bad})
 
 
 def _serve_args(*argv: str):

@@ -965,6 +965,30 @@ def test_reads_from_the_cluster_tier_are_booked_only_where_each_user_has_a_share
         unshared.close()
 
 
+def test_a_write_warms_the_replica_unless_warm_at_write_is_off(parts):
+    """cluster_store.warm_at_write false (a bulk import of users who will not ask soon): a write moves nothing into
+    the replica's worker store, and the first answer reads the facts it names, and only those."""
+    from inferscale_core.cluster_store import ClusterStore
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    cold = ClusterStore(dataclasses.replace(parts.cluster.config, warm_at_write=False), parts.fe.fingerprint)
+
+    async def go():
+        core = await started(parts, registry, cluster=cold)
+        await add(parts, registry, core, "walt", {"w1": "Walt grows figs.", "w2": "Walt flies kites.",
+                                                  "w3": "Walt reads Tolstoy."})
+        assert core.engine.kvs("walt") == set() and core.counters["facts_warmed"] == 0
+        final = await answer(core, "walt", ["w2", "w1"])
+        assert final.prefilled_tokens < final.prompt_tokens and (await counts(core))["facts_from_cluster"] == 2
+
+    try:
+        assert cold.wait_available(60)
+        run(go())
+    finally:
+        cold.close()
+
+
 def test_an_erased_user_is_not_placed_again_by_later_requests(parts):
     """DeleteUser removes the user's placement (the registry's hint of which replicas hold its KV) with its facts.
     A request for the user afterwards (a client still asking, a retry, a retrieval that still names a fact) finds
