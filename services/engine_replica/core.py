@@ -50,6 +50,7 @@ class ReplicaCore:
     passes Serve's multiplexed loader; by default the user is registered once)."""
 
     engine_cpus: list[int] | None = None  # the cores its vLLM is bound to, when not every core (bind_engine_cpus)
+    engine_niceness: int | None = None  # its vLLM's niceness when lowered beside light work (lower_engine_priority)
 
     def __init__(self, config: EngineReplicaConfig, engine: ServingEngine, encoder, registry, cluster=None,
                  disk_dir: str | None = None, metrics=None, disk_budget_bytes: int | None = None, hold=None):
@@ -289,7 +290,7 @@ class ReplicaCore:
         loads = {"facts_from_cluster": int(worker.get("fetched_facts", 0)),
                  "facts_unreadable": int(worker.get("fetch_unreadable", 0))}
         return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir, "slot": replica_slot(),
-                "serve_replica_id": serve_replica_id(), "engine_cpus": self.engine_cpus,
+                "serve_replica_id": serve_replica_id(), "engine_cpus": self.engine_cpus, "engine_niceness": self.engine_niceness,
                 "users": self.books.held_users(), **self.counters, **loads, "admission": self.admission.stats(),
                 "cluster": dict(self.cluster.counters) if self.cluster is not None else None,
                 "resident": {"facts": self.resident.count(), "bytes": self.resident.bytes,

@@ -26,7 +26,7 @@ from .config import EngineReplicaConfig
 from .core import ReplicaCore
 from .deletions import CLUSTER_REMOVES_PENDING
 from .engine import start_engine
-from .placement import HeldUser, bind_engine_cpus, replica_disk_dir, replica_slot
+from .placement import HeldUser, bind_engine_cpus, lower_engine_priority, replica_disk_dir, replica_slot
 
 log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
@@ -60,6 +60,7 @@ class EngineReplica:
             if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
                 options["disk_budget_bytes"] = default_disk_budget_bytes(disk_dir)
         engine_cpus = bind_engine_cpus(config.engine_cpu_cores)
+        niceness = lower_engine_priority()  # before vLLM's engine core is spawned: it inherits the niceness
         # The cluster KV tier: the connector's worker reads it (a client of its own); this process only removes
         # from it.
         cluster_config = config.cluster
@@ -79,7 +80,7 @@ class EngineReplica:
             cluster.start()
         self.core = ReplicaCore(config, self.engine, encoder, open_registry(config.registry_url), cluster, disk_dir,
                                 EngineMetrics(), options.get("disk_budget_bytes"), hold=self._user)
-        self.core.engine_cpus = engine_cpus
+        self.core.engine_cpus, self.core.engine_niceness = engine_cpus, niceness
         await self.core.start()
         loop = asyncio.get_running_loop()
         self._exporter = loop.create_task(self._export_engine_metrics())

@@ -63,6 +63,28 @@ def test_each_engine_replica_computes_on_its_own_core(service):
         assert bound_cpus(s["pid"]) == set(s["engine_cpus"]), s["replica_id"]
 
 
+def test_each_engine_replica_runs_below_the_nodes_light_work(service):
+    """On this CPU node every thread of each engine replica and of the vLLM engine core it spawned runs 4 nicer
+    than Ray's workers (15), the gateway's and retrieval's among them (lower_engine_priority); read in /proc."""
+    import psutil
+
+    from inferscale_server.engine_replica.placement import ENGINE_NICENESS_STEP
+
+    for s in stats_by_replica(2).values():
+        assert s["engine_niceness"] == min(19, 15 + ENGINE_NICENESS_STEP), s["replica_id"]
+        root = psutil.Process(s["pid"])
+        procs = [root, *root.children(recursive=True)]
+        assert len(procs) >= 2, "no engine-core process"
+        seen = set()
+        for proc in procs:
+            for t in proc.threads():
+                try:
+                    seen.add(os.getpriority(os.PRIO_PROCESS, t.id))
+                except ProcessLookupError:  # a thread that just ended
+                    continue
+        assert seen == {s["engine_niceness"]}, (s["replica_id"], seen)
+
+
 def test_users_spread_over_both_replicas(service, users):
     """New users go to the replica their hash picks: add users until each replica holds a few (bounded)."""
     for name in NAMES:
