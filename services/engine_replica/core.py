@@ -185,7 +185,7 @@ class ReplicaCore:
                          if ok and not isinstance(e, StoredKV)]
                 if local:
                     await self.kv.put(user_id, [fv for fv, _ in local], [e for _, e in local])
-                stored = [kv_id(w.fact_id, int(w.version)) for w, e, ok in zip(facts, encoded, fresh)
+                stored = [(kv_id(w.fact_id, int(w.version)), e.num_tokens) for w, e, ok in zip(facts, encoded, fresh)
                           if ok and isinstance(e, StoredKV)]
                 if stored and self.cluster is not None and self.cluster.config.warm_at_write:  # this replica serves
                     self.background.run(self.kv.warm(user_id, stored))  # the user: its worker reads them now
