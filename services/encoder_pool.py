@@ -308,8 +308,11 @@ class EncoderPool(EncoderCore):
 
     def __init__(self, config: EncoderPoolConfig | None = None):
         from inferscale_core.cluster_store import ClusterConfig, ClusterStore
+        from inferscale_core.vllm_env import below_light_work
 
         config = config or EncoderPoolConfig()
+        # Heavy compute, as the engines: below the node's light work, equal to the engines (vllm_env.py).
+        self.niceness = below_light_work(resolve_device(config.device))
         fe = FactEncoder(config.model_path, config.device, config.dtype, config.store_dtype, config.prefix_window,
                          config.max_fact_tokens)
         cluster = ClusterConfig.from_dict(config.cluster_store or None)

@@ -14,9 +14,11 @@ import importlib
 import logging
 import os
 
+import torch
 from ray import serve
 
 from inferscale_core.cluster_store import ClusterStore
+from inferscale_core.vllm_env import below_light_work
 
 from ..messages import AnswerRequest, FactRef, FactWrite
 from ..metrics import EngineMetrics, hide_multiplexed_ids
@@ -26,7 +28,7 @@ from .config import EngineReplicaConfig
 from .core import ReplicaCore
 from .deletions import CLUSTER_REMOVES_PENDING
 from .engine import start_engine
-from .placement import HeldUser, bind_engine_cpus, lower_engine_priority, replica_disk_dir, replica_slot
+from .placement import HeldUser, bind_engine_cpus, replica_disk_dir, replica_slot
 
 log = logging.getLogger("inferscale.engine_replica")
 MAX_USERS = int(os.environ.get("INFERSCALE_ENGINE_MAX_USERS", "256"))
@@ -60,7 +62,8 @@ class EngineReplica:
             if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
                 options["disk_budget_bytes"] = default_disk_budget_bytes(disk_dir)
         engine_cpus = bind_engine_cpus(config.engine_cpu_cores)
-        niceness = lower_engine_priority()  # before vLLM's engine core is spawned: it inherits the niceness
+        # Below the node's light work, before vLLM's engine core is spawned (it inherits the niceness).
+        niceness = below_light_work("cuda" if torch.cuda.is_available() else "cpu")
         # The cluster KV tier: the connector's worker reads it (a client of its own); this process only removes
         # from it.
         cluster_config = config.cluster

@@ -1,6 +1,5 @@
 """Where an engine replica sits: its Serve slot and ids (services/routing.py routes users by the slot), the cores
-its vLLM binds to when replicas share a node and its priority beside the node's light work, its node-local disk
-folder, and the handle Serve's multiplexed
+its vLLM binds to when replicas share a node, its node-local disk folder, and the handle Serve's multiplexed
 loader keeps for each user held here. Outside Serve (a direct test) every lookup has a one-replica answer."""
 from __future__ import annotations
 
@@ -55,31 +54,6 @@ def bind_engine_cpus(cores_per_engine: int) -> list[int] | None:
         return None
     os.environ.update(engine_bind_env(mine))
     return mine
-
-
-# How much lower than its Ray worker's (15) an engine replica's vLLM runs on a CPU node (19: the lowest).
-ENGINE_NICENESS_STEP = 4
-
-
-def lower_engine_priority(step: int = ENGINE_NICENESS_STEP) -> int | None:
-    """On a CPU node, before vLLM starts: this process's threads (and so the engine-core process vLLM spawns, and
-    its compute threads, which inherit it) run `step` nicer than now, below the node's light work: the gateway,
-    retrieval and the proxies. Their work per request is small and a request waits for all of it before the engine
-    sees it; at equal priority it waited for time slices beside compute-bound engines (issue 30: at 100 users on 2
-    cores the first wave's retrieval hop took 2.3 s p50, with the engines busy). The engines lose only the CPU
-    that light work takes anyway. Raising a priority needs privileges a pod does not have, lowering one does not.
-    On an accelerator (the engine's work is not on the CPU) nothing changes. Returns the niceness set, or None."""
-    import torch
-
-    if step <= 0 or torch.cuda.is_available():
-        return None
-    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + step)
-    for tid in os.listdir("/proc/self/task"):  # Linux's niceness is per thread; new threads inherit their creator's
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), target)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
-    return target
 
 
 def replica_disk_dir(kv_dir: str | None, fingerprint: str) -> str | None:

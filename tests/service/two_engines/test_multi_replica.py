@@ -63,26 +63,41 @@ def test_each_engine_replica_computes_on_its_own_core(service):
         assert bound_cpus(s["pid"]) == set(s["engine_cpus"]), s["replica_id"]
 
 
-def test_each_engine_replica_runs_below_the_nodes_light_work(service):
-    """On this CPU node every thread of each engine replica and of the vLLM engine core it spawned runs 4 nicer
-    than Ray's workers (15), the gateway's and retrieval's among them (lower_engine_priority); read in /proc."""
+def thread_niceness(proc) -> set[int]:
+    """The niceness of every thread of `proc` and of its children, read from the kernel."""
+    seen = set()
+    for p in [proc, *proc.children(recursive=True)]:
+        for t in p.threads():
+            try:
+                seen.add(os.getpriority(os.PRIO_PROCESS, t.id))
+            except ProcessLookupError:  # a thread that just ended
+                continue
+    return seen
+
+
+def test_heavy_compute_runs_below_the_nodes_light_work(service):
+    """On this CPU node every thread of each engine replica, of the vLLM engine core it spawned and of the encoder
+    pool runs 4 nicer than Ray's workers (15); the gateway and retrieval stay at Ray's (vllm_env.below_light_work).
+    Read in /proc, not only in what the replicas report."""
     import psutil
 
-    from inferscale_server.engine_replica.placement import ENGINE_NICENESS_STEP
+    from inferscale_core.vllm_env import HEAVY_NICENESS_STEP
 
+    heavy = min(19, 15 + HEAVY_NICENESS_STEP)
     for s in stats_by_replica(2).values():
-        assert s["engine_niceness"] == min(19, 15 + ENGINE_NICENESS_STEP), s["replica_id"]
+        assert s["engine_niceness"] == heavy, s["replica_id"]
         root = psutil.Process(s["pid"])
-        procs = [root, *root.children(recursive=True)]
-        assert len(procs) >= 2, "no engine-core process"
-        seen = set()
-        for proc in procs:
-            for t in proc.threads():
-                try:
-                    seen.add(os.getpriority(os.PRIO_PROCESS, t.id))
-                except ProcessLookupError:  # a thread that just ended
-                    continue
-        assert seen == {s["engine_niceness"]}, (s["replica_id"], seen)
+        assert root.children(recursive=True), "no engine-core process"
+        assert thread_niceness(root) == {heavy}, s["replica_id"]
+    by_role: dict[str, set[int]] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        title = " ".join(proc.info["cmdline"] or ())
+        for role in ("EncoderPool", "Gateway", "Retrieval"):
+            if title.startswith(f"ray::ServeReplica:inferscale:{role}"):
+                by_role.setdefault(role, set()).update(thread_niceness(proc))
+    # (Ray's workers start some threads before they take niceness 15: those run at 0)
+    assert set(by_role) == {"EncoderPool", "Gateway", "Retrieval"} and by_role["EncoderPool"] == {heavy}, by_role
+    assert max(by_role["Gateway"] | by_role["Retrieval"]) == 15 < heavy, by_role
 
 
 def test_users_spread_over_both_replicas(service, users):
