@@ -11,8 +11,9 @@ version counter) however many facts it names.
 Writes from the gateway arrive as `put_facts(user, facts, encoded)` where `encoded` is the encoder pool's response
 that the gateway passed on unresolved: Serve resolves it here, from the object store. With a cluster tier it holds
 only token counts (`StoredKV`: the KV is in the cluster tier; this replica's worker warms it in its background,
-behind the requests' loads, and the first request that names a fact finds it in memory or reads it then); without one, the EncodedFacts, put into the worker store now. A write is all or nothing: if the encoder failed
-on any of its facts, none is stored and the gateway undoes the registry rows."""
+behind the requests' loads, and the replica counts it resident once it has landed: KVPath.warm); without one, the
+EncodedFacts, put into the worker store now. A write is all or nothing: if the encoder failed on any of its facts,
+none is stored and the gateway undoes the registry rows."""
 from __future__ import annotations
 
 import asyncio
@@ -50,7 +51,7 @@ class ReplicaCore:
     passes Serve's multiplexed loader; by default the user is registered once)."""
 
     engine_cpus: list[int] | None = None  # the cores its vLLM is bound to, when not every core (bind_engine_cpus)
-    engine_niceness: int | None = None  # its vLLM's niceness when lowered beside light work (lower_engine_priority)
+    engine_niceness: int | None = None  # its vLLM's niceness when lowered below light work (below_light_work)
 
     def __init__(self, config: EngineReplicaConfig, engine: ServingEngine, encoder, registry, cluster=None,
                  disk_dir: str | None = None, metrics=None, disk_budget_bytes: int | None = None, hold=None):
