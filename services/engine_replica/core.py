@@ -291,7 +291,8 @@ class ReplicaCore:
         loads = {"facts_from_cluster": int(worker.get("fetched_facts", 0)),
                  "facts_unreadable": int(worker.get("fetch_unreadable", 0))}
         return {"replica_id": self.replica_id, "pid": os.getpid(), "disk_dir": self.disk_dir, "slot": replica_slot(),
-                "serve_replica_id": serve_replica_id(), "engine_cpus": self.engine_cpus, "engine_niceness": self.engine_niceness,
+                "serve_replica_id": serve_replica_id(), "engine_cpus": self.engine_cpus,
+                "engine_niceness": self.engine_niceness,
                 "users": self.books.held_users(), **self.counters, **loads, "admission": self.admission.stats(),
                 "cluster": dict(self.cluster.counters) if self.cluster is not None else None,
                 "resident": {"facts": self.resident.count(), "bytes": self.resident.bytes,

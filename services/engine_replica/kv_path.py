@@ -142,10 +142,15 @@ class KVPath:
         background. A fact the load finds nowhere leaves the books again (`requeue_missing`)."""
         if not kvs or params is None:
             return
+        tokens = dict(zip(params.kv_ids, params.chunk_lens or ()))
+        per_token = self.bytes_per_token()
+        self.book(user_id, [(kv, tokens[kv] * per_token if kv in tokens else None) for kv in kvs])
+
+    def bytes_per_token(self) -> int:
+        """The worker store's KV bytes per token (asked of the engine once)."""
         if self._bytes_per_token is None:
             self._bytes_per_token = self.engine.kv_bytes_per_token()
-        tokens = dict(zip(params.kv_ids, params.chunk_lens or ()))
-        self.book(user_id, [(kv, tokens[kv] * self._bytes_per_token if kv in tokens else None) for kv in kvs])
+        return self._bytes_per_token
 
     def book(self, user_id: str, items: list[tuple[str, int | None]]) -> None:
         """Counts `(kv_id, bytes or None)` the worker loads as resident; what the budget pushes out leaves the
@@ -176,13 +181,11 @@ class KVPath:
             kvs = [kv for kv, _ in items]
             await self.engine.prefetch(user_id, kvs)
             self.counters["facts_warmed"] += len(kvs)
-            if self._bytes_per_token is None:
-                self._bytes_per_token = self.engine.kv_bytes_per_token()
-            tokens = dict(items)
+            tokens, per_token = dict(items), self.bytes_per_token()
             for wait_s in WARM_CHECKS_S:
                 await asyncio.sleep(wait_s)
                 landed = await self.engine.has_encoded(user_id, kvs)
-                self.book(user_id, [(kv, tokens[kv] * self._bytes_per_token) for kv, ok in zip(kvs, landed) if ok])
+                self.book(user_id, [(kv, tokens[kv] * per_token) for kv, ok in zip(kvs, landed) if ok])
                 kvs = [kv for kv, ok in zip(kvs, landed) if not ok]
                 if not kvs:
                     return

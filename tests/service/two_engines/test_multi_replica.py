@@ -32,6 +32,11 @@ def users(service) -> dict[str, list[str]]:
     return {}
 
 
+def tree_threads(proc) -> list[int]:
+    """The thread ids of `proc` and of every process under it (a replica's vLLM engine core included)."""
+    return [t.id for p in [proc, *proc.children(recursive=True)] for t in p.threads()]
+
+
 def bound_cpus(pid: int) -> set[int]:
     """The cores of every thread in a replica's process tree (its vLLM engine core included) that is bound to
     fewer than all the usable cores: what the OpenMP binding actually did."""
@@ -40,15 +45,13 @@ def bound_cpus(pid: int) -> set[int]:
     from inferscale_core.vllm_env import usable_cpus
 
     every, out = set(usable_cpus()), set()
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        for t in proc.threads():
-            try:
-                cpus = os.sched_getaffinity(t.id)
-            except (ProcessLookupError, PermissionError):  # a thread that just ended
-                continue
-            if cpus != every:
-                out |= cpus
+    for tid in tree_threads(psutil.Process(pid)):
+        try:
+            cpus = os.sched_getaffinity(tid)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            continue
+        if cpus != every:
+            out |= cpus
     return out
 
 
@@ -66,12 +69,11 @@ def test_each_engine_replica_computes_on_its_own_core(service):
 def thread_niceness(proc) -> set[int]:
     """The niceness of every thread of `proc` and of its children, read from the kernel."""
     seen = set()
-    for p in [proc, *proc.children(recursive=True)]:
-        for t in p.threads():
-            try:
-                seen.add(os.getpriority(os.PRIO_PROCESS, t.id))
-            except ProcessLookupError:  # a thread that just ended
-                continue
+    for tid in tree_threads(proc):
+        try:
+            seen.add(os.getpriority(os.PRIO_PROCESS, tid))
+        except ProcessLookupError:  # a thread that just ended
+            continue
     return seen
 
 
