@@ -64,6 +64,9 @@ class VectorIndex:
         self.device = torch.device(device)
         self._lock = threading.RLock()
         self._users: dict[str, _UserMatrix] = {}
+        # Live rows over all users, kept as they change: the retrieval replica checks its byte budget on every
+        # request, which must not cost a walk over every user it holds.
+        self._rows = 0
 
     def add(self, user_id: str, fact_id: str, emb) -> None:
         """Add (or replace) one fact's embedding; `emb` is array-like of shape [dim]."""
@@ -71,7 +74,10 @@ class VectorIndex:
         check_id("fact_id", fact_id)
         vec = self._normalized(emb, "embedding", batched=False)
         with self._lock:
-            self._users.setdefault(user_id, _UserMatrix(self.dim, self.device)).upsert(fact_id, vec[0])
+            user = self._users.setdefault(user_id, _UserMatrix(self.dim, self.device))
+            before = user.n
+            user.upsert(fact_id, vec[0])
+            self._rows += user.n - before
 
     def add_many(self, user_id: str, fact_ids: list[str], embs) -> None:
         """Add (or replace) several facts at once; `embs` is [len(fact_ids), dim]."""
@@ -83,8 +89,10 @@ class VectorIndex:
             raise ValueError(f"got {len(fact_ids)} fact ids but {mat.shape[0]} embeddings")
         with self._lock:
             user = self._users.setdefault(user_id, _UserMatrix(self.dim, self.device))
+            before = user.n
             for fact_id, vec in zip(fact_ids, mat):
                 user.upsert(fact_id, vec)
+            self._rows += user.n - before
 
     def remove(self, user_id: str, fact_id: str) -> None:
         """Remove one fact; a user left with no facts is forgotten."""
@@ -94,13 +102,14 @@ class VectorIndex:
             if fact_id not in user.rows:
                 raise UnknownFactError(user_id, fact_id)
             user.remove(fact_id)
+            self._rows -= 1
             if user.n == 0:
                 del self._users[user_id]
 
     def remove_user(self, user_id: str) -> None:
         """Forget every fact of a user."""
         with self._lock:
-            self._user(user_id)
+            self._rows -= self._user(user_id).n
             del self._users[user_id]
 
     def search(self, user_id: str, queries, k: int):
@@ -131,11 +140,9 @@ class VectorIndex:
             return user.n if user is not None else 0
 
     def nbytes(self, user_id: str | None = None) -> int:
-        """Bytes of live embeddings (n·dim·4), for one user or all users."""
+        """Bytes of live embeddings (n·dim·4), for one user or all users (O(1) either way)."""
         with self._lock:
-            if user_id is None:
-                return sum(u.n for u in self._users.values()) * self.dim * 4
-            return self.size(user_id) * self.dim * 4
+            return (self._rows if user_id is None else self.size(user_id)) * self.dim * 4
 
     def users(self) -> list[str]:
         with self._lock:

@@ -12,6 +12,7 @@ copies that are never written. A caller that adds segments and wants two copies 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,9 @@ from inferscale_core.cluster_store import P2P_METADATA
 
 from .kv_tier_share import smallest_pool_bytes
 from .local_processes import free_port, stop_process
+
+log_ = logging.getLogger(__name__)
+LOG_LINES_IN_ERRORS = 30
 
 
 class MooncakeMissing(RuntimeError):
@@ -42,13 +46,16 @@ def mooncake_binary(name: str) -> str:
     return str(path)
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, deadline: float) -> None:
+def _wait_port(port: int, proc: subprocess.Popen, what: str, deadline: float, log: Path) -> None:
     while True:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start on port {port} (exit {proc.poll()})")
+            # The workdir goes with the store: the error carries what the process said.
+            tail = log.read_text(errors="replace").splitlines()[-LOG_LINES_IN_ERRORS:] if log.is_file() else []
+            raise RuntimeError(f"{what} did not start on port {port} (exit {proc.poll()}); the end of its log:\n"
+                               + "\n".join(tail))
         time.sleep(0.05)
 
 
@@ -68,20 +75,64 @@ class LocalMooncake:
         Stopped with the store unless the caller kills it first. The config stays the first segment's (its
         pool_bytes, one copy): the pool the store always has, since this one may die (the node-failure test); a
         caller that wants two copies across them sets `replicas: 2` in the config it uses."""
-        port = free_port()
-        proc = _start_segment(self.config, segment_bytes, port, Path(self.workdir) / f"segment-{port}.log")
+        proc = _listening_segment(self.config, segment_bytes, Path(self.workdir), start_timeout_s)
         self.extra_segments.append(proc)
-        deadline = time.monotonic() + start_timeout_s
-        _wait_port(port, proc, "mooncake_client (segment)", deadline)
-        _wait_writable(self.config, deadline, segments=1 + len(self.extra_segments))
+        _wait_writable(self.config, time.monotonic() + start_timeout_s, segments=1 + len(self.extra_segments))
         return proc
 
 
-def _start_segment(config: dict, segment_bytes: int, port: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([mooncake_binary("mooncake_client"), f"--master_server_address={config['master']}",
+def _listening_segment(config: dict, segment_bytes: int, workdir: Path, start_timeout_s: float) -> subprocess.Popen:
+    """A `mooncake_client` contributing `segment_bytes`, listening on a free port (RuntimeError with the end of its
+    log if it does not within `start_timeout_s`; it is stopped then)."""
+    port = free_port()
+    log = workdir / f"segment-{port}.log"
+    proc = subprocess.Popen([mooncake_binary("mooncake_client"), f"--master_server_address={config['master']}",
                              f"--metadata_server={config['metadata']}", f"--global_segment_size={segment_bytes}",
                              "--host=127.0.0.1", f"--port={port}", "--protocol=tcp"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=log.parent)
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        _wait_port(port, proc, "mooncake_client (segment)", time.monotonic() + start_timeout_s, log)
+    except RuntimeError:
+        stop_process(proc)
+        raise
+    return proc
+
+
+def _listening_master(workdir: Path, lease_ms: int, client_ttl_s: int,
+                      start_timeout_s: float) -> tuple[subprocess.Popen, int]:
+    """A `mooncake_master` listening on a free loopback port, and that port (RuntimeError with the end of its log if
+    it does not within `start_timeout_s`; it is stopped then)."""
+    rpc = free_port()
+    log = workdir / f"master-{rpc}.log"
+    proc = subprocess.Popen([mooncake_binary("mooncake_master"), "--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
+                             f"--default_kv_lease_ttl={lease_ms}", f"--client_ttl={int(client_ttl_s)}",
+                             # its metrics server's port (default 9003) would collide with another master's
+                             "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        _wait_port(rpc, proc, "mooncake_master", time.monotonic() + start_timeout_s, log)
+    except RuntimeError:
+        stop_process(proc)
+        raise
+    return proc, rpc
+
+
+def _start_store(workdir: Path, segment_bytes: int, lease_ms: int, client_ttl_s: int,
+                 start_timeout_s: float) -> LocalMooncake:
+    """A master and one segment, writable; what it started is stopped if it raises."""
+    master, rpc = _listening_master(workdir, lease_ms, client_ttl_s, start_timeout_s)
+    segment = None
+    try:
+        config = {"master": f"127.0.0.1:{rpc}", "metadata": P2P_METADATA, "lease_s": lease_ms / 1000,
+                  "replicas": 1, "pool_bytes": smallest_pool_bytes([(1, segment_bytes)])}
+        segment = _listening_segment(config, segment_bytes, workdir, start_timeout_s)
+        _wait_writable(config, time.monotonic() + start_timeout_s)
+        return LocalMooncake(config, master, segment, str(workdir))
+    except BaseException:
+        for proc in (segment, master):
+            if proc is not None:
+                stop_process(proc)
+        raise
 
 
 @contextlib.contextmanager
@@ -89,32 +140,28 @@ def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_ti
                    client_ttl_s: int = 10):
     """A master and a segment of `segment_bytes` on 127.0.0.1; yields a LocalMooncake. The read lease is short
     (`lease_ms`) so removes right after a read wait little; a segment whose client stops heartbeating is dropped
-    after `client_ttl_s` (Mooncake's default 10). Stopped (terminate, then kill) on exit."""
-    master_bin = mooncake_binary("mooncake_master")
-    rpc, seg_port = free_port(), free_port()
-    workdir = tempfile.mkdtemp(prefix="inferscale-mooncake-")
-    out = open(Path(workdir) / "master.log", "wb")
-    master = subprocess.Popen([master_bin, "--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
-                               f"--default_kv_lease_ttl={lease_ms}",
-                               f"--client_ttl={int(client_ttl_s)}",
-                               # its metrics server's port (default 9003) would collide with another master's
-                               "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
-                              stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
-    segment, store = None, None
+    after `client_ttl_s` (Mooncake's default 10). Stopped (terminate, then kill) on exit.
+
+    A start that fails (a process that exits, or never listens or mounts within `start_timeout_s`) is stopped and
+    made once more on other ports, its error logged: seen once in a full test run, on an idle machine right after
+    another module's Ray had stopped, a segment stayed up without listening for 28 s (a `mooncake_client` that
+    cannot reach its master retries for ~90 s before it exits). A second failure raises, with the logs' ends."""
+    mooncake_binary("mooncake_master")  # MooncakeMissing before anything starts
+    workdir = Path(tempfile.mkdtemp(prefix="inferscale-mooncake-"))
+    store = None
     try:
-        deadline = time.monotonic() + start_timeout_s
-        _wait_port(rpc, master, "mooncake_master", deadline)
-        config = {"master": f"127.0.0.1:{rpc}", "metadata": P2P_METADATA, "lease_s": lease_ms / 1000,
-                  "replicas": 1, "pool_bytes": smallest_pool_bytes([(1, segment_bytes)])}
-        segment = _start_segment(config, segment_bytes, seg_port, Path(workdir) / "segment.log")
-        _wait_port(seg_port, segment, "mooncake_client (segment)", deadline)
-        _wait_writable(config, deadline)
-        store = LocalMooncake(config, master, segment, workdir)
+        try:
+            store = _start_store(workdir, segment_bytes, lease_ms, client_ttl_s, start_timeout_s)
+        except MooncakeMissing:
+            raise
+        except RuntimeError as e:
+            log_.warning("the local Mooncake store did not start (%s); starting it again on other ports", e)
+            store = _start_store(workdir, segment_bytes, lease_ms, client_ttl_s, start_timeout_s)
         yield store
     finally:
-        for proc in ([] if store is None else store.extra_segments) + ([segment] if segment is not None else []):
-            stop_process(proc)
-        stop_process(master)
+        if store is not None:
+            for proc in [*store.extra_segments, store.segment, store.master]:
+                stop_process(proc)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

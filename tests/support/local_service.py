@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 
 import grpc
@@ -66,18 +67,40 @@ class Service:
         return [c.text for c in chunks[:-1] if c.text] + ([chunks[-1].text] if chunks[-1].text else []), chunks[-1]
 
 
+# What ray.init raises when the head's processes do not come up in its 30 s waits: the GCS server's port file
+# never written (RuntimeError "Timed out waiting for file"), or the raylet never registered with the GCS
+# (Exception "The current node timed out during startup"). Seen in clean-clone CI runs, each time at a module's
+# first start right after the previous module's Ray stopped, on an otherwise idle machine.
+RAY_START_TIMEOUTS = ("Timed out waiting for file", "timed out during startup")
+RAY_LOG_LINES = 15
+
+
 def start_local_ray(**kw) -> None:
-    """ray.init of a fresh local Ray, started again once if its GCS server never wrote its port file (seen once in a
-    clean-clone CI run, 2026-11-29: `Timed out waiting for file .../gcs_server_port_...` with an empty log folder,
-    right after another module's Ray had stopped; the same module's next start worked in every other run)."""
+    """ray.init of a fresh local Ray, started once more if its head did not come up (RAY_START_TIMEOUTS); the end of
+    the failed start's GCS and raylet logs is printed first, so the report says why."""
     try:
         ray.init(address="local", **kw)
-    except RuntimeError as e:
-        if "Timed out waiting for file" not in str(e):
+    except Exception as e:  # ray.init raises a bare Exception for the raylet's timeout
+        if not any(m in str(e) for m in RAY_START_TIMEOUTS):
             raise
-        print(f"ray.init failed ({e}); starting Ray again", flush=True)
+        # A warning: the run's summary shows it even when the second start works (printed output is captured).
+        warnings.warn(f"ray.init failed ({e}); starting Ray again. The failed start's logs:\n{ray_head_log_tails()}",
+                      stacklevel=2)
         ray.shutdown()  # whatever the failed start left
         ray.init(address="local", **kw)
+
+
+def ray_head_log_tails() -> str:
+    """The last lines of the newest local Ray session's GCS server and raylet logs (Ray's default temp folder)."""
+    sessions = sorted(Path("/tmp/ray").glob("session_2*"), key=lambda p: p.stat().st_mtime)
+    if not sessions:
+        return "(no Ray session folder)"
+    out = [str(sessions[-1])]
+    for name in ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err"):
+        log = sessions[-1] / "logs" / name
+        lines = log.read_text(errors="replace").splitlines()[-RAY_LOG_LINES:] if log.is_file() else ["(none)"]
+        out += [f"-- {name}", *lines]
+    return "\n".join(out)
 
 
 @contextlib.contextmanager

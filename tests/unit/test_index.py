@@ -118,6 +118,33 @@ def test_add_many_grows_and_matches_add():
     assert a.nbytes("u") == 100 * DIM * 4 and a.nbytes() == 100 * DIM * 4 and a.nbytes("other") == 0
 
 
+def test_total_bytes_follow_adds_replaces_and_removes():
+    """nbytes() is a running total (the retrieval replica checks its budget on every request): it equals the sum over
+    users after every kind of change, a replaced fact counted once, a refused add not at all."""
+    rng = np.random.default_rng(12)
+    index = VectorIndex(DIM)
+
+    def total_is_the_sum():
+        assert index.nbytes() == sum(index.size(u) for u in index.users()) * DIM * 4
+
+    index.add_many("a", [f"f{i}" for i in range(20)], rng.standard_normal((20, DIM)))
+    index.add_many("b", ["x", "y"], rng.standard_normal((2, DIM)))
+    total_is_the_sum()
+    index.add("a", "f3", rng.standard_normal(DIM))  # a replace: no new row
+    index.add_many("b", ["y", "z"], rng.standard_normal((2, DIM)))  # one replace, one new row
+    assert index.nbytes() == 23 * DIM * 4
+    total_is_the_sum()
+    with pytest.raises(ValueError):
+        index.add_many("b", ["w"], np.zeros((1, DIM)))  # refused before anything is written
+    index.remove("a", "f0")
+    index.remove_user("b")
+    assert index.nbytes() == 19 * DIM * 4
+    total_is_the_sum()
+    for i in range(1, 20):
+        index.remove("a", f"f{i}")
+    assert index.nbytes() == 0 and index.users() == []
+
+
 def test_errors_name_the_problem():
     index, _, _ = filled(3)
     with pytest.raises(ValueError, match=r"shape \(31,\), expected \[32\]"):

@@ -3,6 +3,7 @@ trips, fingerprints that keep models apart, removes that really remove, and a st
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import time
 import warnings
@@ -14,6 +15,7 @@ from support.mooncake_fixture import raw_client
 
 from inferscale_core.cluster_store import P2P_METADATA, ClusterConfig, ClusterStore, kv_fingerprint, pack, unpack
 from inferscale_core.types import EncodedFact
+from inferscale_server.local_processes import free_port
 
 FP_A, FP_B = "a" * 16, "b" * 16
 
@@ -665,3 +667,33 @@ def test_many_tenants_flooding_at_once_never_flush_a_quiet_tenants_resident_kv()
     assert r.has("quiet", "q1@v1") and r.has("quiet", "q2@v1") and r.bytes <= 1000
     assert {u for u, _ in evicted} == {f"flood{n}" for n in range(8)}
     assert {r.user_bytes(f"flood{n}") for n in range(8)} <= {100, 150}  # even: one fact apart at most
+
+
+def test_a_local_store_whose_first_start_fails_starts_again_on_other_ports(monkeypatch, caplog):
+    """local_mooncake (`inferscale serve --local-mooncake`, the tests' store) makes a failed start once more on other
+    ports. The first master's port is taken here (bound by this test, not listening): that master exits at once;
+    the error logged names it and carries its log's end; the second start serves puts and gets."""
+    import socket
+
+    import inferscale_server.local_mooncake as lm
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # bound, not listening: a connect is refused, a bind fails
+    taken_port = taken.getsockname()[1]
+    ports = iter([taken_port])
+    monkeypatch.setattr(lm, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        with caplog.at_level(logging.WARNING, logger=lm.__name__), lm.local_mooncake(segment_bytes=16 << 20) as m:
+            s = ClusterStore(ClusterConfig.from_dict(m.config), FP_A)
+            assert s.wait_available(60)
+            try:
+                fact = make_fact(3, seed=5)
+                assert s.put_many("u", [("a@v1", fact)]) == [True]
+                assert same_bits(s.get_many("u", ["a@v1"])[0], fact)
+            finally:
+                s.close()
+    finally:
+        taken.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "did not start" in r.getMessage()]
+    assert f"mooncake_master did not start on port {taken_port} (exit 1)" in warning and "starting it again on other ports" in warning
+    assert "the end of its log:\n" in warning and len(warning.split("the end of its log:\n")[1]) > 0
