@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -428,8 +429,9 @@ def own_service(args, workdir: Path):
         deps = cfg.deployments
         env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
         os.environ.update(env)
-        # Ray schedules by these shares; the replicas at their maximum must fit (the cores are shared anyway).
-        ray_cpus = max(os.cpu_count() or 1, sum(d.num_cpus * d.max_replicas for d in deps.values()))
+        # Ray schedules by these shares; the replicas at their maximum must fit (the cores are shared anyway). Ray
+        # takes whole CPUs only (2 retrieval replicas made the sum 2.25).
+        ray_cpus = max(os.cpu_count() or 1, math.ceil(sum(d.num_cpus * d.max_replicas for d in deps.values())))
         ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False, logging_level="ERROR",
                  _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})
         try:

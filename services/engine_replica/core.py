@@ -268,11 +268,13 @@ class ReplicaCore:
     async def load_user(self, user_id: str) -> str:
         """Loads the user onto THIS replica (whichever one Serve routed the call to; admin and tests: put a user
         on several replicas, warm a replica), every fact's KV fetched into its worker store (requests fetch only
-        their k). Returns this replica's id."""
+        their k). Returns this replica's id. With a cluster tier the worker reads them in its background, as after
+        a write (KVPath.warm: counted resident once they landed, so no request counts on a read not yet done)."""
         await self._hold_user(check_id("user_id", user_id))
         held = await self._sync(user_id)
         _, fetched = await self.kv.fetch(user_id, list(held.items()))
-        await self.kv.prefetch(user_id, fetched)  # with a cluster tier: the worker reads them in its background
+        if fetched:
+            self.background.run(self.kv.warm(user_id, [(kv, None) for kv in fetched]))
         return self.replica_id
 
     async def holds(self, user_id: str, facts: list[tuple[str, int]], with_replica: bool = False):

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 from inferscale_core.types import kv_id
 
@@ -159,14 +160,9 @@ class KVPath:
         if evicted:
             self.background.run(self.evict(evicted))
 
-    async def prefetch(self, user_id: str, kvs: list[str]) -> None:
-        """The worker reads these from the cluster tier in its background (ids only cross); booked as resident."""
-        if kvs:
-            await self.engine.prefetch(user_id, kvs)
-            self.book(user_id, [(kv, None) for kv in kvs])
-
-    async def warm(self, user_id: str, items: list[tuple[str, int]]) -> None:
-        """Facts just written to the cluster tier for a user this replica serves (`(kv_id, tokens)`): the worker
+    async def warm(self, user_id: str, items: Sequence[tuple[str, int | None]]) -> None:
+        """Facts just written to the cluster tier for a user this replica serves (`(kv_id, tokens)`; tokens None
+        when not known, as for an admin's load_user: booked without bytes), or a user loaded on purpose: the worker
         reads them in its background, behind the requests' loads (connector_worker.WARM_CHUNK_FACTS), so the
         user's first request finds them in memory instead of waiting for a cold read (at N=100, every user's first
         request was cold). Each is counted resident once the worker store holds it (asked with a backoff,
@@ -181,16 +177,17 @@ class KVPath:
             kvs = [kv for kv, _ in items]
             await self.engine.prefetch(user_id, kvs)
             self.counters["facts_warmed"] += len(kvs)
-            tokens, per_token = dict(items), self.bytes_per_token()
+            per_token = self.bytes_per_token()
+            nbytes = {kv: None if n is None else n * per_token for kv, n in items}
             for wait_s in WARM_CHECKS_S:
                 await asyncio.sleep(wait_s)
                 landed = await self.engine.has_encoded(user_id, kvs)
-                self.book(user_id, [(kv, tokens[kv] * per_token) for kv, ok in zip(kvs, landed) if ok])
+                self.book(user_id, [(kv, nbytes[kv]) for kv, ok in zip(kvs, landed) if ok])
                 kvs = [kv for kv, ok in zip(kvs, landed) if not ok]
                 if not kvs:
                     return
         except Exception as e:  # noqa: BLE001 - the next request loads what it needs
-            log.warning("warming %d facts of a user after a write failed: %s", len(items), e)
+            log.warning("warming %d facts of a user failed: %s", len(items), e)
 
     async def requeue_missing(self) -> int:
         """Facts the worker's loads found in no tier (evicted from the cluster tier, never written, Mooncake away)

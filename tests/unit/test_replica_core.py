@@ -785,7 +785,8 @@ def test_an_object_on_a_dead_segment_is_computed_not_reencoded_until_the_master_
 
 def test_load_user_has_the_worker_load_every_fact_from_the_cluster_tier(parts):
     """Warming a replica (admin's load_user) with a cluster tier: the worker reads every fact of the user itself
-    (ids only cross), and the replica counts them resident, so the next request asks for no load."""
+    (ids only cross), and the replica counts them resident once they landed, so the next request asks for no
+    load."""
     from inferscale_server.registry import open_registry
 
     registry = open_registry(None)
@@ -796,6 +797,7 @@ def test_load_user_has_the_worker_load_every_fact_from_the_cluster_tier(parts):
         await add(parts, registry, writer, user, {"i1": "Ivan keeps goats.", "i2": "Ivan lives in Tartu."})
         core = await started(parts, registry)
         assert await core.load_user(user) == core.replica_id
+        await settled(core)  # counted resident once the worker store holds them
         assert core.engine.kvs(user) == {kv_id("i1", 1), kv_id("i2", 1)} and core.engine.puts == 0
         assert core.resident.count() == 2
         final = await answer(core, user, ["i1", "i2"])
