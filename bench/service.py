@@ -487,6 +487,35 @@ class ReplicaSampler:
         self._thread.join(timeout=30)
 
 
+def users_by_engine_replica(replicas: int, calls: int = 40) -> dict[str, dict]:
+    """Each engine replica's held users and cold-read count (its stats()), by replica id. A user is held by the
+    replica its writes and answers go to; one held by two replicas had a request served away from its home (Serve's
+    multiplexed routing spills when the home replica is busy), whose facts that replica read cold. Calls without a
+    user land on a replica Serve picks: asked until each has answered (bounded); {} when that fails."""
+    from ray import serve
+
+    out: dict[str, dict] = {}
+    try:
+        handle = serve.get_deployment_handle("EngineReplica", app_name="inferscale")
+        for _ in range(calls):
+            st = handle.stats.remote().result(timeout_s=60)
+            out[st["replica_id"]] = {"users": st["users"], "facts_from_cluster": st["facts_from_cluster"]}
+            if len(out) == replicas:
+                break
+    except Exception as e:  # noqa: BLE001 - a record of the run, never its failure
+        print(f"# engine replicas' stats not read: {e}", flush=True)
+        return {}
+    return out
+
+
+def users_on_several(by_replica: dict[str, dict]) -> int:
+    seen: dict[str, int] = {}
+    for rec in by_replica.values():
+        for u in rec["users"]:
+            seen[u] = seen.get(u, 0) + 1
+    return sum(n > 1 for n in seen.values())
+
+
 # ------------------------------------------------------------------------------------------ the client
 def compile_client(workdir: Path) -> Path:
     """memory.proto compiled by grpcio-tools into a folder of its own, with the load client beside it
@@ -839,6 +868,13 @@ def markdown(result: dict) -> str:
         lines += ["", f"Loads by the connector's worker (settled {m.get('settle_s', 0):.0f} s after the adds; a cold "
                   "load read the cluster tier): " + "; ".join(f"{cell} {c[0]} cold of {c[1]}"
                                                               for cell, c in sorted(cold.items())) + "."]
+    spread = m.get("engine_replicas_users") or {}
+    if spread:
+        lines += ["", "Users held by more than one engine replica (a request served away from the user's home "
+                  "replica reads its facts cold there): " + "; ".join(
+                      f"{when.replace('_', ' ')} {rec['on_several']} (facts read from the cluster tier per replica: "
+                      + ", ".join(str(r["facts_from_cluster"]) for r in rec["by_replica"].values()) + ")"
+                      for when, rec in spread.items()) + "."]
     lines += ["", "Targets (issue 12, item 2; ratios of this run):", "",
               "| target | door | users | mode | k | measured | limit | verdict | margin |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -977,6 +1013,9 @@ def main(argv=None) -> int:
                   flush=True)
             time.sleep(args.settle_s)  # the engine replicas' warm-ups of the last writes (each request says
             # where its facts came from: `facts_from` in its kv_load report, "cluster" for a cold read)
+            spread = {}
+            if own and args.engine_replicas > 1:
+                spread["after_adds"] = users_by_engine_replica(args.engine_replicas)
 
             # Warm-up (not recorded): one request per mode and door, as the engine phase gets.
             one = single_user(args, users)
@@ -998,6 +1037,10 @@ def main(argv=None) -> int:
                 service_lines = run_client(client, {**plan, "deadline": load_deadline}, expect, "service",
                                            load_deadline)
             replicas = sampler.samples if sampler else []
+            if own and args.engine_replicas > 1:
+                spread["after_load"] = users_by_engine_replica(args.engine_replicas)
+                print("# users held by more than one engine replica: "
+                      + ", ".join(f"{k} {users_on_several(v)}" for k, v in spread.items() if v), flush=True)
             load["after_service_load"] = load_average()
             info = next((o for o in service_lines if o["type"] == "client"), {})
             checks.append(f"load client imported nothing of the checkout: {info.get('from_checkout') == []}")
@@ -1038,7 +1081,9 @@ def main(argv=None) -> int:
         "requests_n1": args.requests_n1, "requests_per_user": args.requests_per_user,
         "retry_overload": args.retry_overload,
         "user_counts": args.user_counts, "ks": args.k_values, "http_users": args.http_counts,
-        "add_facts_s": add_s, "settle_s": args.settle_s, "facts": n_facts, "wall_s": time.monotonic() - t_run}}
+        "add_facts_s": add_s, "settle_s": args.settle_s, "facts": n_facts, "wall_s": time.monotonic() - t_run,
+        "engine_replicas_users": {k: {"on_several": users_on_several(v), "by_replica": v}
+                                  for k, v in spread.items() if v}}}
     if engine is not None:
         result["meta"]["engine_desc"] = (f"AsyncInjectingEngine in this process after the service stopped, at "
                                          f"niceness {args.engine_niceness} (Ray's replicas run at 15); the gRPC "

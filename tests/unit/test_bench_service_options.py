@@ -173,3 +173,22 @@ def test_the_noisy_neighbour_benchmark_builds_its_app_from_the_service_benchmark
     cfg = service.service_config(args, tmp_path, "redis://127.0.0.1:1/0", {}, tmp_path / "secret")
     assert cfg.dtype == "float32" and cfg.registry_url == "redis://127.0.0.1:1/0"
     assert cfg.deployments["EngineReplica"].max_replicas == 1 and not args.cluster_tier
+
+
+def test_the_report_counts_users_served_by_more_than_one_engine_replica():
+    """Cold loads of users whose facts had been warm (run (15)): a request served away from the user's home replica
+    reads them cold there. The report says how many users two replicas hold, after the adds and after the load,
+    with each replica's cold-read count."""
+    service = import_service()
+    spread = {"after_adds": {"r1": {"users": ["a", "b"], "facts_from_cluster": 0},
+                             "r2": {"users": ["c"], "facts_from_cluster": 0}},
+              "after_load": {"r1": {"users": ["a", "b", "c"], "facts_from_cluster": 50},
+                             "r2": {"users": ["a", "c"], "facts_from_cluster": 150}}}
+    assert [service.users_on_several(v) for v in spread.values()] == [0, 2]
+    meta = {"command": "x", "cpu_line": "cpu", "load": {}, "service": "s", "model": "m", "dtype": "bfloat16",
+            "max_tokens": 8, "users_desc": "u", "requests_n1": 10, "requests_per_user": 2, "wall_s": 1.0,
+            "engine_replicas_users": {k: {"on_several": service.users_on_several(v), "by_replica": v}
+                                      for k, v in spread.items()}}
+    text = service.markdown({"meta": meta, "rows": [], "ratios": [], "checks": [], "requests": []})
+    assert ("after adds 0 (facts read from the cluster tier per replica: 0, 0); "
+            "after load 2 (facts read from the cluster tier per replica: 50, 150).") in text
