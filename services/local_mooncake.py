@@ -26,7 +26,7 @@ from inferscale_core.cluster_store import P2P_METADATA
 from .kv_tier_share import smallest_pool_bytes
 from .local_processes import free_port, stop_process
 
-log_ = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 LOG_LINES_IN_ERRORS = 30
 
 
@@ -46,14 +46,15 @@ def mooncake_binary(name: str) -> str:
     return str(path)
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, deadline: float, log: Path) -> None:
+def _wait_port(port: int, proc: subprocess.Popen, what: str, deadline: float, log_path: Path) -> None:
     while True:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         if proc.poll() is not None or time.monotonic() > deadline:
             # The workdir goes with the store: the error carries what the process said.
-            tail = log.read_text(errors="replace").splitlines()[-LOG_LINES_IN_ERRORS:] if log.is_file() else []
+            tail = (log_path.read_text(errors="replace").splitlines()[-LOG_LINES_IN_ERRORS:] if log_path.is_file()
+                    else [])
             raise RuntimeError(f"{what} did not start on port {port} (exit {proc.poll()}); the end of its log:\n"
                                + "\n".join(tail))
         time.sleep(0.05)
@@ -85,13 +86,13 @@ def _listening_segment(config: dict, segment_bytes: int, workdir: Path, start_ti
     """A `mooncake_client` contributing `segment_bytes`, listening on a free port (RuntimeError with the end of its
     log if it does not within `start_timeout_s`; it is stopped then)."""
     port = free_port()
-    log = workdir / f"segment-{port}.log"
+    log_path = workdir / f"segment-{port}.log"
     proc = subprocess.Popen([mooncake_binary("mooncake_client"), f"--master_server_address={config['master']}",
                              f"--metadata_server={config['metadata']}", f"--global_segment_size={segment_bytes}",
                              "--host=127.0.0.1", f"--port={port}", "--protocol=tcp"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
+                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
     try:
-        _wait_port(port, proc, "mooncake_client (segment)", time.monotonic() + start_timeout_s, log)
+        _wait_port(port, proc, "mooncake_client (segment)", time.monotonic() + start_timeout_s, log_path)
     except RuntimeError:
         stop_process(proc)
         raise
@@ -103,14 +104,14 @@ def _listening_master(workdir: Path, lease_ms: int, client_ttl_s: int,
     """A `mooncake_master` listening on a free loopback port, and that port (RuntimeError with the end of its log if
     it does not within `start_timeout_s`; it is stopped then)."""
     rpc = free_port()
-    log = workdir / f"master-{rpc}.log"
+    log_path = workdir / f"master-{rpc}.log"
     proc = subprocess.Popen([mooncake_binary("mooncake_master"), "--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
                              f"--default_kv_lease_ttl={lease_ms}", f"--client_ttl={int(client_ttl_s)}",
                              # its metrics server's port (default 9003) would collide with another master's
                              "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
+                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
     try:
-        _wait_port(rpc, proc, "mooncake_master", time.monotonic() + start_timeout_s, log)
+        _wait_port(rpc, proc, "mooncake_master", time.monotonic() + start_timeout_s, log_path)
     except RuntimeError:
         stop_process(proc)
         raise
@@ -155,7 +156,7 @@ def local_mooncake(segment_bytes: int = 512 << 20, lease_ms: int = 500, start_ti
         except MooncakeMissing:
             raise
         except RuntimeError as e:
-            log_.warning("the local Mooncake store did not start (%s); starting it again on other ports", e)
+            log.warning("the local Mooncake store did not start (%s); starting it again on other ports", e)
             store = _start_store(workdir, segment_bytes, lease_ms, client_ttl_s, start_timeout_s)
         yield store
     finally:
