@@ -1014,7 +1014,8 @@ def main(argv=None) -> int:
             time.sleep(args.settle_s)  # the engine replicas' warm-ups of the last writes (each request says
             # where its facts came from: `facts_from` in its kv_load report, "cluster" for a cold read)
             spread = {}
-            if own and args.engine_replicas > 1:
+            record_spread = own and args.engine_replicas > 1  # whose users the replicas hold: only with several
+            if record_spread:
                 spread["after_adds"] = users_by_engine_replica(args.engine_replicas)
 
             # Warm-up (not recorded): one request per mode and door, as the engine phase gets.
@@ -1037,7 +1038,7 @@ def main(argv=None) -> int:
                 service_lines = run_client(client, {**plan, "deadline": load_deadline}, expect, "service",
                                            load_deadline)
             replicas = sampler.samples if sampler else []
-            if own and args.engine_replicas > 1:
+            if record_spread:
                 spread["after_load"] = users_by_engine_replica(args.engine_replicas)
                 print("# users held by more than one engine replica: "
                       + ", ".join(f"{k} {users_on_several(v)}" for k, v in spread.items() if v), flush=True)

@@ -82,39 +82,41 @@ class LocalMooncake:
         return proc
 
 
-def _listening_segment(config: dict, segment_bytes: int, workdir: Path, start_timeout_s: float) -> subprocess.Popen:
-    """A `mooncake_client` contributing `segment_bytes`, listening on a free port (RuntimeError with the end of its
-    log if it does not within `start_timeout_s`; it is stopped then)."""
-    port = free_port()
-    log_path = workdir / f"segment-{port}.log"
-    proc = subprocess.Popen([mooncake_binary("mooncake_client"), f"--master_server_address={config['master']}",
-                             f"--metadata_server={config['metadata']}", f"--global_segment_size={segment_bytes}",
-                             "--host=127.0.0.1", f"--port={port}", "--protocol=tcp"],
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
+def _listening(binary: str, args: list[str], port: int, what: str, workdir: Path, log_name: str,
+               start_timeout_s: float) -> subprocess.Popen:
+    """`binary` of the mooncake wheel started with `args`, its output in `workdir/log_name`, once it listens on
+    `port` (RuntimeError with the end of its log if it does not within `start_timeout_s`; it is stopped then)."""
+    log_path = workdir / log_name
+    with open(log_path, "wb") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([mooncake_binary(binary), *args], stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
     try:
-        _wait_port(port, proc, "mooncake_client (segment)", time.monotonic() + start_timeout_s, log_path)
+        _wait_port(port, proc, what, time.monotonic() + start_timeout_s, log_path)
     except RuntimeError:
         stop_process(proc)
         raise
     return proc
 
 
+def _listening_segment(config: dict, segment_bytes: int, workdir: Path, start_timeout_s: float) -> subprocess.Popen:
+    """A `mooncake_client` contributing `segment_bytes`, listening on a free port."""
+    port = free_port()
+    return _listening("mooncake_client", [f"--master_server_address={config['master']}",
+                                          f"--metadata_server={config['metadata']}",
+                                          f"--global_segment_size={segment_bytes}", "--host=127.0.0.1",
+                                          f"--port={port}", "--protocol=tcp"],
+                      port, "mooncake_client (segment)", workdir, f"segment-{port}.log", start_timeout_s)
+
+
 def _listening_master(workdir: Path, lease_ms: int, client_ttl_s: int,
                       start_timeout_s: float) -> tuple[subprocess.Popen, int]:
-    """A `mooncake_master` listening on a free loopback port, and that port (RuntimeError with the end of its log if
-    it does not within `start_timeout_s`; it is stopped then)."""
+    """A `mooncake_master` listening on a free loopback port, and that port."""
     rpc = free_port()
-    log_path = workdir / f"master-{rpc}.log"
-    proc = subprocess.Popen([mooncake_binary("mooncake_master"), "--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
-                             f"--default_kv_lease_ttl={lease_ms}", f"--client_ttl={int(client_ttl_s)}",
-                             # its metrics server's port (default 9003) would collide with another master's
-                             "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=workdir)
-    try:
-        _wait_port(rpc, proc, "mooncake_master", time.monotonic() + start_timeout_s, log_path)
-    except RuntimeError:
-        stop_process(proc)
-        raise
+    proc = _listening("mooncake_master", ["--rpc_address", "127.0.0.1", f"--rpc_port={rpc}",
+                                          f"--default_kv_lease_ttl={lease_ms}", f"--client_ttl={int(client_ttl_s)}",
+                                          # its metrics server's port (default 9003) would collide with another
+                                          # master's
+                                          "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"],
+                      rpc, "mooncake_master", workdir, f"master-{rpc}.log", start_timeout_s)
     return proc, rpc
 
 
