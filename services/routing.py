@@ -12,11 +12,14 @@ likely that the replica it picks already holds the user:
      others; adding a replica moves only the users it wins, losing one moves only its users.
   2. Soft: a home that reports `move_at` or more requests in flight (the replica's own count, all routers'
      requests, sent every ROUTING_STATS_PERIOD_S as Serve's routing stats; Serve's per-router queue-length
-     cache is not used: a probe taken under load stays in it while the router keeps sending) is skipped for
-     the next replica in the user's hash order that is below it; that replica reads the user's KV from the cluster tier. When
-     every replica is that busy the user stays with the first of them in its order unless another has more than `move_at`
-     fewer requests in flight (then the least busy goes first): a move is a cold load. Serve itself skips a replica at its
-     max_ongoing_requests and tries the next in the order, so a full or dead home never holds a user up.
+     cache is not used: a probe taken under load stays in it while the router keeps sending) is passed over for
+     the replicas that have at least `move_at` fewer in flight, in the user's hash order; such a replica reads
+     the user's KV from the cluster tier. A move is a cold load (at k=50 some 35 MB read and written into the
+     cache, queued behind that replica's other loads), so a home only a few requests busier than the others
+     keeps its users (the rule before moved a user from a home at `move_at` to any replica below it, one request
+     less busy at worst: bench/results/service_n1_n100_k50_2replicas_2retrieval_bf16_spread.md, 16 cold loads of
+     200 at N=100, every one a user both replicas held). Serve itself skips a replica at its max_ongoing_requests and tries
+     the next in the order, so a full or dead home never holds a user up.
   3. When the load falls the user goes home again (the home still holds it, or reads it from the cluster).
 Requests without a user (plain chat, health) keep Serve's power-of-two choice.
 
@@ -54,21 +57,19 @@ def move_threshold(target_ongoing_requests: float, max_ongoing_requests: int) ->
 
 def preference_order(user_id: str, replicas: Sequence[R], key: Callable[[R], str],
                      ongoing: Callable[[R], int | None], move_at: int) -> list[R]:
-    """`replicas` in the order to try for the user: the user's hash order over the stable keys (its home
-    first), the replicas below `move_at` ongoing requests (unknown counts as below) before the others, the
-    others least busy first. Ties of the same key (never two live replicas, briefly during a replacement)
-    keep the hash order by the key then the input order."""
+    """`replicas` in the order to try for the user: the user's hash order over the stable keys (its home first),
+    except that a home with `move_at` or more ongoing requests goes after the replicas with at least `move_at`
+    fewer (those in the user's hash order, so one busy home's users spread over their own second choices).
+    Unknown counts count as 0. Ties of the same key (never two live replicas, briefly during a replacement) keep
+    the hash order by the key then the input order."""
     ranked = sorted(replicas, key=lambda r: affinity_score(user_id, key(r)), reverse=True)
-    free = [r for r in ranked if (ongoing(r) or 0) < move_at]
-    busy = [r for r in ranked if (ongoing(r) or 0) >= move_at]
-    # Every replica busy: a move costs the user a cold load on the other replica (at k=50 some 35 MB read from the
-    # cluster tier, queued behind that replica's other loads) and gains nothing when the others are as busy, so
-    # the first busy one in the user's order keeps it unless another has more than `move_at` fewer in flight. (Least busy
-    # first, as before, sent most users' requests at 100 users on 2 replicas alternately to both, each move a
-    # cold load: bench/results/service_n1_n100_k50_2replicas_bf16.md, 135 of 199 KV requests loaded cold.)
-    first = busy[0] if busy else None
-    busy.sort(key=lambda r: (ongoing(r) or 0) - (move_at if r is first else 0))
-    return free + busy
+    if not ranked:
+        return ranked
+    home_load = ongoing(ranked[0]) or 0
+    if home_load < move_at:
+        return ranked
+    relief = [r for r in ranked[1:] if (ongoing(r) or 0) <= home_load - move_at]
+    return relief + [r for r in ranked if r not in relief]
 
 
 def replica_key(replica: RunningReplica) -> str:

@@ -96,33 +96,35 @@ def test_an_overloaded_home_is_passed_over_for_the_next_in_the_users_order():
     replicas = three()
     user = USERS[0]
     quiet = order(user, replicas)
-    quiet[0].ongoing = 8  # at move_at: overloaded
+    quiet[0].ongoing = 8  # at move_at, the others idle: overloaded
     busy = order(user, replicas)
     assert busy == [quiet[1], quiet[2], quiet[0]]  # the next in the user's own order, the home last
     quiet[0].ongoing = 7  # below: home again
     assert order(user, replicas) == quiet
-    quiet[0].ongoing, quiet[1].ongoing = 9, 20  # both overloaded: the free one first, then the least busy
+    quiet[0].ongoing, quiet[1].ongoing = 9, 20  # home over, its second choice busier: the idle one, then home
     assert order(user, replicas) == [quiet[2], quiet[0], quiet[1]]
     for r in replicas:
         r.ongoing = None  # nothing known (Serve's cache entry expired): the hash order
     assert order(user, replicas) == quiet
 
 
-def test_when_every_replica_is_busy_a_user_stays_unless_another_is_much_less_busy():
-    """A move is a cold load: among replicas all at or above move_at (8 here) the user's first in order keeps it
-    while the others have at most move_at fewer in flight; past that the least busy goes first. At 100 users on 2
-    replicas (about 50 in flight each) every user stays home instead of alternating between the two."""
+def test_a_busy_home_keeps_its_user_unless_another_has_move_at_fewer_in_flight():
+    """A move is a cold load: a home at or above move_at (8 here) keeps the user while every other replica has
+    fewer than move_at fewer in flight, whether those are above move_at themselves or just below it (a move from 8
+    to 7 would gain one request of queue for a cold load); at move_at fewer or more, those replicas go first."""
     replicas = three()
     for user in USERS[:20]:
         quiet = order(user, replicas)
         quiet[0].ongoing, quiet[1].ongoing, quiet[2].ongoing = 50, 45, 48  # all busy, alike: home
         assert order(user, replicas)[0] is quiet[0]
-        quiet[1].ongoing = 42  # exactly move_at fewer: still home
+        quiet[1].ongoing = 43  # 7 fewer: still home
         assert order(user, replicas)[0] is quiet[0]
-        quiet[1].ongoing = 41  # more than move_at fewer: the least busy first, then home
+        quiet[1].ongoing = 42  # move_at fewer: that one first, then home
         assert order(user, replicas) == [quiet[1], quiet[0], quiet[2]]
-        quiet[0].ongoing = 30  # home busy, its second choice busier: home first, the rest least busy first
-        assert order(user, replicas) == [quiet[0], quiet[1], quiet[2]]
+        quiet[0].ongoing, quiet[1].ongoing, quiet[2].ongoing = 9, 7, 5  # home just over move_at, the others
+        assert order(user, replicas) == quiet                            # just under it: home
+        quiet[0].ongoing, quiet[1].ongoing, quiet[2].ongoing = 30, 41, 48  # home busy, the others busier: home
+        assert order(user, replicas) == quiet
         for r in replicas:
             r.ongoing = None
 
