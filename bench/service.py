@@ -20,7 +20,8 @@
    tier, or encoded here as the encoder pool does when the service is not ours); same concurrency; at niceness
    15, the niceness Ray gives the service's replicas (on a shared machine both sides get the same share).
 5. Prints and writes (bench/results/service_<tag>.json/.md/.png) the tables and issue 12's ratios with
-   met/missed and margins. lscpu's model and flags, the load average and the registry that ran (with the keys
+   met/missed and margins, and each cell's CPU per answered request split by the service's parts (each
+   deployment, Serve's proxy, Ray, the stores, the client; bench/cpu_ledger.py) next to the engine alone's. lscpu's model and flags, the load average and the registry that ran (with the keys
    each of its servers held when the service stopped) are in every output.
 
 Usage:
@@ -54,6 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.cpu_ledger import CpuLedger  # noqa: E402
 from inferscale_core.vllm_env import serving_kv_cache_gib, set_vllm_cpu_env, vllm_cpu_env  # noqa: E402
 
 # before vLLM is imported: the engine replicas' settings as `inferscale serve` gives them (services/cli.py), KV cache
@@ -487,25 +489,18 @@ class ReplicaSampler:
         self._thread.join(timeout=30)
 
 
-def users_by_engine_replica(replicas: int, calls: int = 40) -> dict[str, dict]:
+def users_by_engine_replica(replicas: int) -> dict[str, dict]:
     """Each engine replica's held users and cold-read count (its stats()), by replica id. A user is held by the
-    replica its writes and answers go to; one held by two replicas had a request served away from its home (Serve's
-    multiplexed routing spills when the home replica is busy), whose facts that replica read cold. Calls without a
-    user land on a replica Serve picks: asked until each has answered (bounded); {} when that fails."""
-    from ray import serve
+    replica its writes and answers go to; one held by two replicas had a request served away from its home (the
+    router passes a busy home over), whose facts that replica read cold. {} when the stats cannot be read."""
+    from inferscale_server.observe import engine_replica_stats
 
-    out: dict[str, dict] = {}
     try:
-        handle = serve.get_deployment_handle("EngineReplica", app_name="inferscale")
-        for _ in range(calls):
-            st = handle.stats.remote().result(timeout_s=60)
-            out[st["replica_id"]] = {"users": st["users"], "facts_from_cluster": st["facts_from_cluster"]}
-            if len(out) == replicas:
-                break
+        stats = engine_replica_stats(replicas, calls=40)
     except Exception as e:  # noqa: BLE001 - a record of the run, never its failure
         print(f"# engine replicas' stats not read: {e}", flush=True)
         return {}
-    return out
+    return {rid: {"users": st["users"], "facts_from_cluster": st["facts_from_cluster"]} for rid, st in stats.items()}
 
 
 def users_on_several(by_replica: dict[str, dict]) -> int:
@@ -534,15 +529,20 @@ def compile_client(workdir: Path) -> Path:
     return out / "service_client.py"
 
 
-def run_client(client: Path, plan: dict, expect: int, label: str, deadline: float) -> list[dict]:
+def run_client(client: Path, plan: dict, expect: int, label: str, deadline: float,
+               ledger: CpuLedger | None = None) -> list[dict]:
     """The client in its own interpreter (-I); its JSON lines, with a progress bar over `expect` of them.
-    Killed if it outlives the run's deadline (each request is bounded by its own timeout too)."""
+    Killed if it outlives the run's deadline (each request is bounded by its own timeout too). With a `ledger`,
+    each cell's end is marked in it (the cells run one after another)."""
     from tqdm import tqdm
 
     plan_file = client.parent / f"plan-{label}.json"
     plan_file.write_text(json.dumps(plan))
     proc = subprocess.Popen([sys.executable, "-I", str(client), str(plan_file)], cwd=client.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if ledger is not None:
+        ledger.named[proc.pid] = "load client"
+        ledger.start()
     killer = threading.Timer(max(1.0, deadline - time.time() + plan["timeout_s"] + 60), proc.kill)
     killer.start()
     lines, done_cells = [], 0
@@ -557,6 +557,8 @@ def run_client(client: Path, plan: dict, expect: int, label: str, deadline: floa
                     bar.update(1)
                 elif obj["type"] == "cell":
                     done_cells += 1
+                    if ledger is not None:
+                        ledger.mark(obj["cell"])
                     if bar.disable:  # no terminal: one line per cell instead of a bar
                         print(f"  {obj['cell']} done in {obj['wall_s']:.1f} s", file=sys.stderr, flush=True)
         err = proc.stderr.read()
@@ -668,6 +670,8 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
 
     out_records, walls = [], {}
     total = sum(len(p["questions"]) for c in cells for p in c.plan)
+    ledger = CpuLedger(driver="engine alone")
+    ledger.start()
     with tqdm(total=total, desc="engine", unit="req", disable=None, file=sys.stderr) as bar:
         for cell in cells:
             ecell = f"engine-n{cell.users}-{cell.mode}-k{cell.k}"
@@ -693,11 +697,12 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
 
             await asyncio.gather(*(user_loop(p) for p in cell.plan))
             walls[ecell] = time.perf_counter() - t_cell
+            ledger.mark(ecell)
             if bar.disable:
                 print(f"  {ecell} done in {walls[ecell]:.1f} s", file=sys.stderr, flush=True)
     engine.shutdown()
-    return {"records": out_records, "walls": walls, "setup_s": setup_s, "facts_from_service_disk": from_disk,
-            "facts_encoded_here": encoded_here}
+    return {"records": out_records, "walls": walls, "cpu": dict(ledger.marks), "setup_s": setup_s,
+            "facts_from_service_disk": from_disk, "facts_encoded_here": encoded_here}
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -830,6 +835,27 @@ def hop_order(name: str) -> tuple[int, str]:
     return (HOPS.index(name) if name in HOPS else len(HOPS), name)
 
 
+def cpu_lines(result: dict) -> list[str]:
+    """Where each cell's cores went (bench/cpu_ledger.py): CPU ms per answered request, by part, the engine first;
+    "cores busy" is every part's CPU over the cell's wall time (the machine's cores bound it)."""
+    by_cell = result.get("cpu_by_cell") or {}
+    if not by_cell:
+        return []
+    lines = ["", "CPU per answered request by part (ms of CPU, user + system, from /proc; the service's parts are "
+             "this run's processes, the engine alone is this process). On busy cores the engine gets what the "
+             "other parts leave:", "", "| cell | answered | wall s | cores busy | CPU ms per request, by part |",
+             "|---|---|---|---|---|"]
+    for row in result["rows"]:
+        parts = by_cell.get(row["cell"])
+        if not parts or not row["ok"] or not row["wall_s"]:
+            continue
+        engine_first = sorted(parts.items(), key=lambda kv: (kv[0] not in ("EngineReplica", "engine alone"), -kv[1]))
+        shown = ", ".join(f"{name} {1000 * sec / row['ok']:.0f}" for name, sec in engine_first if sec >= 0.0005)
+        lines.append(f"| {row['cell']} | {row['ok']} | {row['wall_s']:.1f} | {sum(parts.values()) / row['wall_s']:.2f} "
+                     f"| total {1000 * sum(parts.values()) / row['ok']:.0f}: {shown} |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Service under load (`{m['command']}`)", "",
@@ -875,6 +901,7 @@ def markdown(result: dict) -> str:
                       f"{when.replace('_', ' ')} {rec['on_several']} (facts read from the cluster tier per replica: "
                       + ", ".join(str(r["facts_from_cluster"]) for r in rec["by_replica"].values()) + ")"
                       for when, rec in spread.items()) + "."]
+    lines += cpu_lines(result)
     lines += ["", "Targets (issue 12, item 2; ratios of this run):", "",
               "| target | door | users | mode | k | measured | limit | verdict | margin |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -977,6 +1004,7 @@ def main(argv=None) -> int:
     client = compile_client(workdir)
     service_lines: list[dict] = []
     replicas: list[dict] = []
+    ledger = CpuLedger()  # the service's CPU by part, cell by cell (this process's descendants: Ray, the stores)
     checks: list[str] = []
     own = args.target is None
     try:
@@ -1036,7 +1064,7 @@ def main(argv=None) -> int:
             load_deadline = time.time() + 0.55 * (deadline - time.time())
             with sampler or contextlib.nullcontext():
                 service_lines = run_client(client, {**plan, "deadline": load_deadline}, expect, "service",
-                                           load_deadline)
+                                           load_deadline, ledger=ledger)
             replicas = sampler.samples if sampler else []
             if record_spread:
                 spread["after_load"] = users_by_engine_replica(args.engine_replicas)
@@ -1094,6 +1122,9 @@ def main(argv=None) -> int:
         result["meta"]["engine_facts"] = {"from_service_disk": engine["facts_from_service_disk"],
                                           "encoded_here": engine["facts_encoded_here"]}
     result["rows"] = rows
+    result["cpu_by_cell"] = {cell: parts for cell, parts in ledger.marks if not cell.startswith("warm-")}
+    if engine is not None:
+        result["cpu_by_cell"].update(engine["cpu"])
     result["ratios"] = ratios(rows, args)
     result["replicas"] = replicas
     examples, seen = [], set()

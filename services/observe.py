@@ -1,5 +1,6 @@
 """What a running application looks like from outside: replica counts per deployment, sampled over time
-(tests/service/two_engines/test_autoscaling.py; bench/service.py records them next to its load)."""
+(tests/service/two_engines/test_autoscaling.py; bench/service.py records them next to its load), and each engine
+replica's own stats (the tests' and bench/service.py's view of which users a replica holds)."""
 from __future__ import annotations
 
 import threading
@@ -16,6 +17,23 @@ def replica_counts(app_name: str = "inferscale") -> dict[str, int]:
     if app is None:
         return {}
     return {name: int(d.replica_states.get(ReplicaState.RUNNING, 0)) for name, d in app.deployments.items()}
+
+
+def engine_replica_stats(replicas: int, app_name: str = "inferscale", calls: int = 60,
+                         timeout_s: float = 60) -> dict[str, dict]:
+    """stats() of each of `replicas` engine replicas (held users, loads, admission), by replica id. A call without
+    a user lands on the replica Serve picks, so this asks until each has answered; RuntimeError after `calls` calls
+    with fewer. Needs a connected Ray with the app running."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name=app_name)
+    out: dict[str, dict] = {}
+    for _ in range(calls):
+        st = handle.stats.remote().result(timeout_s=timeout_s)
+        out[st["replica_id"]] = st
+        if len(out) >= replicas:
+            return out
+    raise RuntimeError(f"only {len(out)} of {replicas} engine replicas answered stats() in {calls} calls")
 
 
 class ReplicaTimeline:

@@ -114,3 +114,19 @@ def test_the_app_wrote_to_the_cluster_the_report_names(quick):
     assert reg["kind"] == "cluster" and len(reg["ports"]) == 3 and len(reg["keys"]) == 3, reg
     assert sum(reg["keys"]) > 0 and f"127.0.0.1:{reg['ports'][0]}" in reg["url"]
     assert reg["desc"].startswith("Redis Cluster of 3 masters") and f"Registry: {reg['desc']}." in stdout
+
+
+def test_each_cells_cpu_is_split_by_the_services_parts(quick):
+    """bench/cpu_ledger.py through the real run: every recorded service cell's CPU is charged to the engine
+    replicas, the gateway, retrieval and the load client (Ray's workers found by their titles), every engine cell's
+    to the engine alone; the report has the table."""
+    res, stdout = quick
+    by_cell = res["cpu_by_cell"]
+    for r in res["rows"]:
+        parts = by_cell[r["cell"]]
+        if r["door"] == "engine":
+            assert parts.get("engine alone", 0) > 0, (r["cell"], parts)
+        else:
+            assert {"EngineReplica", "Gateway", "Retrieval", "load client"} <= set(parts), (r["cell"], parts)
+            assert parts["EngineReplica"] > 0 and "other" not in parts, (r["cell"], parts)
+    assert "CPU per answered request by part" in stdout

@@ -16,7 +16,7 @@ import uuid
 import grpc
 import pytest
 from support.auth_fixture import token_for
-from support.local_service import engine_handle, service_on_local_ray
+from support.local_service import engine_handle, service_on_local_ray, stats_by_replica
 
 KV_BLOCKS, BLOCK = 16, 32  # the engine replicas' KV cache: 512 tokens (plus vLLM's null block)
 FACTS = [f"Fact number {i}: the user's item {i} is a {c} {t}." for i, (c, t) in
@@ -136,18 +136,6 @@ def service(redis_url, tmp_path_factory, jwt_secret):
         yield svc
 
 
-def _replica_stats(deadline_s: float = 60, calls: int = 40) -> dict[str, dict]:
-    """stats() of each engine replica, by replica id (calls land on a replica Serve picks)."""
-    out, end = {}, time.monotonic() + deadline_s
-    for _ in range(calls):
-        st = engine_handle().stats.remote().result(timeout_s=60)
-        out[st["replica_id"]] = st
-        if len(out) == 2 or time.monotonic() > end:
-            break
-    assert len(out) == 2, f"saw only {sorted(out)} of the two engine replicas"
-    return out
-
-
 def _commands(redis_url: str) -> dict[str, int]:
     """redis-server's count of calls per command since it started."""
     import redis
@@ -203,7 +191,7 @@ def test_a_full_kv_cache_refuses_fast_with_resource_exhausted_and_429(service):
 
     service.client.add_facts("load", FACTS[:8])
     list(service.client.answer("load", "warm up", k=3, max_tokens=2))
-    limit = next(iter(_replica_stats().values()))["admission"]["limit_tokens"]
+    limit = next(iter(stats_by_replica(2).values()))["admission"]["limit_tokens"]
     assert limit == KV_BLOCKS * BLOCK  # queue factor 1: the cache's own size
     n = 16  # each request may occupy ~100 prompt + 64 answer tokens: 16 of them are ~5x what one replica admits
 
@@ -246,7 +234,7 @@ def test_a_full_kv_cache_refuses_fast_with_resource_exhausted_and_429(service):
     # The load is gone: the next request is admitted, and nothing is left counted in flight.
     final = list(service.client.answer("load", "Which item is a green lamp?", k=3, max_tokens=4))[-1]
     assert final.final and final.completion_tokens > 0
-    stats = _replica_stats()
+    stats = stats_by_replica(2)
     assert all(s["admission"]["in_flight_tokens"] == 0 for s in stats.values()), stats
     assert sum(s["admission"]["refused"] for s in stats.values()) >= len(refused) + codes.count(429)
 
@@ -260,7 +248,7 @@ def test_a_delete_reaches_every_engine_replica_that_holds_the_user(service):
         if len(seen) == 2 or time.monotonic() > end:
             break
     assert len(seen) == 2, f"the user reached only {seen}"
-    assert all("wat" in s["users"] for s in _replica_stats().values())
+    assert all("wat" in s["users"] for s in stats_by_replica(2).values())
 
     def holds_by_replica(fact) -> dict[str, bool]:
         out, end = {}, time.monotonic() + 60

@@ -207,16 +207,11 @@ def engine_stats(user_id: str) -> dict:
 
 
 def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:
-    """stats() of every engine replica: calls without a user go to a replica Serve picks at random, so ask
-    until each of `replicas` has answered (bounded)."""
-    out: dict[str, dict] = {}
-    handle = engine_handle()
-    for _ in range(attempts):
-        s = handle.stats.remote().result(timeout_s=60)
-        out[s["replica_id"]] = s
-        if len(out) == replicas:
-            return out
-    raise AssertionError(f"only {len(out)} of {replicas} engine replicas answered stats() in {attempts} calls")
+    """stats() of every engine replica (services/observe.py engine_replica_stats: asked until each of `replicas`
+    has answered, bounded)."""
+    from inferscale_server.observe import engine_replica_stats
+
+    return engine_replica_stats(replicas, APP, calls=attempts)
 
 
 def fingerprint() -> str:

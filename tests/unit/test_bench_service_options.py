@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,78 @@ def test_the_report_counts_users_served_by_more_than_one_engine_replica():
     text = service.markdown({"meta": meta, "rows": [], "ratios": [], "checks": [], "requests": []})
     assert ("after adds 0 (facts read from the cluster tier per replica: 0, 0); "
             "after load 2 (facts read from the cluster tier per replica: 50, 150).") in text
+
+
+def test_the_cpu_ledger_charges_a_childs_cpu_to_its_part_between_marks():
+    """bench/cpu_ledger.py, which splits each cell's CPU by the service's parts: a child that burns ~0.4 s of CPU
+    is charged to the part it was named (and nothing to it before it ran); Ray's and Serve's command lines are
+    named by deployment and daemon."""
+    import subprocess
+    import sys
+
+    from bench.cpu_ledger import CpuLedger, part_of
+
+    assert part_of("ray::ServeReplica:inferscale:EngineReplica") == "EngineReplica"
+    assert part_of("ray::ServeReplica:inferscale:Gateway.handle_request") == "Gateway"
+    assert part_of("ray::ProxyActor") == "serve proxy"
+    assert part_of("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x") == "ray daemons"
+    assert part_of("/usr/bin/redis-server 127.0.0.1:6379") == "redis"
+    assert part_of("python something.py") == "other"
+
+    ledger = CpuLedger()
+    child = subprocess.Popen([sys.executable, "-c", "import sys,time\nsys.stdin.readline()\nt=time.process_time()\n"
+                              "while time.process_time() - t < 0.4: pass\nprint('burnt', flush=True)\n"
+                              "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ledger.named[child.pid] = "burner"
+        time.sleep(0.5)  # the interpreter's own start-up is charged before the first mark
+        ledger.start()
+        idle = ledger.mark("idle")
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "burnt"
+        busy = ledger.mark("busy")
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(timeout=30)
+    assert idle.get("burner", 0.0) < 0.05
+    assert 0.35 <= busy["burner"] < 1.0
+    assert [label for label, _ in ledger.marks] == ["idle", "busy"]
+
+
+def test_a_process_the_ledger_cannot_name_is_charged_to_its_parents_part():
+    """vLLM's engine core is a process of its own (`VLLM::EngineCore`) under its engine replica: its CPU is the
+    replica's. Here a named shell's unnamed child (`sleep`)."""
+    import subprocess
+
+    import psutil
+
+    from bench.cpu_ledger import CpuLedger
+
+    ledger = CpuLedger()
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        ledger.named[shell.pid] = "shell"
+        deadline = time.monotonic() + 10
+        while not psutil.Process(shell.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = psutil.Process(shell.pid).children()
+        ledger.start()
+        assert ledger.part(shell.pid) == "shell" and ledger.part(child.pid) == "shell"
+        assert ledger.part(os.getpid()) == "bench driver"
+    finally:
+        for p in psutil.Process(shell.pid).children():
+            p.kill()
+        shell.wait(timeout=30)
+
+
+def test_the_report_splits_each_cells_cpu_per_request_by_part_engine_first():
+    service = import_service()
+    rows = [{"cell": "grpc-n100-inject-k50", "ok": 200, "wall_s": 20.0},
+            {"cell": "engine-n100-inject-k50", "ok": 200, "wall_s": 10.0}]
+    text = "\n".join(service.cpu_lines({"rows": rows, "cpu_by_cell": {
+        "grpc-n100-inject-k50": {"Gateway": 8.0, "EngineReplica": 24.0, "Retrieval": 6.0},
+        "engine-n100-inject-k50": {"engine alone": 19.0}}}))
+    assert "| grpc-n100-inject-k50 | 200 | 20.0 | 1.90 | total 190: EngineReplica 120, Gateway 40, Retrieval 30 |" in text
+    assert "| engine-n100-inject-k50 | 200 | 10.0 | 1.90 | total 95: engine alone 95 |" in text
