@@ -112,13 +112,17 @@ def local_redis_server(password: str | None = None, start_timeout_s: float = 10.
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def free_cluster_port() -> int:
+def free_cluster_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
     """A free loopback port P with P + 10000 free too (a cluster node's bus port; Redis 6 has no --cluster-port)
-    and P <= 55535, which Redis requires of a cluster node."""
+    and P <= 55535, which Redis requires of a cluster node. `taken`: ports (client and bus) already given to nodes
+    that may not have bound them yet: a node started a moment ago still looks free, and two nodes on one port made
+    a replica's CLUSTER REPLICATE meet its own master ("Can't replicate myself")."""
     import random
 
     for _ in range(1000):
         port = random.randint(20000, 55535)
+        if port in taken or port + 10000 in taken:
+            continue
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
@@ -173,8 +177,10 @@ def local_redis_cluster_nodes(masters: int = 3, replicas_per_master: int = 0, no
     nodes: list[ClusterNode] = []
     try:
         master_ports = []
+        taken: set[int] = set()
         for i in range(masters * (1 + replicas_per_master)):
-            port = free_cluster_port()
+            port = free_cluster_port(taken)
+            taken |= {port, port + 10000}
             # Replica validity factor 0: a replica may take over however long ago it last heard from its master.
             # With TLS the node's TLS port is the one its cluster bus port (+10000) and the slot map derive from.
             ports = ["--port", str(port)] if tls is None else ["--port", "0", "--tls-port", str(port),

@@ -1,5 +1,6 @@
 """Noisy neighbour (issue 31): WELL well-behaved users answer and add at a steady rate while one tenant runs the
-worst request of an endpoint at its limits, one attack per phase; the well-behaved users' latency and failures in
+worst request of an endpoint at its limits (from a process of its own, at niceness 19: its client's CPU would be
+another machine's), one attack per phase; the well-behaved users' latency and failures in
 each phase against the baseline phase without the abuser (same run, same service), and what the abuser got.
 
 The service as `inferscale serve` starts it (bench/service.py's own_service: local Ray on 127.0.0.1, a throwaway
@@ -18,8 +19,9 @@ every fourth an AddFacts of one fact), through gRPC. The attacks, each for --pha
   extraction  AddMemory with infer=true (mem0's extraction on the serving model), 4 at a time
   kv_flood    AddFacts of 256 facts (the most one request may carry), 1 at a time
 
-Printed: per phase, the well-behaved requests, failures, p50/p99 and p99 against the baseline's, and the abuser's
-answers by code. The issue's target: p99 within 2x of the baseline, 0 well-behaved failures, the abuser refused
+Printed: per phase, the well-behaved requests, failures, p50/p99 and p99 against the baseline's (also by kind:
+answers and adds), the abuser's answers by code, and where the cores went (CPU seconds of each part of the service
+in the phase, bench/cpu_ledger.py: the deployments, Serve's proxy, Ray, Redis, this driver with its clients). The issue's target: p99 within 2x of the baseline, 0 well-behaved failures, the abuser refused
 with the documented codes where a limit applies. CPU times; lscpu flags printed.
 
     python bench/noisy_neighbour.py --out bench/results/noisy_neighbour.md
@@ -30,6 +32,7 @@ import argparse
 import collections
 import concurrent.futures as cf
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -60,12 +63,17 @@ class Log:
 
     def __init__(self):
         self.rows: list[tuple[str, str, str, float, str]] = []
+        self.hops: list[tuple[str, float, dict[str, float]]] = []  # (phase, client seconds, the answer's timings_ms)
         self.lock = threading.Lock()
         self.phase = "setup"
 
     def add(self, who: str, op: str, seconds: float, code: str) -> None:
         with self.lock:
             self.rows.append((self.phase, who, op, seconds, code))
+
+    def add_hops(self, seconds: float, timings_ms: dict[str, float]) -> None:
+        with self.lock:
+            self.hops.append((self.phase, seconds, dict(timings_ms)))
 
 
 def code_of(e: BaseException) -> str:
@@ -100,21 +108,74 @@ def timed(log: Log, who: str, op: str, fn) -> None:
     log.add(who, op, time.monotonic() - t0, code)
 
 
-def well_behaved(client, user: str, log: Log, stop: threading.Event, period_s: float, offset_s: float) -> None:
+def well_behaved(client, user: str, log: Log, stop: threading.Event, period_s: float, offset_s: float,
+                 turn: int) -> None:
+    """One user's requests, one every `period_s`: every fourth an add, the others answers. `turn` (the user's
+    index) shifts which of its requests are adds, so every phase, the baseline too, has a quarter adds (with the
+    same fourth request for every user, a 3-request phase had none and the next phase all of them)."""
     time.sleep(offset_s)
     for i in range(100_000):  # bounded by `stop` (the run's end) and by count
         if stop.is_set():
             return
         t0 = time.monotonic()
-        if i % 4 == 3:
+        if (i + turn) % 4 == 3:
             timed(log, user, "add", lambda: client.add_facts(user, [f"{user} noted item {i} today."]))
         else:
-            timed(log, user, "answer", lambda: list(client.answer(user, "Where does the sister live?", k=3,
-                                                                    max_tokens=8)))
+            def answer():
+                t_answer = time.monotonic()
+                chunks = list(client.answer(user, "Where does the sister live?", k=3, max_tokens=8))
+                log.add_hops(time.monotonic() - t_answer, chunks[-1].timings_ms)
+            timed(log, user, "answer", answer)
         stop.wait(max(0.0, period_s - (time.monotonic() - t0)))
 
 
 # ------------------------------------------------------------------------------------------------ attacks
+ABUSER_NICENESS = 19  # the abuser's client would run on a machine of its own: here it takes what the service leaves
+
+
+def service_handle(grpc_port: int, http_port: int, secret: str) -> SimpleNamespace:
+    """What the clients need of the running service: its HTTP port, a token for a user, a gRPC client for a user."""
+    from inferscale_client import MemoryClient
+    from inferscale_server.auth import mint
+
+    def make_token(user: str) -> str:
+        return mint(secret, user)
+
+    return SimpleNamespace(
+        http_port=http_port, token=make_token,
+        client=lambda u: MemoryClient(f"127.0.0.1:{grpc_port}", timeout_s=120, token=make_token(u)))
+
+
+def abuser_process(name: str, grpc_port: int, http_port: int, secret: str, seconds: float, out: str) -> None:
+    """The body of the abuser's process: attack `name` for `seconds`, then its rows as JSON in `out`."""
+    os.nice(ABUSER_NICENESS - os.nice(0))
+    log, stop = Log(), threading.Event()
+    threading.Timer(seconds, stop.set).start()
+    attack(name, service_handle(grpc_port, http_port, secret), log, stop)
+    Path(out).write_text(json.dumps([row[1:] for row in log.rows]))
+
+
+def run_abuser(name: str, cfg, secret: str, seconds: float, tmp: Path) -> list[tuple[str, str, float, str]]:
+    """Attack `name` for `seconds` from a process of its own (spawned: no state of this one), so that its clients'
+    Python work (building 250-item filters, a tight loop of refused requests) never holds the GIL of the
+    well-behaved users' clients in this process, whose latency is what is measured; at ABUSER_NICENESS. Its rows
+    (who, op, seconds, code); a process that did not finish in time is killed and counted as one row."""
+    import multiprocessing
+
+    out = tmp / f"abuser-{name}.json"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=abuser_process, args=(name, cfg.grpc_port, cfg.http_port, secret, seconds, str(out)), daemon=True)
+    proc.start()
+    proc.join(timeout=seconds + 120)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
+        return [(ABUSER, name, seconds, "abuser process did not finish")]
+    if not out.exists():
+        return [(ABUSER, name, seconds, f"abuser process failed (exit {proc.exitcode})")]
+    return [tuple(row) for row in json.loads(out.read_text())]
+
+
 def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
     """Runs attack `name` until `stop`; every request recorded as the abuser's."""
     import httpx
@@ -252,7 +313,7 @@ def pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def report(log: Log, phases: list[str], args, cpu: str) -> str:
+def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, dict[str, float]] | None = None) -> str:
     rows = collections.defaultdict(list)
     for phase, who, op, secs, code in log.rows:
         rows[phase].append((who, op, secs, code))
@@ -263,7 +324,8 @@ def report(log: Log, phases: list[str], args, cpu: str) -> str:
              "machine (127.0.0.1).",
              f"Command: `python bench/noisy_neighbour.py --users {args.users} --period {args.period:g} --phase "
              f"{args.phase:g} --drain {args.drain:g} --attacks {args.attacks}"
-             f"{f' --scan-facts {args.scan_facts}' if 'filter_scan' in args.attacks else ''}`", "",
+             f"{f' --scan-facts {args.scan_facts}' if 'filter_scan' in args.attacks else ''}"
+             f"{f' --engine-cpu-cores {args.engine_cpu_cores}' if getattr(args, 'engine_cpu_cores', 0) else ''}`", "",
              f"{args.users} well-behaved users, one request every {args.period:g} s each (Answer k=3, 8 tokens; every "
              "fourth an AddFacts of one fact), through gRPC; the abuser runs one attack per phase of "
              f"{args.phase:g} s. Target: p99 within 2x of the baseline's, 0 well-behaved failures.", "",
@@ -280,16 +342,53 @@ def report(log: Log, phases: list[str], args, cpu: str) -> str:
                      f" | {p50 * 1000:,.0f} | {p99 * 1000:,.0f} | {ratio} | "
                      f"{'; '.join(f'{k} x{v}' for k, v in sorted(abuser.items())) or '-'} |"
                      if ok else f"| {phase} | {len(well)} | {sum(failed.values())} | - | - | - | - |")
+    lines += ["", "Well-behaved latency by kind (OK requests; ms; p99 against the same kind's in the baseline):", "",
+              "| phase | answers | answer p50 | answer p99 | answer p99 / baseline | adds | add p50 | add p99 | "
+              "add p99 / baseline |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def ok_of(phase: str, kind: str) -> list[float]:
+        return [s for who, op, s, code in rows[phase] if who != ABUSER and op == kind and code == "OK"]
+
+    for phase in phases:
+        cells = []
+        for kind in ("answer", "add"):
+            ok, base_kind = ok_of(phase, kind), pct(ok_of("baseline", kind), 0.99)
+            p99 = pct(ok, 0.99)
+            cells += [str(len(ok)), *(f"{v * 1000:,.0f}" if v is not None else "-" for v in (pct(ok, 0.5), p99)),
+                      f"{p99 / base_kind:.2f}x" if p99 and base_kind else "-"]
+        lines.append(f"| {phase} | {' | '.join(cells)} |")
+    hop_names = ("retrieval", "admission_wait", "vllm_queue", "prefill", "engine_ttft", "gateway_total_to_first_chunk")
+    lines += ["", "Where a well-behaved answer's time went (p50 ms of each hop its final chunk reports; `outside` = the "
+              "client's time minus the gateway's to its first chunk: Serve's proxy, the gateway's streaming after it, the "
+              "client):", "", f"| phase | answers | {' | '.join(hop_names)} | outside |", f"|---|---|{'---|' * (len(hop_names) + 1)}"]
+    for phase in phases:
+        mine = [(secs, t) for ph, secs, t in log.hops if ph == phase]
+        cells = [pct([t[h] for _, t in mine if h in t], 0.5) for h in hop_names]
+        outside = pct([secs * 1000 - t["gateway_total_to_first_chunk"] for secs, t in mine
+                       if "gateway_total_to_first_chunk" in t], 0.5)
+        lines.append(f"| {phase} | {len(mine)} | "
+                     + " | ".join("-" if v is None else f"{v:,.0f}" for v in [*cells, outside]) + " |")
+    if cpu_by_phase:
+        parts = sorted({p for spent in cpu_by_phase.values() for p in spent},
+                       key=lambda p: -sum(spent.get(p, 0.0) for spent in cpu_by_phase.values()))
+        cores = os.cpu_count() or 1
+        lines += ["", f"CPU seconds by part in each phase ({args.phase:g} s; {cores} cores: {cores * args.phase:g} s at most; "
+                  "bench/cpu_ledger.py):", "", f"| phase | {' | '.join(parts)} | all |",
+                  f"|---|{'---|' * (len(parts) + 1)}"]
+        for phase in phases:
+            spent = cpu_by_phase.get(phase, {})
+            lines.append(f"| {phase} | {' | '.join(f'{spent.get(p, 0.0):.1f}' for p in parts)} | "
+                         f"{sum(spent.values()):.1f} |")
     return "\n".join(lines) + "\n"
 
 
-def app_args(dtype: str) -> argparse.Namespace:
+def app_args(dtype: str, engine_cpu_cores: int = 0) -> argparse.Namespace:
     """bench/service.py's settings for its own app (`own_service`), from its own parser: its defaults (one engine
     replica, one Redis, no cluster tier, the packaged model) with this run's dtype. A hand-built namespace fell
     behind when bench/service.py grew --retrieval-replicas, and this benchmark failed at its start."""
     from bench import service
 
-    return service.parse_args(["--quick", "--dtype", dtype])
+    return service.parse_args(["--quick", "--dtype", dtype, "--engine-cpu-cores", str(engine_cpu_cores)])
 
 
 def main() -> int:
@@ -302,6 +401,8 @@ def main() -> int:
     ap.add_argument("--scan-facts", type=int, default=1000,
                     help="the abuser's facts the filter_scan attack lists (default 1000)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--engine-cpu-cores", type=int, default=0,
+                    help="cores of the engine replica's OpenMP team (default 0: the app's own default)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
@@ -309,21 +410,15 @@ def main() -> int:
             or not 0 <= args.scan_facts <= 100_000):
         ap.error(f"--users 1..100, --period and --phase > 0, --scan-facts 0..100000, --attacks of {', '.join(ATTACKS)}")
 
+    from bench.cpu_ledger import CpuLedger
     from bench.service import cpu_description, cpu_line, own_service
-    from inferscale_client import MemoryClient
-    from inferscale_server.auth import mint
 
-    service_args = app_args(args.dtype)
+    service_args = app_args(args.dtype, args.engine_cpu_cores)
     log = Log()
     users = [f"tenant-{i:02d}" for i in range(args.users)]
     with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, \
             own_service(service_args, Path(tmp)) as (cfg, secret, registry):
-        def make_token(user: str) -> str:
-            return mint(secret, user)
-
-        svc = SimpleNamespace(
-            http_port=cfg.http_port, token=make_token,
-            client=lambda u: MemoryClient(f"127.0.0.1:{cfg.grpc_port}", timeout_s=120, token=make_token(u)))
+        svc = service_handle(cfg.grpc_port, cfg.http_port, secret)
         clients = {u: svc.client(u) for u in users}
         t0 = time.monotonic()
         for u in [*users, ABUSER]:  # every user's memory, encoded before any phase
@@ -334,31 +429,30 @@ def main() -> int:
         warm_up(svc)  # every route the attacks use, once: a phase measures the attack, not a first call's loading
         stop = threading.Event()
         workers = [threading.Thread(target=well_behaved, args=(clients[u], u, log, stop, args.period,
-                                                               args.period * i / len(users)), daemon=True)
+                                                               args.period * i / len(users), i), daemon=True)
                    for i, u in enumerate(users)]
         for w in workers:
             w.start()
         phases = ["baseline", *attacks]
+        ledger, cpu_by_phase = CpuLedger(), {}
         try:
             for phase in phases:
                 log.phase = phase
                 print(f"# phase {phase}", flush=True)
+                ledger.start()
                 if phase == "baseline":
                     time.sleep(args.phase)
                 else:
-                    done = threading.Event()
-                    t = threading.Thread(target=attack, args=(phase, svc, log, done), daemon=True)
-                    t.start()
-                    time.sleep(args.phase)
-                    done.set()
-                    t.join(timeout=120)
+                    for who, op, secs, code in run_abuser(phase, cfg, secret, args.phase, Path(tmp)):
+                        log.add(who, op, secs, code)
+                cpu_by_phase[phase] = ledger.mark(phase)
                 log.phase = f"drain after {phase}"
                 time.sleep(args.drain)
         finally:
             stop.set()
             for w in workers:
                 w.join(timeout=150)
-    text = report(log, phases, args, cpu_line(cpu_description()))
+    text = report(log, phases, args, cpu_line(cpu_description()), cpu_by_phase)
     print(text)
     if args.out:
         args.out.write_text(text)

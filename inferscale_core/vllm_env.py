@@ -85,6 +85,24 @@ def engine_cpus(cores_per_engine: int, local_rank: int, cpus: Sequence[int]) -> 
     return list(cpus[start:start + cores_per_engine])
 
 
+# Cores a CPU node's one engine replica leaves to the node's light work (the gateway, retrieval, Serve's proxies,
+# Ray) when it takes "every core" (engine_cpu_cores 0), as vLLM's own CPU executor leaves one per worker to its
+# scheduler process (vllm/utils/ompmultiprocessing.py). Why: the engine's OpenMP regions end in a barrier, and the
+# light work runs above the engine (below_light_work), so with a thread on every core any request's gateway or
+# proxy work preempted an engine thread inside a region and the others spun at its barrier: under a tenant's flood
+# of cheap Mem0 listings on 2 cores, the other tenants' answers went from 0.5 s to 17 s p50 with a third of the
+# cores idle, and to 1.8 s with the engine on one core (bench/noisy_neighbour.py, BENCHMARKS.md "Noisy neighbour").
+LIGHT_WORK_CORES = 1
+
+
+def cores_beside_light_work(cpus: Sequence[int]) -> list[int] | None:
+    """The cores of an engine replica that has a CPU node to itself: all of `cpus` but the first LIGHT_WORK_CORES,
+    which the light work keeps; None (every core, nothing bound) on a node with no more cores than that."""
+    if len(cpus) <= LIGHT_WORK_CORES:
+        return None
+    return list(cpus[LIGHT_WORK_CORES:])
+
+
 def engine_bind_env(cpus: Sequence[int]) -> dict[str, str]:
     """The environment that confines a vLLM CPU engine started after it to `cpus`: one OpenMP thread per core,
     bound by the OpenMP runtime when the engine core process starts. vLLM 0.32 binds threads itself only in its

@@ -171,7 +171,8 @@ class ServiceConfig:
     # ...). Empty: none, each engine replica's own tiers only (a moved user's facts are encoded again).
     cluster_store: dict = field(default_factory=dict)
     # On a CPU node with several engine replicas: cores each replica's vLLM binds to, disjoint by the replica's
-    # node-local rank (services/engine_replica/placement.py bind_engine_cpus). 0: every core (one engine per node).
+    # node-local rank (services/engine_replica/placement.py bind_engine_cpus). 0: one engine per node, on every
+    # core but one, which the light work keeps (gateway, retrieval, proxies; vllm_env.LIGHT_WORK_CORES).
     engine_cpu_cores: int = 0
     # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
     # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.

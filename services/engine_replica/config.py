@@ -54,7 +54,7 @@ class EngineReplicaConfig:
     kv_budget_bytes: int | None = None  # ResidentKV's budget; None: default_kv_budget_bytes(its node share)
     # On a CPU node: the cores this replica's vLLM binds its compute threads to, a run of this many taken by the
     # replica's node-local rank, so engine replicas sharing a node never share a core (inferscale_core/vllm_env.py
-    # engine_cpus). 0: every core of the node (one engine replica per node).
+    # engine_cpus). 0: one engine replica per node, on every core but the light work's (cores_beside_light_work).
     engine_cpu_cores: int = 0
 
     def __post_init__(self):

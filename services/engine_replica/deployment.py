@@ -61,9 +61,10 @@ class EngineReplica:
             options["disk_dir"] = disk_dir
             if options.get("disk_budget_bytes") is None:  # the disk tier's budget: from the machine by default
                 options["disk_budget_bytes"] = default_disk_budget_bytes(disk_dir)
-        engine_cpus = bind_engine_cpus(config.engine_cpu_cores)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        engine_cpus = bind_engine_cpus(config.engine_cpu_cores, device)
         # Below the node's light work, before vLLM's engine core is spawned (it inherits the niceness).
-        niceness = below_light_work("cuda" if torch.cuda.is_available() else "cpu")
+        niceness = below_light_work(device)
         # The cluster KV tier: the connector's worker reads it (a client of its own); this process only removes
         # from it.
         cluster_config = config.cluster

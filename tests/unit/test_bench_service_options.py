@@ -268,3 +268,61 @@ def test_the_report_splits_each_cells_cpu_per_request_by_part_engine_first():
         "engine-n100-inject-k50": {"engine alone": 19.0}}}))
     assert "| grpc-n100-inject-k50 | 200 | 20.0 | 1.90 | total 190: EngineReplica 120, Gateway 40, Retrieval 30 |" in text
     assert "| engine-n100-inject-k50 | 200 | 10.0 | 1.90 | total 95: engine alone 95 |" in text
+
+
+def test_every_phase_of_the_noisy_neighbour_has_a_quarter_adds():
+    """Each well-behaved user adds on every fourth request, shifted by its index: over the 3 requests a user makes in
+    a phase (--phase 45 --period 15), 20 users make 15 adds, in the baseline too (the same fourth request for every
+    user gave the baseline no adds and compared the attacks' adds with answers)."""
+    import threading
+    from types import SimpleNamespace
+
+    import bench.noisy_neighbour as noisy
+
+    adds = 0
+    for turn in range(20):
+        calls: list[str] = []
+        stop = threading.Event()
+
+        class Client:
+            def _called(self, kind):
+                calls.append(kind)
+                if len(calls) == 3:
+                    stop.set()
+
+            def add_facts(self, user, facts):
+                self._called("add")
+
+            def answer(self, user, question, k, max_tokens):
+                self._called("answer")
+                return [SimpleNamespace(timings_ms={"retrieval": 1.0})]
+
+        log = noisy.Log()
+        noisy.well_behaved(Client(), f"u{turn}", log, stop, period_s=0.0, offset_s=0.0, turn=turn)
+        assert [op for _, _, op, _, _ in log.rows] == calls and len(log.hops) == calls.count("answer")
+        adds += calls.count("add")
+    assert adds == 15
+
+
+def test_the_noisy_neighbour_report_compares_each_kind_with_its_own_baseline():
+    """Adds and answers cost differently: each kind's p99 against the same kind's in the baseline; the answers'
+    hops and each part's CPU per phase are in the report."""
+    from types import SimpleNamespace
+
+    import bench.noisy_neighbour as noisy
+
+    log = noisy.Log()
+    for phase, answer_s, add_s in (("baseline", 0.5, 1.0), ("filter", 1.5, 1.5)):
+        log.phase = phase
+        for _ in range(4):
+            log.add("tenant-00", "answer", answer_s, "OK")
+            log.add_hops(answer_s, {"retrieval": 20.0, "gateway_total_to_first_chunk": answer_s * 500})
+        log.add("tenant-01", "add", add_s, "OK")
+        log.add(noisy.ABUSER, "filter", 0.1, "HTTP 429")
+    args = SimpleNamespace(dtype="float32", users=2, period=15.0, phase=45.0, drain=15.0, attacks="filter",
+                           scan_facts=0)
+    text = noisy.report(log, ["baseline", "filter"], args, "cpu", {"baseline": {"Gateway": 1.0},
+                                                                   "filter": {"Gateway": 9.0, "EngineReplica": 3.0}})
+    assert "| filter | 4 | 1,500 | 1,500 | 3.00x | 1 | 1,500 | 1,500 | 1.50x |" in text
+    assert "| filter | 4 | 20 | - | - | - | - | 750 | 750 |" in text  # retrieval, ..., first chunk, outside
+    assert "| filter | 3.0 | 9.0 | 12.0 |" in text or "| filter | 9.0 | 3.0 | 12.0 |" in text

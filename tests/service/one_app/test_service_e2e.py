@@ -310,6 +310,24 @@ def test_the_encoder_pool_starts_with_its_malloc_arena_cap(service):
     assert all(env.get(k) == v for k, v in vllm_cpu_env().items())  # the job's runtime_env is still there
 
 
+def test_the_engine_replica_leaves_a_core_to_the_light_work(service):
+    """The default (engine_cpu_cores 0) on a CPU node of 2 cores or more: vLLM's compute threads are bound to every
+    usable core but the first, which the gateway, retrieval and Serve's proxies keep (vllm_env.LIGHT_WORK_CORES; on
+    every core, a tenant's flood of cheap listings slowed the others' answers 30x: BENCHMARKS.md "Noisy
+    neighbour"). Read in /proc, not only in what the replica reports."""
+    from support.cpu_binding import bound_cpus
+    from support.local_service import stats_by_replica
+
+    from inferscale_core.vllm_env import LIGHT_WORK_CORES, usable_cpus
+
+    cpus = usable_cpus()
+    if len(cpus) <= LIGHT_WORK_CORES:
+        pytest.skip(f"{len(cpus)} usable core(s): nothing to leave, the engine takes them all")
+    (stats,) = stats_by_replica(1).values()
+    assert stats["engine_cpus"] == cpus[LIGHT_WORK_CORES:]
+    assert bound_cpus(stats["pid"]) == set(cpus[LIGHT_WORK_CORES:])
+
+
 @pytest.mark.restarts_the_app
 def test_a_replica_whose_engine_died_is_replaced_and_rebuilt_from_redis(service):
     """The engine replica's vLLM engine core dies (the replica process lives on): Serve's health check fails and

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from support.cpu_binding import bound_cpus, tree_threads
 from support.local_service import NAMES, facts_of, stats_by_replica
 
 pytestmark = pytest.mark.slow
@@ -30,29 +31,6 @@ THREADS, REQUESTS = 8, 40  # concurrent clients, Answers in all (5 per client), 
 def users(service) -> dict[str, list[str]]:
     """name -> fact ids of the users test_users_spread_over_both_replicas adds."""
     return {}
-
-
-def tree_threads(proc) -> list[int]:
-    """The thread ids of `proc` and of every process under it (a replica's vLLM engine core included)."""
-    return [t.id for p in [proc, *proc.children(recursive=True)] for t in p.threads()]
-
-
-def bound_cpus(pid: int) -> set[int]:
-    """The cores of every thread in a replica's process tree (its vLLM engine core included) that is bound to
-    fewer than all the usable cores: what the OpenMP binding actually did."""
-    import psutil
-
-    from inferscale_core.vllm_env import usable_cpus
-
-    every, out = set(usable_cpus()), set()
-    for tid in tree_threads(psutil.Process(pid)):
-        try:
-            cpus = os.sched_getaffinity(tid)
-        except (ProcessLookupError, PermissionError):  # a thread that just ended
-            continue
-        if cpus != every:
-            out |= cpus
-    return out
 
 
 def test_each_engine_replica_computes_on_its_own_core(service):
