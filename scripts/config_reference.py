@@ -512,8 +512,8 @@ def env_set_by_project() -> list[tuple[str, str, str]]:
         rows.append((code(name), f"{value}; a value already in the environment wins",
                      "`inferscale_core/vllm_env.py` `vllm_cpu_env`: vLLM on a CPU"))
     for name, value in dict_literal("inferscale_core/vllm_env.py", "engine_bind_env"):
-        rows.append((code(name), value, "`inferscale_core/vllm_env.py` `engine_bind_env`: engine replicas that "
-                                        "split a CPU node (`engine_cpu_cores`)"))
+        rows.append((code(name), value, "`inferscale_core/vllm_env.py` `engine_bind_env`: engine replicas on a "
+                                        "CPU node (`engine_cpu_cores`)"))
     for name, value in app.serve_start_env("HOST").items():
         shown = "`--host` (the Serve application's host)" if value == "HOST" else code(value)
         rows.append((code(name), shown, "`services/app.py` `serve_start_env`: the Ray that Serve starts on"))
@@ -688,8 +688,9 @@ def render() -> str:
             "vLLM's own `VLLM_*` variables (and the OpenMP and Hugging Face ones beside them) are defined once in "
             "inferscale_core/vllm_env.py: `vllm_cpu_env` for vLLM on a CPU (`inferscale serve`, the demo, the "
             "benchmarks; `serve` sets `VLLM_CPU_KVCACHE_SPACE` from `--kv-cache-gib`, else keeps a value already "
-            "set, else an eighth of the machine), `engine_bind_env` for engine replicas that split a CPU node's "
-            "cores (`ServiceConfig.engine_cpu_cores`). Any other `VLLM_*` variable is vLLM's own and passes "
+            "set, else an eighth of the machine), `engine_bind_env` for engine replicas on a CPU node: their "
+            "own cores when several split it (`ServiceConfig.engine_cpu_cores`), else every core but the one "
+            "left to the light work (`cores_beside_light_work`). Any other `VLLM_*` variable is vLLM's own and passes "
             "through (on Kubernetes: the chart's `ray.extraEnv`). `serve_start_env` is what `inferscale serve` "
             "gives its local Ray; the chart and ray_cluster.yaml set the same `RAY_SERVE_*` values for theirs "
             "(`SERVE_START_ENV`; tests/packaging/test_chart.py and tests/service/test_ray_cluster.py check they agree); `ENCODER_ENV` goes into the encoder "
