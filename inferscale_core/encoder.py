@@ -1,5 +1,6 @@
 """Pre-RoPE encoder: one forward pass over `[window turns | fact]`, keeping only the fact's keys (after k_proj
-and k_norm, before rotary embedding) and values, per layer."""
+and k_norm, before rotary embedding) and values, per layer. A forward longer than WHOLE_TOKENS runs in steps
+(`FactForward`), so that a scheduler can run other facts between them."""
 from __future__ import annotations
 
 import threading
@@ -23,6 +24,17 @@ Text = str | Sequence[int]
 # 1.5-2.1x with none: BENCHMARKS.md, "Offline cost") and accurate to the kernels' rounding, but not batch-invariant.
 ENCODE_BATCH_SIZE = 1
 WIDTH_MULTIPLE = 8  # padded width: a multiple of 8 (see _forward)
+# A fact's forward over more than WHOLE_TOKENS runs in steps of STEP_TOKENS (a prefill in chunks through the model's
+# KV cache: FactForward), so that the encoder pool's fair scheduler can run other users' facts between two steps
+# (issue 31: on the reference node, SmolLM2-135M fp32 on 2 cores, one forward of a 4k-token window takes 10-20 s, a
+# step of 256 tokens 0.5-0.8 s; BENCHMARKS.md "Noisy neighbour"). A forward of at most WHOLE_TOKENS runs whole, as
+# every forward did before steps existed: the shipped default's facts keep their bits (every LoCoMo fact behind its
+# 5 neighbours is at most 305 tokens with the prefix; 36% are over 256). A longer one gives the same KV up to the
+# kernels' rounding (tests/engine/test_core_exactness.py), and the same bits every time: its steps depend on its
+# token count only. Changing either constant changes the last bits of long facts' KV (a re-encode is then not
+# bit-identical to the KV stored before).
+STEP_TOKENS = 256
+WHOLE_TOKENS = 2 * STEP_TOKENS
 # One capture at a time in a process: hooks belong to modules, not to calls, so two captures at once (the encoder
 # pool's batch and the prefix an engine replica asks for, both on asyncio's thread pool) would fill each other's
 # lists, and adding or removing a hook while another thread's forward iterates the hooks is a race. Encoder
@@ -94,17 +106,28 @@ class PreRopeEncoder:
             context = [t for turn in window for t in self.token_ids(turn)]
             context = context[len(context) - self.max_window_tokens:] if len(context) > self.max_window_tokens else context
             prepared.append((context, fact_ids))
-        # Similar lengths together: less padding per batch.
+        # Similar lengths together: less padding per batch. A forward longer than WHOLE_TOKENS runs alone, in steps.
         order = sorted(range(len(prepared)), key=lambda i: len(prepared[i][0]) + len(prepared[i][1]))
+        whole = [i for i in order if len(prepared[i][0]) + len(prepared[i][1]) <= WHOLE_TOKENS]
         out: list[EncodedFact | None] = [None] * len(prepared)
         bar = tqdm(total=len(prepared), desc="encoding facts", unit="fact", disable=not progress)
-        for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+        for start in range(0, len(whole), batch_size):
+            idx = whole[start:start + batch_size]
             for i, enc in zip(idx, self._forward([prepared[i] for i in idx])):
                 out[i] = enc
             bar.update(len(idx))
+        for i in order[len(whole):]:
+            out[i] = self.fact_forward(*prepared[i]).run()
+            bar.update(1)
         bar.close()
         return out  # type: ignore[return-value]
+
+    def fact_forward(self, context: list[int], fact: list[int]) -> FactForward:
+        """The forward of one fact behind `context` (token ids, already cut to max_window_tokens), to run a step at
+        a time."""
+        if not fact:
+            raise ValueError("the fact is empty")
+        return FactForward(self, list(context), list(fact))
 
     @torch.no_grad()
     def _forward(self, batch: list[tuple[list[int], list[int]]]) -> list[EncodedFact]:
@@ -133,3 +156,62 @@ class PreRopeEncoder:
                 k, v = k.to(self.store_dtype), v.to(self.store_dtype)
             results.append(EncodedFact(torch.tensor(fact, dtype=torch.long), k.contiguous(), v.contiguous()))
         return results
+
+
+class FactForward:
+    """One fact's forward over `[context | fact]`, run a step at a time: `step()` runs the next step and answers
+    the fact's EncodedFact after the last one, None before. In one step (the plain forward, as
+    `PreRopeEncoder._forward` runs it) when the sequence is at most WHOLE_TOKENS long, else in steps of
+    STEP_TOKENS from its start through the model's KV cache (positions and the causal mask as in one forward),
+    keeping the pre-RoPE keys and values of the fact's positions. Steps may run in different threads, one at a
+    time; between two steps the cache holds the tokens done (about 46 KB a token for SmolLM2-135M in fp32)."""
+
+    def __init__(self, encoder: PreRopeEncoder, context: list[int], fact: list[int]):
+        self.encoder, self.context, self.fact = encoder, context, fact
+        self.total = len(context) + len(fact)
+        self.done = 0  # tokens forwarded
+        self._cache = None  # the model's KV cache between steps
+        self._keys: list[list[torch.Tensor]] = []  # per step that reached the fact: per layer [T, H, D]
+        self._values: list[list[torch.Tensor]] = []
+
+    @property
+    def next_cost(self) -> int:
+        """Tokens the next step forwards (what a scheduler charges for it)."""
+        return self.total if self.total <= WHOLE_TOKENS else min(STEP_TOKENS, self.total - self.done)
+
+    def run(self) -> EncodedFact:
+        """Every step at once."""
+        while (enc := self.step()) is None:
+            pass
+        return enc
+
+    @torch.no_grad()
+    def step(self) -> EncodedFact | None:
+        if self.done >= self.total:
+            raise RuntimeError("this fact's forward has run to its end")
+        if self.total <= WHOLE_TOKENS:
+            self.done = self.total
+            return self.encoder._forward([(self.context, self.fact)])[0]
+        start, end = self.done, min(self.done + STEP_TOKENS, self.total)
+        seq = self.context + self.fact
+        dev = self.encoder.device
+        input_ids = torch.tensor([seq[start:end]], device=dev)
+        positions = torch.arange(start, end, device=dev)[None]
+        with capture_pre_rope(self.encoder.model) as (keys, values):
+            out = self.encoder.model.model(input_ids=input_ids, position_ids=positions,
+                                           past_key_values=self._cache, use_cache=True)
+        self._cache = out.past_key_values
+        first = max(start, len(self.context)) - start  # the fact's first position in this step
+        if first < end - start:
+            self._keys.append([k[0, first:] for k in keys])
+            self._values.append([v[0, first:] for v in values])
+        self.done = end
+        if end < self.total:
+            return None
+        self._cache = None  # the context's KV is not needed any more
+        k = torch.stack([torch.cat([s[layer] for s in self._keys]) for layer in range(self.encoder.spec.num_layers)])
+        v = torch.stack([torch.cat([s[layer] for s in self._values]) for layer in range(self.encoder.spec.num_layers)])
+        self._keys, self._values = [], []
+        if self.encoder.store_dtype is not None:
+            k, v = k.to(self.encoder.store_dtype), v.to(self.encoder.store_dtype)
+        return EncodedFact(torch.tensor(self.fact, dtype=torch.long), k.contiguous(), v.contiguous())

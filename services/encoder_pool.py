@@ -2,11 +2,13 @@
 
 Stateless and autoscaled on ongoing requests (services/app.py). Concurrent requests, of any users, are merged
 into encode calls by a fair scheduler (services/fair_queue.py): each user's facts wait in the user's own queue,
-and batches of about ROUND_TOKENS tokens are filled by deficit round robin over the waiting users, by each fact's
+and batches of at most ROUND_TOKENS tokens are filled by deficit round robin over the waiting users, by each fact's
 forward tokens (fact + window + prefix), so one user's 256-fact add or facts behind 4k-token windows cannot make
 another user's 1-fact add wait behind all of it (issue 31). A batch runs a forward per fact
-(inferscale_core/encoder.py ENCODE_BATCH_SIZE: a fact's KV never depends on what it was encoded with). Facts are
-tokenized before they queue (their cost is known), in a thread beside the batch that runs. The result is a list of
+(inferscale_core/encoder.py ENCODE_BATCH_SIZE: a fact's KV never depends on what it was encoded with), and a fact
+whose forward is longer than WHOLE_TOKENS runs one step of STEP_TOKENS per turn (FactForward), so what a fact
+arriving behind other users' work waits for is one batch, whatever their windows. Facts are tokenized before
+they queue (their cost is known), in a thread beside the batch that runs. The result is a list of
 `EncodedFact` on the CPU: Serve stores it in the Ray object store and the engine replica that asked for it
 (through the gateway's unresolved response) reads it from there. Facts are encoded exactly as
 `inferscale_core.memory.Memory.add` does — fact tokens from the prompt template, behind the instruction prefix
@@ -30,9 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferscale_core.encoder import STEP_TOKENS, FactForward
 from inferscale_core.types import EncodedFact, kv_id
 
-from .fair_queue import FairBatcher
+from .fair_queue import Again, FairBatcher
 from .kv_tier_share import TierShare
 
 log = logging.getLogger("inferscale.encoder_pool")
@@ -112,13 +115,16 @@ class EncoderPoolConfig:
         ClusterConfig.from_dict(self.cluster_store or None)  # its own fields checked
 
 
-TRANSIENT_RETRIES = 2  # a fact whose encode raised is tried this often more, alone, before it is reported
-# The fair scheduler's sizes, in forward tokens. A batch of ROUND_TOKENS (a second or so of forwards for a small
-# model on a few CPU cores) is what a fact arriving behind another user's work waits for at most, besides its own
-# turn; a user alone still has its facts merged into batches of that size. QUANTUM_TOKENS per user per turn: a
-# short fact with its window goes in one turn, a 4k-token window in a few.
-ROUND_TOKENS = 2048
-QUANTUM_TOKENS = 512
+TRANSIENT_RETRIES = 2  # a fact whose encode raised is tried this often more, from its start, before it is reported
+# The fair scheduler's sizes, in forward tokens: one step of a fact's forward (inferscale_core/encoder.py
+# STEP_TOKENS). A batch of ROUND_TOKENS (0.5-0.8 s of forwards for SmolLM2-135M fp32 on the reference node's 2 cores;
+# a forward of up to WHOLE_TOKENS, which runs whole, goes alone: up to twice that) is what a fact arriving behind
+# other users' work waits for at most, besides its own turn; QUANTUM_TOKENS per user per turn: a short fact with its
+# window goes in one turn, a 4k-token window in 16. Batches of 2,048 tokens (before steps) made a fact wait up to
+# ~8 s behind another user's facts on that node. Small batches cost no throughput: every fact is its own forward
+# anyway (ENCODE_BATCH_SIZE).
+ROUND_TOKENS = STEP_TOKENS
+QUANTUM_TOKENS = STEP_TOKENS
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class PreparedFact:
 
     @property
     def cost(self) -> int:
-        """The forward's tokens: what the fair scheduler charges the user."""
+        """The forward's tokens (the fair scheduler charges them a step at a time: EncodeJob)."""
         return len(self.fact_ids) + len(self.context_ids)
 
 
@@ -204,27 +210,45 @@ class FactEncoder:
         return out
 
     def encode_prepared(self, prepared: Sequence[PreparedFact]) -> list[EncodedFact | EncodeFailure]:
-        """Prepared facts -> EncodedFact on the CPU (or EncodeFailure), in input order."""
-        def forwards(facts):
-            return self.encoder.encode_batch([(p.fact_ids, [p.context_ids]) for p in facts], progress=False)
-
-        try:
-            return [enc.to("cpu") for enc in forwards(prepared)]
-        except Exception:  # one item broke the batch: encode one by one to find it
-            log.exception("batch of %d facts failed to encode; retrying one by one", len(prepared))
-        out: list[EncodedFact | EncodeFailure] = []
-        for p in prepared:
-            for attempt in range(1 + TRANSIENT_RETRIES):
-                try:
-                    out.append(forwards([p])[0].to("cpu"))
-                    break
-                except Exception as e:  # reported per fact, transient: checked before
-                    log.exception("fact failed to encode (attempt %d of %d)", attempt + 1, 1 + TRANSIENT_RETRIES)
-                    if attempt == TRANSIENT_RETRIES:
-                        # prepare() passed, so the fact is within every limit: the failure is the encoder's
-                        out.append(EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})",
-                                                 transient=True))
+        """Prepared facts -> EncodedFact on the CPU (or EncodeFailure), in input order, every step at once."""
+        jobs = [EncodeJob(self, p) for p in prepared]
+        out: list = [None] * len(jobs)
+        while todo := [i for i, r in enumerate(out) if r is None or isinstance(r, Again)]:
+            for i, r in zip(todo, self.run_steps([jobs[i] for i in todo])):
+                out[i] = r
         return out
+
+    def run_steps(self, jobs: Sequence[EncodeJob]) -> list[EncodedFact | EncodeFailure | Again]:
+        """One step of each job's forward: its EncodedFact on the CPU after its last step, Again(the next step's
+        cost) before, or an EncodeFailure once it failed 1 + TRANSIENT_RETRIES times (each failure starts the fact
+        again from its first step; one job's failure is its own)."""
+        out: list[EncodedFact | EncodeFailure | Again] = []
+        for job in jobs:
+            try:
+                enc = job.forward.step()
+            except Exception as e:  # reported per fact, transient: prepare() checked it against every limit
+                job.failures += 1
+                log.exception("fact failed to encode (attempt %d of %d)", job.failures, 1 + TRANSIENT_RETRIES)
+                if job.failures > TRANSIENT_RETRIES:
+                    out.append(EncodeFailure(f"the encoder failed on this fact ({type(e).__name__})", transient=True))
+                    continue
+                job.forward = job.start()
+                out.append(Again(job.forward.next_cost))
+                continue
+            out.append(Again(job.forward.next_cost) if enc is None else enc.to("cpu"))
+        return out
+
+
+class EncodeJob:
+    """A prepared fact on its way through the encoder: its forward, run a step per turn (FactForward), and how
+    often it failed."""
+
+    def __init__(self, fe: FactEncoder, prepared: PreparedFact):
+        self.fe, self.prepared, self.failures = fe, prepared, 0
+        self.forward = self.start()
+
+    def start(self) -> FactForward:
+        return self.fe.encoder.fact_forward(self.prepared.context_ids, self.prepared.fact_ids)
 
 
 class EncoderCore:
@@ -238,14 +262,14 @@ class EncoderCore:
 
         self.fe, self.cluster, self.share = fe, cluster, share
         self.metrics = metrics if metrics is not None else EncoderMetrics()
-        self.batcher: FairBatcher[PreparedFact, EncodedFact | EncodeFailure] = FairBatcher(
+        self.batcher: FairBatcher[EncodeJob, EncodedFact | EncodeFailure] = FairBatcher(
             self._encode_batch, ROUND_TOKENS, QUANTUM_TOKENS)
         if self.cluster is not None:
             self.cluster.available  # noqa: B018 - starts connecting in the background
 
-    async def _encode_batch(self, prepared: list[PreparedFact]) -> list[EncodedFact | EncodeFailure]:
-        self.metrics.batch.observe(len(prepared))
-        return await asyncio.to_thread(self.fe.encode_prepared, prepared)
+    async def _encode_batch(self, jobs: list[EncodeJob]) -> list[EncodedFact | EncodeFailure | Again]:
+        self.metrics.batch.observe(len(jobs))
+        return await asyncio.to_thread(self.fe.run_steps, jobs)
 
     async def encode(self, user_id: str, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
         """`(fact text, window turns)` pairs of `user_id` -> EncodedFact on the CPU (or EncodeFailure), in input
@@ -255,7 +279,8 @@ class EncoderCore:
                 return []
             out: list = await asyncio.to_thread(self.fe.prepare, list(items))
             todo = [i for i, p in enumerate(out) if isinstance(p, PreparedFact)]
-            encoded = await self.batcher.submit(user_id, [out[i] for i in todo], [out[i].cost for i in todo])
+            jobs = [EncodeJob(self.fe, out[i]) for i in todo]
+            encoded = await self.batcher.submit(user_id, jobs, [j.forward.next_cost for j in jobs])
             for i, enc in zip(todo, encoded):
                 out[i] = enc
             return out

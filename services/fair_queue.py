@@ -9,6 +9,11 @@ waiting user gets the same cost per round whatever the size of its items or how 
 is waiting when the last one ends, so an item that arrives behind another user's work waits at most the batch
 that is running and its own turn in the next. Arrival order is kept within a user.
 
+An item may take several turns: `run` answers `Again(cost)` for an item that made progress and has more to do (the
+encoder pool's fact behind a 4k-token window, a step of its forward at a time: inferscale_core/encoder.py
+FactForward); it goes back to the front of its user's queue at that cost, so no batch holds more than `batch_cost`
+of any one item and a user's big item never makes another user wait for all of it.
+
 One event loop (the deployment's): no lock. An item whose caller went away (its future cancelled) is dropped when
 its turn comes, uncharged.
 """
@@ -29,12 +34,19 @@ class _Waiting:
     payload: Any
     cost: int
     result: asyncio.Future
+    key: str
+
+
+@dataclass(frozen=True)
+class Again:
+    """What `run` answers for an item that is not finished: run it again, at this cost, on its user's next turn."""
+    cost: int
 
 
 class FairBatcher(Generic[T, R]):
-    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], batch_cost: int, quantum: int):
-        """`run`: encodes one batch, answering a result per item in order. `batch_cost`: the cost at which a batch
-        closes. `quantum`: the cost a waiting user is granted per turn."""
+    def __init__(self, run: Callable[[list[T]], Awaitable[list[R | Again]]], batch_cost: int, quantum: int):
+        """`run`: encodes one batch, answering per item in order its result, or Again(cost) when it has more to do.
+        `batch_cost`: the cost at which a batch closes. `quantum`: the cost a waiting user is granted per turn."""
         for name, value in (("batch_cost", batch_cost), ("quantum", quantum)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -56,14 +68,18 @@ class FairBatcher(Generic[T, R]):
         if not payloads:
             return []
         loop = asyncio.get_running_loop()
-        items = [_Waiting(p, max(1, int(c)), loop.create_future()) for p, c in zip(payloads, costs)]
-        if key not in self._queues:
-            self._queues[key], self._deficit[key] = deque(), 0
-            self._ring.append(key)
-        self._queues[key].extend(items)
+        items = [_Waiting(p, max(1, int(c)), loop.create_future(), key) for p, c in zip(payloads, costs)]
+        self._queue_of(key).extend(items)
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._work())
         return list(await asyncio.gather(*(i.result for i in items)))
+
+    def _queue_of(self, key: str) -> deque[_Waiting]:
+        """The user's queue; a user with nothing waiting joins the ring at its end, without credit."""
+        if key not in self._queues:
+            self._queues[key], self._deficit[key] = deque(), 0
+            self._ring.append(key)
+        return self._queues[key]
 
     async def _work(self) -> None:
         while self._ring:
@@ -78,9 +94,17 @@ class FairBatcher(Generic[T, R]):
                     if not i.result.done():
                         i.result.set_exception(e)
                 continue
+            unfinished: dict[str, list[_Waiting]] = {}
             for i, r in zip(batch, results):
-                if not i.result.done():
+                if i.result.done():
+                    continue
+                if isinstance(r, Again):  # back to the front of its user's queue, ahead of what came after it
+                    i.cost = max(1, int(r.cost))
+                    unfinished.setdefault(i.key, []).append(i)
+                else:
                     i.result.set_result(r)
+            for key, items in unfinished.items():
+                self._queue_of(key).extendleft(reversed(items))
 
     def _next_batch(self) -> list[_Waiting]:
         batch: list[_Waiting] = []

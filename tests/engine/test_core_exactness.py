@@ -6,7 +6,7 @@ from support.tiny_models import FAMILIES, tiny_model
 
 from bench.hf_inject import block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits
 from inferscale_core.compose import compose
-from inferscale_core.encoder import PreRopeEncoder, capture_pre_rope
+from inferscale_core.encoder import STEP_TOKENS, WHOLE_TOKENS, PreRopeEncoder, capture_pre_rope
 from inferscale_core.rope import ChunkedRope
 from inferscale_core.template import PromptTemplate
 
@@ -105,6 +105,41 @@ def test_neighbour_windows_of_facts_added_together_equal_joint_prompt(model_and_
     assert PromptTemplate.neighbour_windows(FACTS, 1)[2] == (PromptTemplate.render_fact(FACTS[1]),)
     with pytest.raises(ValueError, match="window size"):
         PromptTemplate.neighbour_windows(FACTS, -1)
+
+
+@torch.no_grad()
+def test_forwards_longer_than_a_step_run_in_steps_and_still_equal_the_joint_prompt(model_and_tok):
+    """A forward of more than WHOLE_TOKENS runs in steps through the model's KV cache (so that the encoder pool can
+    run other users' facts between them): a chunk whose own tokens span several steps, and a fact behind a window
+    of several steps, composed, are the joint prompt; stepping again gives the same bits."""
+    model, tok = model_and_tok
+    prefix, facts, query = ids_of(model_and_tok)
+    encoder = PreRopeEncoder(model, tok)
+    head = prefix + [t for _ in range(24) for f in facts for t in f]
+    assert len(head) > WHOLE_TOKENS and len(head) % STEP_TOKENS != 0
+    last = facts[1]
+    forward = encoder.fact_forward(head, last)
+    costs = []
+    while True:
+        costs.append(forward.next_cost)
+        if (behind := forward.step()) is not None:
+            break
+    assert costs == [STEP_TOKENS] * (len(head + last) // STEP_TOKENS) + [len(head + last) % STEP_TOKENS]
+    whole = encoder.encode(head)  # its own tokens over several steps
+    comp = compose(ChunkedRope(model.config), [whole, behind], query)
+    assert comp.prompt_ids == head + last + query
+    joint = model(input_ids=torch.tensor([comp.prompt_ids])).logits[0, comp.memory_len:]
+    assert (query_logits(model, comp) - joint).abs().max().item() < 1e-4
+    again = encoder.fact_forward(head, last).run()
+    assert torch.equal(again.k_pre, behind.k_pre) and torch.equal(again.v, behind.v)
+    with pytest.raises(RuntimeError, match="run to its end"):
+        forward.step()
+    # At most WHOLE_TOKENS: one step, the plain forward's bits (the shipped default's facts are this size).
+    short = encoder.fact_forward(prefix + facts[0] + facts[2], last)
+    assert short.next_cost == len(prefix + facts[0] + facts[2] + last) <= WHOLE_TOKENS
+    plain = encoder._forward([(prefix + facts[0] + facts[2], last)])[0]
+    stepped = short.step()
+    assert stepped is not None and torch.equal(stepped.k_pre, plain.k_pre) and torch.equal(stepped.v, plain.v)
 
 
 @torch.no_grad()

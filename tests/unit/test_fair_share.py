@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inferscale_server.admission import Admission, EngineAtCapacity
-from inferscale_server.fair_queue import FairBatcher
+from inferscale_server.fair_queue import Again, FairBatcher
 
 
 # ------------------------------------------------------------------------------------ engine admission
@@ -197,6 +197,39 @@ def test_a_caller_that_went_away_costs_nothing_and_a_failed_batch_fails_only_its
         FairBatcher(None, 10, 0)
 
 
+def test_an_unfinished_item_goes_back_to_the_front_of_its_users_queue():
+    """A long item runs a step per turn (the encoder's fact behind a 4k-token window): another user's item waits for
+    one step, not for all of it, and the long item's user keeps its order."""
+    async def scenario():
+        steps_left = {("long", 0): 4}
+        batches: list[list[tuple[str, int]]] = []
+        release = asyncio.Event()
+
+        async def run(payloads):
+            batches.append(list(payloads))
+            if len(batches) == 1:
+                await release.wait()
+            out = []
+            for p in payloads:
+                steps_left[p] = steps_left.get(p, 1) - 1
+                out.append(Again(100) if steps_left[p] > 0 else f"done {p[0]} {p[1]}")
+            return out
+
+        fair = FairBatcher(run, batch_cost=100, quantum=100)
+        long = asyncio.create_task(fair.submit("long", [("long", 0)], [100]))
+        while not batches:
+            await asyncio.sleep(0)
+        short = asyncio.create_task(fair.submit("short", [("short", 0)], [10]))
+        later = asyncio.create_task(fair.submit("long", [("long", 1)], [10]))  # behind the unfinished one
+        await asyncio.sleep(0)
+        release.set()
+        return batches, await asyncio.gather(long, later, short)
+
+    batches, (long, later, short) = asyncio.run(scenario())
+    assert long == ["done long 0"] and later == ["done long 1"] and short == ["done short 0"]
+    assert batches == [[("long", 0)], [("short", 0)], [("long", 0)], [("long", 0)], [("long", 0)], [("long", 1)]]
+
+
 # ------------------------------------------------------------------------------------ the encoder pool itself
 @pytest.fixture(scope="module")
 def tiny_encoder(tmp_path_factory):
@@ -236,3 +269,82 @@ def test_the_pool_encodes_facts_as_the_encoder_does_and_charges_the_window(tiny_
         for t in (g, d):
             assert torch.equal(t.token_ids, e.token_ids) and torch.equal(t.k_pre, e.k_pre) and torch.equal(t.v, e.v)
     assert isinstance(alice[2], EncodeFailure) and isinstance(direct[3], EncodeFailure)
+
+
+def test_a_fact_behind_a_long_window_does_not_hold_the_pool_for_another_users_fact(tiny_encoder):
+    """The long window's forward runs one step per turn: a one-fact add that arrives while it runs is encoded
+    after one step, long before the window's fact, and each gets the KV the encoder makes of it alone."""
+    from inferscale_core.encoder import STEP_TOKENS
+    from inferscale_server.encoder_pool import EncoderCore
+
+    fe = tiny_encoder
+    window = ["turn about biscuits and tea " * 1000]
+    heavy_item, light_item = ("Carol drinks tea.", window), ("Bob lives in Denver.", [])
+    steps = -(-fe.prepare([heavy_item])[0].cost // STEP_TOKENS)
+    assert steps >= 16
+
+    class HeldCore(EncoderCore):  # records each batch's facts; the window's first step is held until the one-fact
+        async def _encode_batch(self, jobs):  # add has queued
+            self.seen.append([j.prepared.fact_ids for j in jobs])
+            if len(self.seen) == 1:
+                await self.release.wait()
+            return await super()._encode_batch(jobs)
+
+    async def scenario():
+        core = HeldCore(fe)
+        core.seen, core.release = [], asyncio.Event()
+        done = []
+
+        async def add(user, item):
+            out = await core.encode(user, [item])
+            done.append(user)
+            return out
+
+        heavy = asyncio.create_task(add("heavy", heavy_item))
+        while core.batcher.batches == 0:
+            await asyncio.sleep(0.001)
+        light = asyncio.create_task(add("light", light_item))
+        while core.batcher.waiting() == 0:
+            await asyncio.sleep(0.001)
+        core.release.set()
+        return core.seen, done, await light, await heavy
+
+    seen, done, light, heavy = asyncio.run(scenario())
+    heavy_ids, light_ids = (fe.prepare([item])[0].fact_ids for item in (heavy_item, light_item))
+    # The one-fact add ran after the window's one step that was running, not after all of its steps.
+    assert seen == [[heavy_ids], [light_ids]] + [[heavy_ids]] * (steps - 1) and done == ["light", "heavy"]
+    for got, item in ((light[0], light_item), (heavy[0], heavy_item)):
+        alone = fe.encode([item])[0]
+        assert torch.equal(got.k_pre, alone.k_pre) and torch.equal(got.v, alone.v)
+
+
+def test_a_forward_that_fails_starts_again_and_is_reported_after_its_last_try(tiny_encoder, monkeypatch):
+    """A step that raises (the encoder's failure, not the fact's: out of memory in a mass re-encode) starts the
+    fact's forward again from its first step; after 1 + TRANSIENT_RETRIES failures the fact is reported as a
+    transient EncodeFailure, and the other facts of the batch are encoded as if nothing happened."""
+    from inferscale_core.encoder import FactForward
+    from inferscale_server.encoder_pool import TRANSIENT_RETRIES, EncodeFailure, EncoderCore
+
+    fe = tiny_encoder
+    flaky_item, good_item = ("Carol drinks tea.", ["turn about biscuits and tea " * 1000]), ("Bob lives in Denver.", [])
+    flaky_ids = fe.prepare([flaky_item])[0].fact_ids
+    real_step, failures = FactForward.step, {"left": 0, "seen": 0}
+
+    def step(self):
+        if self.fact == flaky_ids and self.done > 0 and failures["left"] > 0:  # fails mid-way, after a step
+            failures["left"] -= 1
+            failures["seen"] += 1
+            raise RuntimeError("out of memory")
+        return real_step(self)
+
+    monkeypatch.setattr(FactForward, "step", step)
+    for fail_times in (TRANSIENT_RETRIES, TRANSIENT_RETRIES + 1):
+        failures.update(left=fail_times, seen=0)
+        flaky, good = asyncio.run(EncoderCore(fe).encode("carol", [flaky_item, good_item]))
+        assert failures["seen"] == fail_times
+        assert torch.equal(good.k_pre, fe.encode([good_item])[0].k_pre)
+        if fail_times == TRANSIENT_RETRIES:  # the last try succeeded: the KV of a clean forward
+            assert torch.equal(flaky.k_pre, fe.encode([flaky_item])[0].k_pre)
+        else:
+            assert isinstance(flaky, EncodeFailure) and flaky.transient
+            assert flaky.reason == "the encoder failed on this fact (RuntimeError)"
