@@ -530,16 +530,19 @@ REASON_MEANINGS = {
                           "among the users with requests in flight). Retry after the hint; add engine replicas or KV cache, or raise the "
                           "factor (services/admission.py).",
     "CALLER_RATE": "This caller (token subject) is over its request rate on a gateway replica "
-                   "(`requests_per_s_per_caller`, bursts of `request_burst_per_caller`). Admins are not limited.",
+                   "(`requests_per_s_per_caller`, bursts of `request_burst_per_caller`). Admins are not limited. "
+                   "Answered after the retry hint (`refusal_pause_max_s` at most).",
     "CALLER_CONCURRENCY": "This caller has `max_in_flight_per_caller` requests in flight on a gateway replica.",
     "CALLER_WORK": "This caller's requests have used more work than its budget of a resource this request needs, on "
                    "a gateway replica (one balance each for the gateway, the encoder pool and the engine; work "
                    "units: tokens the model forwards, `work_units_per_s_per_caller`, bursts of "
                    "`work_burst_per_caller`; docs/security.md): refused until that balance has refilled to zero (the "
-                   "retry hint). Admins are not limited.",
+                   "retry hint). Admins are not limited. Answered after the retry hint (`refusal_pause_max_s` at "
+                   "most).",
     "EXTRACTION_QUEUE_FULL": "Too many AddMemory calls with infer=true (Mem0's extraction) wait on this gateway "
                              "replica, or this user already has its share of them in progress "
-                             "(services/gateway/core.py MEM0_QUEUE, MEM0_PER_USER); retry later or send infer=false.",
+                             "(services/gateway/core.py MEM0_QUEUE, MEM0_PER_USER); retry later or send infer=false. "
+                             "Answered after the retry hint (`refusal_pause_max_s` at most).",
     "EXTRACTION_STOPPED": "A Mem0 extraction (infer=true) did not finish within its time bound and was stopped; the "
                           "message says how many of its changes were written. Not retried automatically.",
     "TOO_MANY_WATCHES": "Too many open health Watch streams on this server or connection; use Check, or watch later.",

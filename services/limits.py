@@ -47,6 +47,10 @@ class Limits:
     # caller's questions served).
     work_units_per_s_per_caller: float = 64.0
     work_burst_per_caller: float = 8192.0  # one full context of the default model (SmolLM2: 8,192 tokens)
+    # A refusal the caller's own use caused (its rate, its work budget, its extraction slots) is answered after its
+    # retry hint, this long at most, holding one of the caller's slots: a client that retries at once sends a
+    # request per slot per pause, not per round trip (services/gateway/principal_limits.py). 0: answered at once.
+    refusal_pause_max_s: float = 5.0
 
     def quota(self) -> Quota:
         return Quota(self.max_facts_per_user, self.max_bytes_per_user, self.max_kv_bytes_per_user)

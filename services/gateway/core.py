@@ -50,7 +50,7 @@ from ..registry import (
     VersionConflictError,
     check_idempotency_key,
 )
-from .principal_limits import PrincipalLimit, PrincipalLimits
+from .principal_limits import PrincipalLimit, PrincipalLimits, pause_before_refusal
 from .work_budget import Resource, WorkBudget, WorkLimit, scan_units, text_units
 
 if TYPE_CHECKING:  # mem0ai loads on the first infer=true request, not at import
@@ -210,9 +210,13 @@ class GatewayCore:
         if rpc in OPEN_RPCS:
             return None
         caller = await self.auth.authenticate_async(authorization)
-        # first: a caller in debt for a resource this route uses takes no slot or rate token
-        self.work.admit(caller, rpc)
-        self.caller_limits.admit(caller)  # this caller's share: requests in flight, request rate
+        try:
+            # first the caller's share (requests in flight, request rate): a refusal below is paused holding a slot
+            self.caller_limits.admit(caller)
+            self.work.admit(caller, rpc)
+        except ApiError as e:
+            await pause_before_refusal(e, self.limits.refusal_pause_max_s)
+            raise
         return caller
 
     def _owner(self, caller: Principal, rpc: str, user_id: str, field_name: str = "user_id") -> str:
@@ -468,23 +472,27 @@ class GatewayCore:
                        stamp: dict | None = None) -> list[dict]:
         """Mem0's add with inference (services/mem0_provider.py) on the gateway's own extraction thread, never
         the default pool the other RPCs' registry calls use. At most MEM0_QUEUE extractions wait behind the
-        running one; more get RESOURCE_EXHAUSTED at once. One that has not finished after MEM0_TIMEOUT_S
-        (queueing included) is stopped: nothing of it is written after its error is returned. `stamp`: NewFact
-        fields (created_at, expires_at) the facts it adds get."""
+        running one; more get RESOURCE_EXHAUSTED (after a pause: pause_before_refusal). One unfinished after
+        MEM0_TIMEOUT_S (queueing included) is stopped: nothing of it is written after its error is returned.
+        `stamp`: NewFact fields (created_at, expires_at) the facts it adds get."""
         self._need("AddMemory with infer=true")
         # The route (AddMemory) was admitted for the encoder only: the body said infer=true, so the extraction's
         # engine work is checked now, before it queues (its prompts are charged as they run, never refused).
         self.work.check(Resource.ENGINE)
+        full = None
         if self._mem0_pending >= 1 + MEM0_QUEUE:
-            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"too many AddMemory calls with infer=true in progress on this server (1 running, "
-                           f"{MEM0_QUEUE} waiting); retry later, or send infer=false",
-                           retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
-        if self._mem0_by_user[user_id] >= MEM0_PER_USER:
-            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"this user already has {MEM0_PER_USER} AddMemory calls with infer=true in progress on this "
-                           "server, the most one user may; retry when one has finished, or send infer=false",
-                           retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
+            full = ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"too many AddMemory calls with infer=true in progress on this server (1 running, "
+                            f"{MEM0_QUEUE} waiting); retry later, or send infer=false",
+                            retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
+        elif self._mem0_by_user[user_id] >= MEM0_PER_USER:
+            full = ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"this user already has {MEM0_PER_USER} AddMemory calls with infer=true in progress on "
+                            "this server, the most one user may; retry when one has finished, or send infer=false",
+                            retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
+        if full is not None:
+            await pause_before_refusal(full, self.limits.refusal_pause_max_s)
+            raise full
         self._mem0_pending += 1
         self._mem0_by_user[user_id] += 1
         try:

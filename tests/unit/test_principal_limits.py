@@ -95,7 +95,8 @@ def test_waiting_for_the_retry_hint_is_enough():
 @pytest.fixture(scope="module")
 def gateway(redis_url, jwt_secret):
     # A token per 100 s: each caller's burst of 3 is all it gets in this module, however slowly its calls run.
-    with both_doors(redis_url, jwt_secret, Limits(requests_per_s_per_caller=0.01, request_burst_per_caller=3), "caller") as doors:
+    with both_doors(redis_url, jwt_secret, Limits(requests_per_s_per_caller=0.01, request_burst_per_caller=3,
+                                                  refusal_pause_max_s=0.2), "caller") as doors:
         yield doors
 
 
@@ -122,9 +123,47 @@ def test_both_doors_refuse_a_caller_over_its_rate_and_serve_the_others(gateway):
     ch.close()
 
 
+def test_a_refusal_the_caller_caused_is_answered_after_its_hint_holding_one_of_its_slots(jwt_secret):
+    """A caller over its rate is answered after its retry hint (at most refusal_pause_max_s), not at once: a client
+    that retries at once sends a request per slot per pause. Each paused refusal holds one of the caller's slots,
+    so a caller's pauses are bounded by its slots (over them: CALLER_CONCURRENCY at once); another caller is
+    answered at once meanwhile."""
+    from inferscale_server.auth import AuthConfig
+    from inferscale_server.registry import EmbeddedRegistry
+
+    path, secret = jwt_secret
+    pause = 0.4
+    core = GatewayCore(EmbeddedRegistry(), auth=Authenticator(AuthConfig(hs256_secret_file=str(path))),
+                       limits=Limits(max_in_flight_per_caller=2, requests_per_s_per_caller=0.01,
+                                     request_burst_per_caller=1, refusal_pause_max_s=pause))
+    erin, fred = (f"Bearer {token_for(secret, n)}" for n in ("erin", "fred"))
+
+    async def timed(authorization):
+        t0 = time.monotonic()
+        try:
+            await core.authenticate("ListMemories", authorization)
+            return "ok", time.monotonic() - t0
+        except ApiError as e:
+            return e.reason or e.message, time.monotonic() - t0
+
+    async def go():  # each request in a task of its own, as the doors run them (a slot is held per task)
+        first = await asyncio.create_task(timed(erin))  # the burst
+        flood = [asyncio.create_task(timed(erin)) for _ in range(2)]  # over the rate: paused, each holding a slot
+        await asyncio.sleep(0.05)
+        over_slots = await asyncio.create_task(timed(erin))
+        other = await asyncio.create_task(timed(fred))
+        return first, await asyncio.gather(*flood), over_slots, other
+
+    first, flood, over_slots, other = asyncio.run(go())
+    assert first[0] == "ok" and other[0] == "ok" and other[1] < pause / 2
+    assert [r for r, _ in flood] == ["CALLER_RATE"] * 2 and all(pause <= t < pause + 1.0 for _, t in flood), flood
+    assert over_slots[0] == "CALLER_CONCURRENCY" and over_slots[1] < pause / 2  # its slots are all pausing
+    assert core.caller_limits.in_flight("erin") == 0  # the pauses gave their slots back
+
+
 def test_one_user_takes_at_most_its_share_of_the_extraction_queue():
     """Mem0 extraction (infer=true) runs one at a time per gateway replica with MEM0_QUEUE waiting: one user may
-    hold MEM0_PER_USER of those places; its next call is refused at once while another user's is queued."""
+    hold MEM0_PER_USER of those places; its next call is refused (after a pause) while another user's is queued."""
     import threading
 
     from inferscale_server.gateway.core import MEM0_PER_USER, GatewaySink
@@ -138,15 +177,18 @@ def test_one_user_takes_at_most_its_share_of_the_extraction_queue():
             return [{"id": "x", "memory": user_id, "event": "ADD"}]
 
     async def go():
-        core = GatewayCore(EmbeddedRegistry(), auth=Authenticator.insecure())
+        pause = 0.3  # the refusal below is answered after this (the retry hint, 10 s, capped)
+        core = GatewayCore(EmbeddedRegistry(), auth=Authenticator.insecure(), limits=Limits(refusal_pause_max_s=pause))
         core.backends = object()  # extraction needs the backends deployed; this test never reaches them
         core._sink, core._extractor = GatewaySink(core, asyncio.get_running_loop()), HeldExtraction()
         mine = [asyncio.create_task(core._extract("ann", [], {})) for _ in range(MEM0_PER_USER)]
         await asyncio.sleep(0)  # each task runs to its first await, counted (_extract counts before any await)
         assert core._mem0_by_user["ann"] == MEM0_PER_USER
+        t0 = time.monotonic()
         with pytest.raises(ApiError) as e:
             await core._extract("ann", [], {})
         assert e.value.reason == "EXTRACTION_QUEUE_FULL" and "this user" in e.value.message and e.value.retry_after_s
+        assert time.monotonic() - t0 >= pause
         other = asyncio.create_task(core._extract("bob", [], {}))
         await asyncio.sleep(0)
         assert core._mem0_by_user["bob"] == 1 and core._mem0_pending == MEM0_PER_USER + 1  # queued behind ann's

@@ -237,7 +237,10 @@ def test_the_stats_show_a_callers_net_charges_per_resource_an_estimate_and_its_c
 
 @pytest.fixture(scope="module")
 def gateway(redis_url, jwt_secret):
-    with both_doors(redis_url, jwt_secret, Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0), "work") as doors:
+    # Refusals paused 0.2 s at most (refusal_pause_max_s, tests/unit/test_principal_limits.py): the debts here refill
+    # slowly, and the checks below refuse over and over.
+    limits = Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0, refusal_pause_max_s=0.2)
+    with both_doors(redis_url, jwt_secret, limits, "work") as doors:
         yield doors
 
 
