@@ -536,7 +536,8 @@ REASON_MEANINGS = {
     "CALLER_WORK": "This caller's requests have used more work than its budget of a resource this request needs, on "
                    "a gateway replica (one balance each for the gateway, the encoder pool and the engine; work "
                    "units: tokens the model forwards, `work_units_per_s_per_caller`, bursts of "
-                   "`work_burst_per_caller`; docs/security.md): refused until that balance has refilled to zero (the "
+                   "`work_burst_per_caller`; the gateway's: `gateway_work_units_per_s_per_caller`, bursts of "
+                   "`gateway_work_burst_per_caller`; docs/security.md): refused until that balance has refilled to zero (the "
                    "retry hint). Admins are not limited. Answered after the retry hint (`refusal_pause_max_s` at "
                    "most).",
     "EXTRACTION_QUEUE_FULL": "Too many AddMemory calls with infer=true (Mem0's extraction) wait on this gateway "

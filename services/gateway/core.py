@@ -201,7 +201,9 @@ class GatewayCore:
         self.watches = WatchSlots()
         self.caller_limits = PrincipalLimits(PrincipalLimit(
             limits.max_in_flight_per_caller, limits.requests_per_s_per_caller, limits.request_burst_per_caller))
-        self.work = WorkBudget(WorkLimit(limits.work_units_per_s_per_caller, limits.work_burst_per_caller))
+        self.work = WorkBudget(WorkLimit(limits.work_units_per_s_per_caller, limits.work_burst_per_caller),
+                               gateway=WorkLimit(limits.gateway_work_units_per_s_per_caller,
+                                                 limits.gateway_work_burst_per_caller))
 
     # ------------------------------------------------------------------------------------ auth
     async def authenticate(self, rpc: str, authorization: str | None) -> Principal | None:

@@ -196,9 +196,17 @@ class _Balances:
 
 
 class WorkBudget:
-    def __init__(self, limit: WorkLimit = WorkLimit(), tracked: int = TRACKED_PRINCIPALS):
+    def __init__(self, limit: WorkLimit = WorkLimit(), tracked: int = TRACKED_PRINCIPALS,
+                 gateway: WorkLimit | None = None):
+        """`limit`: each caller's share of the model's resources (the encoder pool, the engine), in tokens they
+        forward; `gateway`: its share of the gateway replica's own work (None: `limit`). Separate, because a
+        gateway's CPU does not grow with the accelerator: a rate sized for a GPU engine (the chart's 4,096 units a
+        second) would let one caller's scans take 64x the gateway CPU they may take on the reference node."""
         self.limit, self.tracked = limit, tracked
-        self._balances = {r: _Balances(limit, tracked) for r in Resource}
+        self.limits = {r: limit for r in Resource}
+        if gateway is not None:
+            self.limits[Resource.GATEWAY] = gateway
+        self._balances = {r: _Balances(self.limits[r], tracked) for r in Resource}
         self.refused = 0
 
     def admit(self, caller: Principal | None, route: str) -> None:
@@ -264,7 +272,9 @@ class WorkBudget:
         answer's estimate and the engine's correction sum to the tokens it really forwarded). For operators and
         checks, through the Gateway deployment's stats() (a Serve handle, inside the cluster), never a front door:
         a caller's usage is not another caller's business."""
-        out: dict = {"rate_per_s": self.limit.rate_per_s, "burst": self.limit.burst, "refused": self.refused,
+        gateway = self.limits[Resource.GATEWAY]
+        out: dict = {"rate_per_s": self.limit.rate_per_s, "burst": self.limit.burst,
+                     "gateway_rate_per_s": gateway.rate_per_s, "gateway_burst": gateway.burst, "refused": self.refused,
                      "tracked_callers": {r.value: len(b) for r, b in self._balances.items()}}
         if subject is not None:
             out["caller"] = {r.value: {"balance": self.balance(subject, r), "charged": b.charged(subject)}
@@ -278,11 +288,13 @@ class WorkBudget:
     def _refuse(self, owed: dict[Resource, float]) -> None:
         """Refuses with the longest of the owed resources' refill times: the request needs them all."""
         self.refused += 1
-        debts = ", ".join(f"{-b:.0f} units for the {r.value}"
-                          for r, b in sorted(owed.items(), key=lambda item: item[0].value))
+        ordered = sorted(owed.items(), key=lambda item: item[0].value)
+        debts = ", ".join(f"{-b:.0f} units for the {r.value}" for r, b in ordered)
+        budgets = "; ".join(f"the {r.value}: {self.limits[r].rate_per_s:g} work units per second, bursts of "
+                            f"{self.limits[r].burst:g}" for r, _ in ordered)
         raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"this caller's requests have used more work than its budget of what this request needs "
-                       f"({self.limit.rate_per_s:g} work units per second of each shared resource, bursts of "
-                       f"{self.limit.burst:g}: tokens the model forwards, docs/security.md); it is in debt ({debts}); "
-                       "retry when it has refilled",
-                       retry_after_s=max(-b for b in owed.values()) / self.limit.rate_per_s, reason="CALLER_WORK")
+                       f"({budgets}; a unit is a token the model forwards, docs/security.md); it is in debt "
+                       f"({debts}); retry when it has refilled",
+                       retry_after_s=max(-b / self.limits[r].rate_per_s for r, b in owed.items()),
+                       reason="CALLER_WORK")

@@ -201,6 +201,24 @@ def test_a_debt_binds_only_while_a_caller_not_in_debt_is_active_on_that_resource
     assert budget.refused == 2
 
 
+def test_the_gateway_has_a_budget_of_its_own_sized_in_its_cpu_not_the_models():
+    """Limits' gateway budget (64 a second, bursts of 1,024) is not the model's (the chart sets 4,096 a second for a
+    GPU engine): a caller's scans spend the gateway's balance only, and a scan debt is refused with the gateway's
+    numbers and a retry hint at the gateway's rate, while the encoder's and the engine's balances stay full."""
+    budget = WorkBudget(WorkLimit(rate_per_s=4096.0, burst=8192.0), gateway=WorkLimit(rate_per_s=64.0, burst=1024.0))
+    assert budget.balance("alice", GATEWAY) == 1024.0 and budget.balance("alice", ENCODE) == 8192.0
+    request(budget, BOB, route="GetMemory")  # a caller not in debt is active on the gateway
+    request(budget, ALICE, 1024.0 + 640.0, route="ListMemories")  # ~53,000 facts read: 640 units past the burst
+    err = refusal(budget, ALICE, "AddFacts")  # every route uses the gateway
+    assert "the gateway: 64 work units per second, bursts of 1024" in err.message
+    assert 9.0 < err.retry_after_s <= 10.5  # ~641 units at 64 a second, not at 4,096
+    assert budget.balance("alice", ENCODE) == 8192.0 and budget.balance("alice", ENGINE) == 8192.0
+    stats = budget.stats()
+    assert (stats["rate_per_s"], stats["burst"], stats["gateway_rate_per_s"], stats["gateway_burst"]) == (
+        4096.0, 8192.0, 64.0, 1024.0)
+    assert Limits().gateway_work_units_per_s_per_caller == 64.0 and Limits().gateway_work_burst_per_caller == 1024.0
+
+
 def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burst():
     budget = WorkBudget(WorkLimit(rate_per_s=0.001, burst=10.0), tracked=3)
     for who in ("p0", "p1", "p2"):
@@ -239,7 +257,8 @@ def test_the_stats_show_a_callers_net_charges_per_resource_an_estimate_and_its_c
 def gateway(redis_url, jwt_secret):
     # Refusals paused 0.2 s at most (refusal_pause_max_s, tests/unit/test_principal_limits.py): the debts here refill
     # slowly, and the checks below refuse over and over.
-    limits = Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0, refusal_pause_max_s=0.2)
+    limits = Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0, gateway_work_units_per_s_per_caller=4.0,
+                    gateway_work_burst_per_caller=1000.0, refusal_pause_max_s=0.2)
     with both_doors(redis_url, jwt_secret, limits, "work") as doors:
         yield doors
 
@@ -412,7 +431,7 @@ def test_a_flood_of_maximal_filtered_listings_is_refused_within_the_requests_the
     light_headers = {"authorization": f"Token {token_for(secret, light)}"}
     headers = {"authorization": f"Token {token_for(secret, abuser)}"}
     per_listing = REQUEST_UNITS + 100 * MAXIMAL_UNITS_PER_FACT
-    predicted = math.ceil(core.limits.work_burst_per_caller / per_listing)
+    predicted = math.ceil(core.limits.gateway_work_burst_per_caller / per_listing)
     assert predicted == 10
     served = 0
     t0 = time.monotonic()

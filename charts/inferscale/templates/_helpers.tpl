@@ -68,7 +68,7 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "max_model_len" (ternary (int .Values.model.maxModelLen) nil (not (empty .Values.model.maxModelLen))) -}}
 {{- /* Limits typed float (services/app.py:FLOAT_LIMITS): `--set limits.x=0.5` would hand Limits a string */ -}}
 {{- $limits := deepCopy (.Values.limits | default dict) -}}
-{{- range $k := list "requests_per_s_per_caller" "work_units_per_s_per_caller" "work_burst_per_caller" -}}
+{{- range $k := list "requests_per_s_per_caller" "work_units_per_s_per_caller" "work_burst_per_caller" "gateway_work_units_per_s_per_caller" "gateway_work_burst_per_caller" "refusal_pause_max_s" -}}
 {{- if hasKey $limits $k -}}
 {{- $_ := set $limits $k (float64 (get $limits $k)) -}}
 {{- end -}}
