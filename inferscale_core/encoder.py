@@ -107,8 +107,9 @@ class PreRopeEncoder:
             context = context[len(context) - self.max_window_tokens:] if len(context) > self.max_window_tokens else context
             prepared.append((context, fact_ids))
         # Similar lengths together: less padding per batch. A forward longer than WHOLE_TOKENS runs alone, in steps.
-        order = sorted(range(len(prepared)), key=lambda i: len(prepared[i][0]) + len(prepared[i][1]))
-        whole = [i for i in order if len(prepared[i][0]) + len(prepared[i][1]) <= WHOLE_TOKENS]
+        lengths = [len(context) + len(fact) for context, fact in prepared]
+        order = sorted(range(len(prepared)), key=lengths.__getitem__)
+        whole = [i for i in order if lengths[i] <= WHOLE_TOKENS]
         out: list[EncodedFact | None] = [None] * len(prepared)
         bar = tqdm(total=len(prepared), desc="encoding facts", unit="fact", disable=not progress)
         for start in range(0, len(whole), batch_size):
@@ -151,11 +152,14 @@ class PreRopeEncoder:
         results = []
         for b, (ctx, fact) in enumerate(batch):
             sl = slice(len(ctx), len(ctx) + len(fact))
-            k, v = k_all[:, b, sl], v_all[:, b, sl]
-            if self.store_dtype is not None:
-                k, v = k.to(self.store_dtype), v.to(self.store_dtype)
-            results.append(EncodedFact(torch.tensor(fact, dtype=torch.long), k.contiguous(), v.contiguous()))
+            results.append(self._stored(fact, k_all[:, b, sl], v_all[:, b, sl]))
         return results
+
+    def _stored(self, fact: list[int], k: torch.Tensor, v: torch.Tensor) -> EncodedFact:
+        """A fact's EncodedFact from its keys and values `[L, T, H, D]`, in the stored dtype."""
+        if self.store_dtype is not None:
+            k, v = k.to(self.store_dtype), v.to(self.store_dtype)
+        return EncodedFact(torch.tensor(fact, dtype=torch.long), k.contiguous(), v.contiguous())
 
 
 class FactForward:
@@ -212,6 +216,4 @@ class FactForward:
         k = torch.stack([torch.cat([s[layer] for s in self._keys]) for layer in range(self.encoder.spec.num_layers)])
         v = torch.stack([torch.cat([s[layer] for s in self._values]) for layer in range(self.encoder.spec.num_layers)])
         self._keys, self._values = [], []
-        if self.encoder.store_dtype is not None:
-            k, v = k.to(self.encoder.store_dtype), v.to(self.encoder.store_dtype)
-        return EncodedFact(torch.tensor(self.fact, dtype=torch.long), k.contiguous(), v.contiguous())
+        return self.encoder._stored(self.fact, k, v)

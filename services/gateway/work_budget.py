@@ -203,10 +203,8 @@ class WorkBudget:
         gateway's CPU does not grow with the accelerator: a rate sized for a GPU engine (the chart's 4,096 units a
         second) would let one caller's scans take 64x the gateway CPU they may take on the reference node."""
         self.limit, self.tracked = limit, tracked
-        self.limits = {r: limit for r in Resource}
-        if gateway is not None:
-            self.limits[Resource.GATEWAY] = gateway
-        self._balances = {r: _Balances(self.limits[r], tracked) for r in Resource}
+        self._balances = {r: _Balances(gateway if r is Resource.GATEWAY and gateway is not None else limit, tracked)
+                          for r in Resource}
         self.refused = 0
 
     def admit(self, caller: Principal | None, route: str) -> None:
@@ -272,7 +270,7 @@ class WorkBudget:
         answer's estimate and the engine's correction sum to the tokens it really forwarded). For operators and
         checks, through the Gateway deployment's stats() (a Serve handle, inside the cluster), never a front door:
         a caller's usage is not another caller's business."""
-        gateway = self.limits[Resource.GATEWAY]
+        gateway = self._balances[Resource.GATEWAY].limit
         out: dict = {"rate_per_s": self.limit.rate_per_s, "burst": self.limit.burst,
                      "gateway_rate_per_s": gateway.rate_per_s, "gateway_burst": gateway.burst, "refused": self.refused,
                      "tracked_callers": {r.value: len(b) for r, b in self._balances.items()}}
@@ -290,11 +288,12 @@ class WorkBudget:
         self.refused += 1
         ordered = sorted(owed.items(), key=lambda item: item[0].value)
         debts = ", ".join(f"{-b:.0f} units for the {r.value}" for r, b in ordered)
-        budgets = "; ".join(f"the {r.value}: {self.limits[r].rate_per_s:g} work units per second, bursts of "
-                            f"{self.limits[r].burst:g}" for r, _ in ordered)
+        limit_of = {r: self._balances[r].limit for r in owed}
+        budgets = "; ".join(f"the {r.value}: {limit_of[r].rate_per_s:g} work units per second, bursts of "
+                            f"{limit_of[r].burst:g}" for r, _ in ordered)
         raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"this caller's requests have used more work than its budget of what this request needs "
                        f"({budgets}; a unit is a token the model forwards, docs/security.md); it is in debt "
                        f"({debts}); retry when it has refilled",
-                       retry_after_s=max(-b / self.limits[r].rate_per_s for r, b in owed.items()),
+                       retry_after_s=max(-b / limit_of[r].rate_per_s for r, b in owed.items()),
                        reason="CALLER_WORK")
