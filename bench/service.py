@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.cpu_ledger import CpuLedger  # noqa: E402
 from inferscale_core.vllm_env import serving_kv_cache_gib, set_vllm_cpu_env, vllm_cpu_env  # noqa: E402
+from inferscale_server.messages import DEFAULT_STREAM_INTERVAL  # noqa: E402
 
 # before vLLM is imported: the engine replicas' settings as `inferscale serve` gives them (services/cli.py), KV cache
 # sized from the machine unless $VLLM_CPU_KVCACHE_SPACE says otherwise
@@ -105,6 +106,9 @@ def parse_args(argv=None):
     ap.add_argument("--engine-cpu-cores", type=int, default=None,
                     help="cores each engine replica's vLLM binds to (ServiceConfig.engine_cpu_cores; 0: all, "
                          "shared); default: the usable cores / --engine-replicas when there are several, else 0")
+    ap.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
+                    help="tokens an answer's piece gathers after the first (ServiceConfig.stream_interval; 1: every "
+                         f"token its own piece; default {DEFAULT_STREAM_INTERVAL}, the service's)")
     ap.add_argument("--max-replicas", type=int, default=1,
                     help="Gateway/Retrieval/EncoderPool autoscale from 1 to this (replica counts are recorded)")
     ap.add_argument("--retrieval-replicas", type=int, default=None,
@@ -384,7 +388,8 @@ def replicas_desc(args) -> str:
     """The deployments' replica counts as the report states them."""
     retrieval = (f"Retrieval {args.retrieval_replicas}, " if args.retrieval_replicas is not None else "")
     scaled = "Gateway/EncoderPool" if retrieval else "Gateway/Retrieval/EncoderPool"
-    return (f"{args.engine_replicas} EngineReplica (engine_cpu_cores {engine_cpu_cores(args)}), {retrieval}"
+    return (f"{args.engine_replicas} EngineReplica (engine_cpu_cores {engine_cpu_cores(args)}, stream_interval "
+            f"{args.stream_interval}), {retrieval}"
             f"{scaled} 1..{args.max_replicas}")
 
 
@@ -405,7 +410,8 @@ def service_config(args, workdir: Path, registry_url: str | None, cluster_store:
     return ServiceConfig(model_path=args.model, registry_url=registry_url, dtype=args.dtype,
                          max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
                          kv_dir=str(workdir / "kv"), deployments=deployments(args), cluster_store=cluster_store,
-                         auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args))
+                         auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args),
+                         stream_interval=args.stream_interval)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from .api import SERVICER_FUNCTION
 from .gateway.core import WATCH_STREAMS_MAX
 from .kv_tier_share import smallest_pool_bytes
 from .limits import Limits
+from .messages import DEFAULT_STREAM_INTERVAL
 
 # TRANSPORT_MAX_MESSAGE_BYTES: a gRPC message or an HTTP body; one request: Limits (1 MiB)
 from .proxy_setup import GRPC_HOST_ENV, TRANSPORT_MAX_MESSAGE_BYTES
@@ -174,6 +175,9 @@ class ServiceConfig:
     # node-local rank (services/engine_replica/placement.py bind_engine_cpus). 0: one engine per node, on every
     # core but one, which the light work keeps (gateway, retrieval, proxies; vllm_env.LIGHT_WORK_CORES).
     engine_cpu_cores: int = 0
+    # Tokens a streamed answer's piece gathers after each choice's first (vLLM's --stream-interval; 1: every token
+    # its own piece; services/engine_replica/answering.py PieceCoalescer).
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
     # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
     # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.
     auth: dict = field(default_factory=dict)
@@ -190,6 +194,7 @@ class ServiceConfig:
                 "engine_overrides": dict(self.engine_overrides),
                 "admission_queue_factor": float(self.admission_queue_factor), "kv_dir": self.kv_dir,
                 "store_options": dict(self.store_options), "cluster_store": dict(self.cluster_store),
+                "stream_interval": self.stream_interval,
                 **({"engine_cpu_cores": self.engine_cpu_cores} if self.engine_cpu_cores else {}),
                 **({"auth": dict(self.auth)} if self.auth else {}),
                 **({"http": dict(self.http)} if self.http else {})}
@@ -218,7 +223,7 @@ class ServiceConfig:
                                    engine_overrides=dict(self.engine_overrides),
                                    admission_queue_factor=float(self.admission_queue_factor),
                                    cluster_store=dict(self.cluster_store),
-                                   engine_cpu_cores=self.engine_cpu_cores)
+                                   engine_cpu_cores=self.engine_cpu_cores, stream_interval=self.stream_interval)
 
     @classmethod
     def from_args(cls, args: dict | None) -> "ServiceConfig":
@@ -252,6 +257,7 @@ class ServiceConfig:
                    limits=limits_for(values),
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),
                    admission_queue_factor=float(values["model"].get("admissionQueueFactor", 2.0)),
+                   stream_interval=int(values["model"].get("streamInterval", DEFAULT_STREAM_INTERVAL)),
                    kv_dir=values["kvStore"]["dir"], store_options=store_options_for(values),
                    cluster_store=cluster_store_for(values, release), auth=auth_args_for(values), deployments=deps)
 

@@ -31,6 +31,8 @@ import time
 from inferscale_client import cli as client_cli
 from inferscale_core.vllm_env import machine_memory_bytes, serving_dtype, serving_kv_cache_gib, vllm_cpu_env
 
+from .messages import DEFAULT_STREAM_INTERVAL
+
 
 def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="run the InferScale service (Ray Serve, gRPC + HTTP) on this machine")
@@ -73,6 +75,9 @@ def add_commands(sub) -> None:
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + answer in tokens (default: the model's own context, 8,192 for SmolLM2: a "
                         "memory of up to ~200 facts)")
+    p.add_argument("--stream-interval", type=_positive_int, default=DEFAULT_STREAM_INTERVAL, metavar="TOKENS",
+                   help="tokens a streamed answer's piece gathers after the first piece (as vLLM's --stream-interval; "
+                        f"1: every token its own piece; default {DEFAULT_STREAM_INTERVAL})")
     p.add_argument("--kv-cache-gib", type=_positive_int, default=None,
                    help="vLLM's KV cache on a CPU machine, GiB (default: an eighth of the machine's memory, at least 1; "
                         "else $VLLM_CPU_KVCACHE_SPACE if set)")
@@ -407,7 +412,8 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
     dtype, why = (args.dtype, "--dtype") if args.dtype != "auto" else serving_dtype()
     print(f"dtype {dtype} ({why})", flush=True)
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=dtype,
-                        max_model_len=args.max_model_len, http_port=args.http_port, grpc_port=args.grpc_port,
+                        max_model_len=args.max_model_len, stream_interval=args.stream_interval,
+                        http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), store_options=store_settings(args),
                         deployments=single_node_deployments(),
                         cluster_store=external_store or local_cluster_tier(args, stack),

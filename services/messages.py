@@ -48,6 +48,11 @@ class AnswerRequest:
     openai: OpenAIChat | None = None
 
 
+# Tokens an answer's piece gathers after each choice's first piece (EngineReplicaConfig.stream_interval, vLLM's
+# --stream-interval): every piece crosses two Ray hops (services/engine_replica/answering.py PieceCoalescer).
+DEFAULT_STREAM_INTERVAL = 8
+
+
 @dataclass(frozen=True)
 class AnswerPiece:
     """A piece of the answer's text; `index`: the choice (an OpenAI request with n > 1), `logprobs`: OpenAI's

@@ -1,7 +1,8 @@
 """Answering on one engine replica: a prepared request admitted against the KV cache (services/admission.py) and
 streamed from the engine as AnswerPiece messages and one AnswerEnd (services/messages.py), for the gRPC Answer and
 for OpenAI chat (n choices, logprobs, stop, structured outputs, forced tool calls); plain chat without memory
-(Mem0's extraction step). The facts are the caller's business (core.py syncs them and makes their KV reachable)."""
+(Mem0's extraction step). The facts are the caller's business (core.py syncs them and makes their KV reachable).
+Pieces after each choice's first are gathered `stream_interval` tokens at a time (PieceCoalescer)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +20,45 @@ from ..openai_params import logprobs_content, request, tool_calls
 from .engine import ServingEngine, engine_timings, ms
 
 
+class PieceCoalescer:
+    """A streamed answer in fewer, larger pieces, as vLLM's `--stream-interval` sends them: each choice's first
+    piece goes out at once (the first token's latency is what a caller waits on), then the choice's text (and
+    logprobs) is held until `interval` tokens have gathered, and what is held goes out when the choice finishes or
+    before the answer's end. Why: every piece crosses two Ray hops (engine replica -> gateway -> Serve's proxy),
+    about 3 ms of CPU on these cores per piece (docs/benchmarks/lab-notes.md, "Fewer pieces per answer"), on the
+    cores the engine needs. `interval` 1: every piece as the engine made it."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._started: set[int] = set()
+        self._held: dict[int, tuple[str, list | None, int]] = {}  # choice -> (text, logprobs, tokens)
+
+    def add(self, piece: AnswerPiece, tokens: int, finished: bool = False) -> AnswerPiece | None:
+        """The piece to send now, if any; `tokens`: the engine tokens behind `piece`, `finished`: its choice ended."""
+        if self.interval <= 1:
+            return piece
+        if piece.index not in self._started:
+            self._started.add(piece.index)
+            return piece
+        text, logprobs, count = self._held.pop(piece.index, ("", None, 0))
+        if piece.logprobs is not None:
+            logprobs = (logprobs or []) + piece.logprobs
+        text, count = text + piece.text, count + tokens
+        if count >= self.interval or finished:
+            return AnswerPiece(text, piece.index, logprobs)
+        self._held[piece.index] = (text, logprobs, count)
+        return None
+
+    def flush(self) -> list[AnswerPiece]:
+        """What is held, by choice, before the answer's end."""
+        held, self._held = self._held, {}
+        return [AnswerPiece(text, index, logprobs) for index, (text, logprobs, _) in sorted(held.items())]
+
+
 class Answering:
-    def __init__(self, engine: ServingEngine, admission: Admission, metrics):
+    def __init__(self, engine: ServingEngine, admission: Admission, metrics, stream_interval: int = 1):
         self.engine, self.admission, self.metrics = engine, admission, metrics
+        self.stream_interval = stream_interval  # tokens a streamed piece gathers after the first (PieceCoalescer)
         self.max_model_len = engine.max_model_len()  # as vLLM resolved it (the model's own when not given)
 
     def check_fits(self, prompt_len: int) -> None:
@@ -41,12 +78,17 @@ class Answering:
                 yield piece
             return
         sp = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens)
+        pieces = PieceCoalescer(self.stream_interval)
         with self.admission.admit(req.user_id, min(len(p.prompt_ids) + req.max_tokens, self.max_model_len)):
             t_submit = time.perf_counter()
             async for text, ans in self.engine.stream(p, sp):
-                if ans is None:
-                    yield AnswerPiece(text)
+                if ans is None:  # the text of one engine step: one token (no speculative decoding here)
+                    piece = pieces.add(AnswerPiece(text), tokens=1)
+                    if piece is not None:
+                        yield piece
                     continue
+                for piece in pieces.flush():
+                    yield piece
                 if ans.ttft_s is not None:
                     self.metrics.ttft.observe(ans.ttft_s, tags={"mode": wire_mode(req.mode)})
                 yield AnswerEnd(fact_ids=list(ans.fact_ids), ttft_ms=(ans.ttft_s or 0.0) * 1000,
@@ -66,6 +108,7 @@ class Answering:
         assert sp.max_tokens is not None  # request() always sets it (the room left in the context at most)
         tokenizer = self.engine.tokenizer()
         texts, counts, finish = [""] * n, [0] * n, [None] * n
+        pieces = PieceCoalescer(self.stream_interval)
         with self.admission.admit(req.user_id, min(len(p.prompt_ids) + n * sp.max_tokens, n * self.max_model_len)):
             t_submit = time.perf_counter()
             ttft, final = None, None
@@ -81,9 +124,14 @@ class Answering:
                         counts[c.index] += len(c.token_ids)
                         finish[c.index] = c.finish_reason or finish[c.index]
                         if c.text or logprobs is not None:
-                            yield AnswerPiece(c.text, c.index, logprobs)
+                            piece = pieces.add(AnswerPiece(c.text, c.index, logprobs), tokens=len(c.token_ids),
+                                               finished=c.finish_reason is not None)
+                            if piece is not None:
+                                yield piece
             except ValueError as e:  # vLLM's input checks (e.g. more logprobs than the engine's max_logprobs)
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0][:500]) from None
+        for piece in pieces.flush():
+            yield piece
         if ttft is not None:
             self.metrics.ttft.observe(ttft, tags={"mode": wire_mode(req.mode)})
         choices = []

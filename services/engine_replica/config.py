@@ -10,6 +10,7 @@ from inferscale_core.vllm_env import machine_memory_bytes, usable_cpus
 
 from ..admission import DEFAULT_QUEUE_FACTOR, check_queue_factor
 from ..encoder_pool import dtype_of, positive_int
+from ..messages import DEFAULT_STREAM_INTERVAL
 
 
 def default_kv_budget_bytes(node_share: float = 1.0) -> int:
@@ -56,6 +57,9 @@ class EngineReplicaConfig:
     # replica's node-local rank, so engine replicas sharing a node never share a core (inferscale_core/vllm_env.py
     # engine_cpus). 0: one engine replica per node, on every core but the light work's (cores_beside_light_work).
     engine_cpu_cores: int = 0
+    # Tokens a streamed answer's piece gathers after each choice's first piece (vLLM's --stream-interval; 1: every
+    # token its own piece). Each piece crosses two Ray hops at ~3 ms of CPU (services/engine_replica/answering.py).
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
 
     def __post_init__(self):
         dtype_of(self.dtype)  # names the dtypes there are
@@ -66,6 +70,7 @@ class EngineReplicaConfig:
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
         check_queue_factor(self.admission_queue_factor)
+        positive_int("stream_interval", self.stream_interval)
         if isinstance(self.engine_cpu_cores, bool) or not isinstance(self.engine_cpu_cores, int) \
                 or self.engine_cpu_cores < 0:
             raise ValueError(f"engine_cpu_cores must be an int >= 0 (0: every core), got {self.engine_cpu_cores!r}")

@@ -82,7 +82,7 @@ class ReplicaCore:
         self.kv = KVPath(engine, encoder, registry, cluster, self.books, self.resident, self.counters,
                          self.background)
         self.deletions = Deletions(engine, registry, cluster, self.books, self.resident, self.counters, disk_dir)
-        self.answering = Answering(engine, self.admission, self.metrics)
+        self.answering = Answering(engine, self.admission, self.metrics, config.stream_interval)
         self._hold_user = hold or self._register_once
 
     @property

@@ -301,13 +301,15 @@ def test_config_is_checked_once_when_made():
     from inferscale_server.app import ServiceConfig
     from inferscale_server.engine_replica import EngineReplicaConfig
 
-    cfg = ServiceConfig(dtype="bfloat16", cluster_store={"master": "m:1", "metadata": "http://m:2/metadata"})
+    cfg = ServiceConfig(dtype="bfloat16", cluster_store={"master": "m:1", "metadata": "http://m:2/metadata"},
+                        stream_interval=3)
     made = cfg.engine_replica_config("redis://r:6379/0")
     assert (made.dtype, made.registry_url, made.cluster.master) == ("bfloat16", "redis://r:6379/0", "m:1")
+    assert made.stream_interval == 3 and ServiceConfig.from_args(cfg.app_args()).stream_interval == 3
     for bad, names in [({"dtype": "fp16"}, "dtype"), ({"block_size": 0}, "block_size"),
                        ({"max_model_len": "4096"}, "max_model_len"), ({"admission_queue_factor": 0.5}, "queue_factor"),
                        ({"cluster_store": {"masterr": "m:1"}}, "masterr"), ({"kv_budget_bytes": -1}, "kv_budget"),
-                       ({"store_options": None}, "store_options")]:
+                       ({"store_options": None}, "store_options"), ({"stream_interval": 0}, "stream_interval")]:
         with pytest.raises(ValueError, match=names):
             EngineReplicaConfig(**bad)
 
