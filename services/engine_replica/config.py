@@ -58,7 +58,7 @@ class EngineReplicaConfig:
     # engine_cpus). 0: one engine replica per node, on every core but the light work's (cores_beside_light_work).
     engine_cpu_cores: int = 0
     # Tokens a streamed answer's piece gathers after each choice's first piece (vLLM's --stream-interval; 1: every
-    # token its own piece). Each piece crosses two Ray hops at ~3 ms of CPU (services/engine_replica/answering.py).
+    # token its own piece). Each piece crosses two Ray hops at ~2 ms of CPU (services/engine_replica/answering.py).
     stream_interval: int = DEFAULT_STREAM_INTERVAL
 
     def __post_init__(self):
