@@ -728,6 +728,33 @@ def test_cors_preflights_allow_the_methods_of_the_api(core):
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin
 
 
+def test_every_answer_carries_a_request_id_the_callers_when_sane(core):
+    """X-Request-Id on every answer, refusals and preflights included: the caller's when it is short printable
+    ASCII, else a new one; the CORS headers only for an allowed origin (the middleware is plain ASGI: no
+    per-request task group around streamed answers)."""
+    from fastapi.testclient import TestClient
+
+    from inferscale_server.gateway.http_front import HttpConfig, RequestIdAndCors
+
+    origin = "https://app.example"
+    app = build_http_app(lambda: core, config_getter=lambda: HttpConfig(cors_allow_origins=(origin,)))
+    assert [m.cls for m in app.user_middleware] == [RequestIdAndCors]
+    http = TestClient(app)
+    r = http.get("/v1/memories/abc/", headers={"X-Request-Id": "trace-1"})
+    assert r.status_code == 401 and r.headers["x-request-id"] == "trace-1"
+    assert "access-control-allow-origin" not in r.headers
+    for insane in ("x" * 129, "tab\there"):
+        r = http.get("/v1/memories/abc/", headers={"X-Request-Id": insane})
+        assert len(r.headers["x-request-id"]) == 32 and r.headers["x-request-id"] != insane
+    r = http.options("/v1/memories/", headers={"Origin": "https://evil.example", "X-Request-Id": "trace-2",
+                                                 "Access-Control-Request-Method": "DELETE"})
+    assert r.status_code == 403 and r.headers["x-request-id"] == "trace-2"
+    assert "access-control-allow-origin" not in r.headers
+    r = http.get("/v1/memories/abc/", headers={"Origin": origin})
+    assert r.headers["access-control-allow-origin"] == origin and r.headers["vary"] == "Origin"
+    assert r.headers["access-control-expose-headers"] == "X-Request-Id"
+
+
 # ------------------------------------------------------------------------------------- a fact's history
 @pytest.mark.parametrize("backend", ["embedded", "redis"])
 def test_history_keeps_earlier_versions_and_goes_with_the_fact(backend, redis_url):
