@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -212,14 +213,22 @@ class GatewayCore:
         if rpc in OPEN_RPCS:
             return None
         caller = await self.auth.authenticate_async(authorization)
-        try:
+        async with self._refusal_paused():
             # first the caller's share (requests in flight, request rate): a refusal below is paused holding a slot
             self.caller_limits.admit(caller)
             self.work.admit(caller, rpc)
+        return caller
+
+    @contextlib.asynccontextmanager
+    async def _refusal_paused(self):
+        """A refusal the caller's own use caused, raised inside (its rate or work budget: PAUSED_REASONS), is
+        answered after pause_before_refusal: at authentication, and where a request's work is charged before it is
+        done (its caller's other requests may have spent the budget since), the request holds its caller's slot."""
+        try:
+            yield
         except ApiError as e:
             await pause_before_refusal(e, self.limits.refusal_pause_max_s)
             raise
-        return caller
 
     def _owner(self, caller: Principal, rpc: str, user_id: str, field_name: str = "user_id") -> str:
         """The request's user id, validated, once the caller may act for it (before anything is read)."""
@@ -290,7 +299,8 @@ class GatewayCore:
                           f"windows they are encoded behind), the limit per request is "
                           f"{self.limits.max_encode_chars_per_request}: send fewer facts per request; nothing "
                           "was stored", "facts")
-        self.work.charge(Resource.ENCODE, text_units(encoded))  # before the encoder pool is asked for anything
+        async with self._refusal_paused():
+            self.work.charge(Resource.ENCODE, text_units(encoded))  # before the encoder pool is asked for anything
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         try:
@@ -394,7 +404,8 @@ class GatewayCore:
             old = await _blocking(self.registry.get, user_id, fact_id)
             seq = await _blocking(self.registry.seq_of, user_id, fact_id)
             reencode = text_units(len(text) + sum(len(turn) for turn in old.window))
-            self.work.charge(Resource.ENCODE, reencode)  # its re-encode
+            async with self._refusal_paused():
+                self.work.charge(Resource.ENCODE, reencode)  # its re-encode
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
                               embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes, expires_at=expires_at)
@@ -480,7 +491,8 @@ class GatewayCore:
         self._need("AddMemory with infer=true")
         # The route (AddMemory) was admitted for the encoder only: the body said infer=true, so the extraction's
         # engine work is checked now, before it queues (its prompts are charged as they run, never refused).
-        self.work.check(Resource.ENGINE)
+        async with self._refusal_paused():
+            self.work.check(Resource.ENGINE)
         full = None
         if self._mem0_pending >= 1 + MEM0_QUEUE:
             full = ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -652,7 +664,8 @@ class GatewayCore:
         extra = {"openai": openai} if openai is not None else {}
         estimate = self._answer_units(query, conversation, max_tokens, openai)
         # before the engine is asked; corrected by what it reports at the end
-        self.work.charge(Resource.ENGINE, estimate)
+        async with self._refusal_paused():
+            self.work.charge(Resource.ENGINE, estimate)
         async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation,
                                            **extra):
             if isinstance(piece, AnswerEnd):

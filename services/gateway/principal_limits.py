@@ -15,8 +15,8 @@ clients do, then sends one request per slot per pause instead of one per round t
 the others (each costs ~12 ms of the gateway's and Serve's proxy's CPU on the reference node: 4 clients retrying an
 extraction refusal at once took 43 s of CPU in 45 s, bench/noisy_neighbour.py `extraction`). A caller's paused
 refusals are bounded by its slots; over those, CALLER_CONCURRENCY is answered at once. Paused: the refusals at
-authentication (GatewayCore.authenticate) and of the extraction queue; a work charge refused deeper in a request
-(its caller's other requests put it in debt meanwhile: rare) is answered at once."""
+authentication (GatewayCore.authenticate), of the extraction queue, and of a work charge deeper in a request (its
+caller's other requests put it in debt meanwhile; GatewayCore._refusal_paused)."""
 from __future__ import annotations
 
 import asyncio

@@ -452,3 +452,48 @@ def test_a_flood_of_maximal_filtered_listings_is_refused_within_the_requests_the
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details["ErrorInfo"].reason == "CALLER_WORK"
     assert httpx.post(f"{http_server.url}/v3/memories/", json={}, headers=light_headers).status_code == 200
     ch.close()
+
+
+def test_a_charge_refused_deeper_in_a_request_is_paused_like_one_at_authentication():
+    """Carol's add is admitted, then her other add (behind the largest window) puts her encoder balance in debt
+    before the first is charged: the first's charge is refused (CALLER_WORK), after the pause
+    (GatewayCore._refusal_paused), as a refusal at authentication would be; Dave's add, meanwhile, is charged."""
+    import asyncio
+
+    from inferscale_server.auth import Authenticator
+    from inferscale_server.gateway.core import GatewayCore
+    from inferscale_server.registry import EmbeddedRegistry, NewFact
+
+    writer = frozenset({"memory:read", "memory:write"})
+    carol, dave = Principal("carol", writer), Principal("dave", writer)
+    pause = 0.3
+
+    async def go():
+        core = GatewayCore(EmbeddedRegistry(), auth=Authenticator.insecure(),
+                           limits=Limits(work_units_per_s_per_caller=4.0, work_burst_per_caller=1000.0,
+                                         refusal_pause_max_s=pause))
+        admitted, charge = asyncio.Event(), asyncio.Event()
+
+        async def add(who: Principal, window=(), hold=False):
+            core.work.admit(who, "AddFacts")  # this task's bill, as authentication opens it
+            if hold:
+                admitted.set()
+                await charge.wait()
+            t0 = time.monotonic()
+            try:
+                await core.store_new(who.subject, [NewFact(f"{who.subject}'s fact", window=tuple(window))])
+                return "ok", time.monotonic() - t0
+            except ApiError as e:
+                return e.reason, time.monotonic() - t0
+
+        assert (await add(dave))[0] == "ok"  # dave is active on the encoder, not in debt
+        first = asyncio.create_task(add(carol, hold=True))
+        await admitted.wait()
+        assert (await add(carol, window=WINDOW))[0] == "ok"  # ~4,000 units from a burst of 1,000: in debt now
+        assert core.work.balance("carol", Resource.ENCODE) < -2900
+        charge.set()
+        reason, waited = await first
+        assert reason == "CALLER_WORK" and pause <= waited < pause + 1.0, (reason, waited)
+        assert (await add(dave))[0] == "ok"
+
+    asyncio.run(go())
