@@ -82,7 +82,8 @@ class Answering:
         with self.admission.admit(req.user_id, min(len(p.prompt_ids) + req.max_tokens, self.max_model_len)):
             t_submit = time.perf_counter()
             async for text, ans in self.engine.stream(p, sp):
-                if ans is None:  # the text of one engine step: one token (no speculative decoding here)
+                if ans is None:  # the new text of an engine step: one token (counted as one when vLLM merged
+                    # several steps' text for a busy loop: a piece then holds more than the interval)
                     piece = pieces.add(AnswerPiece(text), tokens=1)
                     if piece is not None:
                         yield piece
