@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -23,23 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.cpu_ledger import CpuLedger  # noqa: E402 - the process tree's CPU between marks (bench/service.py's too)
 
 SIZES = (9, 3, 1)  # pieces per answer
-
-
-def tree_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and every descendant alive now."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def build_app():
@@ -88,8 +75,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     a = ap.parse_args(argv)
 
-    import os
-
     import ray
     from ray import serve
 
@@ -101,11 +86,12 @@ def main(argv=None) -> int:
         loop = asyncio.new_event_loop()
         loop.run_until_complete(load(handle, 3, 50, a.concurrency))  # warm: replicas, routers, connections
         per_request: dict[int, list[float]] = {n: [] for n in SIZES}
+        ledger = CpuLedger()
         for _ in range(a.rounds):
             for n in SIZES:
-                c0 = tree_cpu_s()
+                ledger.start()
                 loop.run_until_complete(load(handle, n, a.requests, a.concurrency))
-                per_request[n].append((tree_cpu_s() - c0) / a.requests * 1000)
+                per_request[n].append(sum(ledger.mark(f"{n} pieces").values()) / a.requests * 1000)
         serve.shutdown()
     finally:
         ray.shutdown()

@@ -56,7 +56,7 @@ class PieceCoalescer:
 
 
 class Answering:
-    def __init__(self, engine: ServingEngine, admission: Admission, metrics, stream_interval: int = 1):
+    def __init__(self, engine: ServingEngine, admission: Admission, metrics, stream_interval: int):
         self.engine, self.admission, self.metrics = engine, admission, metrics
         self.stream_interval = stream_interval  # tokens a streamed piece gathers after the first (PieceCoalescer)
         self.max_model_len = engine.max_model_len()  # as vLLM resolved it (the model's own when not given)

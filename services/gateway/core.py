@@ -221,9 +221,10 @@ class GatewayCore:
 
     @contextlib.asynccontextmanager
     async def _refusal_paused(self):
-        """A refusal the caller's own use caused, raised inside (its rate or work budget: PAUSED_REASONS), is
-        answered after pause_before_refusal: at authentication, and where a request's work is charged before it is
-        done (its caller's other requests may have spent the budget since), the request holds its caller's slot."""
+        """A refusal the caller's own use caused, raised inside (its rate, its work budget, its extraction slots:
+        PAUSED_REASONS), is answered after pause_before_refusal: at authentication, at the extraction queue, and where
+        a request's work is charged before it is done (its caller's other requests may have spent the budget since),
+        the request holds its caller's slot."""
         try:
             yield
         except ApiError as e:
@@ -493,22 +494,18 @@ class GatewayCore:
         # engine work is checked now, before it queues (its prompts are charged as they run, never refused).
         async with self._refusal_paused():
             self.work.check(Resource.ENGINE)
-        full = None
-        if self._mem0_pending >= 1 + MEM0_QUEUE:
-            full = ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"too many AddMemory calls with infer=true in progress on this server (1 running, "
-                            f"{MEM0_QUEUE} waiting); retry later, or send infer=false",
-                            retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
-        elif self._mem0_by_user[user_id] >= MEM0_PER_USER:
-            full = ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"this user already has {MEM0_PER_USER} AddMemory calls with infer=true in progress on "
-                            "this server, the most one user may; retry when one has finished, or send infer=false",
-                            retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
-        if full is not None:
-            await pause_before_refusal(full, self.limits.refusal_pause_max_s)
-            raise full
-        self._mem0_pending += 1
-        self._mem0_by_user[user_id] += 1
+            if self._mem0_pending >= 1 + MEM0_QUEUE:
+                raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"too many AddMemory calls with infer=true in progress on this server (1 running, "
+                               f"{MEM0_QUEUE} waiting); retry later, or send infer=false",
+                               retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
+            if self._mem0_by_user[user_id] >= MEM0_PER_USER:
+                raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this user already has {MEM0_PER_USER} AddMemory calls with infer=true in progress "
+                               "on this server, the most one user may; retry when one has finished, or send "
+                               "infer=false", retry_after_s=MEM0_RETRY_S, reason="EXTRACTION_QUEUE_FULL")
+            self._mem0_pending += 1  # counted before any await: the next call sees this one
+            self._mem0_by_user[user_id] += 1
         try:
             async with self._extractor_lock:  # only while the extractor is built (once)
                 if self._extractor is None:
