@@ -10,10 +10,15 @@ likely that the replica it picks already holds the user:
      engine_replica/placement.py replica_disk_dir), unlike Serve's replica ids, which are new on every start. Every router
      (each gateway replica's handles, a driver's handle) computes the same home without talking to the
      others; adding a replica moves only the users it wins, losing one moves only its users.
-  2. Soft: a home that reports `move_at` or more requests in flight (the replica's own count, all routers'
-     requests, sent every ROUTING_STATS_PERIOD_S as Serve's routing stats; Serve's per-router queue-length
-     cache is not used: a probe taken under load stays in it while the router keeps sending) is passed over for
-     the replicas that have at least `move_at` fewer in flight, in the user's hash order; such a replica reads
+  2. Soft: a home with `move_at` or more requests in flight is passed over for the replicas that have at least
+     `move_at` fewer in flight, in the user's hash order. A replica's requests in flight are the larger of two
+     counts: what it reports (its admission's count, all routers' requests, sent every ROUTING_STATS_PERIOD_S
+     as Serve's routing stats, so up to a second old) and what this router sent it and has not seen finish
+     (exact and current, but only this router's). Either alone moved users that should have stayed: with the
+     report alone, a replica that reported before a wave of its users arrived still looked idle a second later
+     (bench/results/service_n1_n100_k50_2replicas_2retrieval_bf16_stream8.md: 20 users moved to a replica
+     whose ~50 requests were still running, each a cold load); Serve's per-router queue-length cache, used before
+     the report, keeps a probe taken under load while the router keeps sending elsewhere. Such a replica reads
      the user's KV from the cluster tier. A move is a cold load (at k=50 some 35 MB read and written into the
      cache, queued behind that replica's other loads), so a home only a few requests busier than the others
      keeps its users (the rule before moved a user from a home at `move_at` to any replica below it, one request
@@ -23,11 +28,13 @@ likely that the replica it picks already holds the user:
   3. When the load falls the user goes home again (the home still holds it, or reads it from the cluster).
 Requests without a user (plain chat, health) keep Serve's power-of-two choice.
 
-`preference_order` is the whole policy, a pure function (tests/unit/test_routing.py tests it without Ray).
+`preference_order` is the whole policy, a pure function, and `InFlight` the router's own count (both tested
+without Ray in tests/unit/test_routing.py).
 """
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -72,6 +79,42 @@ def preference_order(user_id: str, replicas: Sequence[R], key: Callable[[R], str
     return relief + [r for r in ranked if r not in relief]
 
 
+class InFlight:
+    """The requests a router sent to each replica and has not seen finish: Serve calls `on_request_routed` when
+    a replica accepted a request and `on_request_completed` once for every request it dispatched (accepted,
+    rejected or failed), the latter from whichever thread finishes the request; so requests are counted by id,
+    under a lock, and a completion of a request never counted (a rejected try) changes nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_replica: dict[str, set[str]] = {}  # replica id -> internal request ids in flight there
+
+    def routed(self, replica: str, request: str) -> None:
+        with self._lock:
+            self._by_replica.setdefault(replica, set()).add(request)
+
+    def completed(self, replica: str, request: str) -> None:
+        with self._lock:
+            requests = self._by_replica.get(replica)
+            if requests is not None:
+                requests.discard(request)
+                if not requests:
+                    del self._by_replica[replica]
+
+    def count(self, replica: str) -> int:
+        with self._lock:
+            return len(self._by_replica.get(replica, ()))
+
+
+def replica_in_flight(reported: int | None, own: int) -> int | None:
+    """A replica's requests in flight as the router weighs them: the larger of its last report (every router's
+    requests, up to a second old) and this router's own count (current, this router's only); None when neither
+    knows of any (no report yet and nothing sent)."""
+    if reported is None:
+        return own or None
+    return max(reported, own)
+
+
 def replica_key(replica: RunningReplica) -> str:
     """A replica's stable slot ("slot-N", its Serve rank, reported by the replica), else its id (a replica
     that does not report one: it still gets users, but not the same ones after a restart)."""
@@ -84,11 +127,26 @@ class UserAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     move_at: int | None = None  # None: a replica's own max_ongoing_requests
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent = InFlight()  # this router's requests in flight per replica (Serve's hooks below keep it)
+
     def initialize_state(self, move_at: int | None = None, **kwargs) -> None:
         super().initialize_state(**kwargs)
         if move_at is not None and (not isinstance(move_at, int) or move_at < 1):
             raise ValueError(f"request_router_kwargs.move_at must be a positive int, got {move_at!r}")
         self.move_at = move_at
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        self.sent.routed(replica_id.unique_id, pending_request.metadata.internal_request_id)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self.sent.completed(replica_id.unique_id, internal_request_id)
+
+    def in_flight(self, replica: RunningReplica) -> int | None:
+        return replica_in_flight(replica.routing_stats.get(IN_FLIGHT), self.sent.count(replica.replica_id.unique_id))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -96,8 +154,7 @@ class UserAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if pending_request is None or not user_id or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
         move_at = self.move_at or min(r.max_ongoing_requests for r in candidate_replicas)
-        order = preference_order(user_id, candidate_replicas, replica_key,
-                                 lambda r: r.routing_stats.get(IN_FLIGHT), move_at)
+        order = preference_order(user_id, candidate_replicas, replica_key, self.in_flight, move_at)
         # One replica per rank: Serve tries them in this order, each only if it accepts (below its
         # max_ongoing_requests); when none does it backs off (0.025 s doubling to 0.5 s) and asks again.
         pending_request.routing_context.should_backoff = True

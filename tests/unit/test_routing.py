@@ -5,16 +5,29 @@ of a replica that comes or goes; an overloaded home is passed over for the next 
 tests/service/test_kv_tier_service.py run it inside Serve.)"""
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-from inferscale_server.routing import affinity_score, move_threshold, preference_order, replica_key
+from inferscale_server.routing import (
+    IN_FLIGHT,
+    InFlight,
+    UserAffinityRouter,
+    affinity_score,
+    move_threshold,
+    preference_order,
+    replica_in_flight,
+    replica_key,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 USERS = [f"user-{i}" for i in range(900)]
@@ -33,6 +46,7 @@ class Replica:
     slot: int | None = None
     ongoing: int | None = None
     routing_stats: dict = field(default_factory=dict)
+    max_ongoing_requests: int = 512
 
     @property
     def replica_id(self) -> _ReplicaId:
@@ -156,3 +170,67 @@ def test_the_score_is_the_same_in_every_process():
     outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
     assert outs == {str(affinity_score("alice", "slot-7"))}
+
+
+def test_the_routers_own_count_is_per_request_and_ignores_what_it_never_counted():
+    """Serve calls on_request_routed for an accepted request and on_request_completed for every dispatched one,
+    rejected tries included, from the thread that finishes it."""
+    sent = InFlight()
+    sent.routed("a", "r1")
+    sent.routed("a", "r2")
+    sent.routed("b", "r3")
+    sent.completed("a", "rejected-try")  # dispatched to a, refused there: never counted
+    sent.completed("b", "r1")  # r1 is a's
+    assert (sent.count("a"), sent.count("b"), sent.count("c")) == (2, 1, 0)
+    sent.completed("a", "r1")
+    sent.completed("a", "r1")  # once only
+    assert sent.count("a") == 1
+    threads = [threading.Thread(target=lambda i=i: [f("c", f"{i}-{j}") for f in (sent.routed, sent.completed)
+                                                    for j in range(500)]) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sent.count("c") == 0
+
+
+@pytest.mark.parametrize("reported, own, want", [(None, 0, None), (None, 3, 3), (7, 0, 7), (7, 40, 40), (40, 7, 40)])
+def test_a_replicas_load_is_the_larger_of_its_report_and_the_routers_count(reported, own, want):
+    assert replica_in_flight(reported, own) == want
+
+
+@dataclass
+class _Metadata:
+    multiplexed_model_id: str
+    internal_request_id: str
+
+
+@dataclass
+class _Pending:
+    metadata: _Metadata
+    routing_context: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(should_backoff=False))
+
+
+def test_a_user_stays_home_while_the_other_replicas_report_is_older_than_the_routers_own_sends():
+    """Run (18) of issue 30: the other replica reported before its users' wave arrived, so a second later it still
+    looked idle while this router had ~50 requests running there; 20 users of the busy home moved to it, each a cold
+    load. The router's own count keeps them home; once its requests there finish, the move happens as before."""
+    router = UserAffinityRouter(deployment_id=DeploymentID(name="EngineReplica", app_name="test"),
+                                handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(move_at=32)
+    replicas = [Replica(f"id-{s}", slot=s) for s in range(2)]
+    user = USERS[0]
+    home_, other = order(user, replicas, move_at=32)
+    home_.routing_stats, other.routing_stats = {IN_FLIGHT: 50}, {IN_FLIGHT: 5}
+
+    async def first_choice(request_id: str) -> Replica:
+        ranks = await router.choose_replicas(replicas, _Pending(_Metadata(user, request_id)))
+        return ranks[0][0]
+
+    assert asyncio.run(first_choice("q0")) is other  # the report alone: 50 vs 5, moved
+    for i in range(48):  # the other's wave, sent by this router since that report
+        router.on_request_routed(_Pending(_Metadata(f"u{i}", f"w{i}")), other.replica_id, None)
+    assert asyncio.run(first_choice("q1")) is home_
+    for i in range(48):
+        router.on_request_completed(other.replica_id, f"w{i}")
+    assert asyncio.run(first_choice("q2")) is other
