@@ -7,7 +7,9 @@ engines get what the other parts leave, so the parts that are not the engine are
 
 A process is named once, by its command line when first seen (Ray's workers title themselves
 `ray::ServeReplica:<app>:<Deployment>`), or, when that names nothing, by its parent (vLLM's `VLLM::EngineCore`
-is its engine replica's, or the engine alone's), and keeps that name. A process that ends between two marks
+is its engine replica's, or the engine alone's), and keeps that name. The engine core's own share of its part is
+kept beside (`vllm_core_marks`): what of an engine replica's CPU is vLLM's engine core, and what is the replica's
+process around it (Serve, the books, the answers' pieces). A process that ends between two marks
 loses its CPU since the earlier mark (psutil cannot read a dead process); one that starts counts from zero.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 
 import psutil
 
+VLLM_CORE = "VLLM::EngineCore"  # the title vLLM gives its engine core process
 SERVE_REPLICA = re.compile(r"ServeReplica:[^:\s]+:([A-Za-z0-9_]+)")
 # (substring of the command line, part), first match wins; the Serve replicas are matched before these.
 PARTS = (("ProxyActor", "serve proxy"), ("ServeController", "serve controller"), ("mooncake", "mooncake"),
@@ -43,6 +46,8 @@ class CpuLedger:
         self._parts: dict[int, str] = {}
         self._last: dict[int, float] = {}
         self.marks: list[tuple[str, dict[str, float]]] = []
+        self.vllm_core_marks: list[tuple[str, dict[str, float]]] = []  # per mark: part -> its vLLM cores' share
+        self._vllm_cores: set[int] = set()
 
     def _read(self) -> dict[int, float]:
         me = psutil.Process(os.getpid())
@@ -53,9 +58,12 @@ class CpuLedger:
             if proc.pid not in self._parts:
                 try:
                     parents[proc.pid] = proc.ppid()
-                    part = self.named.get(proc.pid) or part_of(" ".join(proc.cmdline()))
+                    cmdline = " ".join(proc.cmdline())
+                    part = self.named.get(proc.pid) or part_of(cmdline)
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
+                if VLLM_CORE in cmdline:
+                    self._vllm_cores.add(proc.pid)
                 if part != "other":
                     self._parts[proc.pid] = part
         for pid in parents:  # the unnamed ones take their parent's part (parents named first, whatever the order)
@@ -86,12 +94,16 @@ class CpuLedger:
         starts here."""
         now = self._read()
         spent: dict[str, float] = {}
+        in_cores: dict[str, float] = {}
         for pid, cpu in now.items():
             delta = cpu - self._last.get(pid, 0.0)
             if delta > 0:
                 part = self._parts[pid]
                 spent[part] = spent.get(part, 0.0) + delta
+                if pid in self._vllm_cores:
+                    in_cores[part] = in_cores.get(part, 0.0) + delta
         self._last = now
         out = {k: round(v, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
         self.marks.append((label, out))
+        self.vllm_core_marks.append((label, {k: round(v, 3) for k, v in in_cores.items()}))
         return out

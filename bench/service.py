@@ -708,7 +708,8 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
             if bar.disable:
                 print(f"  {ecell} done in {walls[ecell]:.1f} s", file=sys.stderr, flush=True)
     engine.shutdown()
-    return {"records": out_records, "walls": walls, "cpu": dict(ledger.marks), "setup_s": setup_s,
+    return {"records": out_records, "walls": walls, "cpu": dict(ledger.marks),
+            "vllm_core": dict(ledger.vllm_core_marks), "setup_s": setup_s,
             "facts_from_service_disk": from_disk, "facts_encoded_here": encoded_here}
 
 
@@ -844,20 +845,25 @@ def hop_order(name: str) -> tuple[int, str]:
 
 def cpu_lines(result: dict) -> list[str]:
     """Where each cell's cores went (bench/cpu_ledger.py): CPU ms per answered request, by part, the engine first;
-    "cores busy" is every part's CPU over the cell's wall time (the machine's cores bound it)."""
+    "cores busy" is every part's CPU over the cell's wall time (the machine's cores bound it). A part with vLLM
+    engine cores under it (the engine replicas, the engine alone) says in brackets how much of it they were."""
     by_cell = result.get("cpu_by_cell") or {}
     if not by_cell:
         return []
+    cores_by_cell = result.get("vllm_core_by_cell") or {}
     lines = ["", "CPU per answered request by part (ms of CPU, user + system, from /proc; the service's parts are "
-             "this run's processes, the engine alone is this process). On busy cores the engine gets what the "
-             "other parts leave:", "", "| cell | answered | wall s | cores busy | CPU ms per request, by part |",
-             "|---|---|---|---|---|"]
+             "this run's processes, the engine alone is this process; in brackets, the part's vLLM engine core "
+             "processes). On busy cores the engine gets what the other parts leave:", "",
+             "| cell | answered | wall s | cores busy | CPU ms per request, by part |", "|---|---|---|---|---|"]
     for row in result["rows"]:
         parts = by_cell.get(row["cell"])
         if not parts or not row["ok"] or not row["wall_s"]:
             continue
+        cores = cores_by_cell.get(row["cell"], {})
         engine_first = sorted(parts.items(), key=lambda kv: (kv[0] not in ("EngineReplica", "engine alone"), -kv[1]))
-        shown = ", ".join(f"{name} {1000 * sec / row['ok']:.0f}" for name, sec in engine_first if sec >= 0.0005)
+        shown = ", ".join(f"{name} {1000 * sec / row['ok']:.0f}"
+                          + (f" (vLLM core {1000 * cores[name] / row['ok']:.0f})" if cores.get(name) else "")
+                          for name, sec in engine_first if sec >= 0.0005)
         lines.append(f"| {row['cell']} | {row['ok']} | {row['wall_s']:.1f} | {sum(parts.values()) / row['wall_s']:.2f} "
                      f"| total {1000 * sum(parts.values()) / row['ok']:.0f}: {shown} |")
     return lines
@@ -1130,8 +1136,11 @@ def main(argv=None) -> int:
                                           "encoded_here": engine["facts_encoded_here"]}
     result["rows"] = rows
     result["cpu_by_cell"] = {cell: parts for cell, parts in ledger.marks if not cell.startswith("warm-")}
+    result["vllm_core_by_cell"] = {cell: cores for cell, cores in ledger.vllm_core_marks
+                                   if not cell.startswith("warm-")}
     if engine is not None:
         result["cpu_by_cell"].update(engine["cpu"])
+        result["vllm_core_by_cell"].update(engine["vllm_core"])
     result["ratios"] = ratios(rows, args)
     result["replicas"] = replicas
     examples, seen = [], set()

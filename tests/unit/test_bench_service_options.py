@@ -259,6 +259,41 @@ def test_a_process_the_ledger_cannot_name_is_charged_to_its_parents_part():
         shell.wait(timeout=30)
 
 
+def test_a_vllm_engine_cores_cpu_is_its_parts_and_also_told_apart():
+    """The engine replicas' CPU is their own process and vLLM's engine core under it (`VLLM::EngineCore`): the
+    ledger charges both to the part and keeps the core's share beside, so the report can say how much of an engine
+    replica's CPU is vLLM and how much the replica around it."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from bench.cpu_ledger import VLLM_CORE, CpuLedger
+
+    burn = ("import sys,time\nsys.stdin.readline()\nt=time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nprint('burnt', flush=True)\nsys.stdin.readline()")
+    ledger = CpuLedger()
+    # a named "replica" (a shell) whose unnamed child is titled as vLLM titles its engine core
+    replica = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\" {VLLM_CORE}", burn],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ledger.named[replica.pid] = "EngineReplica"
+        time.sleep(0.5)
+        (core,) = psutil.Process(replica.pid).children()
+        assert VLLM_CORE in " ".join(core.cmdline())
+        ledger.start()
+        replica.stdin.write("\n")
+        replica.stdin.flush()
+        assert replica.stdout.readline().strip() == "burnt"
+        spent = ledger.mark("busy")
+    finally:
+        replica.stdin.write("\n")
+        replica.stdin.flush()
+        replica.wait(timeout=30)
+    assert 0.25 <= spent["EngineReplica"] < 1.0
+    assert ledger.vllm_core_marks == [("busy", {"EngineReplica": spent["EngineReplica"]})]
+
+
 def test_the_report_splits_each_cells_cpu_per_request_by_part_engine_first():
     service = import_service()
     rows = [{"cell": "grpc-n100-inject-k50", "ok": 200, "wall_s": 20.0},
@@ -268,6 +303,10 @@ def test_the_report_splits_each_cells_cpu_per_request_by_part_engine_first():
         "engine-n100-inject-k50": {"engine alone": 19.0}}}))
     assert "| grpc-n100-inject-k50 | 200 | 20.0 | 1.90 | total 190: EngineReplica 120, Gateway 40, Retrieval 30 |" in text
     assert "| engine-n100-inject-k50 | 200 | 10.0 | 1.90 | total 95: engine alone 95 |" in text
+    text = "\n".join(service.cpu_lines({"rows": rows[:1], "cpu_by_cell": {
+        "grpc-n100-inject-k50": {"Gateway": 8.0, "EngineReplica": 24.0}},
+        "vllm_core_by_cell": {"grpc-n100-inject-k50": {"EngineReplica": 18.0}}}))
+    assert "| total 160: EngineReplica 120 (vLLM core 90), Gateway 40 |" in text
 
 
 def test_every_phase_of_the_noisy_neighbour_has_a_quarter_adds():
