@@ -21,7 +21,8 @@
    15, the niceness Ray gives the service's replicas (on a shared machine both sides get the same share).
 5. Prints and writes (bench/results/service_<tag>.json/.md/.png) the tables and issue 12's ratios with
    met/missed and margins, and each cell's CPU per answered request split by the service's parts (each
-   deployment, Serve's proxy, Ray, the stores, the client; bench/cpu_ledger.py) next to the engine alone's.
+   deployment, Serve's proxy, Ray, the stores, the client; bench/cpu_ledger.py; in brackets the share of vLLM's
+   engine core processes) next to the engine alone's.
    lscpu's model and flags, the load average and the registry that ran (with the keys each of its servers held
    when the service stopped) are in every output.
 
