@@ -195,6 +195,17 @@ def test_the_report_counts_users_served_by_more_than_one_engine_replica():
             "after load 2 (facts read from the cluster tier per replica: 50, 150).") in text
 
 
+def burner_code(seconds: float) -> str:
+    """A child's Python that waits for a line on stdin, burns `seconds` of CPU, prints "burnt", waits again."""
+    return ("import sys,time\nsys.stdin.readline()\nt=time.process_time()\n"
+            f"while time.process_time() - t < {seconds}: pass\nprint('burnt', flush=True)\nsys.stdin.readline()")
+
+
+def send_line(proc) -> None:
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+
+
 def test_the_cpu_ledger_charges_a_childs_cpu_to_its_part_between_marks():
     """bench/cpu_ledger.py, which splits each cell's CPU by the service's parts: a child that burns ~0.4 s of CPU
     is charged to the part it was named (and nothing to it before it ran); Ray's and Serve's command lines are
@@ -212,21 +223,18 @@ def test_the_cpu_ledger_charges_a_childs_cpu_to_its_part_between_marks():
     assert part_of("python something.py") == "other"
 
     ledger = CpuLedger()
-    child = subprocess.Popen([sys.executable, "-c", "import sys,time\nsys.stdin.readline()\nt=time.process_time()\n"
-                              "while time.process_time() - t < 0.4: pass\nprint('burnt', flush=True)\n"
-                              "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", burner_code(0.4)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     try:
         ledger.named[child.pid] = "burner"
         time.sleep(0.5)  # the interpreter's own start-up is charged before the first mark
         ledger.start()
         idle = ledger.mark("idle")
-        child.stdin.write("\n")
-        child.stdin.flush()
+        send_line(child)
         assert child.stdout.readline().strip() == "burnt"
         busy = ledger.mark("busy")
     finally:
-        child.stdin.write("\n")
-        child.stdin.flush()
+        send_line(child)
         child.wait(timeout=30)
     assert idle.get("burner", 0.0) < 0.05
     assert 0.35 <= busy["burner"] < 1.0
@@ -270,11 +278,9 @@ def test_a_vllm_engine_cores_cpu_is_its_parts_and_also_told_apart():
 
     from bench.cpu_ledger import VLLM_CORE, CpuLedger
 
-    burn = ("import sys,time\nsys.stdin.readline()\nt=time.process_time()\n"
-            "while time.process_time() - t < 0.3: pass\nprint('burnt', flush=True)\nsys.stdin.readline()")
     ledger = CpuLedger()
     # a named "replica" (a shell) whose unnamed child is titled as vLLM titles its engine core
-    replica = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\" {VLLM_CORE}", burn],
+    replica = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\" {VLLM_CORE}", burner_code(0.3)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         ledger.named[replica.pid] = "EngineReplica"
@@ -282,13 +288,11 @@ def test_a_vllm_engine_cores_cpu_is_its_parts_and_also_told_apart():
         (core,) = psutil.Process(replica.pid).children()
         assert VLLM_CORE in " ".join(core.cmdline())
         ledger.start()
-        replica.stdin.write("\n")
-        replica.stdin.flush()
+        send_line(replica)
         assert replica.stdout.readline().strip() == "burnt"
         spent = ledger.mark("busy")
     finally:
-        replica.stdin.write("\n")
-        replica.stdin.flush()
+        send_line(replica)
         replica.wait(timeout=30)
     assert 0.25 <= spent["EngineReplica"] < 1.0
     assert ledger.vllm_core_marks == [("busy", {"EngineReplica": spent["EngineReplica"]})]
