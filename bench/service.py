@@ -110,6 +110,8 @@ def parse_args(argv=None):
     ap.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                     help="tokens an answer's piece gathers after the first (ServiceConfig.stream_interval; 1: every "
                          f"token its own piece; default {DEFAULT_STREAM_INTERVAL}, the service's)")
+    ap.add_argument("--query-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the dtype retrieval embeds a query in (ServiceConfig.query_dtype; default auto, the service's)")
     ap.add_argument("--max-replicas", type=int, default=1,
                     help="Gateway/Retrieval/EncoderPool autoscale from 1 to this (replica counts are recorded)")
     ap.add_argument("--retrieval-replicas", type=int, default=None,
@@ -391,7 +393,7 @@ def replicas_desc(args) -> str:
     scaled = "Gateway/EncoderPool" if retrieval else "Gateway/Retrieval/EncoderPool"
     return (f"{args.engine_replicas} EngineReplica (engine_cpu_cores {engine_cpu_cores(args)}, stream_interval "
             f"{args.stream_interval}), {retrieval}"
-            f"{scaled} 1..{args.max_replicas}")
+            f"{scaled} 1..{args.max_replicas}; query_dtype {args.query_dtype}")
 
 
 def engine_cpu_cores(args) -> int:
@@ -412,7 +414,7 @@ def service_config(args, workdir: Path, registry_url: str | None, cluster_store:
                          max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
                          kv_dir=str(workdir / "kv"), deployments=deployments(args), cluster_store=cluster_store,
                          auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args),
-                         stream_interval=args.stream_interval)
+                         stream_interval=args.stream_interval, query_dtype=args.query_dtype)
 
 
 @contextlib.contextmanager

@@ -37,16 +37,20 @@ def _check_texts(texts) -> list[str]:
 class Embedder:
     """sentence-transformers model loaded lazily (once) from a local folder, never from the hub.
 
-    `embed(texts)` returns float32 `[N, dim]` L2-normalized rows on `device`.
+    `embed(texts)` returns float32 `[N, dim]` L2-normalized rows on `device`, whatever `dtype` the model computes
+    in (bfloat16 for queries where the hardware has it: services/retrieval.py query_dtype).
     """
 
     def __init__(self, model_path: str | Path | None = None, device: str | torch.device = "cpu",
-                 batch_size: int = 64):
+                 batch_size: int = 64, dtype: torch.dtype = torch.float32):
         self.model_path = Path(model_path) if model_path is not None else default_model_path()
         if not self.model_path.is_dir():
             raise FileNotFoundError(f"embedding model folder {self.model_path} does not exist")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"an Embedder computes in torch.float32 or torch.bfloat16, got {dtype}")
         self.device = torch.device(device)
         self.batch_size = batch_size
+        self.dtype = dtype
         self._model = None
         self._lock = threading.Lock()
 
@@ -60,7 +64,7 @@ class Embedder:
                 from sentence_transformers import SentenceTransformer
                 self._model = SentenceTransformer(str(self.model_path), device=str(self.device),
                                                   local_files_only=True)
-                self._model.eval()
+                self._model.to(self.dtype).eval()
             return self._model
 
     @property
@@ -73,10 +77,12 @@ class Embedder:
         texts = _check_texts(texts)
         if not texts:
             return torch.empty(0, self.dim, dtype=torch.float32, device=self.device)
+        low = self.dtype != torch.float32  # then normalized after the cast: a unit row to float32's precision
         with torch.inference_mode():
             out = self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True,
-                                    normalize_embeddings=True, show_progress_bar=False)
-        return out.to(self.device, torch.float32)
+                                    normalize_embeddings=not low, show_progress_bar=False)
+        out = out.to(self.device, torch.float32)
+        return torch.nn.functional.normalize(out, dim=1) if low else out
 
     __call__ = embed
 

@@ -178,6 +178,10 @@ class ServiceConfig:
     # Tokens a streamed answer's piece gathers after each choice's first (vLLM's --stream-interval; 1: every token
     # its own piece; services/engine_replica/answering.py PieceCoalescer).
     stream_interval: int = DEFAULT_STREAM_INTERVAL
+    # The dtype the retrieval replicas embed a query in (facts: float32 always). auto: bfloat16 where the replica's
+    # device computes it natively (a CPU with avx512_bf16 or amx_bf16, a CUDA GPU with bf16), else float32
+    # (services/retrieval.py RetrievalConfig.query_dtype; bench/query_dtype.py).
+    query_dtype: str = "auto"
     # services/auth.py AuthConfig fields; secrets only by file path or environment variable. Empty: JWT auth
     # with the key from $INFERSCALE_JWT_SECRET / _SECRET_FILE / _PUBLIC_KEY_FILE / _JWKS_URL.
     auth: dict = field(default_factory=dict)
@@ -185,6 +189,12 @@ class ServiceConfig:
     # names accepted; default ["inferscale"]), cors_allow_origins (browser origins allowed; default none).
     http: dict = field(default_factory=dict)
     deployments: dict[str, DeploymentSpec] = field(default_factory=_default_deployments)
+
+    def __post_init__(self):
+        from .retrieval import QUERY_DTYPES
+
+        if self.query_dtype not in QUERY_DTYPES:  # before anything deploys: the retrieval replicas would fail to start
+            raise ValueError(f"query_dtype must be one of {', '.join(QUERY_DTYPES)}, got {self.query_dtype!r}")
 
     def app_args(self) -> dict:
         """What app_builder receives (the Serve config's `args`)."""
@@ -194,7 +204,7 @@ class ServiceConfig:
                 "engine_overrides": dict(self.engine_overrides),
                 "admission_queue_factor": float(self.admission_queue_factor), "kv_dir": self.kv_dir,
                 "store_options": dict(self.store_options), "cluster_store": dict(self.cluster_store),
-                "stream_interval": self.stream_interval,
+                "stream_interval": self.stream_interval, "query_dtype": self.query_dtype,
                 **({"engine_cpu_cores": self.engine_cpu_cores} if self.engine_cpu_cores else {}),
                 **({"auth": dict(self.auth)} if self.auth else {}),
                 **({"http": dict(self.http)} if self.http else {})}
@@ -211,7 +221,8 @@ class ServiceConfig:
         """The Retrieval deployment's config (services/retrieval.py: checked when made)."""
         from .retrieval import RetrievalConfig
 
-        return RetrievalConfig(registry_url=registry_url, embedder_path=self.embedder_path)
+        return RetrievalConfig(registry_url=registry_url, embedder_path=self.embedder_path,
+                               query_dtype=self.query_dtype)
 
     def engine_replica_config(self, registry_url: str):
         """The EngineReplica's config (services/engine_replica/config.py: checked when made)."""
@@ -258,6 +269,7 @@ class ServiceConfig:
                    engine_overrides=dict(values["model"].get("engineOverrides") or {}),
                    admission_queue_factor=float(values["model"].get("admissionQueueFactor", 2.0)),
                    stream_interval=int(values["model"].get("streamInterval", DEFAULT_STREAM_INTERVAL)),
+                   query_dtype=values["model"].get("queryDtype", "auto"),
                    kv_dir=values["kvStore"]["dir"], store_options=store_options_for(values),
                    cluster_store=cluster_store_for(values, release), auth=auth_args_for(values), deployments=deps)
 

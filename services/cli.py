@@ -41,6 +41,9 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the engine's and the stored KV's dtype (default auto: bfloat16 where the CPU has "
                         "avx512_bf16 or amx_bf16, or on a CUDA GPU with bf16; else float32)")
+    p.add_argument("--query-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the dtype retrieval embeds a query in; facts are always float32 (default auto: bfloat16 "
+                        "where the CPU has avx512_bf16 or amx_bf16, or on a CUDA GPU with bf16; else float32)")
     p.add_argument("--grpc-port", type=int, default=9000)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1",
@@ -413,6 +416,7 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
     print(f"dtype {dtype} ({why})", flush=True)
     cfg = ServiceConfig(model_path=args.model, registry_url=args.redis_url, dtype=dtype,
                         max_model_len=args.max_model_len, stream_interval=args.stream_interval,
+                        query_dtype=args.query_dtype,
                         http_port=args.http_port, grpc_port=args.grpc_port,
                         kv_dir=args.kv_dir or str(cache_dir() / "kv"), store_options=store_settings(args),
                         deployments=single_node_deployments(),

@@ -90,3 +90,21 @@ def test_custom_callable_errors():
     e.embed(["a"])
     with pytest.raises(ValueError, match="dim 4, earlier calls returned 3"):
         e.embed(["b"])
+
+
+def test_a_bfloat16_embedder_gives_unit_float32_rows_that_rank_as_float32_does(embedder):
+    """The retrieval replica's query embedder (RetrievalConfig.query_dtype): the same model in bfloat16, rows cast
+    to float32 and normalized there (unit to float32's precision, not bfloat16's), scoring against float32 fact
+    rows as the float32 query does: within 2e-2 of its scores, the same order on these facts."""
+    low = Embedder(dtype=torch.bfloat16)
+    facts = embedder.embed(["The user has a cat named Miso.", "The user works as a nurse at a hospital.",
+                            "The user is allergic to peanuts.", "The user lives in Oslo."])
+    questions = ["What is my cat called?", "Where do I work?", "Which foods should I avoid?", "Where do I live?"]
+    q32, q16 = embedder.embed(questions), low.embed(questions)
+    assert q16.dtype == torch.float32 and q16.shape == q32.shape
+    torch.testing.assert_close(q16.norm(dim=1), torch.ones(4), rtol=0, atol=1e-6)
+    torch.testing.assert_close(q16 @ facts.T, q32 @ facts.T, rtol=0, atol=2e-2)
+    assert (q16 @ facts.T).argmax(dim=1).tolist() == (q32 @ facts.T).argmax(dim=1).tolist() == [0, 1, 2, 3]
+    assert next(low.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float32 or torch.bfloat16, got torch.float16"):
+        Embedder(dtype=torch.float16)

@@ -535,7 +535,7 @@ def test_grafana_dashboard_is_optional_and_every_panel_is_a_query_of_exported_me
 
 def test_rendered_serve_config_follows_values(helm):
     sets = ["deployments.EngineReplica.maxReplicas=7", "deployments.EncoderPool.numGpus=0.5",
-            "model.path=/m/other", "redis.enabled=false", "redis.externalUrl=redis://ext:6379/1",
+            "model.path=/m/other", "model.queryDtype=float32", "redis.enabled=false", "redis.externalUrl=redis://ext:6379/1",
             "ports.grpc=9100", "limits.max_fact_chars=4000", "auth.issuer=https://id.example",
             "networkPolicy.egress.to[0].ports[0].port=6379"]  # the external Redis, reachable from the workers
     docs = _render(helm, *sets, release="r2")
@@ -543,6 +543,7 @@ def test_rendered_serve_config_follows_values(helm):
     values["deployments"]["EngineReplica"]["maxReplicas"] = 7
     values["deployments"]["EncoderPool"]["numGpus"] = 0.5
     values["model"]["path"] = "/m/other"
+    values["model"]["queryDtype"] = "float32"
     values["redis"].update(enabled=False, externalUrl="redis://ext:6379/1")
     values["ports"]["grpc"] = 9100
     values["limits"]["max_fact_chars"] = 4000  # Helm merges the map: the work budget stays
@@ -550,6 +551,7 @@ def test_rendered_serve_config_follows_values(helm):
     rendered = yaml.safe_load(_rayservice(docs)["spec"]["serveConfigV2"])
     assert rendered == serve_config(ServiceConfig.from_chart_values(values, "r2"))
     assert rendered["applications"][0]["args"]["auth"] == {"issuer": "https://id.example"}
+    assert rendered["applications"][0]["args"]["query_dtype"] == "float32"
     assert not [d for d in docs if d["kind"] == "StatefulSet"]  # external Redis: no StatefulSet
     assert not {"INFERSCALE_REDIS_PASSWORD", "INFERSCALE_REDIS_PASSWORD_FILE"} & set(_env(_pod_specs(docs)["ray-head"]["containers"][0]))
     (grpc_svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "r2-grpc"]

@@ -95,3 +95,53 @@ def test_a_failed_call_fails_its_own_batch_only():
 def test_max_batch_must_be_positive():
     with pytest.raises(ValueError, match="max_batch must be at least 1"):
         QueryBatcher(lambda texts: texts, max_batch=0)
+
+
+def test_queries_go_to_the_query_embedder_and_facts_to_the_fact_embedder():
+    """RetrievalCore with a query embedder of its own (the deployment's bfloat16 copy): a search embeds its query
+    there and nowhere else, the user's facts are embedded by the fact embedder (float32: what the registry stores
+    for every replica), and the search still finds the fact the float32 query finds."""
+    from inferscale_core.embedder import CallableEmbedder, Embedder
+    from inferscale_server.registry import NewFact, open_registry
+    from inferscale_server.retrieval import RetrievalCore
+
+    seen: dict[str, list[str]] = {"facts": [], "queries": []}
+    low = Embedder(dtype=torch.bfloat16)
+
+    def recording(name, embed):
+        return CallableEmbedder(lambda texts: seen[name].extend(texts) or embed(texts))
+
+    registry = open_registry(None)
+    core = RetrievalCore(registry, recording("facts", default_embedder().embed),
+                         query_embedder=recording("queries", low.embed))
+    dog, _ = registry.create("u", [NewFact("My dog is called Rex"), NewFact("I like green tea")])
+    assert [f for f, _ in core.search("u", "what is my dog's name?", 1)] == [dog.fact_id]
+    assert seen["facts"] == ["dimension probe", "My dog is called Rex", "I like green tea"]  # the probe: the index's width
+    assert seen["queries"] == ["what is my dog's name?"]
+    stored = torch.as_tensor(registry.get("u", dog.fact_id).embedding)
+    torch.testing.assert_close(stored, default_embedder().embed(["My dog is called Rex"])[0], rtol=0, atol=1e-6)
+
+
+def test_the_query_dtype_follows_the_replicas_hardware_unless_set():
+    """query_dtype auto: bfloat16 where the retrieval replica's device computes it natively (a CPU with
+    avx512_bf16 or amx_bf16, a CUDA GPU with bf16), float32 elsewhere, a GPU without bf16 included whatever its
+    host CPU has; an explicit dtype wins; a misspelled one is refused when the config is made."""
+    from inferscale_server.app import ServiceConfig
+    from inferscale_server.retrieval import RetrievalConfig
+
+    auto = RetrievalConfig()
+    assert auto.resolved_query_dtype("cpu", cpu_flags={"avx2", "avx512f", "avx512_bf16"}) == (
+        torch.bfloat16, "the CPU has avx512_bf16")
+    assert auto.resolved_query_dtype("cpu", cpu_flags={"amx_bf16"})[0] == torch.bfloat16
+    assert auto.resolved_query_dtype("cpu", cpu_flags={"avx2", "avx512f"})[0] == torch.float32
+    assert auto.resolved_query_dtype("cuda:0", cuda_bf16=True, cpu_flags=set())[0] == torch.bfloat16
+    assert auto.resolved_query_dtype("cuda:0", cuda_bf16=False, cpu_flags={"avx512_bf16"})[0] == torch.float32
+    assert RetrievalConfig(query_dtype="float32").resolved_query_dtype("cpu", cpu_flags={"amx_bf16"}) == (
+        torch.float32, "query_dtype")
+    assert RetrievalConfig(query_dtype="bfloat16").resolved_query_dtype("cpu", cpu_flags=set())[0] == torch.bfloat16
+    for make in (lambda: RetrievalConfig(query_dtype="fp16"), lambda: ServiceConfig(query_dtype="fp16"),
+                 lambda: ServiceConfig.from_args({"query_dtype": "half"})):
+        with pytest.raises(ValueError, match="query_dtype must be one of auto, float32, bfloat16"):
+            make()
+    assert ServiceConfig(query_dtype="float32").retrieval_config("redis://r").query_dtype == "float32"
+    assert ServiceConfig().app_args()["query_dtype"] == "auto"

@@ -77,6 +77,7 @@ this release's values applied, by the same mapping as services/app.py:ServiceCon
 {{- $_ := set $args "engine_overrides" (.Values.model.engineOverrides | default dict) -}}
 {{- $_ := set $args "admission_queue_factor" (float64 .Values.model.admissionQueueFactor) -}}
 {{- $_ := set $args "stream_interval" (int .Values.model.streamInterval) -}}
+{{- $_ := set $args "query_dtype" (.Values.model.queryDtype | default "auto") -}}
 {{- $_ := set $args "kv_dir" .Values.kvStore.dir -}}
 {{- $storeOptions := deepCopy (.Values.kvStore.options | default dict) -}}
 {{- if and .Values.kvStore.dir .Values.kvStore.diskBudgetGiB -}}
