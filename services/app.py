@@ -381,12 +381,8 @@ def build_app(cfg: ServiceConfig):
     engine = serve.deployment(name="EngineReplica", **opts["EngineReplica"])(EngineReplica).bind(
         encoder, cfg.engine_replica_config(registry_url))
     gateway = serve.deployment(name="Gateway", **opts["Gateway"])(serve.ingress(http_app)(Gateway))
-    # An engine on a CPU node's cores but the first (engine_cpu_cores 0, no GPU): a caller's heavy work keeps off
-    # its cores (services/gateway/caller_work.py).
-    leaves_light = cfg.engine_cpu_cores == 0 and not engine_spec.num_gpus
     return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
-                        embedder_path=cfg.embedder_path, auth=cfg.auth, http=cfg.http,
-                        engine_leaves_light_cores=leaves_light)
+                        embedder_path=cfg.embedder_path, auth=cfg.auth, http=cfg.http)
 
 
 def app_builder(args: dict):

@@ -51,7 +51,6 @@ from ..registry import (
     VersionConflictError,
     check_idempotency_key,
 )
-from .caller_work import CallerWorkPool
 from .principal_limits import PrincipalLimit, PrincipalLimits, pause_before_refusal
 from .work_budget import Resource, WorkBudget, WorkLimit, scan_units, text_units
 
@@ -187,11 +186,9 @@ def _fingerprint(facts: list[NewFact]) -> str:
 
 class GatewayCore:
     def __init__(self, registry: Registry, backends: Backends | None = None, limits: Limits = Limits(),
-                 embedder_path: str | None = None, *, auth: Authenticator, caller_work: CallerWorkPool | None = None):
-        """`auth` is required: Authenticator.insecure() is the explicit way to run without it. `caller_work`: the
-        threads of a caller's heavy work (filter scans, large bodies; default: any core, lowest priority)."""
+                 embedder_path: str | None = None, *, auth: Authenticator):
+        """`auth` is required: Authenticator.insecure() is the explicit way to run without it."""
         self.registry, self.backends, self.limits, self.auth = registry, backends, limits, auth
-        self.caller_work = caller_work or CallerWorkPool()
         self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
         self._extractor: Mem0Extractor | None = None  # built on the first infer=true request
         self._extractor_lock = asyncio.Lock()
@@ -623,8 +620,8 @@ class GatewayCore:
             # a filter widens the read up to the user's every fact
             self.work.spent(Resource.GATEWAY, scan_units(len(hits), match))
             out = [(recs[f], s) for f, s in hits if f in recs and (threshold is None or s >= threshold)]
-            if match is not None:  # up to max_facts_per_user records: matched in a caller-work thread, never the loop
-                out = await self.caller_work.run(lambda: [(r, s) for r, s in out if match(r)])
+            if match is not None:  # up to max_facts_per_user records: matched in a worker thread, never the loop
+                out = await asyncio.to_thread(lambda: [(r, s) for r, s in out if match(r)])
             if (len(out) >= k or match is None or len(hits) < want or want >= self.limits.max_facts_per_user
                     or (threshold is not None and hits and hits[-1][1] < threshold)):
                 return out[:k]

@@ -142,9 +142,9 @@ def build_http_app(core_getter, metrics_getter=None, config_getter=None):
             check_declared_size(request, core.limits.max_request_bytes)
             caller = await core.authenticate("Answer", request.headers.get("authorization"))
             body = await read_body(request, core.limits.max_request_bytes)
-            # A large JSON body is parsed in a caller-work thread: the replica's other streams keep running.
+            # A large JSON body is parsed in a worker thread: the replica's other streams keep running.
             args = (body, caller, core.auth.enabled, core.limits, served)
-            call = chat_call(*args) if len(body) <= PARSE_INLINE_BYTES else await core.caller_work.run(chat_call, *args)
+            call = chat_call(*args) if len(body) <= PARSE_INLINE_BYTES else await asyncio.to_thread(chat_call, *args)
             gen = core.answer_pieces(call.answer.SerializeToString(), caller, call.openai)
             first = await gen.__anext__()  # validation and backend errors surface before any byte is sent
         except StopAsyncIteration:

@@ -569,7 +569,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                     if body_model is not None:
                         raw = await read_body(request, core.limits.max_request_bytes)
                         body = (_parse(body_model, raw) if len(raw) <= PARSE_INLINE_BYTES
-                                else await core.caller_work.run(_parse, body_model, raw))
+                                else await asyncio.to_thread(_parse, body_model, raw))
                     out = await handler(core, caller, request, body)
                 except Exception as e:  # noqa: BLE001
                     err = status_of(PREFIX + name, e)
@@ -669,12 +669,12 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         return list(seen)
 
     async def delete_matching(core, uid: str, match) -> int:
-        """Deletes the user's memories that `match` keeps (read 1000 at a time, matched in a caller-work thread);
+        """Deletes the user's memories that `match` keeps (read 1000 at a time, matched in a worker thread);
         one deleted meanwhile is gone either way."""
         n, doomed = 0, []
         offset: int | None = 0
         while offset is not None:
-            recs, read, offset = await core.caller_work.run(_matching, core.registry, uid, offset, match)
+            recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
             core.work.spent(Resource.GATEWAY, scan_units(read, match))
             doomed += [r.fact_id for r in recs]
         for fid in doomed:
@@ -730,11 +730,11 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
             recs = (await asyncio.to_thread(core.registry.list, uid, first, size))[0] if first < count else []
             core.work.spent(Resource.GATEWAY, scan_units(len(recs)))
             results = [memory_json(r) for r in recs]
-        else:  # one pass over the user's facts, 1000 at a time, read and matched in a caller-work thread (never the loop)
+        else:  # one pass over the user's facts, 1000 at a time, read and matched in a worker thread (never the loop)
             count, results = 0, []
             offset: int | None = 0
             while offset is not None:
-                recs, read, offset = await core.caller_work.run(_matching, core.registry, uid, offset, match)
+                recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
                 core.work.spent(Resource.GATEWAY, scan_units(read, flt))  # the filter's weight, not the expiry's
                 results += [memory_json(r) for r in recs[max(0, first - count):max(0, first + size - count)]]
                 count += len(recs)
@@ -917,7 +917,7 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                            "So delete_users() without arguments and reset() are refused too: InferScale does not "
                            "delete every user at once; delete_users(user_id=<id>) erases one")
         uid = owner(core, caller, "ListMemories", named)
-        found = await core.caller_work.run(_entities, core.registry, uid, core.limits.max_page_size)
+        found = await asyncio.to_thread(_entities, core.registry, uid, core.limits.max_page_size)
         return {"count": len(found), "next": None, "previous": None, "results": found}
 
     @route("DeleteUser", "delete_entity")

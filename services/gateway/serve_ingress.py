@@ -11,8 +11,6 @@ from typing import cast
 
 import grpc
 
-from inferscale_core.vllm_env import usable_cpus
-
 from ..auth import AuthConfig, Authenticator
 from ..deadlines import caller_deadline, time_left, within_deadline
 from ..errors import to_api_error
@@ -22,7 +20,6 @@ from ..metrics import GatewayMetrics
 from ..modes import wire_mode
 from ..proxy_setup import DEADLINE_ATTR
 from ..registry import open_registry
-from .caller_work import CallerWorkPool, light_cores
 from .core import GatewayCore
 from .grpc_front import health_check, health_watch, metadata_value, status_of
 from .http_front import HttpConfig, build_http_app
@@ -171,9 +168,7 @@ class Gateway:
 
     def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
                  limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None,
-                 http: dict | None = None, engine_leaves_light_cores: bool = False):
-        """`engine_leaves_light_cores`: the engine replicas of this service compute on a CPU node's cores but
-        the first (ServiceConfig.engine_cpu_cores 0), so a caller's heavy work keeps to those (caller_work.py)."""
+                 http: dict | None = None):
 
         # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
         handles = (encoder, retrieval, engine)
@@ -186,9 +181,8 @@ class Gateway:
         if not authenticator.enabled:
             log.warning("AUTHENTICATION IS OFF (insecure_no_auth): any caller can read and change any user's memory")
         # Without authentication Mem0's clients name a memory by its id alone: only then is its owner indexed.
-        caller_work = CallerWorkPool(light_cores(engine_leaves_light_cores, usable_cpus()))
         self.core = GatewayCore(open_registry(registry_url, index_owners=not authenticator.enabled), backends,
-                                Limits(**(limits or {})), embedder_path, auth=authenticator, caller_work=caller_work)
+                                Limits(**(limits or {})), embedder_path, auth=authenticator)
 
     async def stats(self, subject: str | None = None) -> dict:
         """This replica's work budget (work_budget.WorkBudget.stats; with `subject`, that caller's balance and net
