@@ -4,6 +4,7 @@ servers started, the URL and deployments the app is given, what the report says)
 The app on the cluster end to end is tests/service/test_bench_service.py's quick run (`--registry cluster`)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -206,11 +207,30 @@ def send_line(proc) -> None:
     proc.stdin.flush()
 
 
+@contextlib.contextmanager
+def burner(argv: list[str]):
+    """A burner child started by `argv` (stdin and stdout piped); on exit it is sent its last line and waited for."""
+    import subprocess
+
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        send_line(proc)
+        proc.wait(timeout=30)
+
+
+def burn_and_mark(ledger, proc, label: str) -> dict[str, float]:
+    """Let the burner burn once, then the ledger's mark `label` (what each part spent since the last mark)."""
+    send_line(proc)
+    assert proc.stdout.readline().strip() == "burnt"
+    return ledger.mark(label)
+
+
 def test_the_cpu_ledger_charges_a_childs_cpu_to_its_part_between_marks():
     """bench/cpu_ledger.py, which splits each cell's CPU by the service's parts: a child that burns ~0.4 s of CPU
     is charged to the part it was named (and nothing to it before it ran); Ray's and Serve's command lines are
     named by deployment and daemon."""
-    import subprocess
     import sys
 
     from bench.cpu_ledger import CpuLedger, part_of
@@ -223,19 +243,12 @@ def test_the_cpu_ledger_charges_a_childs_cpu_to_its_part_between_marks():
     assert part_of("python something.py") == "other"
 
     ledger = CpuLedger()
-    child = subprocess.Popen([sys.executable, "-c", burner_code(0.4)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
-    try:
+    with burner([sys.executable, "-c", burner_code(0.4)]) as child:
         ledger.named[child.pid] = "burner"
         time.sleep(0.5)  # the interpreter's own start-up is charged before the first mark
         ledger.start()
         idle = ledger.mark("idle")
-        send_line(child)
-        assert child.stdout.readline().strip() == "burnt"
-        busy = ledger.mark("busy")
-    finally:
-        send_line(child)
-        child.wait(timeout=30)
+        busy = burn_and_mark(ledger, child, "busy")
     assert idle.get("burner", 0.0) < 0.05
     assert 0.35 <= busy["burner"] < 1.0
     assert [label for label, _ in ledger.marks] == ["idle", "busy"]
@@ -271,7 +284,6 @@ def test_a_vllm_engine_cores_cpu_is_its_parts_and_also_told_apart():
     """The engine replicas' CPU is their own process and vLLM's engine core under it (`VLLM::EngineCore`): the
     ledger charges both to the part and keeps the core's share beside, so the report can say how much of an engine
     replica's CPU is vLLM and how much the replica around it."""
-    import subprocess
     import sys
 
     import psutil
@@ -280,20 +292,13 @@ def test_a_vllm_engine_cores_cpu_is_its_parts_and_also_told_apart():
 
     ledger = CpuLedger()
     # a named "replica" (a shell) whose unnamed child is titled as vLLM titles its engine core
-    replica = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\" {VLLM_CORE}", burner_code(0.3)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
+    with burner(["sh", "-c", f"{sys.executable} -c \"$0\" {VLLM_CORE}", burner_code(0.3)]) as replica:
         ledger.named[replica.pid] = "EngineReplica"
         time.sleep(0.5)
         (core,) = psutil.Process(replica.pid).children()
         assert VLLM_CORE in " ".join(core.cmdline())
         ledger.start()
-        send_line(replica)
-        assert replica.stdout.readline().strip() == "burnt"
-        spent = ledger.mark("busy")
-    finally:
-        send_line(replica)
-        replica.wait(timeout=30)
+        spent = burn_and_mark(ledger, replica, "busy")
     assert 0.25 <= spent["EngineReplica"] < 1.0
     assert ledger.vllm_core_marks == [("busy", {"EngineReplica": spent["EngineReplica"]})]
 
