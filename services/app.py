@@ -191,10 +191,9 @@ class ServiceConfig:
     deployments: dict[str, DeploymentSpec] = field(default_factory=_default_deployments)
 
     def __post_init__(self):
-        from .retrieval import QUERY_DTYPES
+        from .retrieval import check_query_dtype
 
-        if self.query_dtype not in QUERY_DTYPES:  # before anything deploys: the retrieval replicas would fail to start
-            raise ValueError(f"query_dtype must be one of {', '.join(QUERY_DTYPES)}, got {self.query_dtype!r}")
+        check_query_dtype(self.query_dtype)  # before anything deploys: the retrieval replicas would fail to start
 
     def app_args(self) -> dict:
         """What app_builder receives (the Serve config's `args`)."""

@@ -53,6 +53,14 @@ def max_index_bytes(environ=os.environ) -> int:
 
 
 QUERY_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def check_query_dtype(value: str) -> None:
+    """ValueError naming the setting unless `value` is one of QUERY_DTYPES (RetrievalConfig, ServiceConfig)."""
+    if value not in QUERY_DTYPES:
+        raise ValueError(f"query_dtype must be one of {', '.join(QUERY_DTYPES)}, got {value!r}")
+
+
 QUERY_BATCH = 64  # queries embedded in one call at most (the Embedder's own batch size)
 
 
@@ -322,8 +330,7 @@ class RetrievalConfig:
         from .encoder_pool import check_device
 
         check_device(self.device)
-        if self.query_dtype not in QUERY_DTYPES:
-            raise ValueError(f"query_dtype must be one of {', '.join(QUERY_DTYPES)}, got {self.query_dtype!r}")
+        check_query_dtype(self.query_dtype)
 
     def resolved_query_dtype(self, device: str, cuda_bf16: bool | None = None,
                              cpu_flags: set[str] | None = None) -> tuple[torch.dtype, str]:
@@ -362,8 +369,7 @@ class Retrieval:
         query_dtype, why = config.resolved_query_dtype(device)
         log.info("retrieval: queries embedded in %s (%s)", str(query_dtype).removeprefix("torch."), why)
         facts = Embedder(config.embedder_path, device=device)
-        queries = facts if query_dtype == torch.float32 else Embedder(config.embedder_path, device=device,
-                                                                     dtype=query_dtype)
+        queries = facts.in_dtype(query_dtype)  # at start-up, from the weights just read: not at the first query
         self.core = RetrievalCore(open_registry(config.registry_url), facts, device, max_index_bytes(),
                                   query_embedder=queries)
         # Searches run on threads of their own, as many as a query batch holds: asyncio's default pool has
