@@ -1,6 +1,7 @@
 """Sentence embeddings for fact retrieval: all-MiniLM-L6-v2 from its pip package, or any user callable."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import threading
@@ -66,6 +67,15 @@ class Embedder:
                                                   local_files_only=True)
                 self._model.to(self.dtype).eval()
             return self._model
+
+    def in_dtype(self, dtype: torch.dtype) -> "Embedder":
+        """The same model computing in `dtype`: this one's weights copied and cast (read from disk once, not twice);
+        self when it already computes in `dtype`."""
+        if dtype == self.dtype:
+            return self
+        other = Embedder(self.model_path, self.device, self.batch_size, dtype)
+        other._model = copy.deepcopy(self.model).to(dtype).eval()
+        return other
 
     @property
     def dim(self) -> int:

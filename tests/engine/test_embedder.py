@@ -108,3 +108,7 @@ def test_a_bfloat16_embedder_gives_unit_float32_rows_that_rank_as_float32_does(e
     assert next(low.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="float32 or torch.bfloat16, got torch.float16"):
         Embedder(dtype=torch.float16)
+    copied = embedder.in_dtype(torch.bfloat16)  # what the retrieval replica holds: a cast copy, not a second read
+    assert copied.dtype == torch.bfloat16 and embedder.in_dtype(torch.float32) is embedder
+    torch.testing.assert_close(copied.embed(questions), q16, rtol=0, atol=0)
+    assert next(embedder.model.parameters()).dtype == torch.float32  # the original is left as it was
