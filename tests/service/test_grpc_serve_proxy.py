@@ -10,6 +10,7 @@ import grpc
 import pytest
 from support.auth_fixture import one_call_per_rpc, refused, rich_refusal, token_channel, token_for
 from support.grpc_interop import check_interop, run_client
+from support.local_service import start_local_ray
 
 from inferscale_server import api
 from inferscale_server.api import pb2, pb2_grpc
@@ -37,9 +38,10 @@ def serve_ports(redis_url, jwt_secret):
     # The proxies' environment as every deployment mode sets it (transport limits, the proxy callback), and the
     # gRPC proxy bound to loopback as `inferscale serve` binds it.
     # The body deadline shortened from its 30 s so that test_a_slow_body_is_refused_by_the_proxy is quick.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **serve_start_env("127.0.0.1"),
-                                       BODY_TIMEOUT_ENV: str(BODY_TIMEOUT_S)}})
+    # support.local_service's start: a head that timed out coming up is started once more (seen here in CI)
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+                    runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", **serve_start_env("127.0.0.1"),
+                                              BODY_TIMEOUT_ENV: str(BODY_TIMEOUT_S)}})
     # Picked after ray.init: Ray's head processes bind ports of their own there (support.local_service says so).
     grpc_port, http_port = free_port(), free_port()
     try:
