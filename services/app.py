@@ -51,9 +51,23 @@ FLOAT_LIMITS = tuple(f.name for f in fields(Limits) if f.type == "float")
 # Serve's gRPC proxy accepts messages up to 2 GiB unless RAY_SERVE_GRPC_MAX_MESSAGE_SIZE says less, and it
 # buffers a whole message before anything of ours runs; services/proxy_setup.py (Serve's proxy callback) limits
 # HTTP bodies in the HTTP proxy and binds the gRPC proxy where INFERSCALE_GRPC_HOST says.
+#
+# And Serve's request path as Ray's own throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED, Ray 2.55+) sets it, without
+# that mode's direct ingress (no proxies: our proxy callback holds the body limits) or its gRPC data plane between
+# replicas (ports the chart's NetworkPolicies do not open): a replica runs our code on its own event loop and its
+# handles' routers there too, instead of a thread each that every request crosses twice; the per-request access
+# log is buffered (1,000 lines, flushed at once on an ERROR line) and written to Serve's log files only, not to
+# stderr, which Ray's log monitor would ship to the driver line by line. Measured through the service (BENCHMARKS.md,
+# "Serve's request path"): the CPU per KV answer outside vLLM at N=100 fell by about a fifth. The cost: a Serve
+# handle may then be used only from inside an event loop (services/observe.py asks from one), and a replica's logs
+# are in Ray's session folder (logs/serve/), not on the console of `inferscale serve`.
+SERVE_REQUEST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                          "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                          "RAY_SERVE_LOG_TO_STDERR": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
 SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
                    "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(TRANSPORT_MAX_MESSAGE_BYTES),
-                   "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "inferscale_server.proxy_setup:proxy_setup"}
+                   "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "inferscale_server.proxy_setup:proxy_setup",
+                   **SERVE_REQUEST_PATH_ENV}
 
 
 def serve_start_env(host: str) -> dict[str, str]:

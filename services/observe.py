@@ -3,6 +3,7 @@
 replica's own stats (the tests' and bench/service.py's view of which users a replica holds)."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -23,17 +24,24 @@ def engine_replica_stats(replicas: int, app_name: str = "inferscale", calls: int
                          timeout_s: float = 60) -> dict[str, dict]:
     """stats() of each of `replicas` engine replicas (held users, loads, admission), by replica id. A call without
     a user lands on the replica Serve picks, so this asks until each has answered; RuntimeError after `calls` calls
-    with fewer. Needs a connected Ray with the app running."""
+    with fewer. Needs a connected Ray with the app running.
+
+    Asked from an event loop of its own, made and closed here: with RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 in this
+    process's environment (services/app.py SERVE_REQUEST_PATH_ENV; `inferscale serve` and bench/service.py export
+    it) a handle routes on the loop it is first used in and refuses a blocking .result() outside one."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("EngineReplica", app_name=app_name)
-    out: dict[str, dict] = {}
-    for _ in range(calls):
-        st = handle.stats.remote().result(timeout_s=timeout_s)
-        out[st["replica_id"]] = st
-        if len(out) >= replicas:
-            return out
-    raise RuntimeError(f"only {len(out)} of {replicas} engine replicas answered stats() in {calls} calls")
+    async def ask() -> dict[str, dict]:
+        handle = serve.get_deployment_handle("EngineReplica", app_name=app_name)
+        out: dict[str, dict] = {}
+        for _ in range(calls):
+            st = await asyncio.wait_for(handle.stats.remote(), timeout_s)
+            out[st["replica_id"]] = st
+            if len(out) >= replicas:
+                return out
+        raise RuntimeError(f"only {len(out)} of {replicas} engine replicas answered stats() in {calls} calls")
+
+    return asyncio.run(ask())
 
 
 class ReplicaTimeline:
