@@ -445,12 +445,22 @@ def _serve(args, stack: contextlib.ExitStack) -> int:
           f"{f'{args.kv_disk_budget_gib:g} GiB' if args.kv_disk_budget_gib else 'a quarter of the free disk'}\n"
           f"  KV cluster tier  {_cluster_line(args, cfg.cluster_store)}\n"
           f"  auth  {_auth_line(cfg.auth)}\n"
+          f"  logs  {_serve_logs_dir()} (each replica's; not echoed here: services/app.py SERVE_REQUEST_PATH_ENV)\n"
           f"try: inferscale add alice \"Alice has a cat named Pixel.\" --target 127.0.0.1:{cfg.grpc_port}",
           flush=True)
     if args.insecure_no_auth:
         print(INSECURE_BANNER, file=sys.stderr, flush=True)
     while True:  # until SIGTERM or SIGINT raises StopRequested here (serve_cmd stops everything)
         time.sleep(3600)
+
+
+def _serve_logs_dir() -> str:
+    """Where this machine's Ray writes Serve's logs: the session folder of the Ray started here."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)  # Ray keeps no public accessor for it
+    session = node.get_session_dir_path() if node is not None else "/tmp/ray/session_latest"
+    return f"{session}/logs/serve/"
 
 
 def _auth_line(auth: dict) -> str:

@@ -114,7 +114,8 @@ def two_node_ray(tmp_path, monkeypatch):
     a worker node that joins it with `ray start --address`, both on 127.0.0.1, the secrets handed to Ray by
     environment variable as the cluster file does. Yields (gcs address, redis url, jwt secret)."""
     from inferscale_core.vllm_env import vllm_cpu_env
-    from inferscale_server.app import SERVE_START_ENV
+    from inferscale_server.app import SERVE_REQUEST_PATH_ENV, SERVE_START_ENV
+    from inferscale_server.proxy_setup import TRANSPORT_MAX_MESSAGE_BYTES
 
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed (Debian package redis-server)")
@@ -131,6 +132,11 @@ def two_node_ray(tmp_path, monkeypatch):
     (start_head,) = [c for c in RAW["head_start_ray_commands"] if "ray start" in c]
     for name, value in SERVE_START_ENV.items():  # the cluster file exports the same start-up timeouts
         assert f"{name}={value}" in start_head
+    (start_worker,) = [c for c in RAW["worker_start_ray_commands"] if "ray start" in c]
+    for name, value in {**SERVE_REQUEST_PATH_ENV, "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(TRANSPORT_MAX_MESSAGE_BYTES),
+                        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH":
+                            SERVE_START_ENV["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]}.items():
+        assert f"{name}={value}" in start_worker  # the replicas and the node's proxies run there
     env = {**os.environ, "HOME": str(home)}
     password = (secrets / "redis-password").read_text().strip()
     # Ray's own token auth, with this cluster's token: ray 2.60 turns token auth on for any local ray.init()

@@ -179,7 +179,7 @@ securityContext:
 
 {{/*
 Environment of every Ray container: the secrets (by reference, never as values; no HS256 secret with a JWKS),
-Serve's start-up timeouts and proxy limits (services/app.py:SERVE_START_ENV; tests/test_chart.py checks they
+Serve's start-up timeouts, proxy limits and request path (services/app.py:SERVE_START_ENV; tests/test_chart.py checks they
 are equal), the pod's name for the KV folder.
 */}}
 {{- define "inferscale.rayEnv" -}}
@@ -192,6 +192,13 @@ are equal), the pod's name for the KV folder.
 - {name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S, value: "60"}
 - {name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, value: "4194304"}
 - {name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, value: "inferscale_server.proxy_setup:proxy_setup"}
+# Serve's request path as Ray's throughput mode sets it, without direct ingress or replica-to-replica gRPC
+# (services/app.py:SERVE_REQUEST_PATH_ENV): user code and routers on each replica's loop, access logs buffered, to
+# Serve's log files only.
+- {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
+- {name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, value: "0"}
+- {name: RAY_SERVE_LOG_TO_STDERR, value: "0"}
+- {name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE, value: "1000"}
 {{- if eq (include "inferscale.redisSecretMounted" .) "true" }}
 - {name: INFERSCALE_REDIS_PASSWORD_FILE, value: {{ printf "%s/%s" (include "inferscale.redisSecretDir" .) .Values.redis.auth.key | quote }}}
 {{- end }}
