@@ -107,6 +107,9 @@ def parse_args(argv=None):
     ap.add_argument("--engine-cpu-cores", type=int, default=None,
                     help="cores each engine replica's vLLM binds to (ServiceConfig.engine_cpu_cores; 0: all, "
                          "shared); default: the usable cores / --engine-replicas when there are several, else 0")
+    ap.add_argument("--serve-defaults", action="store_true",
+                    help="Serve's own request path (threads for user code and routers, access log to stderr) "
+                         "instead of the shipped one (services/app.py SERVE_REQUEST_PATH_ENV): a before/after")
     ap.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                     help="tokens an answer's piece gathers after the first (ServiceConfig.stream_interval; 1: every "
                          f"token its own piece; default {DEFAULT_STREAM_INTERVAL}, the service's)")
@@ -417,6 +420,18 @@ def service_config(args, workdir: Path, registry_url: str | None, cluster_store:
                          stream_interval=args.stream_interval, query_dtype=args.query_dtype)
 
 
+def service_env(args) -> dict[str, str]:
+    """The environment of the Ray that serves the app: `inferscale serve`'s (vLLM on a CPU, Serve's start-up and
+    request path, the gRPC proxy on loopback); with --serve-defaults without SERVE_REQUEST_PATH_ENV, so Serve runs
+    its own defaults (what those variables say when unset): the before of a before/after."""
+    from inferscale_server.app import SERVE_REQUEST_PATH_ENV, serve_start_env
+
+    env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
+    if args.serve_defaults:
+        env = {k: v for k, v in env.items() if k not in SERVE_REQUEST_PATH_ENV}
+    return env
+
+
 @contextlib.contextmanager
 def own_service(args, workdir: Path):
     """The app as `inferscale serve` starts it, on a local Ray bound to 127.0.0.1. Yields (cfg, secret, registry):
@@ -424,7 +439,7 @@ def own_service(args, workdir: Path):
     import ray
     from ray import serve
 
-    from inferscale_server.app import serve_start_env, start_service
+    from inferscale_server.app import start_service
 
     secret = secrets.token_urlsafe(48).encode()
     secret_file = workdir / "jwt-secret"
@@ -439,7 +454,7 @@ def own_service(args, workdir: Path):
             cluster = dict(stack.enter_context(local_mooncake(segment_bytes=int(args.segment_gib * (1 << 30)))).config)
         cfg = service_config(args, workdir, registry.url, cluster, secret_file)
         deps = cfg.deployments
-        env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
+        env = service_env(args)
         os.environ.update(env)
         # Ray schedules by these shares; the replicas at their maximum must fit (the cores are shared anyway). Ray
         # takes whole CPUs only (2 retrieval replicas made the sum 2.25).
