@@ -386,14 +386,16 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
     return "\n".join(lines) + "\n"
 
 
-def app_args(dtype: str, engine_cpu_cores: int = 0, serve_defaults: bool = False) -> argparse.Namespace:
+def app_args(dtype: str, engine_cpu_cores: int = 0, serve_defaults: bool = False,
+             limits: list[str] = ()) -> argparse.Namespace:
     """bench/service.py's settings for its own app (`own_service`), from its own parser: its defaults (one engine
     replica, one Redis, no cluster tier, the packaged model) with this run's dtype. A hand-built namespace fell
     behind when bench/service.py grew --retrieval-replicas, and this benchmark failed at its start."""
     from bench import service
 
     return service.parse_args(["--quick", "--dtype", dtype, "--engine-cpu-cores", str(engine_cpu_cores),
-                               *(["--serve-defaults"] if serve_defaults else [])])
+                               *(["--serve-defaults"] if serve_defaults else []),
+                               *[a for item in limits for a in ("--limit", item)]])
 
 
 def main() -> int:
@@ -410,6 +412,8 @@ def main() -> int:
                     help="cores of the engine replica's OpenMP team (default 0: the app's own default)")
     ap.add_argument("--serve-defaults", action="store_true",
                     help="Serve's own request path instead of the shipped one (bench/service.py --serve-defaults)")
+    ap.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                    help="a services/limits.py Limits field for the app (repeatable; bench/service.py --limit)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
@@ -420,7 +424,7 @@ def main() -> int:
     from bench.cpu_ledger import CpuLedger
     from bench.service import cpu_description, cpu_line, own_service
 
-    service_args = app_args(args.dtype, args.engine_cpu_cores, args.serve_defaults)
+    service_args = app_args(args.dtype, args.engine_cpu_cores, args.serve_defaults, args.limit)
     log = Log()
     users = [f"tenant-{i:02d}" for i in range(args.users)]
     with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, \

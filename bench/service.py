@@ -107,6 +107,8 @@ def parse_args(argv=None):
     ap.add_argument("--engine-cpu-cores", type=int, default=None,
                     help="cores each engine replica's vLLM binds to (ServiceConfig.engine_cpu_cores; 0: all, "
                          "shared); default: the usable cores / --engine-replicas when there are several, else 0")
+    ap.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                    help="a services/limits.py Limits field for the own app (repeatable; default: the shipped ones)")
     ap.add_argument("--serve-defaults", action="store_true",
                     help="Serve's own request path (threads for user code and routers, access log to stderr) "
                          "instead of the shipped one (services/app.py SERVE_REQUEST_PATH_ENV): a before/after")
@@ -417,7 +419,28 @@ def service_config(args, workdir: Path, registry_url: str | None, cluster_store:
                          max_model_len=args.max_model_len, http_port=free_port(), grpc_port=free_port(),
                          kv_dir=str(workdir / "kv"), deployments=deployments(args), cluster_store=cluster_store,
                          auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args),
-                         stream_interval=args.stream_interval, query_dtype=args.query_dtype)
+                         stream_interval=args.stream_interval, query_dtype=args.query_dtype,
+                         limits=limit_overrides(args.limit))
+
+
+def limit_overrides(items: list[str]) -> dict:
+    """--limit NAME=VALUE (repeatable) -> ServiceConfig.limits: services/limits.py's field NAME, VALUE in its type."""
+    from dataclasses import fields
+
+    from inferscale_server.limits import Limits
+
+    types = {f.name: f.type for f in fields(Limits)}
+    out: dict = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            if not sep or types.get(name) not in ("int", "float"):
+                raise ValueError
+            out[name] = int(value) if types[name] == "int" else float(value)
+        except ValueError:
+            raise SystemExit(f"--limit NAME=VALUE with NAME a number field of services/limits.py Limits and VALUE "
+                             f"of its type, got {item!r}") from None
+    return out
 
 
 def service_env(args) -> dict[str, str]:

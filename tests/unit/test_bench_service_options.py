@@ -193,6 +193,22 @@ def test_serve_defaults_start_the_benchmarked_app_without_the_shipped_request_pa
     assert service.parse_args(["--quick", "--serve-defaults"]).serve_defaults
 
 
+def test_limit_overrides_reach_the_benchmarked_apps_config_and_a_bad_one_is_refused(tmp_path):
+    """--limit NAME=VALUE (bench/service.py, bench/noisy_neighbour.py): a Limits field for the app under test, in
+    its own type; a name that is not a number field of Limits stops the benchmark before anything starts."""
+    service = import_service()
+    import bench.noisy_neighbour as noisy
+
+    args = noisy.app_args("float32", limits=["gateway_work_units_per_s_per_caller=16", "max_k=50"])
+    cfg = service.service_config(args, tmp_path, "redis://127.0.0.1:1/0", {}, tmp_path / "secret")
+    assert cfg.limits == {"gateway_work_units_per_s_per_caller": 16.0, "max_k": 50}
+    assert isinstance(cfg.limits["max_k"], int)
+    assert service.service_config(noisy.app_args("float32"), tmp_path, None, {}, tmp_path / "s").limits == {}
+    for bad in ("max_k", "no_such_limit=1", "max_k=fifty"):
+        with pytest.raises(SystemExit, match="--limit NAME=VALUE"):
+            service.limit_overrides([bad])
+
+
 def test_the_report_counts_users_served_by_more_than_one_engine_replica():
     """Cold loads of users whose facts had been warm (run (15)): a request served away from the user's home replica
     reads them cold there. The report says how many users two replicas hold, after the adds and after the load,
