@@ -169,9 +169,11 @@ def test_a_stop_during_start_up_is_as_prompt_and_leaves_nothing(tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while "Adding 1 replica to Deployment(name='EngineReplica'" not in log.read_text():
+    # The engine replica's process is up (Serve's own log lines go to its log files, not to serve's console:
+    # services/app.py SERVE_REQUEST_PATH_ENV).
+    while not any("ServeReplica:inferscale:EngineReplica" in cmd for cmd in _process_tree(proc.pid).values()):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.2)
+        time.sleep(0.5)
     time.sleep(5)  # the engine replica's process is loading vLLM
     assert "ready in" not in log.read_text(), "started before the stop: this checks a stop during start-up"
     stop_and_check(proc, log)
