@@ -124,7 +124,8 @@ def _process_tree(root: int, among: dict | None = None) -> dict[tuple[int, str],
     """{(pid, start time): command} of `root`'s descendants and of every process in its session (serve runs in a
     session of its own: a process re-parented to init when its parent died is still found); with `among`, only
     those of `among` still running (the start time tells a reused pid apart)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,sid=,stat=,lstart=,args="], capture_output=True, text=True).stdout
+    # -ww: whole command lines; without a terminal ps cuts each line at 80 columns (a Ray worker's title was cut)
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,sid=,stat=,lstart=,args="], capture_output=True, text=True).stdout
     rows = {}
     for line in out.splitlines():
         pid, ppid, sid, stat, rest = line.split(None, 4)
