@@ -54,7 +54,8 @@ FLOAT_LIMITS = tuple(f.name for f in fields(Limits) if f.type == "float")
 #
 # And Serve's request path as Ray's own throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED, Ray 2.55+) sets it, without
 # that mode's direct ingress (no proxies: our proxy callback holds the body limits) or its gRPC data plane between
-# replicas (ports the chart's NetworkPolicies do not open): a replica runs our code on its own event loop and its
+# replicas (no gain beyond the spread in its one run; not checked that a response handed from the encoder pool to
+# an engine replica stays out of the gateway): a replica runs our code on its own event loop and its
 # handles' routers there too, instead of a thread each that every request crosses twice; the per-request access
 # log is buffered (1,000 lines, flushed at once on an ERROR line) and written to Serve's log files only, not to
 # stderr, which Ray's log monitor would ship to the driver line by line. Measured through the service (BENCHMARKS.md,
