@@ -411,7 +411,8 @@ def main() -> int:
     ap.add_argument("--engine-cpu-cores", type=int, default=0,
                     help="cores of the engine replica's OpenMP team (default 0: the app's own default)")
     ap.add_argument("--serve-defaults", action="store_true",
-                    help="Serve's own request path instead of the shipped one (bench/service.py --serve-defaults)")
+                    help="Serve's own request path and control loop instead of the shipped ones (bench/service.py "
+                         "--serve-defaults)")
     ap.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                     help="a services/limits.py Limits field for the app (repeatable; bench/service.py --limit)")
     ap.add_argument("--out", type=Path, default=None)

@@ -110,8 +110,9 @@ def parse_args(argv=None):
     ap.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                     help="a services/limits.py Limits field for the own app (repeatable; default: the shipped ones)")
     ap.add_argument("--serve-defaults", action="store_true",
-                    help="Serve's own request path (threads for user code and routers, access log to stderr) "
-                         "instead of the shipped one (services/app.py SERVE_REQUEST_PATH_ENV): a before/after")
+                    help="Serve's own request path (threads for user code and routers, access log to stderr) and "
+                         "control loop (0.1 s) instead of the shipped ones (services/app.py SERVE_REQUEST_PATH_ENV, "
+                         "SERVE_CONTROL_LOOP_ENV): a before/after")
     ap.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                     help="tokens an answer's piece gathers after the first (ServiceConfig.stream_interval; 1: every "
                          f"token its own piece; default {DEFAULT_STREAM_INTERVAL}, the service's)")
@@ -445,13 +446,14 @@ def limit_overrides(items: list[str]) -> dict:
 
 def service_env(args) -> dict[str, str]:
     """The environment of the Ray that serves the app: `inferscale serve`'s (vLLM on a CPU, Serve's start-up and
-    request path, the gRPC proxy on loopback); with --serve-defaults without SERVE_REQUEST_PATH_ENV, so Serve runs
-    its own defaults (what those variables say when unset): the before of a before/after."""
-    from inferscale_server.app import SERVE_REQUEST_PATH_ENV, serve_start_env
+    request path and control loop, the gRPC proxy on loopback); with --serve-defaults without SERVE_REQUEST_PATH_ENV
+    and SERVE_CONTROL_LOOP_ENV, so Serve runs its own defaults (what those variables say when unset): the before of a
+    before/after."""
+    from inferscale_server.app import SERVE_CONTROL_LOOP_ENV, SERVE_REQUEST_PATH_ENV, serve_start_env
 
     env = {**vllm_cpu_env(), **serve_start_env("127.0.0.1")}
     if args.serve_defaults:
-        env = {k: v for k, v in env.items() if k not in SERVE_REQUEST_PATH_ENV}
+        env = {k: v for k, v in env.items() if k not in SERVE_REQUEST_PATH_ENV and k not in SERVE_CONTROL_LOOP_ENV}
     return env
 
 

@@ -65,10 +65,17 @@ FLOAT_LIMITS = tuple(f.name for f in fields(Limits) if f.type == "float")
 SERVE_REQUEST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                           "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
                           "RAY_SERVE_LOG_TO_STDERR": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
+# Serve's controller runs its control loop every 0.5 s instead of 0.1 s. Each turn asks Ray's GCS which nodes are
+# alive and what resources they have, and runs every deployment's autoscaling policy, whatever the load: about 45 ms
+# of CPU a second at 0.1 s on the reference node, 4 ms of every KV answer at N=100 (BENCHMARKS.md, "Serve's control
+# loop"). What waits on a turn: a replica's start, stop or death noticed up to 0.4 s later, and autoscaling decisions,
+# whose delays are in seconds (upscale_delay_s), not turns. The controller runs on the head node only, so the cluster
+# file sets it there; the chart sets it in every Ray pod with the rest of SERVE_START_ENV.
+SERVE_CONTROL_LOOP_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
                    "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(TRANSPORT_MAX_MESSAGE_BYTES),
                    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "inferscale_server.proxy_setup:proxy_setup",
-                   **SERVE_REQUEST_PATH_ENV}
+                   **SERVE_REQUEST_PATH_ENV, **SERVE_CONTROL_LOOP_ENV}
 
 
 def serve_start_env(host: str) -> dict[str, str]:

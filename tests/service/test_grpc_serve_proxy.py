@@ -413,3 +413,19 @@ def test_health_watch_streams_are_bounded_and_users_keep_working(serve_ports, ad
             assert s.Health(pb2.HealthRequest(), timeout=10).status == "SERVING"
     finally:
         close_all()
+
+
+def test_serves_controller_runs_its_control_loop_at_the_shipped_interval(serve_ports):
+    """SERVE_CONTROL_LOOP_ENV reaches Serve's controller through the environment every deployment mode gives Ray
+    (here `serve_start_env`, as `inferscale serve` and bench/service.py): its loop sleeps 0.5 s a turn, not Ray's
+    0.1 s, which asked the GCS for the cluster's nodes and ran the autoscaling policies ten times a second."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    from inferscale_server.app import SERVE_CONTROL_LOOP_ENV
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    interval = float(SERVE_CONTROL_LOOP_ENV["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"])
+    health = ray.get(controller.get_health_metrics.remote(), timeout=60)
+    assert health["expected_sleep_duration_s"] == interval
+    assert health["last_sleep_duration_s"] >= interval * 0.9  # the sleep it last took, not only the constant

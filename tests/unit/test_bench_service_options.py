@@ -177,19 +177,20 @@ def test_the_noisy_neighbour_benchmark_builds_its_app_from_the_service_benchmark
     assert cfg.deployments["EngineReplica"].max_replicas == 1 and not args.cluster_tier
 
 
-def test_serve_defaults_start_the_benchmarked_app_without_the_shipped_request_path():
+def test_serve_defaults_start_the_benchmarked_app_without_the_shipped_request_path_and_control_loop():
     """--serve-defaults (bench/service.py, bench/noisy_neighbour.py) is the before of a before/after: the Ray that
-    serves the app gets `inferscale serve`'s environment less SERVE_REQUEST_PATH_ENV (Serve's own defaults are what
-    those variables say when unset); without it, all of it."""
+    serves the app gets `inferscale serve`'s environment less SERVE_REQUEST_PATH_ENV and SERVE_CONTROL_LOOP_ENV
+    (Serve's own defaults are what those variables say when unset); without it, all of it."""
     service = import_service()
     import bench.noisy_neighbour as noisy
-    from inferscale_server.app import SERVE_REQUEST_PATH_ENV, SERVE_START_ENV
+    from inferscale_server.app import SERVE_CONTROL_LOOP_ENV, SERVE_REQUEST_PATH_ENV, SERVE_START_ENV
 
+    tuned = {**SERVE_REQUEST_PATH_ENV, **SERVE_CONTROL_LOOP_ENV}
     shipped = service.service_env(noisy.app_args("float32"))
     before = service.service_env(noisy.app_args("float32", serve_defaults=True))
-    assert SERVE_REQUEST_PATH_ENV and shipped.items() >= SERVE_START_ENV.items()
-    assert not SERVE_REQUEST_PATH_ENV.keys() & before.keys()
-    assert before == {k: v for k, v in shipped.items() if k not in SERVE_REQUEST_PATH_ENV}
+    assert SERVE_REQUEST_PATH_ENV and SERVE_CONTROL_LOOP_ENV and shipped.items() >= SERVE_START_ENV.items()
+    assert not tuned.keys() & before.keys()
+    assert before == {k: v for k, v in shipped.items() if k not in tuned}
     assert service.parse_args(["--quick", "--serve-defaults"]).serve_defaults
 
 

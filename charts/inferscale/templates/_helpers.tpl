@@ -199,6 +199,8 @@ are equal), the pod's name for the KV folder.
 - {name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, value: "0"}
 - {name: RAY_SERVE_LOG_TO_STDERR, value: "0"}
 - {name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE, value: "1000"}
+# Serve's control loop every 0.5 s, not 0.1 s (services/app.py:SERVE_CONTROL_LOOP_ENV): its fixed CPU a second.
+- {name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S, value: "0.5"}
 {{- if eq (include "inferscale.redisSecretMounted" .) "true" }}
 - {name: INFERSCALE_REDIS_PASSWORD_FILE, value: {{ printf "%s/%s" (include "inferscale.redisSecretDir" .) .Values.redis.auth.key | quote }}}
 {{- end }}
