@@ -120,6 +120,17 @@ def stop_and_check(proc: subprocess.Popen, log) -> None:
     assert not left, f"still running after `inferscale serve` exited: {left}\n{tail}"
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to `serve` and every process of its tree and session (a test that failed before stop_and_check)."""
+    for pid, _ in _process_tree(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.wait()
+
+
 def _process_tree(root: int, among: dict | None = None) -> dict[tuple[int, str], str]:
     """{(pid, start time): command} of `root`'s descendants and of every process in its session (serve runs in a
     session of its own: a process re-parented to init when its parent died is still found); with `among`, only
@@ -170,13 +181,17 @@ def test_a_stop_during_start_up_is_as_prompt_and_leaves_nothing(tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
-    # The engine replica's process is up (Serve's own log lines go to its log files, not to serve's console:
-    # services/app.py SERVE_REQUEST_PATH_ENV).
-    while not any("ServeReplica:inferscale:EngineReplica" in cmd for cmd in _process_tree(proc.pid).values()):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.5)
-    time.sleep(5)  # the engine replica's process is loading vLLM
-    assert "ready in" not in log.read_text(), "started before the stop: this checks a stop during start-up"
+    try:
+        # The engine replica's process is up (Serve's own log lines go to its log files, not to serve's console:
+        # services/app.py SERVE_REQUEST_PATH_ENV).
+        while not any("ServeReplica:inferscale:EngineReplica" in cmd for cmd in _process_tree(proc.pid).values()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        time.sleep(5)  # the engine replica's process is loading vLLM
+        assert "ready in" not in log.read_text(), "started before the stop: this checks a stop during start-up"
+    except BaseException:  # failed before the stop: the next modules must not find this Ray and its replicas
+        _kill_tree(proc)
+        raise
     stop_and_check(proc, log)
     assert "SIGTERM received" in log.read_text() and "ready in" not in log.read_text()
 
