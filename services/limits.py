@@ -49,11 +49,14 @@ class Limits:
     work_burst_per_caller: float = 8192.0  # one full context of the default model (SmolLM2: 8,192 tokens)
     # The same for the gateway replica's own work (every request's unit, scans: listings, filtered searches and
     # deletes), sized in the gateway's CPU, which does not grow with the accelerator: 64 units a second is a quarter
-    # of one core (a unit: 3.8 ms of the reference node's core), and a burst of 1,024 (~4 s of one core, 32,000
-    # facts read at once) instead of a model context: with 8,192 a tenant's filtered listings took 22-29 s of the
-    # gateway's CPU in a 45 s phase before its debt bound (bench/noisy_neighbour.py `filter`).
+    # of one core (a unit: 3.8 ms of the reference node's core), and a burst of 256 (~1 s of one core, 8,192 facts
+    # read at once) instead of a model context: with 8,192 a tenant's filtered listings took 22-29 s of the gateway's
+    # CPU in a 45 s phase before its debt bound, and with 1,024 its first ~4 s of cheap filtered listings, 4 at a
+    # time, still made the well-behaved users' slowest requests of that phase (bench/noisy_neighbour.py `filter`:
+    # answers p99 4.1x their baseline with 1,024, 2.3x with 256, same session). A scan longer than the burst is
+    # still served whole when the caller is not in debt: the burst bounds what a caller may do AT ONCE, not a scan.
     gateway_work_units_per_s_per_caller: float = 64.0
-    gateway_work_burst_per_caller: float = 1024.0
+    gateway_work_burst_per_caller: float = 256.0
     # A refusal the caller's own use caused (its rate, its work budget, its extraction slots) is answered after its
     # retry hint, this long at most, holding one of the caller's slots: a client that retries at once sends a
     # request per slot per pause, not per round trip (services/gateway/principal_limits.py). 0: answered at once.

@@ -231,6 +231,12 @@ class GatewayCore:
             await pause_before_refusal(e, self.limits.refusal_pause_max_s)
             raise
 
+    async def charge_before(self, resource: Resource, units: float) -> None:
+        """Work on `resource` known before it is done, charged before it is done (WorkBudget.charge): refused when
+        the caller's other requests have put that balance in debt, the refusal paused as at authentication."""
+        async with self._refusal_paused():
+            self.work.charge(resource, units)
+
     def _owner(self, caller: Principal, rpc: str, user_id: str, field_name: str = "user_id") -> str:
         """The request's user id, validated, once the caller may act for it (before anything is read)."""
         uid = validation.user_id(user_id, field_name)
@@ -300,8 +306,7 @@ class GatewayCore:
                           f"windows they are encoded behind), the limit per request is "
                           f"{self.limits.max_encode_chars_per_request}: send fewer facts per request; nothing "
                           "was stored", "facts")
-        async with self._refusal_paused():
-            self.work.charge(Resource.ENCODE, text_units(encoded))  # before the encoder pool is asked for anything
+        await self.charge_before(Resource.ENCODE, text_units(encoded))  # before the encoder pool is asked for anything
         kv_bytes = await self._check_encodable([f.text for f in facts], names)
         facts = [dataclasses.replace(f, kv_bytes=n) for f, n in zip(facts, kv_bytes)]
         try:
@@ -405,8 +410,7 @@ class GatewayCore:
             old = await _blocking(self.registry.get, user_id, fact_id)
             seq = await _blocking(self.registry.seq_of, user_id, fact_id)
             reencode = text_units(len(text) + sum(len(turn) for turn in old.window))
-            async with self._refusal_paused():
-                self.work.charge(Resource.ENCODE, reencode)  # its re-encode
+            await self.charge_before(Resource.ENCODE, reencode)  # its re-encode
         rec = await _blocking(self.registry.update, user_id, fact_id, text=text, metadata=metadata,
                               replace_metadata=replace_metadata, expected_version=expected_version,
                               embedding=embedding, quota=self.limits.quota(), kv_bytes=kv_bytes, expires_at=expires_at)
@@ -615,10 +619,13 @@ class GatewayCore:
             raise invalid("threshold must be a number")
         want = k
         while True:
+            # a filter widens the read up to the user's every fact: each round charged before it reads (up to `want`
+            # records), corrected to what it read (mem0_http.scanned says why before)
+            estimate = scan_units(want, match)
+            await self.charge_before(Resource.GATEWAY, estimate)
             hits = await backends.search(uid, query, want)
             recs = await self._records(uid, [f for f, _ in hits])
-            # a filter widens the read up to the user's every fact
-            self.work.spent(Resource.GATEWAY, scan_units(len(hits), match))
+            self.work.spent(Resource.GATEWAY, scan_units(len(hits), match) - estimate)
             out = [(recs[f], s) for f, s in hits if f in recs and (threshold is None or s >= threshold)]
             if match is not None:  # up to max_facts_per_user records: matched in a worker thread, never the loop
                 out = await asyncio.to_thread(lambda: [(r, s) for r, s in out if match(r)])
@@ -661,8 +668,7 @@ class GatewayCore:
         extra = {"openai": openai} if openai is not None else {}
         estimate = self._answer_units(query, conversation, max_tokens, openai)
         # before the engine is asked; corrected by what it reports at the end
-        async with self._refusal_paused():
-            self.work.charge(Resource.ENGINE, estimate)
+        await self.charge_before(Resource.ENGINE, estimate)
         async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation,
                                            **extra):
             if isinstance(piece, AnswerEnd):
@@ -703,8 +709,10 @@ class GatewayCore:
         scope = "\n".join((uid, req.filters, req.agent_id, req.run_id))
         after = page_token(req.page_token, scope)
         match = filters.request_filter(filters.parse_json(req.filters), uid, req.agent_id, req.run_id)
+        estimate = scan_units(size, match)  # charged before the page is read, corrected to what was read
+        await self.charge_before(Resource.GATEWAY, estimate)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
-        self.work.spent(Resource.GATEWAY, scan_units(len(page), match))
+        self.work.spent(Resource.GATEWAY, scan_units(len(page), match) - estimate)
         facts: list = []  # pb2.Fact messages
         total, now = 0, time.time()
         for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)

@@ -669,13 +669,10 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
         return list(seen)
 
     async def delete_matching(core, uid: str, match) -> int:
-        """Deletes the user's memories that `match` keeps (read 1000 at a time, matched in a worker thread);
-        one deleted meanwhile is gone either way."""
+        """Deletes the user's memories that `match` keeps (scanned(): read 1000 at a time, matched in a worker
+        thread); one deleted meanwhile is gone either way."""
         n, doomed = 0, []
-        offset: int | None = 0
-        while offset is not None:
-            recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
-            core.work.spent(Resource.GATEWAY, scan_units(read, match))
+        async for recs in scanned(core, uid, match, match):
             doomed += [r.fact_id for r in recs]
         for fid in doomed:
             try:
@@ -730,12 +727,9 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
             recs = (await asyncio.to_thread(core.registry.list, uid, first, size))[0] if first < count else []
             core.work.spent(Resource.GATEWAY, scan_units(len(recs)))
             results = [memory_json(r) for r in recs]
-        else:  # one pass over the user's facts, 1000 at a time, read and matched in a worker thread (never the loop)
+        else:  # one pass over the user's facts (scanned(): read and matched in a worker thread, never the loop)
             count, results = 0, []
-            offset: int | None = 0
-            while offset is not None:
-                recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
-                core.work.spent(Resource.GATEWAY, scan_units(read, flt))  # the filter's weight, not the expiry's
+            async for recs in scanned(core, uid, match, flt):  # charged the filter's weight, not the expiry's
                 results += [memory_json(r) for r in recs[max(0, first - count):max(0, first + size - count)]]
                 count += len(recs)
         base = f"{str(request.base_url).rstrip('/')}/v3/memories/?page_size={size}&page="
@@ -917,7 +911,12 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
                            "So delete_users() without arguments and reset() are refused too: InferScale does not "
                            "delete every user at once; delete_users(user_id=<id>) erases one")
         uid = owner(core, caller, "ListMemories", named)
-        found = await asyncio.to_thread(_entities, core.registry, uid, core.limits.max_page_size)
+        seen: dict[tuple[str, str], list] = {}
+        async for recs in scanned(core, uid, None, None):  # every fact read: charged as a listing of them all
+            await asyncio.to_thread(_tally_entities, seen, recs, uid, core.limits.max_page_size)
+        found = [{"id": name, "name": name, "type": kind, "total_memories": n, "created_at": _iso(first),
+                  "updated_at": _iso(last), "owner": uid, "organization": DEPLOYMENT_ID, "metadata": None}
+                 for (kind, name), (n, first, last) in seen.items()]
         return {"count": len(found), "next": None, "previous": None, "results": found}
 
     @route("DeleteUser", "delete_entity")
@@ -986,32 +985,47 @@ def mount_mem0(app: FastAPI, core_getter, metrics_getter=None) -> None:
     app.add_exception_handler(405, not_served)
 
 
-def _matching(registry, uid: str, offset: int, match) -> tuple[list, int, int | None]:
-    """The facts `match` keeps among the next 1000 of the user's from `offset`, how many were read (the scan's
-    cost, work_budget.scan_units), and the offset after them."""
-    recs, offset = registry.list(uid, offset, 1000)
-    return [r for r in recs if match(r)], len(recs), offset
+SCAN_CHUNK = 1000  # facts a scan reads and matches in one worker-thread call
 
 
-def _entities(registry, uid: str, cap: int) -> list[dict]:
-    """Mem0's entities of one user's memories: the user, then each agent, app and run value (at most `cap` of
-    those), with how many memories each has and their first creation and last update."""
-    seen: dict[tuple[str, str], list] = {}
-    offset = 0
+async def scanned(core, uid: str, match, charged_filter):
+    """The user's facts that `match` keeps (None: every one), a list per SCAN_CHUNK facts read (in a worker thread, never the loop).
+    Each chunk is charged to the caller's gateway balance BEFORE it is read (work_budget.scan_units of the facts the
+    user holds past the offset, under `charged_filter`) and corrected to what was read after: so a caller whose other
+    requests have put it in debt is refused (CALLER_WORK) before its next chunk is read, not after. Before, a scan
+    was charged once read: four maximal scans sent at once were all admitted on a full balance and read 4,000 facts
+    together, ~4 bursts of the gateway's work before any refusal (bench/noisy_neighbour.py `filter_scan`: the
+    well-behaved users' slowest requests were those of the phase's first seconds)."""
+    total = await asyncio.to_thread(core.registry.count, uid)
+    offset: int | None = 0
     while offset is not None:
-        recs, offset = registry.list(uid, offset, 1000)
-        for r in recs:
-            keys = [("user", uid)] + [(kind, str(r.metadata[f])) for kind, f in ENTITY_FIELDS.items()
-                                      if f in filters.SCOPE_FIELDS and r.metadata.get(f) is not None]
-            for key in keys:
-                if key not in seen and len(seen) > cap:
-                    continue
-                s = seen.setdefault(key, [0, r.created_at, r.updated_at])
-                s[0] += 1
-                s[1], s[2] = min(s[1], r.created_at), max(s[2], r.updated_at)
-    return [{"id": name, "name": name, "type": kind, "total_memories": n, "created_at": _iso(first),
-             "updated_at": _iso(last), "owner": uid, "organization": DEPLOYMENT_ID, "metadata": None}
-            for (kind, name), (n, first, last) in seen.items()]
+        estimate = scan_units(min(SCAN_CHUNK, max(total - offset, 0)), charged_filter)
+        await core.charge_before(Resource.GATEWAY, estimate)
+        recs, read, offset = await asyncio.to_thread(_matching, core.registry, uid, offset, match)
+        core.work.spent(Resource.GATEWAY, scan_units(read, charged_filter) - estimate)
+        yield recs
+
+
+def _matching(registry, uid: str, offset: int, match) -> tuple[list, int, int | None]:
+    """The facts `match` keeps (None: all) among the next SCAN_CHUNK of the user's from `offset`, how many were read
+    (the scan's cost, work_budget.scan_units), and the offset after them."""
+    recs, offset = registry.list(uid, offset, SCAN_CHUNK)
+    return [r for r in recs if match is None or match(r)], len(recs), offset
+
+
+def _tally_entities(seen: dict[tuple[str, str], list], recs, uid: str, cap: int) -> None:
+    """Mem0's entities of one user's memories, counted into `seen` from one chunk of them: the user, then each
+    agent, app and run value (at most `cap` of those), with how many memories each has and their first creation
+    and last update."""
+    for r in recs:
+        keys = [("user", uid)] + [(kind, str(r.metadata[f])) for kind, f in ENTITY_FIELDS.items()
+                                  if f in filters.SCOPE_FIELDS and r.metadata.get(f) is not None]
+        for key in keys:
+            if key not in seen and len(seen) > cap:
+                continue
+            s = seen.setdefault(key, [0, r.created_at, r.updated_at])
+            s[0] += 1
+            s[1], s[2] = min(s[1], r.created_at), max(s[2], r.updated_at)
 
 
 def _int_param(request: Request, name: str, lo: int, hi: int, default: int) -> int:

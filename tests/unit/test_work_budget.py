@@ -202,7 +202,7 @@ def test_a_debt_binds_only_while_a_caller_not_in_debt_is_active_on_that_resource
 
 
 def test_the_gateway_has_a_budget_of_its_own_sized_in_its_cpu_not_the_models():
-    """Limits' gateway budget (64 a second, bursts of 1,024) is not the model's (the chart sets 4,096 a second for a
+    """Limits' gateway budget (64 a second, bursts of 256) is not the model's (the chart sets 4,096 a second for a
     GPU engine): a caller's scans spend the gateway's balance only, and a scan debt is refused with the gateway's
     numbers and a retry hint at the gateway's rate, while the encoder's and the engine's balances stay full."""
     budget = WorkBudget(WorkLimit(rate_per_s=4096.0, burst=8192.0), gateway=WorkLimit(rate_per_s=64.0, burst=1024.0))
@@ -216,7 +216,7 @@ def test_the_gateway_has_a_budget_of_its_own_sized_in_its_cpu_not_the_models():
     stats = budget.stats()
     assert (stats["rate_per_s"], stats["burst"], stats["gateway_rate_per_s"], stats["gateway_burst"]) == (
         4096.0, 8192.0, 64.0, 1024.0)
-    assert Limits().gateway_work_units_per_s_per_caller == 64.0 and Limits().gateway_work_burst_per_caller == 1024.0
+    assert Limits().gateway_work_units_per_s_per_caller == 64.0 and Limits().gateway_work_burst_per_caller == 256.0
 
 
 def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burst():
@@ -412,6 +412,39 @@ def test_a_maximal_filter_over_n_facts_costs_what_the_formula_says_on_every_scan
     assert len(stub.ListMemories(pb2.ListMemoriesRequest(user_id=uid, page_size=100)).facts) == 100
     assert charged() - before == pytest.approx(REQUEST_UNITS + 100 / 32)
     ch.close()
+    before = charged()  # Mem0's users(): the entities of every memory of the user, so a read of them all
+    r = httpx.get(f"{http_server.url}/v1/entities/", params={"user_id": uid}, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["results"][0]["total_memories"] == 150, r.text
+    assert charged() - before == pytest.approx(REQUEST_UNITS + 150 / 32)
+
+
+def test_scans_sent_at_once_past_the_balance_are_refused_before_they_read(gateway):
+    """The noisy neighbour's filter_scan: four maximal listings of 1,000 facts sent at once, each costing more than
+    the caller's whole gateway burst. The first to be charged reads; the other three are refused (429, CALLER_WORK)
+    before they read a fact, because a scan's every chunk is charged before it is read (mem0_http.scanned). Charged
+    once read, as before, all four were admitted on the full balance and read 4,000 facts together."""
+    import asyncio
+
+    core, grpc_server, http_server, secret = gateway
+    abuser = scanned_user(core, 1000, tags=1)  # short tags: the walk is quick, the charge is the filter's
+    per_listing = REQUEST_UNITS + 1000 * MAXIMAL_UNITS_PER_FACT
+    assert per_listing > core.limits.gateway_work_burst_per_caller
+    light = {"authorization": f"Token {token_for(secret, f'light-{uuid.uuid4().hex[:6]}')}"}
+    headers = {"authorization": f"Token {token_for(secret, abuser)}"}
+    url = f"{http_server.url}/v3/memories/"
+    assert httpx.post(url, json={}, headers=light).status_code == 200  # someone to share the gateway with
+
+    async def at_once():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(url, json={"filters": MAXIMAL}, headers=headers)
+                                          for _ in range(4)))
+    replies = asyncio.run(at_once())
+    assert sorted(r.status_code for r in replies) == [200, 429, 429, 429], [r.text[:200] for r in replies]
+    assert all("budget" in r.json()["detail"] for r in replies if r.status_code == 429)
+    # one listing's facts charged, and each request's REQUEST_UNITS: the refused ones read nothing
+    assert core.work.stats(abuser)["caller"]["gateway"]["charged"] == pytest.approx(
+        per_listing + 3 * REQUEST_UNITS)
+    assert httpx.post(url, json={}, headers=light).status_code == 200
 
 
 def test_a_flood_of_maximal_filtered_listings_is_refused_within_the_requests_the_calibration_predicts(gateway):
