@@ -17,10 +17,19 @@ class FactRef:
 
 @dataclass(frozen=True)
 class FactWrite:
-    """A fact the registry just stored, at its version, with its text (prompt mode needs it)."""
+    """A fact the registry just stored, at its version, as the replica holds it (books.HeldFact): its text (prompt
+    mode needs it), its window (a re-encode needs it) and when it expires. No defaults: a write that left the window
+    or the expiry out would be held wrong until the fact changes (the replica's sync reads only changed versions)."""
     fact_id: str
     version: int
     text: str
+    window: tuple[str, ...]
+    expires_at: float
+
+    @classmethod
+    def of(cls, rec) -> "FactWrite":
+        """From the registry's FactRecord just stored."""
+        return cls(rec.fact_id, rec.version, rec.text, tuple(rec.window), rec.expires_at)
 
 
 @dataclass(frozen=True)

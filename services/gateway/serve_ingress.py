@@ -60,8 +60,7 @@ class ServeBackends:
         # tensors, which the engine replica reads from the object store. KV never comes here.
         encoded = self.encoder.encode_for.remote(
             user_id, [(r.fact_id, r.version, r.text, list(r.window)) for r in records])
-        placed = self._e(user_id).put_facts.remote(user_id, [FactWrite(r.fact_id, r.version, r.text)
-                                                             for r in records], encoded)
+        placed = self._e(user_id).put_facts.remote(user_id, [FactWrite.of(r) for r in records], encoded)
         await within_deadline(asyncio.gather(indexed, placed), self.timeout_s)
 
     async def search(self, user_id, query, k):

@@ -228,7 +228,7 @@ async def add(parts, registry, core, user: str, facts: dict[str, str], expires: 
                                   for f, t in facts.items()])
     encoded = await core.encoder.encode_for.remote(user, [(r.fact_id, r.version, r.text, list(r.window))
                                                           for r in recs])  # the pool the replica calls
-    await core.put_facts(user, [FactWrite(r.fact_id, r.version, r.text) for r in recs], encoded)
+    await core.put_facts(user, [FactWrite.of(r) for r in recs], encoded)
     await settled(core)
     return recs
 
@@ -495,7 +495,7 @@ def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
         recs = registry.create("carol", [NewFact(text="Carol speaks Estonian.", fact_id="c1")])
         # Without a cluster tier the pool answers the EncodedFact itself and the replica puts it now.
         plain = await parts.encoder.encode("carol", [(recs[0].text, [])])
-        await writer.put_facts("carol", [FactWrite("c1", 1, recs[0].text)], plain)
+        await writer.put_facts("carol", [FactWrite.of(recs[0])], plain)
         assert writer.engine.kvs("carol") == {kv_id("c1", 1)}
         other = await started(parts, registry, cluster=False)  # never saw carol: encodes during the request
         final = await answer(other, "carol", ["c1"])
@@ -575,7 +575,7 @@ def test_update_and_delete_reach_every_tier(parts):
         # request's sync drops version 1 from the worker store and serves version 2.
         rec = registry.update(user, "d1", text="Dave runs ultramarathons.")
         encoded = await parts.encoder.encode_for(user, [("d1", rec.version, rec.text, [])])
-        await core.put_facts(user, [FactWrite("d1", rec.version, rec.text)], encoded)
+        await core.put_facts(user, [FactWrite.of(rec)], encoded)
         await answer(core, user, ["d1"])
         assert core.engine.kvs(user) == {kv_id("d1", 2), kv_id("d2", 1)}
         assert await gone(parts, user, kv_id("d1", 1))
@@ -994,6 +994,38 @@ def test_a_write_warms_the_replica_unless_warm_at_write_is_off(parts):
         run(go())
     finally:
         cold.close()
+
+
+def test_facts_written_are_held_at_once_so_the_next_request_reads_no_record_again(parts):
+    """put_facts carries each new fact as the registry stored it (FactWrite: text, window, expiry) and the replica
+    holds it from the write: the user's next request lists the versions (its sync) and reads no record again, nor
+    writes the placement again (the write placed the user); before, that request read every record of the user.
+    A fact changed since is read, alone; an expiry that came with the write still holds."""
+    import time
+
+    from inferscale_server.registry import open_registry
+
+    registry = open_registry(None)
+    user = "fay"
+
+    async def go():
+        core = await started(parts, registry)
+        recs = await add(parts, registry, core, user, {"fay1": "Fay keeps bees.", "fay2": "Fay sails on Sundays."},
+                         expires={"fay2": time.time() + 3600})
+        assert {f: (h.version, h.text, h.window, h.expires_at) for f, h in core.books.held(user).items()} == {
+            r.fact_id: (r.version, r.text, tuple(r.window), r.expires_at) for r in recs}
+        read, placed = [], []
+        find_many, add_placement = registry.find_many, registry.add_placement
+        registry.find_many = lambda u, ids: read.append(sorted(ids)) or find_many(u, ids)
+        registry.add_placement = lambda u, r: placed.append(u) or add_placement(u, r)
+        assert (await answer(core, user, ["fay1", "fay2"])).fact_ids == ["fay1", "fay2"]
+        assert read == [] and placed == []
+        assert core.books.book.synced[user] == registry.user_version(user)
+        registry.update(user, "fay1", text="Fay keeps two hives.")  # not pushed here: the sync finds it
+        assert (await answer(core, user, ["fay1"], Mode.PI)).fact_ids == ["fay1"]
+        assert read == [["fay1"]] and core.books.held(user)["fay1"].text == "Fay keeps two hives."
+
+    run(go())
 
 
 def test_an_erased_user_is_not_placed_again_by_later_requests(parts):
