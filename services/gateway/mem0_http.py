@@ -990,11 +990,11 @@ SCAN_CHUNK = 1000  # facts a scan reads and matches in one worker-thread call
 
 async def scanned(core, uid: str, match, charged_filter):
     """The user's facts that `match` keeps (None: every one), a list per SCAN_CHUNK facts read (in a worker thread,
-    never the loop). Each chunk is charged to the caller's gateway balance BEFORE it is read (work_budget.scan_units of the facts the
-    user holds past the offset, under `charged_filter`) and corrected to what was read after: so a caller whose other
-    requests have put it in debt is refused (CALLER_WORK) before its next chunk is read, not after. Before, a scan
-    was charged once read: four maximal scans sent at once were all admitted on a full balance and read 4,000 facts
-    together, ~4 bursts of the gateway's work before any refusal (bench/noisy_neighbour.py `filter_scan`: the
+    never the loop). Each chunk is charged to the caller's gateway balance BEFORE it is read (work_budget.scan_units of
+    the facts the user holds past the offset, under `charged_filter`) and corrected to what was read after: so a caller
+    whose other requests have put it in debt is refused (CALLER_WORK) before its next chunk is read, not after. Before,
+    a scan was charged once read: four maximal scans sent at once were all admitted on a full balance and read 4,000
+    facts together, ~4 bursts of the gateway's work before any refusal (bench/noisy_neighbour.py `filter_scan`: the
     well-behaved users' slowest requests were those of the phase's first seconds)."""
     total = await asyncio.to_thread(core.registry.count, uid)
     offset: int | None = 0

@@ -108,11 +108,7 @@ def stop_and_check(proc: subprocess.Popen, log) -> None:
     time.sleep(1)  # a process serve ended in its last step may still be in its exit
     # those seen before the signal, and any started since in serve's session (a stop that waited for the start-up)
     left = {**_process_tree(proc.pid, among=before), **_process_tree(proc.pid)}
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _sigkill(left)
     tail = log.read_text()[-3000:]
     assert took < STOP_BOUND_S and proc.returncode == 0, (
         f"`inferscale serve` took {took:.1f} s to exit after SIGTERM (exit {proc.returncode}):\n{tail}")
@@ -122,13 +118,18 @@ def stop_and_check(proc: subprocess.Popen, log) -> None:
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL to `serve` and every process of its tree and session (a test that failed before stop_and_check)."""
-    for pid, _ in _process_tree(proc.pid):
+    _sigkill(_process_tree(proc.pid))
+    proc.kill()
+    proc.wait()
+
+
+def _sigkill(processes) -> None:
+    """SIGKILL to each (pid, start time) of `processes` (_process_tree's keys) still running."""
+    for pid, _ in processes:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    proc.kill()
-    proc.wait()
 
 
 def _process_tree(root: int, among: dict | None = None) -> dict[tuple[int, str], str]:
