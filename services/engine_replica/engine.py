@@ -7,6 +7,8 @@ tokenizer): everything it needs is a method here, so a test engine that is not v
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -15,6 +17,8 @@ import grpc
 from ..encoder_pool import dtype_of
 from ..errors import RETRY_AFTER_S, ApiError
 from ..metrics import vllm_stat_loggers
+
+log = logging.getLogger("inferscale.engine_replica")
 
 if TYPE_CHECKING:  # typing only: vLLM and torch load when the replica starts its engine, not at import
     import asyncio
@@ -61,14 +65,18 @@ class ServingEngine(Protocol):
 
 async def start_engine(config: EngineReplicaConfig, prefix, store_options: dict) -> ServingEngine:
     """The serving engine: vLLM with the injection connector (AsyncInjectingEngine) over the encoder pool's prefix
-    chunk, started."""
+    chunk, started and warmed up (AsyncInjectingEngine.warm_up: vLLM's first-use costs paid before traffic)."""
     from inferscale_core.serving_engine import AsyncInjectingEngine
 
     engine = AsyncInjectingEngine(model_path=config.model_path, prefix=prefix, dtype=dtype_of(config.dtype),
                                   block_size=config.block_size, max_model_len=config.max_model_len,
                                   store_options=store_options, stat_loggers=vllm_stat_loggers(),
                                   **config.engine_overrides)
-    return await engine.start()
+    await engine.start()
+    t0 = time.monotonic()
+    await engine.warm_up()
+    log.info("engine warmed up in %.1f s (vLLM's first request with logprobs)", time.monotonic() - t0)
+    return engine
 
 
 @contextlib.contextmanager

@@ -178,13 +178,16 @@ def test_clear_errors(engine):
 
 def test_async_engine_serves_the_same_answers(engine, smollm2_path):
     """AsyncLLM (engine core in its own process) over the same Memory: facts Memory already holds are pushed
-    at start, injection works across processes, and time to first token is measured."""
+    at start, injection works across processes, and time to first token is measured. The warm-up the engine replica
+    runs before traffic (warm_up: vLLM's first request with logprobs) received logprobs, so the path it pays for
+    ran, and the engine answers as before after it."""
     from inferscale_core.engine import AsyncMemoryEngine
 
     async def run():
         aeng = await AsyncMemoryEngine(engine.memory, smollm2_path,
                                        dtype=torch.float32, max_model_len=2048).start()
         try:
+            assert await aeng.warm_up() >= 1
             await aeng.add("dave", ["Dave collects vintage typewriters.", "Dave's dog is called Biscuit."],
                            fact_ids=["d0", "d1"])
             kv = await aeng.generate("dave", "What is Dave's dog called?", k=2, sampling_params=greedy())
