@@ -9,6 +9,12 @@ waiting user gets the same cost per round whatever the size of its items or how 
 is waiting when the last one ends, so an item that arrives behind another user's work waits at most the batch
 that is running and its own turn in the next. Arrival order is kept within a user.
 
+A user that had nothing waiting when its items came (a sparse one: a one-fact add) goes before the users whose
+turns go on with items left (as fq_codel serves its new flows first, RFC 8290 section 4.1): it waits for the batch
+that is running, not also for a full turn of each heavy user ahead of it in the round. The first turn is all the
+precedence it gets: a user whose turn ends with items left, and an unfinished item's next step (below), wait among
+the others, so sending items one at a time buys one turn at a time, and a long item is never new again.
+
 An item may take several turns: `run` answers `Again(cost)` for an item that made progress and has more to do (the
 encoder pool's fact behind a 4k-token window, a step of its forward at a time: inferscale_core/encoder.py
 FactForward); it goes back to the front of its user's queue at that cost, so no batch holds more than `batch_cost`
@@ -53,8 +59,11 @@ class FairBatcher(Generic[T, R]):
         self._run, self.batch_cost, self.quantum = run, batch_cost, quantum
         self._queues: dict[str, deque[_Waiting]] = {}
         self._deficit: dict[str, int] = {}
-        self._ring: deque[str] = deque()  # users with items waiting; the front one has the turn
-        self._turn_granted = False  # the front user's quantum for this turn was added (a batch closed mid-turn)
+        # Users with items waiting, in two rounds: the new ones (nothing was waiting when their items came) are
+        # served first; the front user of the round being served has the turn.
+        self._new: deque[str] = deque()
+        self._old: deque[str] = deque()
+        self._granted: set[str] = set()  # users whose turn in progress had its quantum (a batch closed mid-turn)
         self._worker: asyncio.Task | None = None
         self.batches = 0
 
@@ -74,15 +83,16 @@ class FairBatcher(Generic[T, R]):
             self._worker = loop.create_task(self._work())
         return list(await asyncio.gather(*(i.result for i in items)))
 
-    def _queue_of(self, key: str) -> deque[_Waiting]:
-        """The user's queue; a user with nothing waiting joins the ring at its end, without credit."""
+    def _queue_of(self, key: str, new: bool = True) -> deque[_Waiting]:
+        """The user's queue; a user with nothing waiting joins the end of the new round (`new`; an unfinished
+        item's next step: of the old one), without credit."""
         if key not in self._queues:
             self._queues[key], self._deficit[key] = deque(), 0
-            self._ring.append(key)
+            (self._new if new else self._old).append(key)
         return self._queues[key]
 
     async def _work(self) -> None:
-        while self._ring:
+        while self._new or self._old:
             batch = self._next_batch()
             if not batch:  # every item taken had been cancelled
                 continue
@@ -104,17 +114,18 @@ class FairBatcher(Generic[T, R]):
                 else:
                     i.result.set_result(r)
             for key, items in unfinished.items():
-                self._queue_of(key).extendleft(reversed(items))
+                self._queue_of(key, new=False).extendleft(reversed(items))
 
     def _next_batch(self) -> list[_Waiting]:
         batch: list[_Waiting] = []
         cost = 0
-        while self._ring:
-            key = self._ring[0]
+        while self._new or self._old:
+            ring = self._new or self._old
+            key = ring[0]
             queue = self._queues[key]
-            if not self._turn_granted:
+            if key not in self._granted:
                 self._deficit[key] += self.quantum
-                self._turn_granted = True
+                self._granted.add(key)
             while queue:
                 head = queue[0]
                 if head.result.done():  # its caller went away: dropped, not charged
@@ -128,10 +139,10 @@ class FairBatcher(Generic[T, R]):
                 batch.append(head)
                 cost += head.cost
                 self._deficit[key] -= head.cost
-            self._ring.popleft()
-            self._turn_granted = False
+            ring.popleft()
+            self._granted.discard(key)
             if queue:
-                self._ring.append(key)  # its turn is over: the next user's
+                self._old.append(key)  # its turn is over: the next user's; what it has left waits among the old
             else:  # nothing left: an idle user keeps no credit
                 del self._queues[key], self._deficit[key]
             if cost >= self.batch_cost:

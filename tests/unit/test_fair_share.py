@@ -230,6 +230,58 @@ def test_an_unfinished_item_goes_back_to_the_front_of_its_users_queue():
     assert batches == [[("long", 0)], [("short", 0)], [("long", 0)], [("long", 0)], [("long", 0)], [("long", 1)]]
 
 
+def test_a_user_with_nothing_waiting_goes_before_the_heavy_users_next_turn():
+    """The encoder pool's sizes (a batch is one turn: batch_cost == quantum): a one-fact add that arrives while a heavy
+    user's batch runs is in the next batch, not behind the heavy user's next turn as well (before: the third)."""
+    async def scenario():
+        run = Recorder(hold_first=True)
+        fair = FairBatcher(run, batch_cost=256, quantum=256)
+        heavy = asyncio.create_task(fair.submit("heavy", _items("heavy", 8), [256] * 8))
+        await run.first_running.wait()
+        light = asyncio.create_task(fair.submit("light", [("light", 0)], [200]))
+        await asyncio.sleep(0)
+        run.release.set()
+        await asyncio.gather(heavy, light)
+        return run
+
+    run = asyncio.run(scenario())
+    assert run.batches[:3] == [[("heavy", 0)], [("light", 0)], [("heavy", 1)]]
+
+
+def test_only_a_users_first_turn_goes_first_and_a_long_items_next_step_is_never_new():
+    """Precedence is one turn: a long item (a fact behind a 4k-token window, a step per turn) that arrived new runs
+    its first step ahead, then its next steps wait among the old users' turns, behind a later one-fact add and the
+    heavy user's next item."""
+    async def scenario():
+        steps_left = {("long", 0): 3}
+        batches: list[list[tuple[str, int]]] = []
+        release = asyncio.Event()
+
+        async def run(payloads):
+            batches.append(list(payloads))
+            if len(batches) == 1:
+                await release.wait()
+            out = []
+            for p in payloads:
+                steps_left[p] = steps_left.get(p, 1) - 1
+                out.append(Again(100) if steps_left[p] > 0 else f"done {p[0]} {p[1]}")
+            return out
+
+        fair = FairBatcher(run, batch_cost=100, quantum=100)
+        heavy = asyncio.create_task(fair.submit("heavy", _items("heavy", 2), [100, 100]))
+        while not batches:
+            await asyncio.sleep(0)
+        long = asyncio.create_task(fair.submit("long", [("long", 0)], [100]))
+        light = asyncio.create_task(fair.submit("light", [("light", 0)], [100]))
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(heavy, long, light)
+        return batches
+
+    assert asyncio.run(scenario()) == [[("heavy", 0)], [("long", 0)], [("light", 0)], [("heavy", 1)], [("long", 0)],
+                                       [("long", 0)]]
+
+
 # ------------------------------------------------------------------------------------ the encoder pool itself
 @pytest.fixture(scope="module")
 def tiny_encoder(tmp_path_factory):
