@@ -328,7 +328,10 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
              f"Command: `python bench/noisy_neighbour.py --users {args.users} --period {args.period:g} --phase "
              f"{args.phase:g} --drain {args.drain:g} --attacks {args.attacks}"
              f"{f' --scan-facts {args.scan_facts}' if 'filter_scan' in args.attacks else ''}"
-             f"{f' --engine-cpu-cores {args.engine_cpu_cores}' if getattr(args, 'engine_cpu_cores', 0) else ''}`", "",
+             f"{f' --engine-cpu-cores {args.engine_cpu_cores}' if getattr(args, 'engine_cpu_cores', 0) else ''}"
+             f"{' --serve-defaults' if getattr(args, 'serve_defaults', False) else ''}"
+             f"{''.join(f' --limit {x}' for x in getattr(args, 'limit', []))}"
+             f"{''.join(f' --engine-arg {x}' for x in getattr(args, 'engine_arg', []))}`", "",
              f"{args.users} well-behaved users, one request every {args.period:g} s each (Answer k=3, 8 tokens; every "
              "fourth an AddFacts of one fact), through gRPC; the abuser runs one attack per phase of "
              f"{args.phase:g} s. Target: p99 within 2x of the baseline's, 0 well-behaved failures.", "",
@@ -387,7 +390,7 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
 
 
 def app_args(dtype: str, engine_cpu_cores: int = 0, serve_defaults: bool = False,
-             limits: list[str] = ()) -> argparse.Namespace:
+             limits: list[str] = (), engine_args: list[str] = ()) -> argparse.Namespace:
     """bench/service.py's settings for its own app (`own_service`), from its own parser: its defaults (one engine
     replica, one Redis, no cluster tier, the packaged model) with this run's dtype. A hand-built namespace fell
     behind when bench/service.py grew --retrieval-replicas, and this benchmark failed at its start."""
@@ -395,7 +398,8 @@ def app_args(dtype: str, engine_cpu_cores: int = 0, serve_defaults: bool = False
 
     return service.parse_args(["--quick", "--dtype", dtype, "--engine-cpu-cores", str(engine_cpu_cores),
                                *(["--serve-defaults"] if serve_defaults else []),
-                               *[a for item in limits for a in ("--limit", item)]])
+                               *[a for item in limits for a in ("--limit", item)],
+                               *[a for item in engine_args for a in ("--engine-arg", item)]])
 
 
 def main() -> int:
@@ -415,6 +419,9 @@ def main() -> int:
                          "--serve-defaults)")
     ap.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                     help="a services/limits.py Limits field for the app (repeatable; bench/service.py --limit)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="a vLLM engine argument for the app's engine replica (repeatable; bench/service.py "
+                         "--engine-arg)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
@@ -425,7 +432,7 @@ def main() -> int:
     from bench.cpu_ledger import CpuLedger
     from bench.service import cpu_description, cpu_line, own_service
 
-    service_args = app_args(args.dtype, args.engine_cpu_cores, args.serve_defaults, args.limit)
+    service_args = app_args(args.dtype, args.engine_cpu_cores, args.serve_defaults, args.limit, args.engine_arg)
     log = Log()
     users = [f"tenant-{i:02d}" for i in range(args.users)]
     with tempfile.TemporaryDirectory(prefix="noisy-") as tmp, \
@@ -445,6 +452,10 @@ def main() -> int:
                    for i, u in enumerate(users)]
         for w in workers:
             w.start()
+        # The baseline starts after a drain too, as every attack's phase does: in one run (2026-11-30, night) its
+        # first ~25 s, right after the set-up's writes and warm-up, were ~1.6x slower than its rest, and its p99
+        # flattered every ratio against it.
+        time.sleep(args.drain)
         phases = ["baseline", *attacks]
         ledger, cpu_by_phase = CpuLedger(), {}
         try:

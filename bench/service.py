@@ -109,6 +109,9 @@ def parse_args(argv=None):
                          "shared); default: the usable cores / --engine-replicas when there are several, else 0")
     ap.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                     help="a services/limits.py Limits field for the own app (repeatable; default: the shipped ones)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="a vLLM engine argument for the own app's engine replicas and the engine-level phase alike "
+                         "(ServiceConfig.engine_overrides; VALUE read as JSON, else a string; repeatable)")
     ap.add_argument("--serve-defaults", action="store_true",
                     help="Serve's own request path (threads for user code and routers, access log to stderr) and "
                          "control loop (0.1 s) instead of the shipped ones (services/app.py SERVE_REQUEST_PATH_ENV, "
@@ -421,7 +424,27 @@ def service_config(args, workdir: Path, registry_url: str | None, cluster_store:
                          kv_dir=str(workdir / "kv"), deployments=deployments(args), cluster_store=cluster_store,
                          auth={"hs256_secret_file": str(secret_file)}, engine_cpu_cores=engine_cpu_cores(args),
                          stream_interval=args.stream_interval, query_dtype=args.query_dtype,
-                         limits=limit_overrides(args.limit))
+                         limits=limit_overrides(args.limit), engine_overrides=engine_arg_overrides(args.engine_arg))
+
+
+def engine_arg_overrides(items: list[str]) -> dict:
+    """--engine-arg NAME=VALUE (repeatable) -> ServiceConfig.engine_overrides: a field of vLLM's EngineArgs, VALUE as
+    JSON (256, true, "x") or else the text itself. A name EngineArgs does not have stops the benchmark first."""
+    from dataclasses import fields
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in fields(EngineArgs)}
+    out: dict = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in known:
+            raise SystemExit(f"--engine-arg NAME=VALUE with NAME a field of vLLM's EngineArgs, got {item!r}")
+        try:
+            out[name] = json.loads(value)
+        except ValueError:
+            out[name] = value
+    return out
 
 
 def limit_overrides(items: list[str]) -> dict:

@@ -210,6 +210,22 @@ def test_limit_overrides_reach_the_benchmarked_apps_config_and_a_bad_one_is_refu
             service.limit_overrides([bad])
 
 
+def test_engine_args_reach_the_benchmarked_apps_engine_and_a_bad_name_is_refused(tmp_path):
+    """--engine-arg NAME=VALUE (bench/service.py, bench/noisy_neighbour.py): a vLLM EngineArgs field for the app's
+    engine replicas (ServiceConfig.engine_overrides, which the engine-level phase uses too), VALUE read as JSON or
+    else kept as text; a name EngineArgs does not have stops the benchmark before anything starts."""
+    service = import_service()
+    import bench.noisy_neighbour as noisy
+
+    args = noisy.app_args("float32", engine_args=["long_prefill_token_threshold=64", "scheduling_policy=priority"])
+    cfg = service.service_config(args, tmp_path, "redis://127.0.0.1:1/0", {}, tmp_path / "secret")
+    assert cfg.engine_overrides == {"long_prefill_token_threshold": 64, "scheduling_policy": "priority"}
+    assert service.service_config(noisy.app_args("float32"), tmp_path, None, {}, tmp_path / "s").engine_overrides == {}
+    for bad in ("long_prefill_token_threshold", "no_such_arg=1"):
+        with pytest.raises(SystemExit, match="--engine-arg NAME=VALUE"):
+            service.engine_arg_overrides([bad])
+
+
 def test_the_report_counts_users_served_by_more_than_one_engine_replica():
     """Cold loads of users whose facts had been warm (run (15)): a request served away from the user's home replica
     reads them cold there. The report says how many users two replicas hold, after the adds and after the load,
