@@ -60,17 +60,25 @@ def facts_of(user: str, i: int = 0) -> list[str]:
 
 
 class Log:
-    """Thread-safe records: (phase, who, op, seconds, code)."""
+    """Thread-safe records: (phase, who, op, seconds, code), with when each ended (Unix time: the abuser's process
+    and this one on one clock) and an answer's hops, so that the JSON shows what a slow request overlapped."""
 
     def __init__(self):
         self.rows: list[tuple[str, str, str, float, str]] = []
+        self.ended: list[float] = []                 # per row
+        self.timings_of: dict[int, dict] = {}        # row -> the answer's timings_ms
         self.hops: list[tuple[str, float, dict[str, float]]] = []  # (phase, client seconds, the answer's timings_ms)
         self.lock = threading.Lock()
         self.phase = "setup"
 
-    def add(self, who: str, op: str, seconds: float, code: str) -> None:
+    def add(self, who: str, op: str, seconds: float, code: str, ended_at: float | None = None,
+            timings: dict[str, float] | None = None) -> None:
         with self.lock:
+            if timings is not None:
+                self.timings_of[len(self.rows)] = dict(timings)
+                self.hops.append((self.phase, seconds, dict(timings)))
             self.rows.append((self.phase, who, op, seconds, code))
+            self.ended.append(time.time() if ended_at is None else ended_at)
 
     def add_hops(self, seconds: float, timings_ms: dict[str, float]) -> None:
         with self.lock:
@@ -100,13 +108,16 @@ def code_of(e: BaseException) -> str:
 
 
 def timed(log: Log, who: str, op: str, fn) -> None:
+    """One request's row; `fn` may answer the request's hops (an answer's timings_ms), kept with the row."""
     t0 = time.monotonic()
+    timings = None
     try:
-        fn()
+        out = fn()
+        timings = out if isinstance(out, dict) else None
         code = "OK"
     except Exception as e:  # noqa: BLE001 - every outcome is a row of the report
         code = code_of(e)
-    log.add(who, op, time.monotonic() - t0, code)
+    log.add(who, op, time.monotonic() - t0, code, timings=timings)
 
 
 def well_behaved(client, user: str, log: Log, stop: threading.Event, period_s: float, offset_s: float,
@@ -122,10 +133,9 @@ def well_behaved(client, user: str, log: Log, stop: threading.Event, period_s: f
         if (i + turn) % 4 == 3:
             timed(log, user, "add", lambda: client.add_facts(user, [f"{user} noted item {i} today."]))
         else:
-            def answer():
-                t_answer = time.monotonic()
+            def answer() -> dict[str, float]:
                 chunks = list(client.answer(user, "Where does the sister live?", k=3, max_tokens=8))
-                log.add_hops(time.monotonic() - t_answer, chunks[-1].timings_ms)
+                return dict(chunks[-1].timings_ms)
             timed(log, user, "answer", answer)
         stop.wait(max(0.0, period_s - (time.monotonic() - t0)))
 
@@ -155,14 +165,14 @@ def abuser_process(name: str, grpc_port: int, http_port: int, secret: str, secon
     timer.daemon = True  # an attack that failed early ends the process now, not when the phase would have
     timer.start()
     attack(name, service_handle(grpc_port, http_port, secret), log, stop)
-    Path(out).write_text(json.dumps([row[1:] for row in log.rows]))
+    Path(out).write_text(json.dumps([[*row[1:], ended] for row, ended in zip(log.rows, log.ended)]))
 
 
-def run_abuser(name: str, cfg, secret: str, seconds: float, tmp: Path) -> list[tuple[str, str, float, str]]:
+def run_abuser(name: str, cfg, secret: str, seconds: float, tmp: Path) -> list[tuple[str, str, float, str, float]]:
     """Attack `name` for `seconds` from a process of its own (spawned: no state of this one), so that its clients'
     Python work (building 250-item filters, a tight loop of refused requests) never holds the GIL of the
     well-behaved users' clients in this process, whose latency is what is measured; at ABUSER_NICENESS. Its rows
-    (who, op, seconds, code); a process that did not finish in time is killed and counted as one row."""
+    (who, op, seconds, code, ended at); a process that did not finish in time is killed and counted as one row."""
     import multiprocessing
 
     out = tmp / f"abuser-{name}.json"
@@ -173,9 +183,9 @@ def run_abuser(name: str, cfg, secret: str, seconds: float, tmp: Path) -> list[t
     if proc.is_alive():
         proc.kill()
         proc.join(timeout=10)
-        return [(ABUSER, name, seconds, "abuser process did not finish")]
+        return [(ABUSER, name, seconds, "abuser process did not finish", time.time())]
     if not out.exists():
-        return [(ABUSER, name, seconds, f"abuser process failed (exit {proc.exitcode})")]
+        return [(ABUSER, name, seconds, f"abuser process failed (exit {proc.exitcode})", time.time())]
     return [tuple(row) for row in json.loads(out.read_text())]
 
 
@@ -306,6 +316,19 @@ def warm_up(svc) -> None:
         model="inferscale", max_completion_tokens=4, messages=[{"role": "user", "content": "Hello"}])
     svc.client(ABUSER).add_memory(ABUSER, [{"role": "user", "content": "I like sailing."}], infer=True)
     print(f"# routes warmed up in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def json_rows(log: Log) -> list[dict]:
+    """Every request's row for the JSON beside the report: `ended` in seconds since the first row ended (the
+    well-behaved clients' and the abuser's on one clock), an answer's hops under `timings_ms`."""
+    t0 = min(log.ended, default=0.0)
+    out = []
+    for i, ((phase, who, op, secs, code), ended) in enumerate(zip(log.rows, log.ended)):
+        row = {"phase": phase, "who": who, "op": op, "s": round(secs, 4), "code": code, "ended": round(ended - t0, 3)}
+        if i in log.timings_of:
+            row["timings_ms"] = log.timings_of[i]
+        out.append(row)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -466,8 +489,8 @@ def main() -> int:
                 if phase == "baseline":
                     time.sleep(args.phase)
                 else:
-                    for who, op, secs, code in run_abuser(phase, cfg, secret, args.phase, Path(tmp)):
-                        log.add(who, op, secs, code)
+                    for who, op, secs, code, ended in run_abuser(phase, cfg, secret, args.phase, Path(tmp)):
+                        log.add(who, op, secs, code, ended_at=ended)
                 cpu_by_phase[phase] = ledger.mark(phase)
                 log.phase = f"drain after {phase}"
                 time.sleep(args.drain)
@@ -479,9 +502,7 @@ def main() -> int:
     print(text)
     if args.out:
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(
-            [{"phase": ph, "who": who, "op": op, "s": round(secs, 4), "code": code}
-             for ph, who, op, secs, code in log.rows]))
+        args.out.with_suffix(".json").write_text(json.dumps(json_rows(log)))
     return 0
 
 

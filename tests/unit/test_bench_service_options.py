@@ -397,8 +397,26 @@ def test_every_phase_of_the_noisy_neighbour_has_a_quarter_adds():
         log = noisy.Log()
         noisy.well_behaved(Client(), f"u{turn}", log, stop, period_s=0.0, offset_s=0.0, turn=turn)
         assert [op for _, _, op, _, _ in log.rows] == calls and len(log.hops) == calls.count("answer")
+        assert sorted(log.timings_of) == [i for i, op in enumerate(calls) if op == "answer"]  # kept with the row
         adds += calls.count("add")
     assert adds == 15
+
+
+def test_the_noisy_neighbour_json_puts_every_row_on_one_clock_with_its_answers_hops():
+    """The JSON beside the report: when each request ended, the abuser's rows (from its own process, with their own
+    end times) on the same clock as the well-behaved ones, and each answer's hops with its row."""
+    import bench.noisy_neighbour as noisy
+
+    log = noisy.Log()
+    log.phase = "extraction"
+    log.add("tenant-00", "answer", 0.5, "OK", ended_at=100.0, timings={"retrieval": 20.0})
+    log.add(noisy.ABUSER, "add_memory infer", 2.0, "OK", ended_at=101.5)
+    log.add("tenant-01", "add", 0.3, "OK", ended_at=100.25)
+    assert noisy.json_rows(log) == [
+        {"phase": "extraction", "who": "tenant-00", "op": "answer", "s": 0.5, "code": "OK", "ended": 0.0,
+         "timings_ms": {"retrieval": 20.0}},
+        {"phase": "extraction", "who": noisy.ABUSER, "op": "add_memory infer", "s": 2.0, "code": "OK", "ended": 1.5},
+        {"phase": "extraction", "who": "tenant-01", "op": "add", "s": 0.3, "code": "OK", "ended": 0.25}]
 
 
 def test_the_noisy_neighbour_report_compares_each_kind_with_its_own_baseline():
