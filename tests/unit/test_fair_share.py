@@ -98,6 +98,27 @@ class Recorder:
         return next(n for n, b in enumerate(self.batches) if item in b)
 
 
+class SteppedRunner:
+    """A batch runner whose items take several turns, as the encoder's long forwards do: an item listed in `steps`
+    answers Again(100) until its last step, any other finishes at once. The first batch is held open until `release`
+    is set, so that others submit while it runs. Made inside the test's event loop."""
+
+    def __init__(self, steps: dict[tuple[str, int], int]):
+        self.steps_left = dict(steps)
+        self.batches: list[list[tuple[str, int]]] = []
+        self.release = asyncio.Event()
+
+    async def __call__(self, payloads):
+        self.batches.append(list(payloads))
+        if len(self.batches) == 1:
+            await self.release.wait()
+        out: list = []
+        for p in payloads:
+            self.steps_left[p] = self.steps_left.get(p, 1) - 1
+            out.append(Again(100) if self.steps_left[p] > 0 else f"done {p[0]} {p[1]}")
+        return out
+
+
 def _items(user: str, n: int) -> list[tuple[str, int]]:
     return [(user, i) for i in range(n)]
 
@@ -201,29 +222,16 @@ def test_an_unfinished_item_goes_back_to_the_front_of_its_users_queue():
     """A long item runs a step per turn (the encoder's fact behind a 4k-token window): another user's item waits for
     one step, not for all of it, and the long item's user keeps its order."""
     async def scenario():
-        steps_left = {("long", 0): 4}
-        batches: list[list[tuple[str, int]]] = []
-        release = asyncio.Event()
-
-        async def run(payloads):
-            batches.append(list(payloads))
-            if len(batches) == 1:
-                await release.wait()
-            out = []
-            for p in payloads:
-                steps_left[p] = steps_left.get(p, 1) - 1
-                out.append(Again(100) if steps_left[p] > 0 else f"done {p[0]} {p[1]}")
-            return out
-
+        run = SteppedRunner({("long", 0): 4})
         fair = FairBatcher(run, batch_cost=100, quantum=100)
         long = asyncio.create_task(fair.submit("long", [("long", 0)], [100]))
-        while not batches:
+        while not run.batches:
             await asyncio.sleep(0)
         short = asyncio.create_task(fair.submit("short", [("short", 0)], [10]))
         later = asyncio.create_task(fair.submit("long", [("long", 1)], [10]))  # behind the unfinished one
         await asyncio.sleep(0)
-        release.set()
-        return batches, await asyncio.gather(long, later, short)
+        run.release.set()
+        return run.batches, await asyncio.gather(long, later, short)
 
     batches, (long, later, short) = asyncio.run(scenario())
     assert long == ["done long 0"] and later == ["done long 1"] and short == ["done short 0"]
@@ -253,30 +261,17 @@ def test_only_a_users_first_turn_goes_first_and_a_long_items_next_step_is_never_
     its first step ahead, then its next steps wait among the old users' turns, behind a later one-fact add and the
     heavy user's next item."""
     async def scenario():
-        steps_left = {("long", 0): 3}
-        batches: list[list[tuple[str, int]]] = []
-        release = asyncio.Event()
-
-        async def run(payloads):
-            batches.append(list(payloads))
-            if len(batches) == 1:
-                await release.wait()
-            out = []
-            for p in payloads:
-                steps_left[p] = steps_left.get(p, 1) - 1
-                out.append(Again(100) if steps_left[p] > 0 else f"done {p[0]} {p[1]}")
-            return out
-
+        run = SteppedRunner({("long", 0): 3})
         fair = FairBatcher(run, batch_cost=100, quantum=100)
         heavy = asyncio.create_task(fair.submit("heavy", _items("heavy", 2), [100, 100]))
-        while not batches:
+        while not run.batches:
             await asyncio.sleep(0)
         long = asyncio.create_task(fair.submit("long", [("long", 0)], [100]))
         light = asyncio.create_task(fair.submit("light", [("light", 0)], [100]))
         await asyncio.sleep(0)
-        release.set()
+        run.release.set()
         await asyncio.gather(heavy, long, light)
-        return batches
+        return run.batches
 
     assert asyncio.run(scenario()) == [[("heavy", 0)], [("long", 0)], [("light", 0)], [("heavy", 1)], [("long", 0)],
                                        [("long", 0)]]
