@@ -67,7 +67,6 @@ class Log:
         self.rows: list[tuple[str, str, str, float, str]] = []
         self.ended: list[float] = []                 # per row
         self.timings_of: dict[int, dict] = {}        # row -> the answer's timings_ms
-        self.hops: list[tuple[str, float, dict[str, float]]] = []  # (phase, client seconds, the answer's timings_ms)
         self.lock = threading.Lock()
         self.phase = "setup"
 
@@ -76,13 +75,14 @@ class Log:
         with self.lock:
             if timings is not None:
                 self.timings_of[len(self.rows)] = dict(timings)
-                self.hops.append((self.phase, seconds, dict(timings)))
             self.rows.append((self.phase, who, op, seconds, code))
             self.ended.append(time.time() if ended_at is None else ended_at)
 
-    def add_hops(self, seconds: float, timings_ms: dict[str, float]) -> None:
+    @property
+    def hops(self) -> list[tuple[str, float, dict[str, float]]]:
+        """(phase, client seconds, the answer's timings_ms) of every row that has hops, in row order."""
         with self.lock:
-            self.hops.append((self.phase, seconds, dict(timings_ms)))
+            return [(self.rows[i][0], self.rows[i][3], t) for i, t in sorted(self.timings_of.items())]
 
 
 def code_of(e: BaseException) -> str:

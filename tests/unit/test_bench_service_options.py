@@ -430,8 +430,8 @@ def test_the_noisy_neighbour_report_compares_each_kind_with_its_own_baseline():
     for phase, answer_s, add_s in (("baseline", 0.5, 1.0), ("filter", 1.5, 1.5)):
         log.phase = phase
         for _ in range(4):
-            log.add("tenant-00", "answer", answer_s, "OK")
-            log.add_hops(answer_s, {"retrieval": 20.0, "gateway_total_to_first_chunk": answer_s * 500})
+            log.add("tenant-00", "answer", answer_s, "OK",
+                    timings={"retrieval": 20.0, "gateway_total_to_first_chunk": answer_s * 500})
         log.add("tenant-01", "add", add_s, "OK")
         log.add(noisy.ABUSER, "filter", 0.1, "HTTP 429")
     args = SimpleNamespace(dtype="float32", users=2, period=15.0, phase=45.0, drain=15.0, attacks="filter",
