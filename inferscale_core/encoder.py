@@ -3,6 +3,7 @@ and k_norm, before rotary embedding) and values, per layer. A forward longer tha
 (`FactForward`), so that a scheduler can run other facts between them."""
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -24,15 +25,17 @@ Text = str | Sequence[int]
 # 1.5-2.1x with none: BENCHMARKS.md, "Offline cost") and accurate to the kernels' rounding, but not batch-invariant.
 ENCODE_BATCH_SIZE = 1
 WIDTH_MULTIPLE = 8  # padded width: a multiple of 8 (see _forward)
-# A fact's forward over more than WHOLE_TOKENS runs in steps of STEP_TOKENS (a prefill in chunks through the model's
-# KV cache: FactForward), so that the encoder pool's fair scheduler can run other users' facts between two steps
-# (issue 31: on the reference node, SmolLM2-135M fp32 on 2 cores, one forward of a 4k-token window takes 10-20 s, a
-# step of 256 tokens 0.5-0.8 s; BENCHMARKS.md "Noisy neighbour"). A forward of at most WHOLE_TOKENS runs whole, as
-# every forward did before steps existed: the shipped default's facts keep their bits (every LoCoMo fact behind its
-# 5 neighbours is at most 305 tokens with the prefix; 36% are over 256). A longer one gives the same KV up to the
-# kernels' rounding (tests/engine/test_core_exactness.py), and the same bits every time: its steps depend on its
-# token count only. Changing either constant changes the last bits of long facts' KV (a re-encode is then not
-# bit-identical to the KV stored before).
+# A fact's forward over more than WHOLE_TOKENS runs in steps (a prefill in chunks through the model's KV cache:
+# FactForward), so that the encoder pool's fair scheduler can run other users' facts between two steps (issue 31: on
+# the reference node, SmolLM2-135M fp32 on 2 cores, one forward of a 4k-token window takes 12-13 s). A step does
+# STEP_TOKENS of work, counted in token-equivalents (step_work): a token's attention grows with the positions before
+# it, so a step's tokens shrink along the window (SmolLM2-135M: 246 tokens at its start, 111 at 3,900), and every
+# step takes about as long (0.4-0.5 s there, where steps of 256 tokens grew from 0.47 to 1.0-1.3 s). A forward of
+# at most WHOLE_TOKENS runs whole, as every forward did before steps existed: the shipped default's facts keep
+# their bits (every LoCoMo fact behind its 5 neighbours is at most 305 tokens with the prefix; 36% are over 256).
+# A longer one gives the same KV up to the kernels' rounding (tests/engine/test_core_exactness.py), and the same
+# bits every time: its steps depend on its token count and the model only. Changing either constant (or the step
+# sizing) changes the last bits of long facts' KV (a re-encode is then not bit-identical to the KV stored before).
 STEP_TOKENS = 256
 WHOLE_TOKENS = 2 * STEP_TOKENS
 # One capture at a time in a process: hooks belong to modules, not to calls, so two captures at once (the encoder
@@ -40,6 +43,36 @@ WHOLE_TOKENS = 2 * STEP_TOKENS
 # lists, and adding or removing a hook while another thread's forward iterates the hooks is a race. Encoder
 # forwards use every core anyway, so serializing them costs no throughput.
 _CAPTURE_LOCK = threading.Lock()
+
+
+def attention_balance(model) -> int:
+    """The context length at which a token's attention over the positions before it costs as many multiply-adds
+    as the rest of its decoder layer: the layer's weights (one multiply-add each per token) over the multiply-adds
+    per earlier position (q.k and the weighted v: 2 x heads x head_dim). SmolLM2-135M: 3,538,944 / 1,152 = 3,072;
+    measured there, a step of 256 tokens at position 3,900 took 2.1-2.6x one at position 0 (1 + 3,968 / 3,072 =
+    2.3)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    weights = sum(p.numel() for p in model.model.layers[0].parameters() if p.dim() > 1)  # not the norms' scales
+    return max(1, weights // (2 * cfg.num_attention_heads * head_dim))
+
+
+def step_work(tokens: int, start: int, balance: int) -> int:
+    """The work of forwarding `tokens` tokens behind `start` cached ones, in token-equivalents: each token costs
+    1 plus its attention, (positions before it) / balance; on average a step's token has start + tokens / 2 before
+    it. Rounded up."""
+    return tokens + -(-tokens * (2 * start + tokens) // (2 * balance))
+
+
+def step_tokens(start: int, balance: int, budget: int = STEP_TOKENS) -> int:
+    """The most tokens a step behind `start` cached ones may forward within `budget` of work (at least one): the
+    largest t with t + t (2 start + t) / (2 balance) <= budget, i.e. t^2 + 2 (balance + start) t <= 2 balance budget,
+    in integers (the same steps on every machine)."""
+    b = balance + start
+    t = math.isqrt(b * b + 2 * balance * budget) - b
+    while t > 1 and step_work(t, start, balance) > budget:  # step_work rounds up: at most a step or two back
+        t -= 1
+    return max(1, t)
 
 
 @contextmanager
@@ -77,6 +110,7 @@ class PreRopeEncoder:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = ModelSpec.from_config(model.config)
+        self.balance = attention_balance(model)  # sizes the steps of long forwards (FactForward)
         self.max_window_tokens = max_window_tokens
         self.store_dtype = store_dtype  # e.g. bf16 storage for an fp32 encoder; None keeps the model dtype
 
@@ -165,10 +199,10 @@ class PreRopeEncoder:
 class FactForward:
     """One fact's forward over `[context | fact]`, run a step at a time: `step()` runs the next step and answers
     the fact's EncodedFact after the last one, None before. In one step (the plain forward, as
-    `PreRopeEncoder._forward` runs it) when the sequence is at most WHOLE_TOKENS long, else in steps of
-    STEP_TOKENS from its start through the model's KV cache (positions and the causal mask as in one forward),
-    keeping the pre-RoPE keys and values of the fact's positions. Steps may run in different threads, one at a
-    time; between two steps the cache holds the tokens done (about 46 KB a token for SmolLM2-135M in fp32)."""
+    `PreRopeEncoder._forward` runs it) when the sequence is at most WHOLE_TOKENS long, else in steps of STEP_TOKENS
+    of work each (step_tokens) from its start through the model's KV cache (positions and the causal mask as in one
+    forward), keeping the pre-RoPE keys and values of the fact's positions. Steps may run in different threads, one
+    at a time; between two steps the cache holds the tokens done (about 46 KB a token for SmolLM2-135M in fp32)."""
 
     def __init__(self, encoder: PreRopeEncoder, context: list[int], fact: list[int]):
         self.encoder, self.context, self.fact = encoder, context, fact
@@ -178,10 +212,15 @@ class FactForward:
         self._keys: list[list[torch.Tensor]] = []  # per step that reached the fact: per layer [T, H, D]
         self._values: list[list[torch.Tensor]] = []
 
+    def _next_tokens(self) -> int:
+        if self.total <= WHOLE_TOKENS:
+            return self.total
+        return min(step_tokens(self.done, self.encoder.balance), self.total - self.done)
+
     @property
     def next_cost(self) -> int:
-        """Tokens the next step forwards (what a scheduler charges for it)."""
-        return self.total if self.total <= WHOLE_TOKENS else min(STEP_TOKENS, self.total - self.done)
+        """The next step's work in token-equivalents (step_work: what a scheduler charges for it)."""
+        return step_work(self._next_tokens(), self.done, self.encoder.balance)
 
     def run(self) -> EncodedFact:
         """Every step at once."""
@@ -196,7 +235,7 @@ class FactForward:
         if self.total <= WHOLE_TOKENS:
             self.done = self.total
             return self.encoder._forward([(self.context, self.fact)])[0]
-        start, end = self.done, min(self.done + STEP_TOKENS, self.total)
+        start, end = self.done, self.done + self._next_tokens()
         seq = self.context + self.fact
         dev = self.encoder.device
         input_ids = torch.tensor([seq[start:end]], device=dev)

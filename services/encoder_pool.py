@@ -2,12 +2,12 @@
 
 Stateless and autoscaled on ongoing requests (services/app.py). Concurrent requests, of any users, are merged
 into encode calls by a fair scheduler (services/fair_queue.py): each user's facts wait in the user's own queue,
-and batches of at most ROUND_TOKENS tokens are filled by deficit round robin over the waiting users, by each fact's
-forward tokens (fact + window + prefix), so one user's 256-fact add or facts behind 4k-token windows cannot make
-another user's 1-fact add wait behind all of it (issue 31). A batch runs a forward per fact
-(inferscale_core/encoder.py ENCODE_BATCH_SIZE: a fact's KV never depends on what it was encoded with), and a fact
-whose forward is longer than WHOLE_TOKENS runs one step of STEP_TOKENS per turn (FactForward), so what a fact
-arriving behind other users' work waits for is one batch, whatever their windows. Facts are tokenized before
+and the next forward is picked by deficit round robin over the waiting users, by each fact's forward work (fact +
+window + prefix tokens, and their attention), so one user's 256-fact add or facts behind 4k-token windows cannot
+make another user's 1-fact add wait behind all of it (issue 31). A batch is one forward (inferscale_core/encoder.py
+ENCODE_BATCH_SIZE: a fact's KV never depends on what it was encoded with), and a fact whose forward is longer than
+WHOLE_TOKENS runs one step of STEP_TOKENS' work per turn (FactForward), so what a fact arriving behind other users'
+work waits for is one forward or one step, whatever their windows. Facts are tokenized before
 they queue (their cost is known), in a thread beside the batch that runs. The result is a list of
 `EncodedFact` on the CPU: Serve stores it in the Ray object store and the engine replica that asked for it
 (through the gateway's unresolved response) reads it from there. Facts are encoded exactly as
@@ -116,15 +116,16 @@ class EncoderPoolConfig:
 
 
 TRANSIENT_RETRIES = 2  # a fact whose encode raised is tried this often more, from its start, before it is reported
-# The fair scheduler's sizes, in forward tokens: one step of a fact's forward (inferscale_core/encoder.py
-# STEP_TOKENS). A batch of ROUND_TOKENS (0.5-0.8 s of forwards for SmolLM2-135M fp32 on the reference node's 2 cores;
-# a forward of up to WHOLE_TOKENS, which runs whole, goes alone: up to twice that) is what a fact arriving behind
-# other users' work waits for at most, besides its own turn; QUANTUM_TOKENS per user per turn: a short fact with its
-# window goes in one turn, a 4k-token window in 16. Batches of 2,048 tokens (before steps) made a fact wait up to
-# ~8 s behind another user's facts on that node. Small batches cost no throughput: every fact is its own forward
-# anyway (ENCODE_BATCH_SIZE).
-ROUND_TOKENS = STEP_TOKENS
-QUANTUM_TOKENS = STEP_TOKENS
+# The fair scheduler's sizes, in work (token-equivalents: inferscale_core/encoder.py step_work). A batch is one
+# forward, or one step of one (BATCH_COST 1: a batch closes at its first item), so a fact arriving behind other
+# users' work waits for the one forward or step that runs, besides its own: on the reference node's 2 cores, alone,
+# ~0.2 s for a short fact behind its 5 neighbours, 0.4-0.5 s for a step of a long window. Batches of one cost no
+# throughput: every fact is its own forward anyway (ENCODE_BATCH_SIZE). Batches of 256 tokens (2-3 such facts) made a
+# one-fact add wait for the 256 that ran and for 256 more with its own (adds under the noisy benchmark's kv_flood:
+# p50 1,055 -> 558 ms, one run each). QUANTUM_WORK per user per turn: a short fact with its window goes in one turn,
+# a 4k-token window in about 25 (its steps' work).
+BATCH_COST = 1
+QUANTUM_WORK = STEP_TOKENS
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class PreparedFact:
 
     @property
     def cost(self) -> int:
-        """The forward's tokens (the fair scheduler charges them a step at a time: EncodeJob)."""
+        """The forward's tokens (the fair scheduler charges their work a step at a time: EncodeJob)."""
         return len(self.fact_ids) + len(self.context_ids)
 
 
@@ -263,7 +264,7 @@ class EncoderCore:
         self.fe, self.cluster, self.share = fe, cluster, share
         self.metrics = metrics if metrics is not None else EncoderMetrics()
         self.batcher: FairBatcher[EncodeJob, EncodedFact | EncodeFailure] = FairBatcher(
-            self._encode_batch, ROUND_TOKENS, QUANTUM_TOKENS)
+            self._encode_batch, BATCH_COST, QUANTUM_WORK)
         if self.cluster is not None:
             self.cluster.available  # noqa: B018 - starts connecting in the background
 

@@ -62,6 +62,31 @@ def check_query_dtype(value: str) -> None:
 
 
 QUERY_BATCH = 64  # queries embedded in one call at most (the Embedder's own batch size)
+# Fact texts embedded per embedder call: a write's facts go in calls of this many, each taking the embedder in
+# turn (FifoLock), so queries and other users' writes wait for one such call (~20-40 ms on the reference node's
+# 2 cores), not for a 256-fact add's whole embedding, which held every query and add of the replica ~2 s (the noisy
+# benchmark's kv_flood: the add arriving with the flood took 2.7-3.3 s, baseline 0.3 s). Rows equal one call's to
+# ~1e-7 (padding to each call's longest text).
+FACT_EMBED_CHUNK = 16
+
+
+class FifoLock:
+    """A lock taken in the order it was asked for: a thread that releases it and asks again goes behind those
+    already waiting (threading.Lock lets the releasing thread take it back at once)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self):
+        with self._cv:
+            ticket, self._next = self._next, self._next + 1
+            self._cv.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc):
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
 
 
 class QueryBatcher:
@@ -129,8 +154,9 @@ class RetrievalCore:
 
     Locking is per user: syncing one user (registry reads, embedding its new facts) never holds up another
     user's search. The query is embedded before any user lock is taken, in a batch with the queries waiting
-    beside it (QueryBatcher). Embedding itself runs one call at a time (`_embed_lock`: a fast tokenizer is not
-    safe to call from two threads at once); VectorIndex guards its own matrices.
+    beside it (QueryBatcher). Embedding itself runs one call at a time, in the order asked (`_embed_lock`: a fast
+    tokenizer is not safe to call from two threads at once), facts FACT_EMBED_CHUNK per call; VectorIndex guards
+    its own matrices.
 
     Memory: the indices' embeddings (VectorIndex.nbytes: facts x dim x 4) stay within `max_bytes`: after a request
     that read or grew a user's index, the least recently used other users are unloaded until they fit (a user
@@ -154,7 +180,7 @@ class RetrievalCore:
         self.index = VectorIndex(embedder.dim, device=device)
         self._locks_guard = threading.Lock()            # only to create/drop entries of _locks
         self._locks: dict[str, threading.RLock] = {}    # user -> the lock of its sync state and index rows
-        self._embed_lock = threading.Lock()
+        self._embed_lock = FifoLock()
         self.queries = QueryBatcher(self._embed_queries)
         self.book: UserBook[int] = UserBook(int)       # user -> fact_id -> fact version indexed; versions synced
         # user -> fact_id -> expires_at, for the indexed facts that expire: a search leaves out those expired at
@@ -166,8 +192,12 @@ class RetrievalCore:
             return self._locks.setdefault(user_id, threading.RLock())
 
     def _embed(self, texts: list[str]) -> torch.Tensor:
-        with self._embed_lock:
-            return self.embedder.embed(texts)
+        """Fact texts' rows, FACT_EMBED_CHUNK texts per turn of the embedder."""
+        rows = []
+        for start in range(0, len(texts), FACT_EMBED_CHUNK):
+            with self._embed_lock:
+                rows.append(self.embedder.embed(texts[start:start + FACT_EMBED_CHUNK]))
+        return torch.cat(rows) if rows else self.embedder.embed([])
 
     def _embed_queries(self, texts: list[str]) -> torch.Tensor:
         with self._embed_lock:

@@ -6,7 +6,15 @@ from support.tiny_models import FAMILIES, tiny_model
 
 from bench.hf_inject import block_diagonal_mask, greedy_prompt, greedy_with_injection, query_logits
 from inferscale_core.compose import compose
-from inferscale_core.encoder import STEP_TOKENS, WHOLE_TOKENS, PreRopeEncoder, capture_pre_rope
+from inferscale_core.encoder import (
+    STEP_TOKENS,
+    WHOLE_TOKENS,
+    PreRopeEncoder,
+    attention_balance,
+    capture_pre_rope,
+    step_tokens,
+    step_work,
+)
 from inferscale_core.rope import ChunkedRope
 from inferscale_core.template import PromptTemplate
 
@@ -107,6 +115,21 @@ def test_neighbour_windows_of_facts_added_together_equal_joint_prompt(model_and_
         PromptTemplate.neighbour_windows(FACTS, -1)
 
 
+def test_a_steps_tokens_shrink_as_its_attention_grows(smollm2):
+    """A step's work counts each token's attention over the positions before it against its layer's weights:
+    SmolLM2-135M's balance is 3,072 positions (3,538,944 weights a layer / 2 x 9 heads x 64), so a step of
+    STEP_TOKENS' work forwards 246 tokens at a window's start and 111 at position 3,900; each size is the most that
+    fits, at every position and balance."""
+    model, _ = smollm2
+    assert attention_balance(model) == 3072
+    assert (step_tokens(0, 3072), step_tokens(3900, 3072)) == (246, 111)
+    for balance in (1, 7, 288, 3072, 1 << 20):
+        for start in (0, 1, 255, 4096, 100_000):
+            t = step_tokens(start, balance)
+            assert t >= 1 and (t == 1 or step_work(t, start, balance) <= STEP_TOKENS)
+            assert step_work(t + 1, start, balance) > STEP_TOKENS
+
+
 @torch.no_grad()
 def test_forwards_longer_than_a_step_run_in_steps_and_still_equal_the_joint_prompt(model_and_tok):
     """A forward of more than WHOLE_TOKENS runs in steps through the model's KV cache (so that the encoder pool can
@@ -119,12 +142,21 @@ def test_forwards_longer_than_a_step_run_in_steps_and_still_equal_the_joint_prom
     assert len(head) > WHOLE_TOKENS and len(head) % STEP_TOKENS != 0
     last = facts[1]
     forward = encoder.fact_forward(head, last)
-    costs = []
+    costs, sizes = [], []
     while True:
         costs.append(forward.next_cost)
-        if (behind := forward.step()) is not None:
+        before = forward.done
+        behind = forward.step()
+        sizes.append(forward.done - before)
+        if behind is not None:
             break
-    assert costs == [STEP_TOKENS] * (len(head + last) // STEP_TOKENS) + [len(head + last) % STEP_TOKENS]
+    # Each step does at most STEP_TOKENS of work, and as much as fits: later steps, attending over more, take fewer
+    # tokens; a scheduler is charged each step's work.
+    assert sum(sizes) == len(head + last) and len(sizes) >= 3 and sizes[0] > sizes[-2]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert costs == [step_work(n, at, encoder.balance) for n, at in zip(sizes, starts)]
+    assert all(c <= STEP_TOKENS < step_work(n + 1, at, encoder.balance)
+               for c, n, at in zip(costs[:-1], sizes, starts))
     whole = encoder.encode(head)  # its own tokens over several steps
     comp = compose(ChunkedRope(model.config), [whole, behind], query)
     assert comp.prompt_ids == head + last + query
@@ -136,7 +168,8 @@ def test_forwards_longer_than_a_step_run_in_steps_and_still_equal_the_joint_prom
         forward.step()
     # At most WHOLE_TOKENS: one step, the plain forward's bits (the shipped default's facts are this size).
     short = encoder.fact_forward(prefix + facts[0] + facts[2], last)
-    assert short.next_cost == len(prefix + facts[0] + facts[2] + last) <= WHOLE_TOKENS
+    n = len(prefix + facts[0] + facts[2] + last)
+    assert n <= WHOLE_TOKENS and short.next_cost == step_work(n, 0, encoder.balance)
     plain = encoder._forward([(prefix + facts[0] + facts[2], last)])[0]
     stepped = short.step()
     assert stepped is not None and torch.equal(stepped.k_pre, plain.k_pre) and torch.equal(stepped.v, plain.v)

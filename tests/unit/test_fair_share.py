@@ -318,45 +318,79 @@ def test_the_pool_encodes_facts_as_the_encoder_does_and_charges_the_window(tiny_
     assert isinstance(alice[2], EncodeFailure) and isinstance(direct[3], EncodeFailure)
 
 
+async def _light_add_behind(fe, heavy_items, light_item, held: int = 1):
+    """A heavy user's add of `heavy_items` starts; its `held`-th batch is held until a light user's one-fact add of
+    `light_item` has queued. Returns each batch's facts (token ids), the users in the order their adds finished,
+    and the two adds' results."""
+    from inferscale_server.encoder_pool import EncoderCore
+
+    class HeldCore(EncoderCore):
+        async def _encode_batch(self, jobs):
+            seen.append([j.prepared.fact_ids for j in jobs])
+            if len(seen) == held:
+                await release.wait()
+            return await super()._encode_batch(jobs)
+
+    core, seen, release, done = HeldCore(fe), [], asyncio.Event(), []
+
+    async def add(user, items):
+        out = await core.encode(user, items)
+        done.append(user)
+        return out
+
+    async def until(ready, what: str) -> None:
+        for _ in range(10_000):  # 10 s at most
+            if ready():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError(f"{what} never happened; batches so far: {len(seen)}")
+
+    heavy = asyncio.create_task(add("heavy", heavy_items))
+    await until(lambda: len(seen) == held, f"the heavy user's batch {held}")
+    light = asyncio.create_task(add("light", [light_item]))
+    await until(lambda: core.batcher.waiting() > len(heavy_items) - held, "the light add's queueing")
+    release.set()
+    return seen, done, await asyncio.wait_for(light, 60), await asyncio.wait_for(heavy, 60)
+
+
+def test_a_batch_is_one_forward_so_a_one_fact_add_waits_for_one_of_another_users_facts(tiny_encoder):
+    """A user's 12-fact add (short facts behind their neighbours, as the noisy benchmark's kv_flood sends 256): a
+    one-fact add arriving while one of them runs, past that user's first turn (the only turn that goes before
+    others: fair_queue.py), goes next, alone. Batches of 256 tokens made it wait for the batch that ran and share
+    its own with the heavy user's next facts."""
+    from inferscale_server.encoder_pool import QUANTUM_WORK, EncodeJob
+
+    fe = tiny_encoder
+    flood = [(f"Flood fact {i} about nothing much at all.", [f"Flood fact {j} about nothing much at all."
+                                                            for j in range(max(0, i - 5), i)]) for i in range(12)]
+    light_item = ("Bob lives in Denver.", [])
+    prepared = fe.prepare(flood)
+    costs = [EncodeJob(fe, p).forward.next_cost for p in prepared]
+    first_turn = next(n for n in range(len(costs) + 1) if n == len(costs) or sum(costs[:n + 1]) > QUANTUM_WORK)
+    assert 1 <= first_turn < 6
+    seen, done, light, heavy = asyncio.run(_light_add_behind(fe, flood, light_item, held=first_turn + 1))
+    flood_ids, light_ids = [p.fact_ids for p in prepared], fe.prepare([light_item])[0].fact_ids
+    n = first_turn + 1
+    assert seen == [[ids] for ids in flood_ids[:n]] + [[light_ids]] + [[ids] for ids in flood_ids[n:]]
+    assert done == ["light", "heavy"]
+    for got, alone in zip([*light, *heavy], fe.encode([light_item, *flood])):
+        assert torch.equal(got.k_pre, alone.k_pre) and torch.equal(got.v, alone.v)
+
+
 def test_a_fact_behind_a_long_window_does_not_hold_the_pool_for_another_users_fact(tiny_encoder):
     """The long window's forward runs one step per turn: a one-fact add that arrives while it runs is encoded
     after one step, long before the window's fact, and each gets the KV the encoder makes of it alone."""
-    from inferscale_core.encoder import STEP_TOKENS
-    from inferscale_server.encoder_pool import EncoderCore
+    from inferscale_core.encoder import step_tokens
 
     fe = tiny_encoder
     window = ["turn about biscuits and tea " * 1000]
     heavy_item, light_item = ("Carol drinks tea.", window), ("Bob lives in Denver.", [])
-    steps = -(-fe.prepare([heavy_item])[0].cost // STEP_TOKENS)
+    total, done, steps = fe.prepare([heavy_item])[0].cost, 0, 0
+    while done < total:  # the window's steps: STEP_TOKENS of work each, fewer tokens as its attention grows
+        done, steps = done + step_tokens(done, fe.encoder.balance), steps + 1
     assert steps >= 16
 
-    class HeldCore(EncoderCore):  # records each batch's facts; the window's first step is held until the one-fact
-        async def _encode_batch(self, jobs):  # add has queued
-            self.seen.append([j.prepared.fact_ids for j in jobs])
-            if len(self.seen) == 1:
-                await self.release.wait()
-            return await super()._encode_batch(jobs)
-
-    async def scenario():
-        core = HeldCore(fe)
-        core.seen, core.release = [], asyncio.Event()
-        done = []
-
-        async def add(user, item):
-            out = await core.encode(user, [item])
-            done.append(user)
-            return out
-
-        heavy = asyncio.create_task(add("heavy", heavy_item))
-        while core.batcher.batches == 0:
-            await asyncio.sleep(0.001)
-        light = asyncio.create_task(add("light", light_item))
-        while core.batcher.waiting() == 0:
-            await asyncio.sleep(0.001)
-        core.release.set()
-        return core.seen, done, await light, await heavy
-
-    seen, done, light, heavy = asyncio.run(scenario())
+    seen, done, light, heavy = asyncio.run(_light_add_behind(fe, [heavy_item], light_item))
     heavy_ids, light_ids = (fe.prepare([item])[0].fact_ids for item in (heavy_item, light_item))
     # The one-fact add ran after the window's one step that was running, not after all of its steps.
     assert seen == [[heavy_ids], [light_ids]] + [[heavy_ids]] * (steps - 1) and done == ["light", "heavy"]

@@ -145,3 +145,45 @@ def test_the_query_dtype_follows_the_replicas_hardware_unless_set():
             make()
     assert ServiceConfig(query_dtype="float32").retrieval_config("redis://r").query_dtype == "float32"
     assert ServiceConfig().app_args()["query_dtype"] == "auto"
+
+
+def test_a_large_write_embeds_in_turns_so_a_query_waits_for_one_chunk():
+    """A 256-fact write is embedded FACT_EMBED_CHUNK facts per call, and the embedder is taken in the order asked
+    (FifoLock): a query asked while the write's first call runs is embedded right after that call, not after the
+    whole write (which held every query of the replica ~2 s under the noisy benchmark's kv_flood)."""
+    from inferscale_core.embedder import CallableEmbedder
+    from inferscale_server.registry import NewFact, open_registry
+    from inferscale_server.retrieval import FACT_EMBED_CHUNK, RetrievalCore
+
+    real = default_embedder()
+    calls: list[tuple[str, int]] = []
+    first_fact_call, query_asked = threading.Event(), threading.Event()
+
+    def facts(texts):
+        calls.append(("facts", len(texts)))
+        if len(calls) > 2 and not first_fact_call.is_set():  # after the probe and the light user's fact
+            first_fact_call.set()
+            assert query_asked.wait(60), "the query never asked for the embedder"
+        return real.embed(texts)
+
+    registry = open_registry(None)
+    core = RetrievalCore(registry, CallableEmbedder(facts),
+                         query_embedder=CallableEmbedder(lambda t: calls.append(("query", len(t))) or real.embed(t)))
+    (light,) = registry.create("light", [NewFact("My dog is called Rex")])
+    core.ensure("light")
+    heavy = registry.create("heavy", [NewFact(f"Flood fact {i} about nothing much at all.") for i in range(256)])
+    lock = core._embed_lock
+    with cf.ThreadPoolExecutor(2) as pool:
+        write = pool.submit(core.index_facts, "heavy", [(r.fact_id, r.version, r.text) for r in heavy])
+        assert first_fact_call.wait(60)
+        search = pool.submit(core.search, "light", "what is my dog's name?", 1)
+        deadline = time.monotonic() + 60
+        while lock._next - lock._serving < 2:  # the query waits for the embedder behind the write's first call
+            assert time.monotonic() < deadline, "the query never queued for the embedder"
+            time.sleep(0.005)
+        query_asked.set()
+        assert write.result(timeout=120) == 256
+        assert [f for f, _ in search.result(timeout=120)] == [light.fact_id]
+    chunks = 256 // FACT_EMBED_CHUNK
+    assert calls[2:] == [("facts", FACT_EMBED_CHUNK), ("query", 1)] + [("facts", FACT_EMBED_CHUNK)] * (chunks - 1)
+    assert core.index.size("heavy") == 256
