@@ -68,6 +68,7 @@ QUERY_BATCH = 64  # queries embedded in one call at most (the Embedder's own bat
 # benchmark's kv_flood: the add arriving with the flood took 2.7-3.3 s, baseline 0.3 s). Rows equal one call's to
 # ~1e-7 (padding to each call's longest text).
 FACT_EMBED_CHUNK = 16
+WRITE_THREADS = 4  # writes embedded at once, in turns (the deployment's index_facts)
 
 
 class FifoLock:
@@ -382,7 +383,7 @@ class Retrieval:
 
     def __init__(self, config: RetrievalConfig | None = None):
         from inferscale_core.embedder import Embedder
-        from inferscale_core.vllm_env import one_thread_beside_the_engine
+        from inferscale_core.vllm_env import heavy_work_threads, one_thread_beside_the_engine
 
         config = config or RetrievalConfig()
         from .encoder_pool import resolve_device
@@ -406,6 +407,9 @@ class Retrieval:
         # cores + 4 threads, which would cap a batch there and queue the other searches unbatched behind it.
         # A search's thread mostly waits for its batch's row.
         self._searches = ThreadPoolExecutor(QUERY_BATCH, thread_name_prefix="search")
+        # Written facts are embedded below the searches' priority, as the engines' compute runs (heavy_work_threads);
+        # several threads, so that a small write's turn at the embedder (FifoLock) comes between a large one's calls.
+        self._writes = heavy_work_threads(device, WRITE_THREADS, "write")
 
     @serve.multiplexed(max_num_models_per_replica=MAX_USERS)
     async def _user(self, user_id: str) -> _LoadedUser:
@@ -427,7 +431,8 @@ class Retrieval:
     async def index_facts(self, user_id: str, facts: list[tuple[str, int, str]]) -> int:
         with self.metrics.request("index_facts"):
             await self._user(user_id)
-            return await asyncio.to_thread(self.core.index_facts, user_id, facts)
+            return await asyncio.get_running_loop().run_in_executor(self._writes, self.core.index_facts, user_id,
+                                                                    facts)
 
     async def forget(self, user_id: str, fact_ids: list[str]) -> None:
         with self.metrics.request("forget"):

@@ -44,12 +44,12 @@ def test_each_engine_replica_computes_on_its_own_core(service):
         assert bound_cpus(s["pid"]) == set(s["engine_cpus"]), s["replica_id"]
 
 
-def thread_niceness(proc) -> set[int]:
+def thread_niceness(proc) -> list[int]:
     """The niceness of every thread of `proc` and of its children, read from the kernel."""
-    seen = set()
+    seen = []
     for tid in tree_threads(proc):
         try:
-            seen.add(os.getpriority(os.PRIO_PROCESS, tid))
+            seen.append(os.getpriority(os.PRIO_PROCESS, tid))
         except ProcessLookupError:  # a thread that just ended
             continue
     return seen
@@ -57,27 +57,31 @@ def thread_niceness(proc) -> set[int]:
 
 def test_heavy_compute_runs_below_the_nodes_light_work(service):
     """On this CPU node every thread of each engine replica, of the vLLM engine core it spawned and of the encoder
-    pool runs 4 nicer than Ray's workers (15); the gateway and retrieval stay at Ray's (vllm_env.below_light_work).
-    Read in /proc, not only in what the replicas report."""
+    pool runs 4 nicer than Ray's workers (15); the gateway and retrieval stay at Ray's (vllm_env.below_light_work),
+    but for the retrieval replica's threads that embed written facts (test_written_facts_are_embedded_below_the_
+    searches). Read in /proc, not only in what the replicas report."""
     import psutil
 
     from inferscale_core.vllm_env import HEAVY_NICENESS_STEP
+    from inferscale_server.retrieval import WRITE_THREADS
 
     heavy = min(19, 15 + HEAVY_NICENESS_STEP)
     for s in stats_by_replica(2).values():
         assert s["engine_niceness"] == heavy, s["replica_id"]
         root = psutil.Process(s["pid"])
         assert root.children(recursive=True), "no engine-core process"
-        assert thread_niceness(root) == {heavy}, s["replica_id"]
-    by_role: dict[str, set[int]] = {}
+        assert set(thread_niceness(root)) == {heavy}, s["replica_id"]
+    by_role: dict[str, list[int]] = {}
     for proc in psutil.process_iter(["cmdline"]):
         title = " ".join(proc.info["cmdline"] or ())
         for role in ("EncoderPool", "Gateway", "Retrieval"):
             if title.startswith(f"ray::ServeReplica:inferscale:{role}"):
-                by_role.setdefault(role, set()).update(thread_niceness(proc))
+                by_role.setdefault(role, []).extend(thread_niceness(proc))
     # (Ray's workers start some threads before they take niceness 15: those run at 0)
-    assert set(by_role) == {"EncoderPool", "Gateway", "Retrieval"} and by_role["EncoderPool"] == {heavy}, by_role
-    assert max(by_role["Gateway"] | by_role["Retrieval"]) == 15 < heavy, by_role
+    assert set(by_role) == {"EncoderPool", "Gateway", "Retrieval"} and set(by_role["EncoderPool"]) == {heavy}, by_role
+    assert max(by_role["Gateway"]) == 15 < heavy, by_role
+    light = [n for n in by_role["Retrieval"] if n != heavy]
+    assert max(light) == 15 and by_role["Retrieval"].count(heavy) <= WRITE_THREADS, by_role
 
 
 def test_users_spread_over_both_replicas(service, users):
@@ -146,3 +150,22 @@ def test_concurrent_answers_stay_on_the_users_replica(service, users, redis_url)
     registry = RedisRegistry(redis_url)
     for name in names:  # the placement map agrees: one replica per user
         assert len(registry.placement(name)) == 1, (name, registry.placement(name))
+
+
+def test_written_facts_are_embedded_below_the_searches(service, users):
+    """After writes (test_users_spread_over_both_replicas's, or one here), the retrieval replica embeds written
+    facts on threads 4 nicer than its searches (vllm_env.heavy_work_threads), at most WRITE_THREADS of them: a large
+    write's embedding does not take the cores from the engines at the light work's priority."""
+    import psutil
+
+    from inferscale_core.vllm_env import HEAVY_NICENESS_STEP
+    from inferscale_server.retrieval import WRITE_THREADS
+
+    if not users:  # run alone: one user's facts, as test_users_spread_over_both_replicas adds them
+        users[NAMES[0]] = [f.fact_id for f in service.client.add_facts(NAMES[0], facts_of(NAMES[0]))]
+    heavy = min(19, 15 + HEAVY_NICENESS_STEP)
+    replicas = [thread_niceness(p) for p in psutil.process_iter(["cmdline"])  # 1 or 2 (autoscaled)
+                if " ".join(p.info["cmdline"] or ()).startswith("ray::ServeReplica:inferscale:Retrieval")]
+    assert replicas and sum(seen.count(heavy) for seen in replicas) >= 1, replicas
+    for seen in replicas:
+        assert seen.count(heavy) <= WRITE_THREADS and max(n for n in seen if n != heavy) == 15, seen
