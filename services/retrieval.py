@@ -64,9 +64,9 @@ def check_query_dtype(value: str) -> None:
 QUERY_BATCH = 64  # queries embedded in one call at most (the Embedder's own batch size)
 # Fact texts embedded per embedder call: a write's facts go in calls of this many, each taking the embedder in
 # turn (FifoLock), so queries and other users' writes wait for one such call (~20-40 ms on the reference node's
-# 2 cores), not for a 256-fact add's whole embedding, which held every query and add of the replica ~2 s (the noisy
-# benchmark's kv_flood: the add arriving with the flood took 2.7-3.3 s, baseline 0.3 s). Rows equal one call's to
-# ~1e-7 (padding to each call's longest text).
+# 2 cores), not for a 256-fact add's whole embedding, which held every query and add of the replica (0.49 s alone,
+# longer beside the engine; the noisy benchmark's kv_flood). Rows equal one call's to ~1e-7 (padding to each call's
+# longest text).
 FACT_EMBED_CHUNK = 16
 WRITE_THREADS = 4  # writes embedded at once, in turns (the deployment's index_facts)
 
