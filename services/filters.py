@@ -174,15 +174,48 @@ def _compile(f, owner: str, where: str, depth: int, size: _Size, top: bool = Fal
                           "and metadata are)")
         else:  # a scope field or any other metadata key
             preds.append(_field(lambda r, k=key: r.metadata.get(k), cond, at, False, size))
-    return lambda r: all(p(r) for p in preds)
+    return _all(preds)
 
 
 def _logical(op: str, subs: list[Predicate]) -> Predicate:
     if op == "AND":
-        return lambda r: all(p(r) for p in subs)
+        return _all(subs)
     if op == "OR":
-        return lambda r: any(p(r) for p in subs)
-    return lambda r: not any(p(r) for p in subs)  # NOT [a, b]: neither a nor b
+        return _any(subs)
+    either = _any(subs)
+    return lambda r: not either(r)  # NOT [a, b]: neither a nor b
+
+
+# A compiled filter runs once per fact for every condition it holds: a scan of 1,000 facts under the largest filter is
+# ~127,000 conditions, on the gateway's cores. So the combinators below add no call that the tree does not need (a
+# single condition is itself, not wrapped) and loop instead of building a generator per call: that scan's matching took
+# ~3x less time than with all(p(r) for p in preds) at every level (285 -> 97 ms, medians of 11, one session, 2 cores).
+# They short-circuit exactly as all() and any() do (tests/unit/test_filters.py checks the answers against a plain
+# reading of the language on random filters).
+def _all(preds: list[Callable]) -> Callable:
+    if not preds:
+        return lambda x: True
+    if len(preds) == 1:
+        return preds[0]
+
+    def every(x) -> bool:
+        for p in preds:
+            if not p(x):
+                return False
+        return True
+    return every
+
+
+def _any(preds: list[Callable]) -> Callable:
+    if len(preds) == 1:
+        return preds[0]
+
+    def some(x) -> bool:
+        for p in preds:
+            if p(x):
+                return True
+        return False
+    return some
 
 
 def _field(get, cond, where: str, is_time: bool, size: _Size) -> Predicate:
@@ -202,7 +235,8 @@ def _field(get, cond, where: str, is_time: bool, size: _Size) -> Predicate:
         size.node(f"{where}.{op}")
         size.text(op)
         checks.append(_op(op, value, f"{where}.{op}", is_time, size))
-    return lambda r: all(c(get(r)) for c in checks)
+    check = _all(checks)
+    return lambda r: check(get(r))
 
 
 def _op(op: str, value, where: str, is_time: bool, size: _Size):
@@ -223,8 +257,16 @@ def _op(op: str, value, where: str, is_time: bool, size: _Size):
         size.text_conditions += 1
         if op == "contains":
             return lambda x: (value in x) if isinstance(x, (str, list)) else False
-        return lambda x: (low in x.lower() if isinstance(x, str)
-                          else isinstance(x, list) and any(isinstance(e, str) and e.lower() == low for e in x))
+
+        def icontains(x) -> bool:  # a text holds it, or a list has it as an element, case aside
+            if isinstance(x, str):
+                return low in x.lower()
+            if isinstance(x, list):
+                for e in x:
+                    if isinstance(e, str) and e.lower() == low:
+                        return True
+            return False
+        return icontains
     v = conv(value, where)
     if op == "eq":
         return lambda x: x == v
