@@ -57,8 +57,8 @@ from bench.eval.locomo import (
 )
 from bench.eval.scoring import judge_prompt, locomo_f1, parse_judge_reply
 from bench.eval.stats import by_category, group_by, paired_bootstrap, summarize
-from inferscale_core.compose import SERVING_ORDERS
 from inferscale_core.defaults import NEIGHBOUR_WINDOW, RECOMPUTE_TOKENS, add_recompute_arguments, default_windows
+from inferscale_core.ordering import SERVING_ORDERS
 from inferscale_core.template import PromptTemplate
 
 MODES = ("kv", "pi")

@@ -9,7 +9,7 @@ The names below are imported on first use (PEP 562), so that importing a light s
 """
 from importlib import import_module
 
-_EXPORTS = {"Composition": "compose", "compose": "compose", "serving_order": "compose",
+_EXPORTS = {"Composition": "compose", "compose": "compose", "serving_order": "ordering",
             "PreRopeEncoder": "encoder", "capture_pre_rope": "encoder",
             "ModelSpec": "model_spec", "UnsupportedModelError": "model_spec",
             "ChunkedRope": "rope", "PromptTemplate": "template", "EncodedFact": "types"}

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .compose import check_serving_order
 from .connector import check_vllm_version
 from .memory import PREFIX_FACT, Memory
+from .ordering import check_serving_order
 from .requests import Answer, Prepared, Query, RequestCore, check_w
 from .serving_engine import AsyncInjectingEngine
 from .types import SHARED_USER_ID, Mode, kv_id
@@ -123,7 +123,7 @@ class MemoryCore(RequestCore):
 class InjectingEngine:
     """Synchronous engine over `vllm.LLM`. One per process: vLLM keeps its KV connector in a global.
     `dtype` None: `default_dtype()` (bf16 on an accelerator, fp32 on the CPU), for vLLM and a Memory it builds.
-    `serving_order`: how retrieved facts are ordered in the memory (`compose.serving_order`)."""
+    `serving_order`: how retrieved facts are ordered in the memory (`ordering.serving_order`)."""
 
     def __init__(self, memory: Memory | None = None, model_path=None, *, dtype: torch.dtype | None = None,
                  block_size: int = 32, max_model_len: int = 4096, enable_prefix_caching: bool = True,

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from .compose import Composition, compose, serving_order
+from .compose import Composition, compose
 from .embedder import as_embedder
 from .encoder import PreRopeEncoder
 from .errors import UnknownFactError, UnknownUserError, check_id
 from .index import VectorIndex
 from .models import load_model
+from .ordering import serving_order
 from .rope import ChunkedRope
 from .store import FactStore
 from .template import DEFAULT_INSTRUCTION, PromptTemplate
@@ -162,7 +163,7 @@ class Memory:
     # ------------------------------------------------------------------ serving helpers
 
     def retrieve(self, user_id: str, query: str, k: int, order: str = "relevance") -> list[str]:
-        """Fact ids in serving order (`compose.serving_order`: by default the best fact last), or [] for a user
+        """Fact ids in serving order (`ordering.serving_order`: by default the best fact last), or [] for a user
         with no memory."""
         if user_id not in self._records:
             return []

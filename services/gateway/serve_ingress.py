@@ -11,6 +11,8 @@ from typing import cast
 
 import grpc
 
+from inferscale_core.ordering import serving_order
+
 from ..auth import AuthConfig, Authenticator
 from ..deadlines import caller_deadline, time_left, within_deadline
 from ..errors import to_api_error
@@ -70,8 +72,6 @@ class ServeBackends:
         """Streams the engine's pieces. An engine replica lost before the first piece (died, unreachable, its
         vLLM engine dead: UNAVAILABLE) is retried up to ANSWER_RETRIES times, on the replica Serve's router
         picks once it knows (services/routing.py moves the user); after a piece was sent the error is final."""
-        from inferscale_core.compose import serving_order
-
         t0, first = time.perf_counter(), True
         hits = await self.search(user_id, query, k)  # the query alone is searched, not the conversation
         retrieval_ms = (time.perf_counter() - t0) * 1000
