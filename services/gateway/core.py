@@ -165,6 +165,12 @@ class WatchSlots:
                 del self.by_peer[peer]
 
 
+def _new_extractor(sink, embedder_path) -> "Mem0Extractor":
+    """GatewayCore._extractor_built's work, in the extraction thread: mem0ai is imported here, not at import."""
+    from ..mem0_provider import Mem0Extractor
+    return Mem0Extractor(sink, embedder_path)
+
+
 def _blocking(fn, *args, **kw):
     """Registry calls are short blocking I/O: keep them off the event loop."""
     return asyncio.to_thread(fn, *args, **kw)
@@ -486,6 +492,22 @@ class GatewayCore:
             recs = [fixed.get(r.fact_id, r) for r in recs]
         return recs
 
+    async def _extractor_built(self) -> Mem0Extractor:
+        """The extractor, built once (the first infer=true request) in the extraction thread: importing mem0ai
+        loads torch with it (2.7 s on a 2-core AVX2 node), which on the event loop held every request of the
+        replica meanwhile."""
+        async with self._extractor_lock:
+            if self._extractor is None:
+                self._sink = GatewaySink(self, asyncio.get_running_loop())
+                try:
+                    self._extractor = await asyncio.get_running_loop().run_in_executor(
+                        self._mem0_pool, _new_extractor, self._sink, self.embedder_path)
+                except ImportError as e:
+                    raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
+                                   f"AddMemory with infer=true needs mem0ai 2.2 in the service's image ({e}); "
+                                   "send infer=false or use AddFacts") from None
+            return self._extractor
+
     async def _extract(self, user_id: str, messages: list[dict], metadata: dict,
                        stamp: dict | None = None) -> list[dict]:
         """Mem0's add with inference (services/mem0_provider.py) on the gateway's own extraction thread, never
@@ -511,21 +533,11 @@ class GatewayCore:
             self._mem0_pending += 1  # counted before any await: the next call sees this one
             self._mem0_by_user[user_id] += 1
         try:
-            async with self._extractor_lock:  # only while the extractor is built (once)
-                if self._extractor is None:
-                    try:
-                        from ..mem0_provider import Mem0Extractor
-                    except ImportError as e:
-                        raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
-                                       f"AddMemory with infer=true needs mem0ai 2.2 in the service's image ({e}); "
-                                       "send infer=false or use AddFacts") from None
-                    self._sink = GatewaySink(self, asyncio.get_running_loop())
-                    self._extractor = await asyncio.get_running_loop().run_in_executor(
-                        self._mem0_pool, Mem0Extractor, self._sink, self.embedder_path)
+            extractor = await self._extractor_built()
             call = ExtractionCall(stamp)
             assert self._sink is not None  # made with the extractor
             # In this request's context: the extraction's model calls and writes are charged to its caller's budget.
-            done = self._mem0_pool.submit(contextvars.copy_context().run, self._sink.running(call, self._extractor.add),
+            done = self._mem0_pool.submit(contextvars.copy_context().run, self._sink.running(call, extractor.add),
                                           user_id, messages, metadata)
             try:
                 return await within_deadline(asyncio.shield(asyncio.wrap_future(done)), MEM0_TIMEOUT_S)

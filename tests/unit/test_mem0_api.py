@@ -18,6 +18,8 @@ import inspect
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -359,6 +361,47 @@ def test_an_extraction_adds_its_memories_with_adds_timestamp_and_expiry():
         thread.join(5)
         loop.close()
 
+
+
+FIRST_EXTRACTOR = """
+import asyncio, importlib.abc, json, sys, threading
+from inferscale_server.auth import Authenticator
+from inferscale_server.gateway import GatewayCore
+from inferscale_server.limits import Limits
+from inferscale_server.registry import EmbeddedRegistry
+
+
+class ImportedOn(importlib.abc.MetaPathFinder):  # notes the thread that imports mem0ai, then lets Python import it
+    threads = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "mem0":
+            self.threads.append(threading.current_thread().name)
+        return None
+
+
+loaded_before = "mem0" in sys.modules
+sys.meta_path.insert(0, ImportedOn())
+core = GatewayCore(EmbeddedRegistry(), backends=None, limits=Limits(), auth=Authenticator.insecure())
+
+
+async def main():
+    await core._extractor_built()
+    return threading.current_thread().name
+loop_thread = asyncio.run(main())
+print(json.dumps({"loaded_before": loaded_before, "imported_on": ImportedOn.threads, "loop": loop_thread}))
+"""
+
+
+def test_the_first_extractor_is_built_off_the_event_loop():
+    """The first AddMemory with infer=true builds mem0's extractor, and importing mem0ai loads torch with it (2.7-4 s
+    on a 2-core AVX2 node): imported on the gateway's event loop, as it was, it held every other request of the
+    replica that long. In a fresh interpreter (mem0 not loaded), GatewayCore imports it on its extraction thread."""
+    out = subprocess.run([sys.executable, "-c", FIRST_EXTRACTOR], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not r["loaded_before"] and len(r["imported_on"]) == 1, r
+    assert r["imported_on"][0].startswith("mem0-extract") and r["imported_on"][0] != r["loop"], r
 
 def test_openapi_schema_documents_the_mem0_routes(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
