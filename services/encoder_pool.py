@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -269,8 +270,11 @@ class EncoderCore:
             self.cluster.available  # noqa: B018 - starts connecting in the background
 
     async def _encode_batch(self, jobs: list[EncodeJob]) -> list[EncodedFact | EncodeFailure | Again]:
-        self.metrics.batch.observe(len(jobs))
-        return await asyncio.to_thread(self.fe.run_steps, jobs)
+        started = time.perf_counter()
+        try:
+            return await asyncio.to_thread(self.fe.run_steps, jobs)
+        finally:
+            self.metrics.step.observe(time.perf_counter() - started)
 
     async def encode(self, user_id: str, items: list[tuple[str, list[str]]]) -> list[EncodedFact | EncodeFailure]:
         """`(fact text, window turns)` pairs of `user_id` -> EncodedFact on the CPU (or EncodeFailure), in input

@@ -12,7 +12,8 @@ chart's PodMonitor) with Ray's `ray_` prefix: `inferscale_requests_total` is scr
     inferscale_injected_tokens_total       engine: prompt tokens vLLM loaded through the KV connector
     inferscale_store_hits_total{tier}      engine: fact-store hits per tier (device, host, disk)
     inferscale_resident_bytes{tier}        engine: KV bytes resident per tier
-    inferscale_encoder_batch_size          encoder pool: facts per encode call (a batch of its fair scheduler)
+    inferscale_encoder_step_seconds        encoder pool: each forward, or step of a longer one, its fair scheduler
+                                           runs (one at a time: what a fact arriving behind it waits for)
 
 vLLM's own metrics (queue, KV-cache use, TTFT and the other latency histograms, prompt tokens by source: the
 injected ones are `source="external_kv_transfer"`) are exported from every
@@ -32,7 +33,6 @@ import contextlib
 import grpc
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
-BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 TIERS = ("device", "host", "disk")
 
 
@@ -174,9 +174,13 @@ class EngineMetrics(DeploymentMetrics):
 
 
 class EncoderMetrics(DeploymentMetrics):
+    """Besides requests: how long each turn of the fair scheduler takes. A turn is one forward, or one step of a
+    longer one (services/encoder_pool.py BATCH_COST), and one runs at a time, so its duration is what a fact that
+    arrives behind other users' work waits for before its own forward starts (a batch size would always be 1)."""
+
     def __init__(self):
         super().__init__()
         from ray.serve import metrics
 
-        self.batch = metrics.Histogram("inferscale_encoder_batch_size", boundaries=BATCH_BUCKETS,
-                                       description="Facts per encode call (a batch of the fair scheduler).")
+        self.step = metrics.Histogram("inferscale_encoder_step_seconds", boundaries=LATENCY_BUCKETS_S,
+                                      description="Each forward (or step of a longer one) the encoder pool runs.")

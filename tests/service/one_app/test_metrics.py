@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 # Distinctive ids: none of them may appear anywhere in the scrape (labels or values).
 USERS = {"metrics-user-7f3a9c": ["Ines grows tomatoes on her balcony.", "Ines plays the cello."],
          "metrics-user-b41d02": ["Tariq drives a green van.", "Tariq has two daughters."]}
+ADDED_FACTS = sum(map(len, USERS.values()))
 SCRAPE_TIMEOUT_S = 120  # Ray's agent exports every ~10 s; a loaded machine is slower
 
 
@@ -68,7 +69,7 @@ def test_every_deployment_exports_metrics_without_user_ids(service):
         ("ray_inferscale_requests_total", {"deployment": "EngineReplica", "rpc": "answer", "code": "OK"}),
         ("ray_inferscale_q2ft_seconds_count", {"deployment": "Gateway", "mode": "inject"}),
         ("ray_inferscale_ttft_seconds_count", {"deployment": "EngineReplica", "mode": "inject"}),
-        ("ray_inferscale_encoder_batch_size_count", {"deployment": "EncoderPool"}),
+        ("ray_inferscale_encoder_step_seconds_count", {"deployment": "EncoderPool"}),
         ("ray_inferscale_injected_tokens_total", {"deployment": "EngineReplica"}),
         ("ray_inferscale_store_hits_total", {"deployment": "EngineReplica"}),
         ("ray_inferscale_resident_bytes", {"deployment": "EngineReplica", "tier": "disk"}),
@@ -86,7 +87,8 @@ def test_every_deployment_exports_metrics_without_user_ids(service):
     while True:
         text, samples = _scrape(service.metrics_url)
         missing = [(n, lb) for n, lb in want if not _has(samples, n, **lb)]
-        if not missing and _value(samples, "ray_inferscale_injected_tokens_total") > 0:
+        if (not missing and _value(samples, "ray_inferscale_injected_tokens_total") > 0
+                and _value(samples, "ray_inferscale_encoder_step_seconds_count") >= ADDED_FACTS):
             break
         assert time.monotonic() < deadline, f"not exported within {SCRAPE_TIMEOUT_S} s: {missing}"
         time.sleep(1)  # a scrape is cheap: the first export that has them all ends the wait
@@ -98,6 +100,8 @@ def test_every_deployment_exports_metrics_without_user_ids(service):
     for s in samples:  # no label value holds a test user's id (the raw text is checked below too)
         assert not any(user in value for user in USERS for value in s.labels.values()), (s.name, s.labels)
     assert _value(samples, "ray_inferscale_store_hits_total") > 0
+    # every fact added is at least one forward of the encoder pool (the wait above), each of which took some time
+    assert _value(samples, "ray_inferscale_encoder_step_seconds_sum") > 0
     assert _value(samples, "ray_inferscale_resident_bytes", tier="disk") > 0  # written through to the disk tier
     for user in USERS:
         assert user not in text, f"a user id is in the metrics: {[ln for ln in text.splitlines() if user in ln][:3]}"
