@@ -297,6 +297,10 @@ ENV_MEANINGS = {
                         "`inferscale serve`'s default `--kv-dir` (`<cache>/kv`), the demo's log, Mem0's files. "
                         "Default `$XDG_CACHE_HOME/inferscale`.",
     "XDG_CACHE_HOME": "Parent of the InferScale cache when `INFERSCALE_CACHE` is unset (default `~/.cache`).",
+    "KUBERNETES_SERVICE_HOST": "Set by Kubernetes in every pod: the API server the chart's secret-init Job "
+                               "(`python -m inferscale_server.k8s_secrets`, `secrets.generateInCluster`) creates the "
+                               "missing Secrets through; unset, it refuses to run.",
+    "KUBERNETES_SERVICE_PORT": "Set by Kubernetes in every pod: the API server's port for the secret-init Job.",
     "HF_HUB_OFFLINE": "Set to 1 where unset before a model or the embedder loads: the models are local folders, "
                       "nothing is downloaded from the Hugging Face hub.",
     "POD_IP": "The address this process's Mooncake client advertises to the other clients (the chart sets it to "

@@ -187,11 +187,13 @@ def _validate(docs: list[dict]) -> None:
 
 
 def _pod_templates(docs: list[dict]) -> dict[str, dict]:
-    """The Ray and Redis pod templates of the release by group: ray-head, <worker group>, redis."""
+    """The Ray, Redis and Job pod templates of the release by group: ray-head, <worker group>, redis, <component>."""
     rs = _rayservice(docs)["spec"]["rayClusterConfig"]
     pods = {"ray-head": rs["headGroupSpec"]["template"]}
     pods.update({g["groupName"]: g["template"] for g in rs["workerGroupSpecs"]})
     pods.update({"redis": d["spec"]["template"] for d in docs if d["kind"] == "StatefulSet"})
+    pods.update({d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]
+                 for d in docs if d["kind"] == "Job"})
     return pods
 
 
@@ -226,7 +228,9 @@ def test_every_pod_meets_the_restricted_pod_security_standard(helm):
     in every pod of every example layout (what the "restricted" Pod Security Standard admits)."""
     for values_file in [None, *EXAMPLES]:
         docs = _render(helm, "mooncake.enabled=true", "model.source=pvc", "model.pvc.claimName=models", "model.path=/models/m",
-                       "model.download.enabled=true", "model.download.repo=org/model", values_file=values_file)
+                       "model.download.enabled=true", "model.download.repo=org/model", "secrets.generateInCluster=true",
+                       values_file=values_file)
+        assert "secret-init" in _pod_specs(docs), values_file  # the hook Job's pod is checked too
         for group, pod in _pod_specs(docs).items():
             sc = pod["securityContext"]
             assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0, (values_file, group)
@@ -308,6 +312,54 @@ def test_defaults_start_on_a_gpu_cluster(helm):
     assert by_name["Gateway"]["num_gpus"] == by_name["Retrieval"]["num_gpus"] == 0
     assert by_name["EncoderPool"]["num_gpus"] + by_name["EngineReplica"]["num_gpus"] <= 1
     assert "models" not in {v["name"] for p in _pod_specs(docs).values() for v in p.get("volumes", [])}
+
+
+def test_secrets_made_in_the_cluster_render_the_same_every_time(helm):
+    """Issue 31: `helm template` (Argo CD) cannot read the live Secrets (lookup), so with the default every render
+    makes new random values; with secrets.generateInCluster no value is rendered and two renders are the same byte
+    for byte. A hook Job (before anything reads them) creates each missing Secret, as a ServiceAccount that may get
+    those two Secrets and create Secrets, nothing else; the pods reference the same names as before."""
+    default = [subprocess.run([helm, "template", "rel", str(CHART)], capture_output=True, text=True, timeout=120).stdout
+               for _ in range(2)]
+    assert default[0] != default[1]  # what this mode is for: the default's values change per render
+    renders = [subprocess.run([helm, "template", "rel", str(CHART), "--set", "secrets.generateInCluster=true"],
+                              capture_output=True, text=True, timeout=120) for _ in range(2)]
+    assert renders[0].returncode == 0 and renders[0].stdout == renders[1].stdout, renders[0].stderr
+    docs = [d for d in yaml.safe_load_all(renders[0].stdout) if d]
+    _validate(docs)
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    hooks = {(d["kind"], d["metadata"]["name"]): d["metadata"]["annotations"] for d in docs
+             if "helm.sh/hook" in d["metadata"].get("annotations", {})}
+    assert set(hooks) == {(k, "rel-secret-init") for k in ("ServiceAccount", "Role", "RoleBinding", "Job")}
+    for (kind, _), ann in hooks.items():
+        assert ann["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert ann["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        assert int(ann["helm.sh/hook-weight"]) == (-10 if kind == "Job" else -20)  # its account exists first
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["rel-redis-auth", "rel-jwt"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    pod = job["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["python", "-m", "inferscale_server.k8s_secrets"]
+    assert c["args"][:2] == ["rel-redis-auth/password", "rel-jwt/secret"]
+    assert pod["spec"]["serviceAccountName"] == "rel-secret-init" and pod["spec"]["automountServiceAccountToken"]
+    # not a peer the NetworkPolicies let into Redis, Mooncake or Ray (they admit the release's instance label)
+    assert "app.kubernetes.io/instance" not in pod["metadata"]["labels"]
+    for group, spec in _pod_specs(docs).items():  # the Secrets the Job makes are the ones the pods read
+        if group in ("ray-head", "gpu-workers"):
+            _assert_jwt_secret_is_a_file(spec, "rel-jwt")
+            _assert_secret_is_a_file(spec, "redis-secret", "rel-redis-auth", "INFERSCALE_REDIS_PASSWORD", "password")
+    # nothing to make (both named, or no HS256 and an external Redis without a password): no Job; the default: none
+    for args in (["redis.auth.existingSecret=r", "auth.hs256.existingSecret=j"],
+                 ["redis.enabled=false", "networkPolicy.egress.enabled=false", "auth.insecureNoAuth=true"], []):
+        docs = _render(helm, *args, *(["secrets.generateInCluster=true"] if args else []))
+        assert not [d for d in docs if d["kind"] in ("Job", "Role")], args
+    (job,) = [d for d in _render(helm, "secrets.generateInCluster=true", "auth.hs256.existingSecret=j")
+              if d["kind"] == "Job"]
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["rel-redis-auth/password",
+                                                                            "--label=app.kubernetes.io/name=inferscale"]
 
 
 def test_ray_ports_require_rays_token(helm):

@@ -121,6 +121,13 @@ def test_installed_wheel_serves_grpc_outside_the_checkout(wheel, tmp_path, redis
     run([str(py), "-m", "inferscale_server.app", "--emit-serve-config", str(run_dir / "serve.yaml")], run_dir, env=env)
     assert (run_dir / "serve.yaml").read_text() == (ROOT / "charts/inferscale/files/serve-config.yaml").read_text()
 
+    # the chart's secret-init Job (secrets.generateInCluster) runs this module of the installed wheel; outside a
+    # pod it says what it needs, with exit status 1 (the hook fails, the install stops)
+    init = subprocess.run([str(py), "-m", "inferscale_server.k8s_secrets", "rel-jwt/secret"], cwd=run_dir,
+                          env={k: v for k, v in env.items() if k != "KUBERNETES_SERVICE_HOST"},
+                          capture_output=True, text=True, timeout=120)
+    assert init.returncode == 1 and "KUBERNETES_SERVICE_HOST" in init.stderr, (init.returncode, init.stderr[-2000:])
+
 
 # ---------------------------------------------------------------------------------------------- client-only
 def test_client_wheel_carries_only_the_client(wheel, client_wheel):

@@ -137,6 +137,21 @@ audience: {{ . | quote }}
 {{- .Values.auth.hs256.existingSecret | default (printf "%s-jwt" (include "inferscale.fullname" .)) -}}
 {{- end -}}
 
+{{/*
+The Secrets the chart makes (none given by name), as NAME/KEY for the secret-init Job (secrets.generateInCluster):
+the Redis password when the chart runs Redis, the HS256 key when tokens are HS256.
+*/}}
+{{- define "inferscale.generatedSecrets" -}}
+{{- $out := list -}}
+{{- if and .Values.redis.enabled (not .Values.redis.auth.existingSecret) -}}
+{{- $out = append $out (printf "%s/%s" (include "inferscale.redisSecret" .) .Values.redis.auth.key) -}}
+{{- end -}}
+{{- if not (or .Values.auth.insecureNoAuth .Values.auth.hs256.existingSecret .Values.auth.jwksUrl) -}}
+{{- $out = append $out (printf "%s/%s" (include "inferscale.jwtSecret" .) .Values.auth.hs256.key) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
 {{/* A random value for a Secret the chart makes, kept from the live Secret on upgrades. */}}
 {{- define "inferscale.keptRandom" -}}
 {{- $live := lookup "v1" "Secret" .ctx.Release.Namespace .name -}}
