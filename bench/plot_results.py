@@ -12,7 +12,8 @@ Figures, and the files each one reads:
   engine-level replay, from the table of bench/results/service_full.md (bench/service.py --tag full).
 - accuracy_per_conversation.png: LoCoMo token F1, KV minus PI with 95% bootstrap intervals, per development
   conversation and pooled (bench/pool_reports.py), at the shipped default: k=5 from
-  bench/results/accuracy-memory-recompute1/conv-*, k=10/20/50 from bench/results/accuracy-memory/conv-*.
+  bench/results/accuracy-memory-recompute1/conv-*, k=10/20/50 from bench/results/accuracy-memory/conv-*, k=100 and
+  k=200 from bench/results/accuracy-k100/conv-* and accuracy-k200/conv-* (a k run on another machine names it).
 - gpu_ttft_h200.png: PI and KV time to first token on an H200 through transformers (no vLLM, random weights),
   bench/results/gpu_h200.json and gpu_h200_rerun.json (bench/gpu.py).
 
@@ -190,45 +191,56 @@ def plot_throughput_vs_users(out: Path) -> Path:
     return _save(plt, fig, out / "throughput_vs_users.png")
 
 
+def _cpu_name(machine: str | None) -> str | None:
+    """The CPU's model name of a figure's machine line ("AMD EPYC (flags ...), 2 cores" -> "AMD EPYC")."""
+    return machine.split(" (")[0] if machine else None
+
+
 # --- accuracy per conversation --------------------------------------------------------------------------------------
 
 def plot_accuracy_per_conversation(out: Path) -> Path:
     # The shipped default: neighbour windows (w=5) from the user's memory, facts added one per call, the last fact
     # recomputed with the question when k <= 9 (k=5's runs), nothing recomputed at k >= 10.
+    # k=100 and k=200 ran later, k=200 on another machine: a k whose machine is not the title's names its own.
     sources = {5: RESULTS / "accuracy-memory-recompute1", 10: RESULTS / "accuracy-memory",
-               20: RESULTS / "accuracy-memory", 50: RESULTS / "accuracy-memory"}
+               20: RESULTS / "accuracy-memory", 50: RESULTS / "accuracy-memory", 100: RESULTS / "accuracy-k100",
+               200: RESULTS / "accuracy-k200"}
     per_k: dict[int, dict[str, dict]] = {}
     pooled: dict[int, dict] = {}
-    machine = dtype = None
+    machine_of: dict[int, str | None] = {}
+    dtype = None
     for k, folder in sources.items():
         reports = {}
         for conv in CONVERSATIONS:
             report = folder / conv / "locomo_results.md"
             rows = pool_reports.read_report(report)
             reports[conv] = {key: v for key, v in rows.items() if key[0] == k}
-            if machine is None:
+            if k not in machine_of:
                 text = report.read_text(encoding="utf-8")
                 m = re.search(r"Machine: CPU x(\d+) \(([^,)]*)(?:, flags ([^)]*))?\).*?dtype (\w+), encode_dtype (\w+)",
                               text)
+                machine_of[k] = None
                 if m:
                     amx = "" if "amx" in (m.group(3) or "") else ", no AMX"
-                    machine = f"{m.group(2)} ({m.group(3) or 'flags not recorded'}{amx}), {m.group(1)} cores"
-                    dtype = f"{m.group(4)} engine, {m.group(5)} encoder"
+                    machine_of[k] = f"{m.group(2)} ({m.group(3) or 'flags not recorded'}{amx}), {m.group(1)} cores"
+                    dtype = dtype or f"{m.group(4)} engine, {m.group(5)} encoder"
         per_k[k] = {conv: next(iter(r.values())) for conv, r in reports.items()}
         pooled[k] = pool_reports.pool(reports)[0]
+    machine = machine_of[min(sources)]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 4.6))
     names = list(CONVERSATIONS) + ["pooled"]
     ks = sorted(per_k)
     width = 0.8 / len(ks)
-    colours = ("tab:purple", "tab:blue", "tab:green", "tab:orange")
+    colours = ("tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:red", "tab:brown")
     for j, k in enumerate(ks):
         vals = [per_k[k][c] for c in CONVERSATIONS] + [pooled[k]]
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(names))]
         means = [v["mean"] for v in vals]
         errs = [[v["mean"] - v["lo"] for v in vals], [v["hi"] - v["mean"] for v in vals]]
         ax.errorbar(xs, means, yerr=errs, fmt="o", color=colours[j % len(colours)], capsize=2, ms=4,
-                    label=f"k={k}" + (" (last fact recomputed)" if k < 10 else ""))
+                    label=f"k={k}" + (" (last fact recomputed)" if k < 10 else "")
+                    + (f" ({_cpu_name(machine_of[k])})" if _cpu_name(machine_of[k]) != _cpu_name(machine) else ""))
     ax.axhline(0, color="black", lw=0.8)
     ns = {c: per_k[ks[0]][c]["n"] for c in CONVERSATIONS}
     ax.set_xticks(range(len(names)))
@@ -240,7 +252,7 @@ def plot_accuracy_per_conversation(out: Path) -> Path:
                  fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_ylim(top=ax.get_ylim()[1] + 0.02)
-    ax.legend(fontsize=8, ncol=4, loc="upper left")
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
     return _save(plt, fig, out / "accuracy_per_conversation.png")
 
 
