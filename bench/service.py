@@ -674,7 +674,7 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
     from inferscale_server.encoder_pool import FactEncoder, dtype_of
     from inferscale_server.modes import WIRE_MODES
 
-    defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, engine overrides, store options
+    defaults = cfg or ServiceConfig()  # what an engine replica gets: block size, vLLM's args, store options
     # Ray starts its workers, the service's replicas among them, at niceness 15 (its worker_niceness default):
     # the engine here runs at the same, so that on a shared machine both sides get the same share of the cores.
     if args.engine_niceness > os.nice(0):
@@ -686,7 +686,7 @@ async def engine_phase(args, cfg, users: list[BenchUser], cells: list[Cell], rec
         options["disk_dir"] = str(disk_dir)
     engine = AsyncInjectingEngine(model_path=args.model, prefix=fe.prefix(), dtype=dtype_of(args.dtype),
                                   block_size=defaults.block_size, max_model_len=args.max_model_len,
-                                  store_options=options, **defaults.engine_overrides)
+                                  store_options=options, **defaults.engine_replica_config(None).vllm_engine_args())
     await engine.start()
     by_id = {u.user_id: u for u in users}
     injected = {(r["cell"], r["user_id"], r["i"]): r.get("fact_ids") for r in records

@@ -34,6 +34,15 @@ def node_share_of(engine_cpu_cores: int) -> float:
     return 1.0 / max(1, replicas)
 
 
+# While other requests are in the engine, a prompt's prefill runs at most this many tokens a step (vLLM's
+# long_prefill_token_threshold; a request alone still takes the whole step, so one-at-a-time TTFT is unchanged).
+# Without it one step takes up to vLLM's budget of 2,048 prompt tokens (max_num_batched_tokens' default for
+# AsyncLLM), ~1.9 s on 2 AMX cores in float32 (bench/long_prefill.py), and every other request's next token waits
+# for that step: one tenant's long prompt (a Mem0 extraction, a prompt-mode answer over many facts) stalled every
+# other tenant's stream that long. 0: no cap (vLLM's default).
+LONG_PREFILL_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class EngineReplicaConfig:
     """Everything one engine replica is built from, checked once, here (as Ray Serve LLM's LLMConfig is for its
@@ -49,7 +58,8 @@ class EngineReplicaConfig:
     max_model_len: int | None = None
     kv_dir: str | None = None  # the worker store's disk tier (node-local); None: none
     store_options: dict = field(default_factory=dict)  # the worker store's byte budgets
-    engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args
+    engine_overrides: dict = field(default_factory=dict)  # extra vLLM engine args (they win over the ones below)
+    long_prefill_tokens: int = LONG_PREFILL_TOKENS  # a prompt's most tokens per step beside other requests; 0: none
     admission_queue_factor: float = DEFAULT_QUEUE_FACTOR
     cluster_store: dict = field(default_factory=dict)  # ClusterConfig fields; empty: no cluster tier
     kv_budget_bytes: int | None = None  # ResidentKV's budget; None: default_kv_budget_bytes(its node share)
@@ -71,6 +81,9 @@ class EngineReplicaConfig:
                 raise ValueError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
         check_queue_factor(self.admission_queue_factor)
         positive_int("stream_interval", self.stream_interval)
+        if isinstance(self.long_prefill_tokens, bool) or not isinstance(self.long_prefill_tokens, int) \
+                or self.long_prefill_tokens < 0:
+            raise ValueError(f"long_prefill_tokens must be an int >= 0 (0: no cap), got {self.long_prefill_tokens!r}")
         if isinstance(self.engine_cpu_cores, bool) or not isinstance(self.engine_cpu_cores, int) \
                 or self.engine_cpu_cores < 0:
             raise ValueError(f"engine_cpu_cores must be an int >= 0 (0: every core), got {self.engine_cpu_cores!r}")
@@ -82,6 +95,14 @@ class EngineReplicaConfig:
     @property
     def cluster(self) -> ClusterConfig | None:
         return ClusterConfig.from_dict(self.cluster_store or None)
+
+    def vllm_engine_args(self) -> dict:
+        """The vLLM engine arguments this replica adds to the injection engine's own: the long-prefill cap (never
+        above max_model_len, which vLLM refuses), then `engine_overrides`, which win."""
+        cap = self.long_prefill_tokens
+        if self.max_model_len is not None:
+            cap = min(cap, self.max_model_len)
+        return {"long_prefill_token_threshold": cap, **self.engine_overrides}
 
     def kv_budget(self) -> int:
         """ResidentKV's budget: the one given, else the default for this replica's share of its node."""

@@ -71,7 +71,7 @@ async def start_engine(config: EngineReplicaConfig, prefix, store_options: dict)
     engine = AsyncInjectingEngine(model_path=config.model_path, prefix=prefix, dtype=dtype_of(config.dtype),
                                   block_size=config.block_size, max_model_len=config.max_model_len,
                                   store_options=store_options, stat_loggers=vllm_stat_loggers(),
-                                  **config.engine_overrides)
+                                  **config.vllm_engine_args())
     await engine.start()
     t0 = time.monotonic()
     await engine.warm_up()

