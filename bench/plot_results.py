@@ -210,6 +210,10 @@ def plot_accuracy_per_conversation(out: Path) -> Path:
     machine_of: dict[int, str | None] = {}
     dtype = None
     for k, folder in sources.items():
+        missing = [conv for conv in CONVERSATIONS if not (folder / conv / "locomo_results.md").exists()]
+        if missing:  # a k is drawn with every conversation or not at all (a pooled point of some would mislead)
+            print(f"accuracy: k={k} left out, no report for {', '.join(missing)} in {folder}", file=sys.stderr)
+            continue
         reports = {}
         for conv in CONVERSATIONS:
             report = folder / conv / "locomo_results.md"
