@@ -221,7 +221,7 @@ def plot_accuracy_per_conversation(out: Path) -> Path:
             reports[conv] = {key: v for key, v in rows.items() if key[0] == k}
             if k not in machine_of:
                 text = report.read_text(encoding="utf-8")
-                m = re.search(r"Machine: CPU x(\d+) \(([^,)]*)(?:, flags ([^)]*))?\).*?dtype (\w+), encode_dtype (\w+)",
+                m = re.search(r"Machine: CPU x(\d+) \(((?:[^,()]|\([^)]*\))*)(?:, flags ([^)]*))?\).*?dtype (\w+), encode_dtype (\w+)",
                               text)
                 machine_of[k] = None
                 if m:
