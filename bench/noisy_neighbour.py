@@ -18,6 +18,9 @@ every fourth an AddFacts of one fact), through gRPC. The attacks, each for --pha
   slow_body   32 HTTP uploads that declare 100 bytes and send 10 (the proxy's body deadline ends them)
   extraction  AddMemory with infer=true (mem0's extraction on the serving model), 4 at a time
   kv_flood    AddFacts of 256 facts (the most one request may carry), 1 at a time
+  search_flood gRPC Search (k=1) with a query at the door's length limit (4,000 characters; the embedder reads its
+              first 256 tokens), 16 at a time: each request legal and small, their number the attack (the
+              caller's request rate, slots and gateway work budget are what bound it)
 
 Printed: per phase, the well-behaved requests, failures, p50/p99 and p99 against the baseline's (also by kind:
 answers and adds), the abuser's answers by code, and where the cores went (CPU seconds of each part of the service
@@ -45,7 +48,8 @@ from types import SimpleNamespace
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ATTACKS = ("filter", "filter_scan", "window", "logprobs", "churn", "slow_body", "extraction", "kv_flood")
+ATTACKS = ("filter", "filter_scan", "window", "logprobs", "churn", "slow_body", "extraction", "kv_flood",
+           "search_flood")
 ABUSER = "abuser-0"
 # The most a filter makes each fact cost (services/filters.py limits, bench/filter_cost.py's worst): 1 + 127 x 2
 # conditions, every one evaluated on a fact whose `tags` it walks and never matches.
@@ -284,6 +288,9 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
         k = iter(range(1_000_000))
         loop("add 256 facts", lambda: c.add_facts(ABUSER, [f"Flood fact {next(k)} about nothing much at all."
                                                            for _ in range(256)]))
+    elif name == "search_flood":
+        query = ("Where did I put the spare keys of the blue bicycle last winter? " * 64)[:4000]
+        loop("search flood", lambda: c.search(ABUSER, query, k=1), threads=16)
     else:
         raise ValueError(name)
 

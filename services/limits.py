@@ -58,8 +58,10 @@ class Limits:
     gateway_work_units_per_s_per_caller: float = 64.0
     gateway_work_burst_per_caller: float = 256.0
     # A refusal the caller's own use caused (its rate, its work budget, its extraction slots) is answered after its
-    # retry hint, this long at most, holding one of the caller's slots: a client that retries at once sends a
-    # request per slot per pause, not per round trip (services/gateway/principal_limits.py). 0: answered at once.
+    # retry hint, or after the caller's requests in flight / 4 if that is longer, this long at most, holding one of
+    # the caller's slots: a client that retries at once sends a request per slot per pause, not per round trip, and
+    # its refusals come ~4 a second however many clients retry (services/gateway/principal_limits.py). 0: answered
+    # at once.
     refusal_pause_max_s: float = 5.0
 
     def quota(self) -> Quota:

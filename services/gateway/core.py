@@ -52,7 +52,7 @@ from ..registry import (
     check_idempotency_key,
 )
 from .principal_limits import PrincipalLimit, PrincipalLimits, pause_before_refusal
-from .work_budget import Resource, WorkBudget, WorkLimit, scan_units, text_units
+from .work_budget import Resource, WorkBudget, WorkLimit, query_units, scan_units, text_units
 
 if TYPE_CHECKING:  # mem0ai loads on the first infer=true request, not at import
     from ..mem0_provider import Mem0Extractor
@@ -234,7 +234,7 @@ class GatewayCore:
         try:
             yield
         except ApiError as e:
-            await pause_before_refusal(e, self.limits.refusal_pause_max_s)
+            await pause_before_refusal(e, self.limits.refusal_pause_max_s, self.caller_limits.refusal_spread_s())
             raise
 
     async def charge_before(self, resource: Resource, units: float) -> None:
@@ -632,9 +632,9 @@ class GatewayCore:
         want = k
         while True:
             # a filter widens the read up to the user's every fact: each round charged before it reads (up to `want`
-            # records), corrected to what it read (mem0_http.scanned says why before)
+            # records) and embeds the query, the read corrected to what it read (mem0_http.scanned says why before)
             estimate = scan_units(want, match)
-            await self.charge_before(Resource.GATEWAY, estimate)
+            await self.charge_before(Resource.GATEWAY, estimate + query_units(query))
             hits = await backends.search(uid, query, want)
             recs = await self._records(uid, [f for f, _ in hits])
             self.work.spent(Resource.GATEWAY, scan_units(len(hits), match) - estimate)
@@ -679,7 +679,9 @@ class GatewayCore:
         backends = self._need("Answer")
         extra = {"openai": openai} if openai is not None else {}
         estimate = self._answer_units(query, conversation, max_tokens, openai)
-        # before the engine is asked; corrected by what it reports at the end
+        # before the engine is asked; corrected by what it reports at the end. The query's embedding (the search the
+        # answer starts with) is the gateway's share, known in full before it runs.
+        await self.charge_before(Resource.GATEWAY, query_units(query))
         await self.charge_before(Resource.ENGINE, estimate)
         async for piece in backends.answer(uid, query, k, max_tokens, float(req.temperature), mode, conversation,
                                            **extra):

@@ -13,13 +13,16 @@ answered after its retry hint, Limits.refusal_pause_max_s at most and within the
 holds one of the caller's slots (`pause_before_refusal`): a client that retries at once, as most misbehaving
 clients do, then sends one request per slot per pause instead of one per round trip, and its refusals stop costing
 the others (each costs ~12 ms of the gateway's and Serve's proxy's CPU on the reference node: 4 clients retrying an
-extraction refusal at once took 43 s of CPU in 45 s, bench/noisy_neighbour.py `extraction`). A caller's paused
-refusals are bounded by its slots; over those, CALLER_CONCURRENCY is answered at once. Paused: the refusals at
-authentication (GatewayCore.authenticate), of the extraction queue, and of a work charge deeper in a request (its
-caller's other requests put it in debt meanwhile; GatewayCore._refusal_paused)."""
+extraction refusal at once took 43 s of CPU in 45 s, bench/noisy_neighbour.py `extraction`). A short hint does not
+shorten the pause below the caller's requests in flight / REFUSALS_PER_S_PER_CALLER, so that a caller's refusals
+come at about that rate however many clients retry at once. A caller's paused refusals are bounded by its slots;
+over those, CALLER_CONCURRENCY is answered at once. Paused: the refusals at authentication
+(GatewayCore.authenticate), of the extraction queue, and of a work charge deeper in a request (its caller's other
+requests put it in debt meanwhile; GatewayCore._refusal_paused)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from collections import OrderedDict
@@ -33,16 +36,25 @@ from ..errors import ApiError
 
 TRACKED_PRINCIPALS = 65_536  # rate buckets kept (LRU): a bucket left out refills to full, the generous answer
 PAUSED_REASONS = frozenset({"CALLER_RATE", "CALLER_WORK", "EXTRACTION_QUEUE_FULL"})
+# A caller's paused refusals are spread so that about this many a second are answered, whatever its slots: a pause
+# is at least (the caller's requests in flight) / this. With the retry hint alone, a hint shorter than a second (a
+# small work debt) let a client retrying from 16 threads at once get 1,201 refusals in 45 s, ~27 a second at
+# ~11 ms of the gateway's and the proxy's CPU each (bench/noisy_neighbour.py `search_flood`, 2026-12-02): the
+# refusals, not its admitted work, became what the caller cost the others.
+REFUSALS_PER_S_PER_CALLER = 4.0
+# The caller (token subject) of the request this task serves, set when its slot is counted (PrincipalLimits.admit).
+_SUBJECT: contextvars.ContextVar[str | None] = contextvars.ContextVar("inferscale_caller_subject", default=None)
 
 
-async def pause_before_refusal(err: ApiError, max_s: float) -> None:
-    """Waits before `err` is answered, when the caller's own use caused it (PAUSED_REASONS): its retry hint,
-    `max_s` at most, ending before the caller's deadline (the refusal, not DEADLINE_EXCEEDED, is what the caller
-    gets). Call it only in the request's task, after the caller's slot is held."""
+async def pause_before_refusal(err: ApiError, max_s: float, spread_s: float = 0.0) -> None:
+    """Waits before `err` is answered, when the caller's own use caused it (PAUSED_REASONS): the longer of its retry
+    hint and `spread_s` (PrincipalLimits.refusal_spread_s), `max_s` at most, ending before the caller's deadline (the
+    refusal, not DEADLINE_EXCEEDED, is what the caller gets). Call it only in the request's task, after the caller's
+    slot is held."""
     if err.reason not in PAUSED_REASONS or not err.retry_after_s or max_s <= 0:
         return
     try:
-        pause, _ = time_left(min(err.retry_after_s, max_s))
+        pause, _ = time_left(min(max(err.retry_after_s, spread_s), max_s))
     except ApiError:  # the caller's deadline has passed: answer now
         return
     if pause:
@@ -73,6 +85,7 @@ class PrincipalLimits:
         the request's task ends, so that the refusal can be paused within the caller's slots)."""
         if caller is None or caller.admin:
             return
+        _SUBJECT.set(caller.subject)
         try:
             task = asyncio.current_task()
         except RuntimeError:  # no event loop (a direct call): rate only, nothing to hold
@@ -93,6 +106,12 @@ class PrincipalLimits:
 
     def in_flight(self, user_id: str) -> int:
         return len(self._in_flight.get(user_id, ()))
+
+    def refusal_spread_s(self) -> float:
+        """The least pause of a refusal of this task's caller: its requests in flight (each paused refusal holds
+        one) / REFUSALS_PER_S_PER_CALLER; 0 for a request not counted (no token, an admin)."""
+        subject = _SUBJECT.get()
+        return self.in_flight(subject) / REFUSALS_PER_S_PER_CALLER if subject is not None else 0.0
 
     def _take_token(self, who: str) -> None:
         now = time.monotonic()

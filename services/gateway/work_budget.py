@@ -43,7 +43,11 @@ from .principal_limits import TRACKED_PRINCIPALS
 
 # The weights, in tokens the model forwards (on the reference node, SmolLM2-135M fp32 on 2 cores, a token costs
 # a few ms of a core; docs/security.md gives the rule):
-REQUEST_UNITS = 1.0       # every admitted request: authentication, parsing, the answer's serialization (~ms)
+# Every admitted request: authentication, parsing, the answer's serialization, on the gateway and Serve's proxy:
+# ~12.7 ms of CPU a request measured (bench/noisy_neighbour.py `search_flood`: 451 searches in 45 s added 3.6 s of
+# the gateway's CPU and 2.1 s of the proxy's; AMD EPYC, 2026-12-02), ~3.3 units; rounded up. At 1, a caller's
+# share of the gateway's rate (64 units a second) admitted 64 cheap requests a second, ~0.8 of a core.
+REQUEST_UNITS = 4.0
 CHARS_PER_TOKEN = 4.0     # text to encode or prefill, before it is tokenized: ~4 characters a token
 # A scan (a listing, a search widened by a filter, a filtered delete) is charged per fact read, and per fact by the
 # filter's size (scan_units), from bench/filter_cost.py (bench/results/filter_cost.md: the gateway's and Redis's CPU
@@ -62,6 +66,14 @@ CHARS_PER_TOKEN = 4.0     # text to encode or prefill, before it is tokenized: ~
 FACTS_READ_PER_UNIT = 32
 CONDITIONS_PER_UNIT = 4096
 TEXT_CONDITIONS_PER_UNIT = 128
+# A query's embedding (a search, and the search every answer starts with; the retrieval replica's MiniLM forward) is
+# charged to the gateway's balance too, by its length: the embedder reads at most QUERY_MAX_TOKENS tokens
+# (all-MiniLM-L6-v2's max_seq_length) and a token covers at least one character, so min(characters, 256) bounds its
+# tokens from above. Measured (one core, AMD EPYC, 2026-12-02): 256 tokens 93 ms fp32 (61 bf16), ~0.36 ms a token
+# against SmolLM2's 3.8-5 ms, so ~10-14 tokens a unit; QUERY_TOKENS_PER_UNIT rounds that up (charged more). A
+# 4,000-character query costs 32 units, a 27-character question ~3.4 (~12 ms alone measured, ~3 ms in a batch).
+QUERY_MAX_TOKENS = 256
+QUERY_TOKENS_PER_UNIT = 8
 
 # A caller counts as active on a resource for this long after its last charge there (the well-behaved users of
 # bench/noisy_neighbour.py ask every 15 s, 20 of them: one of them is always within 10 s); a debt binds only while
@@ -74,12 +86,14 @@ CONTENTION_SCAN = 256
 class Resource(enum.Enum):
     """A shared resource of the node that a request's work draws on; each caller has a balance of each."""
     # The gateway replica itself: every request's authentication, parsing and answer (REQUEST_UNITS), and scans
-    # (registry reads and filter matching). Scans have this share rather than the engine's or the encoder's: they
+    # (registry reads and filter matching); and the query's embedding on the retrieval replica (query_units), the
+    # other CPU work in front of the model, which does not grow with the accelerator either. Scans have this share rather than the engine's or the encoder's: they
     # run here (Redis and the gateway's worker threads), and neither model forwards anything for them, so a scan-
     # heavy tenant costs the others this replica, not their answers or adds. Every request uses the gateway, so a
     # debt here binds every route; scans make one (a unit is 32 facts read, or ~0.9 of a fact under the maximal
-    # filter: a burst of 8,192 reads 262,144 facts without a filter, ~7,500 under that one), or a request rate
-    # above the budget's rate (REQUEST_UNITS each) kept up for minutes.
+    # filter: a burst of 8,192 reads 262,144 facts without a filter, ~7,500 under that one), long queries' embeddings
+    # (query_units: the retrieval replica's forward), or a request rate above the budget's rate (REQUEST_UNITS each)
+    # kept up for a while.
     GATEWAY = "gateway"
     # The encoder pool: an add's facts and the windows they are encoded behind, an update's re-encode, the
     # neighbours re-encoded when a fact's text leaves the memory.
@@ -116,6 +130,11 @@ def route_resources(route: str) -> frozenset[Resource]:
 def text_units(chars: int) -> float:
     """What forwarding `chars` characters of text costs (an add's facts and windows, a prompt)."""
     return chars / CHARS_PER_TOKEN
+
+
+def query_units(query: str) -> float:
+    """What embedding `query` costs the retrieval replica (the weights above)."""
+    return min(len(query), QUERY_MAX_TOKENS) / QUERY_TOKENS_PER_UNIT
 
 
 def scan_units(facts: int, match: Filter | None = None) -> float:

@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from inferscale_core.embedder import CallableEmbedder, Embedder, as_embedder, default_embedder, default_model_path
+from inferscale_core.embedder import (
+    MIN_GROUP_TOKENS,
+    CallableEmbedder,
+    Embedder,
+    as_embedder,
+    default_embedder,
+    default_model_path,
+    length_groups,
+)
 from inferscale_core.index import VectorIndex
 
 
@@ -49,6 +57,36 @@ def test_embed_is_deterministic_and_batch_independent(embedder):
     many = embedder.embed(["something else", "hello world"])
     torch.testing.assert_close(one[0], many[1], rtol=0, atol=1e-5)
     assert embedder.embed([]).shape == (0, 384)
+
+
+def test_one_long_text_is_embedded_apart_from_the_short_ones_beside_it(embedder):
+    """A forward pads its batch to the longest text: a 4,000-character query (MiniLM reads 256 tokens of it) among
+    16 short ones is embedded in a forward of its own, and every row is the one the text gets alone."""
+    short = [f"Where does sister {i} live?" for i in range(16)]
+    long_query = ("Where did I put the spare keys of the blue bicycle last winter? " * 64)[:4000]
+    texts = [*short[:7], long_query, *short[7:]]
+    assert embedder.token_lengths([long_query]) == [256]
+    before = embedder.forwards
+    rows = embedder.embed(texts)
+    assert embedder.forwards - before == 2  # the short ones together, the long one alone
+    alone = torch.cat([embedder.embed([t]) for t in texts])
+    torch.testing.assert_close(rows, alone, rtol=0, atol=1e-5)
+
+
+def test_texts_are_grouped_by_length_at_most_twice_the_shortest():
+    floor = MIN_GROUP_TOKENS
+    assert length_groups([], 64) == []
+    # short ones count as the floor: one group; 256 tokens is past twice it
+    assert length_groups([5, 256, 9, floor * 2], 64) == [[0, 2, 3], [1]]
+    lengths = [10, 300, 70, 40, 129, 64, 65, 33]
+    groups = length_groups(lengths, 64)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        counted = [max(lengths[i], floor) for i in g]
+        assert max(counted) <= 2 * min(counted)
+    assert [len(g) for g in length_groups([8] * 130, 64)] == [64, 64, 2]  # the batch size caps a group
+    with pytest.raises(ValueError, match="max_group"):
+        length_groups([8], 0)
 
 
 def test_bad_inputs(embedder):

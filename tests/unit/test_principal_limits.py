@@ -161,6 +161,45 @@ def test_a_refusal_the_caller_caused_is_answered_after_its_hint_holding_one_of_i
     assert core.caller_limits.in_flight("erin") == 0  # the pauses gave their slots back
 
 
+def test_a_callers_refusals_are_spread_to_a_few_a_second_however_many_clients_retry_at_once(jwt_secret):
+    """A retry hint shorter than a second (a small debt) would let a client retrying from many threads get a refusal
+    per thread per hint, each costing the gateway and the proxy CPU; the pause is at least the caller's requests in
+    flight / REFUSALS_PER_S_PER_CALLER: six requests refused at once are answered a quarter second apart, not all
+    after the 50 ms hint, and another caller is answered at once meanwhile."""
+    from inferscale_server.auth import AuthConfig
+    from inferscale_server.gateway.principal_limits import REFUSALS_PER_S_PER_CALLER
+    from inferscale_server.registry import EmbeddedRegistry
+
+    path, secret = jwt_secret
+    core = GatewayCore(EmbeddedRegistry(), auth=Authenticator(AuthConfig(hs256_secret_file=str(path))),
+                       limits=Limits(max_in_flight_per_caller=8, requests_per_s_per_caller=20.0,
+                                     request_burst_per_caller=1, refusal_pause_max_s=5.0))
+    gina, hugo = (f"Bearer {token_for(secret, n)}" for n in ("gina", "hugo"))
+
+    async def timed(authorization):
+        t0 = time.monotonic()
+        try:
+            await core.authenticate("ListMemories", authorization)
+            return "ok", time.monotonic() - t0
+        except ApiError as e:
+            return e.reason, time.monotonic() - t0, e.retry_after_s
+
+    async def go():
+        first = await asyncio.create_task(timed(gina))  # the burst
+        flood = [asyncio.create_task(timed(gina)) for _ in range(6)]  # at once, each hinted ~50 ms
+        await asyncio.sleep(0.05)
+        other = await asyncio.create_task(timed(hugo))
+        return first, await asyncio.gather(*flood), other
+
+    first, flood, other = asyncio.run(go())
+    assert first[0] == "ok" and other[0] == "ok" and other[1] < 0.2
+    assert all(r == "CALLER_RATE" and hint <= 0.05 + 1e-9 for r, _, hint in flood), flood
+    pauses = sorted(t for _, t, _ in flood)
+    for i, t in enumerate(pauses, start=1):  # the i-th found i requests of the caller in flight
+        assert i / REFUSALS_PER_S_PER_CALLER <= t < i / REFUSALS_PER_S_PER_CALLER + 0.5, pauses
+    assert core.caller_limits.in_flight("gina") == 0
+
+
 def test_one_user_takes_at_most_its_share_of_the_extraction_queue():
     """Mem0 extraction (infer=true) runs one at a time per gateway replica with MEM0_QUEUE waiting: one user may
     hold MEM0_PER_USER of those places; its next call is refused (after a pause) while another user's is queued."""

@@ -29,6 +29,7 @@ from inferscale_server.gateway.work_budget import (
     Resource,
     WorkBudget,
     WorkLimit,
+    query_units,
     route_resources,
 )
 from inferscale_server.limits import Limits
@@ -178,7 +179,8 @@ def test_a_debt_binds_only_while_a_caller_not_in_debt_is_active_on_that_resource
     for CONTENTION_WINDOW_S."""
     from inferscale_server.gateway import work_budget
 
-    budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=10.0))
+    # the gateway's balance roomy: the requests' own REQUEST_UNITS are not what this is about
+    budget = WorkBudget(WorkLimit(rate_per_s=1.0, burst=10.0), gateway=WorkLimit(rate_per_s=1.0, burst=100.0))
     for _ in range(3):
         request(budget, ALICE, 1000.0)  # alone: admitted every time, the debt grows
     assert budget.balance("alice", ENCODE) < -2900 and budget.refused == 0
@@ -217,6 +219,16 @@ def test_the_gateway_has_a_budget_of_its_own_sized_in_its_cpu_not_the_models():
     assert (stats["rate_per_s"], stats["burst"], stats["gateway_rate_per_s"], stats["gateway_burst"]) == (
         4096.0, 8192.0, 64.0, 1024.0)
     assert Limits().gateway_work_units_per_s_per_caller == 64.0 and Limits().gateway_work_burst_per_caller == 256.0
+
+
+def test_a_querys_embedding_is_charged_by_its_length_up_to_what_the_embedder_reads():
+    """A search's (and an answer's) query costs the retrieval replica a MiniLM forward of up to 256 tokens; a token
+    covers at least one character, so its characters bound its tokens: a unit per 8 of them, at most 32 units (the
+    longest query the door takes, 4,000 characters, is read as 256 tokens)."""
+    assert query_units("") == 0.0
+    assert query_units("Where does the sister live?") == pytest.approx(27 / 8)
+    assert query_units("x" * 256) == query_units("x" * Limits().max_query_chars) == 32.0
+    assert query_units("x" * Limits().max_message_chars) == 32.0  # an OpenAI question is read as far, no further
 
 
 def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burst():
@@ -449,9 +461,9 @@ def test_scans_sent_at_once_past_the_balance_are_refused_before_they_read(gatewa
 
 def test_a_flood_of_maximal_filtered_listings_is_refused_within_the_requests_the_calibration_predicts(gateway):
     """The noisy neighbour's filter attack at the per-fact limits: a caller of 100 facts lists them with the maximal
-    filter again and again while a light caller is active. Each listing costs REQUEST_UNITS + 100 x ~1.09 units, so
-    the burst (1,000 here) runs out after ceil(1000 / 109.6) = 10 listings (the refill, 4 a second, adds less than
-    one listing's cost in the seconds they take): the 11th is refused on Mem0's door (429, CALLER_WORK, Retry-After)
+    filter again and again while a light caller is active. Each listing costs REQUEST_UNITS (4) + 100 x ~1.09 units,
+    so the burst (1,000 here) runs out after ceil(1000 / 113.2) = 9 listings (the refill, 4 a second, adds less than
+    one listing's cost in the seconds they take): the 10th is refused on Mem0's door (429, CALLER_WORK, Retry-After)
     and on gRPC (RESOURCE_EXHAUSTED, CALLER_WORK), and the light caller is served at the same moment. With the old
     weight (100/32 + 1 a listing) the same flood had ~240 listings before a refusal. The charge is the filter's, not
     the facts' (their tags are short here, so that the flood is quick): what the caller sends decides it."""
@@ -465,7 +477,7 @@ def test_a_flood_of_maximal_filtered_listings_is_refused_within_the_requests_the
     headers = {"authorization": f"Token {token_for(secret, abuser)}"}
     per_listing = REQUEST_UNITS + 100 * MAXIMAL_UNITS_PER_FACT
     predicted = math.ceil(core.limits.gateway_work_burst_per_caller / per_listing)
-    assert predicted == 10
+    assert predicted == 9
     served = 0
     t0 = time.monotonic()
     for _ in range(predicted + 5):  # bounded: a few past the prediction

@@ -25,6 +25,9 @@ import pytest
 from support.auth_fixture import token_for
 from support.local_service import engine_actor
 
+from inferscale_client import MemoryClient
+from inferscale_server.gateway.work_budget import REQUEST_UNITS, query_units, scan_units
+
 pytestmark = pytest.mark.slow
 os.environ.setdefault("MEM0_TELEMETRY", "false")  # mem0ai's client (read at its import) would post usage events
 ray = pytest.importorskip("ray")
@@ -183,7 +186,8 @@ def test_an_answer_that_stops_early_leaves_its_caller_charged_what_the_engine_fo
     (the text / 4 + the cap) and corrects it by the usage the engine reports at the end. Through the whole service:
     an answer capped at 1,024 tokens that a stop string ends after a few leaves its caller charged exactly the tokens
     prefilled plus those generated (the Gateway's stats(), its one replica here) and its balance within that of the
-    burst, not ~1,000 below it as the estimate alone would."""
+    burst, not ~1,000 below it as the estimate alone would. A search then costs the gateway's balance its request,
+    its query's embedding by the query's length and the facts it read, and the engine's nothing."""
     from support.local_service import deployment_handle
 
     user, cap = f"work-{uuid.uuid4().hex[:8]}", 1024
@@ -204,6 +208,17 @@ def test_an_answer_that_stops_early_leaves_its_caller_charged_what_the_engine_fo
     after = budget()
     assert after["caller"]["engine"]["charged"] == pytest.approx(forwarded), (forwarded, after)
     assert after["caller"]["engine"]["balance"] >= after["burst"] - forwarded - 1e-6, (forwarded, after)
+    # A search (gRPC, the caller's own token) costs the gateway its request, the query's embedding by its length
+    # (the retrieval replica's forward: query_units) and the facts it read; the engine nothing.
+    query = "Bees on a roof? " * 40  # 640 characters: the embedder reads at most 256 tokens of it
+    with MemoryClient(f"127.0.0.1:{service.cfg.grpc_port}", timeout_s=300, token=token_for(service.secret, user)) as c:
+        hits = c.search(user, query, k=3)
+    assert len(hits) == 1
+    searched = budget()
+    assert searched["caller"]["gateway"]["charged"] - after["caller"]["gateway"]["charged"] == pytest.approx(
+        REQUEST_UNITS + query_units(query) + scan_units(1)), searched
+    assert query_units(query) == 256 / 8
+    assert searched["caller"]["engine"]["charged"] == after["caller"]["engine"]["charged"]
 
 
 def test_response_format_json_schema(service):
