@@ -114,7 +114,8 @@ class Embedder:
         if not texts:
             return torch.empty(0, self.dim, dtype=torch.float32, device=self.device)
         low = self.dtype != torch.float32  # then normalized after the cast: a unit row to float32's precision
-        groups = length_groups(self.token_lengths(texts), self.batch_size)
+        # one text is one forward: its tokens need not be counted first (a lone query, the common search)
+        groups = [[0]] if len(texts) == 1 else length_groups(self.token_lengths(texts), self.batch_size)
         out = torch.empty(len(texts), self.dim, dtype=torch.float32, device=self.device)
         with torch.inference_mode():
             for group in groups:  # one forward each: no text padded to more than twice its length (length_groups)

@@ -87,9 +87,10 @@ class Resource(enum.Enum):
     """A shared resource of the node that a request's work draws on; each caller has a balance of each."""
     # The gateway replica itself: every request's authentication, parsing and answer (REQUEST_UNITS), and scans
     # (registry reads and filter matching); and the query's embedding on the retrieval replica (query_units), the
-    # other CPU work in front of the model, which does not grow with the accelerator either. Scans have this share rather than the engine's or the encoder's: they
-    # run here (Redis and the gateway's worker threads), and neither model forwards anything for them, so a scan-
-    # heavy tenant costs the others this replica, not their answers or adds. Every request uses the gateway, so a
+    # other CPU work in front of the model, which does not grow with the accelerator either. Scans have this share
+    # rather than the engine's or the encoder's: they run here (Redis and the gateway's worker threads), and neither
+    # model forwards anything for them, so a scan-heavy tenant costs the others this replica, not their answers or
+    # adds. Every request uses the gateway, so a
     # debt here binds every route; scans make one (a unit is 32 facts read, or ~0.9 of a fact under the maximal
     # filter: a burst of 8,192 reads 262,144 facts without a filter, ~7,500 under that one), long queries' embeddings
     # (query_units: the retrieval replica's forward), or a request rate above the budget's rate (REQUEST_UNITS each)

@@ -4,6 +4,7 @@ untouched, admins exempt. The wiring is checked through the real gRPC server and
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 
@@ -123,6 +124,17 @@ def test_both_doors_refuse_a_caller_over_its_rate_and_serve_the_others(gateway):
     ch.close()
 
 
+async def timed_authentication(core: GatewayCore, authorization: str) -> tuple[str, float, float | None]:
+    """One request's authentication, run as a door runs it: ("ok" or the refusal's reason, else its message, the
+    seconds it took, the refusal's retry hint)."""
+    t0 = time.monotonic()
+    try:
+        await core.authenticate("ListMemories", authorization)
+        return "ok", time.monotonic() - t0, None
+    except ApiError as e:
+        return e.reason or e.message, time.monotonic() - t0, e.retry_after_s
+
+
 def test_a_refusal_the_caller_caused_is_answered_after_its_hint_holding_one_of_its_slots(jwt_secret):
     """A caller over its rate is answered after its retry hint (at most refusal_pause_max_s), not at once: a client
     that retries at once sends a request per slot per pause. Each paused refusal holds one of the caller's slots,
@@ -138,13 +150,7 @@ def test_a_refusal_the_caller_caused_is_answered_after_its_hint_holding_one_of_i
                                      request_burst_per_caller=1, refusal_pause_max_s=pause))
     erin, fred = (f"Bearer {token_for(secret, n)}" for n in ("erin", "fred"))
 
-    async def timed(authorization):
-        t0 = time.monotonic()
-        try:
-            await core.authenticate("ListMemories", authorization)
-            return "ok", time.monotonic() - t0
-        except ApiError as e:
-            return e.reason or e.message, time.monotonic() - t0
+    timed = functools.partial(timed_authentication, core)
 
     async def go():  # each request in a task of its own, as the doors run them (a slot is held per task)
         first = await asyncio.create_task(timed(erin))  # the burst
@@ -156,7 +162,7 @@ def test_a_refusal_the_caller_caused_is_answered_after_its_hint_holding_one_of_i
 
     first, flood, over_slots, other = asyncio.run(go())
     assert first[0] == "ok" and other[0] == "ok" and other[1] < pause / 2
-    assert [r for r, _ in flood] == ["CALLER_RATE"] * 2 and all(pause <= t < pause + 1.0 for _, t in flood), flood
+    assert [r for r, _, _ in flood] == ["CALLER_RATE"] * 2 and all(pause <= t < pause + 1.0 for _, t, _ in flood), flood
     assert over_slots[0] == "CALLER_CONCURRENCY" and over_slots[1] < pause / 2  # its slots are all pausing
     assert core.caller_limits.in_flight("erin") == 0  # the pauses gave their slots back
 
@@ -176,13 +182,7 @@ def test_a_callers_refusals_are_spread_to_a_few_a_second_however_many_clients_re
                                      request_burst_per_caller=1, refusal_pause_max_s=5.0))
     gina, hugo = (f"Bearer {token_for(secret, n)}" for n in ("gina", "hugo"))
 
-    async def timed(authorization):
-        t0 = time.monotonic()
-        try:
-            await core.authenticate("ListMemories", authorization)
-            return "ok", time.monotonic() - t0
-        except ApiError as e:
-            return e.reason, time.monotonic() - t0, e.retry_after_s
+    timed = functools.partial(timed_authentication, core)
 
     async def go():
         first = await asyncio.create_task(timed(gina))  # the burst
