@@ -182,6 +182,25 @@ def _read(fn, *args):
     return within_deadline(asyncio.to_thread(fn, *args))
 
 
+def _page_facts(page: list, nxt, after, match, unexpired_at: float | None) -> tuple[list, object]:
+    """ListMemories' page as wire Facts: the records of `page` ((seq, record) after the cursor `after`) that `match`
+    keeps (None: all) and, unless `unexpired_at` is None, that have not expired then; and the cursor of the next
+    page (`nxt` when the whole page fits). A page also ends before MAX_PAGE_BYTES (the transport's send limit)."""
+    facts: list = []  # pb2.Fact messages
+    total = 0
+    for seq, r in page:
+        if (match is not None and not match(r)) or (unexpired_at is not None and r.expired(unexpired_at)):
+            after = seq
+            continue
+        pb = api.fact_pb(r)
+        total += pb.ByteSize() + 8
+        if facts and total > MAX_PAGE_BYTES:
+            return facts, after
+        facts.append(pb)
+        after = seq
+    return facts, nxt
+
+
 def _fingerprint(facts: list[NewFact]) -> str:
     """What an add asked for, as an idempotency key's repeat must ask it again: each fact's text, metadata, own
     window, id, creation and expiry time, before the server adds anything (default windows: the user's latest
@@ -727,19 +746,10 @@ class GatewayCore:
         await self.charge_before(Resource.GATEWAY, estimate)
         page, nxt = await _read(self.registry.list_after, uid, after, size)
         self.work.spent(Resource.GATEWAY, scan_units(len(page), match) - estimate)
-        facts: list = []  # pb2.Fact messages
-        total, now = 0, time.time()
-        for seq, r in page:  # a page also ends before MAX_PAGE_BYTES (the transport's send limit)
-            if (match is not None and not match(r)) or (not req.show_expired and r.expired(now)):
-                after = seq
-                continue
-            pb = api.fact_pb(r)
-            total += pb.ByteSize() + 8
-            if facts and total > MAX_PAGE_BYTES:
-                nxt = after
-                break
-            facts.append(pb)
-            after = seq
+        # Matched and serialized in a worker thread: a page of max_page_size facts under the costliest filter is
+        # ~2 s of CPU (bench/results/filter_cost.md), which on the loop would stall every other request here.
+        facts, nxt = await within_deadline(asyncio.to_thread(
+            _page_facts, page, nxt, after, match, None if req.show_expired else time.time()))
         return pb2.ListMemoriesResponse(facts=facts, next_page_token=next_page_token(nxt, scope))
 
     async def UpdateMemory(self, raw, caller: Principal):  # noqa: N802
