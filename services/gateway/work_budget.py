@@ -18,7 +18,10 @@ A balance is a share, so it binds only when there is someone to share THAT resou
 in debt for a resource is refused while another caller NOT in debt for it has used it on this gateway replica within
 CONTENTION_WINDOW_S (the well-behaved tenant the debt would cost). A caller alone on a resource, or callers who are all
 in debt for it (a hundred users importing their memories at once: the encoder pool's fair queue divides that), keep
-being served; the debt stays and binds the moment a light caller of that resource shows up.
+being served; the debt stays and binds the moment a light caller of that resource shows up. And a share is an
+equal part: each balance refills at the caller's rate while at most SHARES_PER_RESOURCE (4) callers are active on the
+resource (a quarter of it each, the sizing rule), and at rate x 4 / active callers when more are: one tenant among
+twenty active ones refills at a fifth of its rate, not at a quarter of the node.
 
 The request's bill follows it in a context variable, as the caller's deadline does (services/deadlines.py): the
 front door admits the caller in the request's task, and the work is charged deep in the core (GatewayCore.store_new,
@@ -81,6 +84,15 @@ QUERY_TOKENS_PER_UNIT = 8
 # answer is "contended" (bounded work per request, whatever the number of callers).
 CONTENTION_WINDOW_S = 10.0
 CONTENTION_SCAN = 256
+# A caller's rate is a quarter of what the resource does per second on the node it is sized for (the sizing rule,
+# docs/security.md), so four callers at their rate fill it. With more callers active on a resource (a charge there
+# within CONTENTION_WINDOW_S), each refills at an equal part of that whole instead: rate x SHARES_PER_RESOURCE /
+# active callers. At a quarter each, one tenant among twenty active ones took a quarter of a core of gateway work
+# while the others used a fraction of theirs, and their answers' p99 tripled on a node already half busy
+# (bench/noisy_neighbour.py `filter`, BENCHMARKS.md). The active callers are counted at most every
+# ACTIVE_RECOUNT_S, and at most CONTENTION_SCAN of them: the share never falls below rate x 4 / 256.
+SHARES_PER_RESOURCE = 4
+ACTIVE_RECOUNT_S = 0.25
 
 
 class Resource(enum.Enum):
@@ -179,6 +191,7 @@ class _Balances:
         self.limit, self.tracked = limit, tracked
         self._by_subject: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._charged: dict[str, float] = {}  # the same keys as _by_subject
+        self._active: tuple[float, int] = (-ACTIVE_RECOUNT_S, 0)  # (when counted, callers active then)
 
     def __len__(self) -> int:
         return len(self._by_subject)
@@ -189,9 +202,28 @@ class _Balances:
     def charged(self, subject: str) -> float:
         return self._charged.get(subject, 0.0)
 
+    def active(self, now: float) -> int:
+        """Callers that charged this resource within CONTENTION_WINDOW_S (at most CONTENTION_SCAN), as counted at
+        most ACTIVE_RECOUNT_S ago. The balances are in order of last charge: the walk stops at the window's edge."""
+        counted_at, n = self._active
+        if not 0 <= now - counted_at < ACTIVE_RECOUNT_S:
+            n = 0
+            for _, at in reversed(self._by_subject.values()):
+                if now - at > CONTENTION_WINDOW_S or n >= CONTENTION_SCAN:
+                    break
+                n += 1
+            self._active = (now, n)
+        return n
+
+    def rate(self, now: float) -> float:
+        """What each caller's balance refills by per second now: its rate, or an equal part of the resource's
+        whole (rate x SHARES_PER_RESOURCE) when more callers than that are active on it."""
+        return self.limit.rate_per_s * min(1.0, SHARES_PER_RESOURCE / max(1, self.active(now)))
+
     def _refill(self, balance: float, at: float, now: float) -> float:
-        """A balance of `balance` at time `at`, refilled up to the burst by `now`."""
-        return min(self.limit.burst, balance + (now - at) * self.limit.rate_per_s)
+        """A balance of `balance` at time `at`, refilled up to the burst by `now` at the rate of now (a share
+        that changed meanwhile applies to the whole interval: an approximation for at most CONTENTION_WINDOW_S)."""
+        return min(self.limit.burst, balance + (now - at) * self.rate(now))
 
     def contended(self, subject: str, now: float) -> bool:
         """Whether another caller not in debt for this resource used it within CONTENTION_WINDOW_S. The balances are
@@ -293,7 +325,8 @@ class WorkBudget:
         gateway = self._balances[Resource.GATEWAY].limit
         out: dict = {"rate_per_s": self.limit.rate_per_s, "burst": self.limit.burst,
                      "gateway_rate_per_s": gateway.rate_per_s, "gateway_burst": gateway.burst, "refused": self.refused,
-                     "tracked_callers": {r.value: len(b) for r, b in self._balances.items()}}
+                     "tracked_callers": {r.value: len(b) for r, b in self._balances.items()},
+                     "rate_now_per_s": {r.value: b.rate(time.monotonic()) for r, b in self._balances.items()}}
         if subject is not None:
             out["caller"] = {r.value: {"balance": self.balance(subject, r), "charged": b.charged(subject)}
                              for r, b in self._balances.items()}
@@ -308,12 +341,15 @@ class WorkBudget:
         self.refused += 1
         ordered = sorted(owed.items(), key=lambda item: item[0].value)
         debts = ", ".join(f"{-b:.0f} units for the {r.value}" for r, b in ordered)
+        now = time.monotonic()
         limit_of = {r: self._balances[r].limit for r in owed}
-        budgets = "; ".join(f"the {r.value}: {limit_of[r].rate_per_s:g} work units per second, bursts of "
-                            f"{limit_of[r].burst:g}" for r, _ in ordered)
+        rate_of = {r: self._balances[r].rate(now) for r in owed}
+        budgets = "; ".join(f"the {r.value}: {rate_of[r]:.3g} work units per second now ({limit_of[r].rate_per_s:g} "
+                            f"while at most {SHARES_PER_RESOURCE} callers share it), bursts of {limit_of[r].burst:g}"
+                            for r, _ in ordered)
         raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"this caller's requests have used more work than its budget of what this request needs "
                        f"({budgets}; a unit is a token the model forwards, docs/security.md); it is in debt "
                        f"({debts}); retry when it has refilled",
-                       retry_after_s=max(-b / limit_of[r].rate_per_s for r, b in owed.items()),
+                       retry_after_s=max(-b / rate_of[r] for r, b in owed.items()),
                        reason="CALLER_WORK")

@@ -24,8 +24,10 @@ from inferscale_server.api import pb2, pb2_grpc
 from inferscale_server.auth import OPEN_RPCS, RPC_SCOPES, Principal
 from inferscale_server.errors import ApiError
 from inferscale_server.gateway.work_budget import (
+    ACTIVE_RECOUNT_S,
     REQUEST_UNITS,
     ROUTE_RESOURCES,
+    SHARES_PER_RESOURCE,
     Resource,
     WorkBudget,
     WorkLimit,
@@ -212,7 +214,7 @@ def test_the_gateway_has_a_budget_of_its_own_sized_in_its_cpu_not_the_models():
     request(budget, BOB, route="GetMemory")  # a caller not in debt is active on the gateway
     request(budget, ALICE, 1024.0 + 640.0, route="ListMemories")  # ~53,000 facts read: 640 units past the burst
     err = refusal(budget, ALICE, "AddFacts")  # every route uses the gateway
-    assert "the gateway: 64 work units per second, bursts of 1024" in err.message
+    assert "the gateway: 64 work units per second now (64 while at most 4 callers share it), bursts of 1024" in err.message
     assert 9.0 < err.retry_after_s <= 10.5  # ~641 units at 64 a second, not at 4,096
     assert budget.balance("alice", ENCODE) == 8192.0 and budget.balance("alice", ENGINE) == 8192.0
     stats = budget.stats()
@@ -229,6 +231,36 @@ def test_a_querys_embedding_is_charged_by_its_length_up_to_what_the_embedder_rea
     assert query_units("Where does the sister live?") == pytest.approx(27 / 8)
     assert query_units("x" * 256) == query_units("x" * Limits().max_query_chars) == 32.0
     assert query_units("x" * Limits().max_message_chars) == 32.0  # an OpenAI question is read as far, no further
+
+
+def test_with_more_callers_active_than_four_shares_each_refills_at_an_equal_part_of_the_whole():
+    """A caller's rate is a quarter of the resource (SHARES_PER_RESOURCE); with more callers active on it, each
+    balance refills at rate x 4 / active callers: the retry hint of a caller in debt grows with the callers that
+    share the encoder, and the gateway, which every request charges, counts them all."""
+    budget = WorkBudget(WorkLimit(rate_per_s=40.0, burst=100.0))
+    light = [Principal(f"light-{i}", frozenset({"memory:read"})) for i in range(8)]
+    for who in light[:3]:
+        request(budget, who, 1.0)
+    request(budget, ALICE, 300.0)  # alice in debt, with three light callers of the encoder: four active
+    time.sleep(ACTIVE_RECOUNT_S)
+    assert budget.stats()["rate_now_per_s"]["encode"] == 40.0
+    first = refusal(budget, ALICE, "AddFacts")
+    assert first.retry_after_s == pytest.approx(-budget.balance("alice", ENCODE) / 40.0, rel=0.05)
+    assert "40 work units per second now" in first.message
+    for who in light[3:]:
+        request(budget, who, 1.0)  # eight light callers and alice: nine active
+    time.sleep(ACTIVE_RECOUNT_S)
+    rates = budget.stats()["rate_now_per_s"]
+    assert rates["encode"] == pytest.approx(40.0 * SHARES_PER_RESOURCE / 9)
+    assert rates["gateway"] == rates["encode"] and rates["engine"] == 40.0  # no one answered: nobody shares it
+    again = refusal(budget, ALICE, "AddFacts")
+    debt = -budget.balance("alice", ENCODE)
+    assert again.retry_after_s == pytest.approx(debt / (40.0 * 4 / 9), rel=0.05)
+    assert again.retry_after_s > first.retry_after_s * 2
+    assert "17.8 work units per second now (40 while at most 4 callers share it)" in again.message
+    before = budget.balance("alice", ENCODE)
+    time.sleep(0.5)
+    assert budget.balance("alice", ENCODE) - before == pytest.approx(0.5 * 40.0 * 4 / 9, rel=0.3)
 
 
 def test_the_callers_tracked_are_a_bounded_lru_and_one_forgotten_has_a_full_burst():
