@@ -52,8 +52,8 @@ class Service:
         self.channel.close()
         serve.shutdown()
 
-    def engine_stats(self, user_id: str) -> dict:
-        return engine_stats(user_id)
+    def engine_stats(self, user_id: str, timeout_s: float = 60) -> dict:
+        return engine_stats(user_id, timeout_s)
 
     def engine_holds(self, user_id: str, facts: list[tuple[str, int]]) -> list[bool]:
         """Whether the engine's worker store holds these (fact_id, version): the KV side of a fact."""
@@ -201,9 +201,9 @@ def engine_handle():
     return deployment_handle("EngineReplica")
 
 
-def engine_stats(user_id: str) -> dict:
+def engine_stats(user_id: str, timeout_s: float = 60) -> dict:
     """stats() of the engine replica the router sends this user to."""
-    return engine_handle().options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=60)
+    return engine_handle().options(multiplexed_model_id=user_id).stats.remote().result(timeout_s=timeout_s)
 
 
 def stats_by_replica(replicas: int, attempts: int = 60) -> dict[str, dict]:

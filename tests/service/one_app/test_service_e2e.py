@@ -336,7 +336,8 @@ def test_a_replica_whose_engine_died_is_replaced_and_rebuilt_from_redis(service)
     import psutil
 
     wait_running("EngineReplica")  # test_openai_compat's last test killed the replica mid-stream
-    old = service.engine_stats("alice")
+    # RUNNING is not yet answering on a slow machine: a 60 s stats() call timed out here once (AMD-avx2, 2026-12-02)
+    old = service.engine_stats("alice", timeout_s=300)
     # Without its disk tier the replacement has only Redis: it must re-encode every fact from the text. Wiped while
     # the old replica still lives, before Serve can start a replacement that would read it: no request is in
     # flight, so the old replica writes only its tombstone cursor there meanwhile (its watch), which a retry absorbs.
