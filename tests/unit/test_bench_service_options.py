@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -410,12 +411,12 @@ def test_the_noisy_neighbour_json_puts_every_row_on_one_clock_with_its_answers_h
     log = noisy.Log()
     log.phase = "extraction"
     log.add("tenant-00", "answer", 0.5, "OK", ended_at=100.0, timings={"retrieval": 20.0})
-    log.add(noisy.ABUSER, "add_memory infer", 2.0, "OK", ended_at=101.5)
+    log.add(noisy.abuser_of("extraction"), "add_memory infer", 2.0, "OK", ended_at=101.5)
     log.add("tenant-01", "add", 0.3, "OK", ended_at=100.25)
     assert noisy.json_rows(log) == [
         {"phase": "extraction", "who": "tenant-00", "op": "answer", "s": 0.5, "code": "OK", "ended": 0.0,
          "timings_ms": {"retrieval": 20.0}},
-        {"phase": "extraction", "who": noisy.ABUSER, "op": "add_memory infer", "s": 2.0, "code": "OK", "ended": 1.5},
+        {"phase": "extraction", "who": noisy.abuser_of("extraction"), "op": "add_memory infer", "s": 2.0, "code": "OK", "ended": 1.5},
         {"phase": "extraction", "who": "tenant-01", "op": "add", "s": 0.3, "code": "OK", "ended": 0.25}]
 
 
@@ -433,7 +434,7 @@ def test_the_noisy_neighbour_report_compares_each_kind_with_its_own_baseline():
             log.add("tenant-00", "answer", answer_s, "OK",
                     timings={"retrieval": 20.0, "gateway_total_to_first_chunk": answer_s * 500})
         log.add("tenant-01", "add", add_s, "OK")
-        log.add(noisy.ABUSER, "filter", 0.1, "HTTP 429")
+        log.add(noisy.abuser_of("extraction"), "filter", 0.1, "HTTP 429")
     args = SimpleNamespace(dtype="float32", users=2, period=15.0, phase=45.0, drain=15.0, attacks="filter",
                            scan_facts=0)
     text = noisy.report(log, ["baseline", "filter"], args, "cpu", {"baseline": {"Gateway": 1.0},
@@ -441,3 +442,29 @@ def test_the_noisy_neighbour_report_compares_each_kind_with_its_own_baseline():
     assert "| filter | 4 | 1,500 | 1,500 | 3.00x | 1 | 1,500 | 1,500 | 1.50x |" in text
     assert "| filter | 4 | 20 | - | - | - | - | 750 | 750 |" in text  # retrieval, ..., first chunk, outside
     assert "| filter | 3.0 | 9.0 | 12.0 |" in text or "| filter | 9.0 | 3.0 | 12.0 |" in text
+
+
+def test_the_noisy_neighbour_report_says_when_each_phase_s_slowest_request_began_and_how_long_the_phase_lasted():
+    """A phase's p99 of 15-45 requests is its slowest one or two: the report says when in the phase the slowest
+    answer and add began (a flood's first seconds, its steady state, or a large write landing at its end), and the
+    CPU table divides each phase's CPU by ITS seconds, not --phase (an attack's phase lasts until its last request
+    ended: a 256-fact add kept one going ~110 s, and its parts' CPU read as twice what 45 s of 2 cores allow)."""
+    import bench.noisy_neighbour as noisy
+
+    log = noisy.Log()
+    for phase, start in (("baseline", 1000.0), ("kv_flood", 2000.0)):
+        log.phase, log.started[phase] = phase, start
+        log.add("tenant-00", "answer", 0.5, "OK", ended_at=start + 10.5)
+        log.add("tenant-01", "answer", 2.0, "OK", ended_at=start + 110.0)  # began 108 s in
+        log.add("tenant-02", "add", 0.4, "OK", ended_at=start + 5.4)
+        log.add("tenant-03", "add", 9.0, "DEADLINE_EXCEEDED", ended_at=start + 20.0)  # failed: not "slowest OK"
+        log.add(noisy.abuser_of("extraction"), "add", 50.0, "OK", ended_at=start + 60.0)  # the abuser's: never counted
+    log.lasted = {"baseline": 45.0, "kv_flood": 112.0}
+    args = SimpleNamespace(dtype="float32", users=20, period=15.0, phase=45.0, drain=15.0, attacks="kv_flood",
+                           scan_facts=0)
+    cpu = {"baseline": {"EngineReplica": 30.0, "Gateway": 6.0}, "kv_flood": {"EngineReplica": 150.0, "Gateway": 29.2}}
+    text = noisy.report(log, ["baseline", "kv_flood"], args, "test cpu", cpu)
+    cores = os.cpu_count() or 1
+    assert "| kv_flood | 2 | 500 | 2,000 | 1.00x | 1 | 400 | 400 | 1.00x | 108.0 / 5.0 |" in text
+    assert f"| kv_flood | 150.0 | 29.2 | 179.2 | 112 | {179.2 / (112 * cores):.0%} |" in text
+    assert f"| baseline | 30.0 | 6.0 | 36.0 | 45 | {36.0 / (45 * cores):.0%} |" in text

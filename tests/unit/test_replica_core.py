@@ -504,6 +504,66 @@ def test_a_put_sent_ahead_of_its_request_that_fails_is_computed_then_fetched_aga
     run(go())
 
 
+class SteppedPuts(DictEngine):
+    """The engine core's order of work: a sent put waits in its input queue and runs between two steps (`step`),
+    every queued one before the next step, as vLLM's core loop drains its input; `events` records each send and
+    each step with the puts it ran."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.queued: list[tuple[asyncio.Future, str, list]] = []
+        self.events: list[str] = []
+
+    async def send_put(self, user_id, items):
+        reply = asyncio.get_running_loop().create_future()
+        self.queued.append((reply, user_id, items))
+        self.events.append("sent")
+        return reply
+
+    async def step(self) -> None:
+        ran, self.queued = self.queued, []
+        for reply, user_id, items in ran:
+            reply.set_result(await self.put_encoded(user_id, items))
+        self.events.append(f"step ran {len(ran)}")
+
+
+def test_a_writes_kv_goes_into_the_engine_core_one_chunk_per_step(parts, monkeypatch):
+    """Without a cluster tier a write's KV goes into the engine core through its input queue, which it drains
+    between two steps: a write's chunks are sent one after another's reply, so its steps (every user's decoding)
+    run between them; sent at once, a 256-fact add (~140 MB of fp32 KV) had the core run them all between two steps
+    and stalled every answer 1.1-1.7 s (bench/noisy_neighbour.py `kv_flood`). A request's own missing facts
+    (`ahead`) still go at once, before the request."""
+    from inferscale_server.engine_replica import kv_path
+    from inferscale_server.registry import open_registry
+    from inferscale_server.registry.base import NewFact
+
+    monkeypatch.setattr(kv_path, "PUT_CHUNK_TOKENS", 1)  # a chunk per fact
+    registry = open_registry(None)
+
+    async def go():
+        engine = SteppedPuts(parts.fe.template, parts.fe.prefix())
+        core = await started(parts, registry, engine=engine, cluster=False)
+        recs = registry.create("gina", [NewFact(text=t, fact_id=f) for f, t in
+                                        {"g1": "Gina rows.", "g2": "Gina bakes bread.", "g3": "Gina has a dog."}.items()])
+        encoded = await parts.encoder.encode("gina", [(r.text, []) for r in recs])
+        engine.events.clear()
+        write = asyncio.ensure_future(core.put_facts("gina", [FactWrite.of(r) for r in recs], encoded))
+        for _ in range(50):  # bounded: the engine core's steps until the write has landed
+            await asyncio.sleep(0.01)
+            await engine.step()
+            if write.done():
+                break
+        assert await write == 3 and engine.kvs("gina") == {kv_id(f, 1) for f in ("g1", "g2", "g3")}
+        landed = [e for e in engine.events if e != "step ran 0"]
+        assert landed == ["sent", "step ran 1"] * 3, engine.events
+        engine.events.clear()
+        await core.kv.put("gina", [("g1", 2), ("g2", 2)], encoded[:2], ahead=True)
+        assert engine.events == ["sent", "sent"]  # ahead of its request: every chunk queued before it
+        await engine.step()
+
+    run(go())
+
+
 def test_without_a_cluster_tier_the_encoder_encodes_now(parts):
     from inferscale_server.registry import open_registry
 
