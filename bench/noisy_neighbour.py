@@ -176,36 +176,63 @@ def service_handle(grpc_port: int, http_port: int, secret: str) -> SimpleNamespa
         client=lambda u: MemoryClient(f"127.0.0.1:{grpc_port}", timeout_s=120, token=make_token(u)))
 
 
-def abuser_process(name: str, grpc_port: int, http_port: int, secret: str, seconds: float, out: str) -> None:
-    """The body of the abuser's process: attack `name` for `seconds`, then its rows as JSON in `out`."""
+def abuser_process(name: str, grpc_port: int, http_port: int, secret: str, seconds: float, out: str,
+                   ready, go) -> None:
+    """The body of the abuser's process: its clients' modules imported, then `ready` set; at `go`, attack `name` for
+    `seconds`, then its rows as JSON in `out`."""
     os.nice(ABUSER_NICENESS - os.nice(0))
+    import httpx  # noqa: F401 - the attack's clients, imported before the phase (see AbuserProcess)
+    import openai  # noqa: F401
+
+    svc = service_handle(grpc_port, http_port, secret)
+    ready.set()
+    if not go.wait(600):
+        return
     log, stop = Log(), threading.Event()
     timer = threading.Timer(seconds, stop.set)
     timer.daemon = True  # an attack that failed early ends the process now, not when the phase would have
     timer.start()
-    attack(name, service_handle(grpc_port, http_port, secret), log, stop)
+    attack(name, svc, log, stop)
     Path(out).write_text(json.dumps([[*row[1:], ended] for row, ended in zip(log.rows, log.ended)]))
 
 
-def run_abuser(name: str, cfg, secret: str, seconds: float, tmp: Path) -> list[tuple[str, str, float, str, float]]:
+class AbuserProcess:
     """Attack `name` for `seconds` from a process of its own (spawned: no state of this one), so that its clients'
     Python work (building 250-item filters, a tight loop of refused requests) never holds the GIL of the
-    well-behaved users' clients in this process, whose latency is what is measured; at ABUSER_NICENESS. Its rows
-    (who, op, seconds, code, ended at); a process that did not finish in time is killed and counted as one row."""
-    import multiprocessing
+    well-behaved users' clients in this process, whose latency is what is measured; at ABUSER_NICENESS. Started
+    before its phase (`start`: spawned, its modules imported, ~1 s of a core) and let go at the phase's start
+    (`run`): at niceness 19 its start-up competes with the engine's compute, which runs at 19 too, and started in
+    the phase it fell in the phase's first seconds, where the slowest well-behaved requests of `filter`,
+    `filter_scan` and `extraction` were."""
 
-    out = tmp / f"abuser-{name}.json"
-    proc = multiprocessing.get_context("spawn").Process(
-        target=abuser_process, args=(name, cfg.grpc_port, cfg.http_port, secret, seconds, str(out)), daemon=True)
-    proc.start()
-    proc.join(timeout=seconds + 120)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=10)
-        return [(abuser_of(name), name, seconds, "abuser process did not finish", time.time())]
-    if not out.exists():
-        return [(abuser_of(name), name, seconds, f"abuser process failed (exit {proc.exitcode})", time.time())]
-    return [tuple(row) for row in json.loads(out.read_text())]
+    def __init__(self, name: str, cfg, secret: str, seconds: float, tmp: Path):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.name, self.seconds = name, seconds
+        self.out = tmp / f"abuser-{name}.json"
+        self.ready, self.go = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=abuser_process, daemon=True, args=(
+            name, cfg.grpc_port, cfg.http_port, secret, seconds, str(self.out), self.ready, self.go))
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.proc.start()
+        if not self.ready.wait(timeout_s):
+            raise RuntimeError(f"the abuser process of {self.name!r} was not ready within {timeout_s:g} s")
+
+    def run(self) -> list[tuple[str, str, float, str, float]]:
+        """Lets the attack go and waits for it: its rows (who, op, seconds, code, ended at); a process that did not
+        finish in time is killed and counted as one row."""
+        self.go.set()
+        self.proc.join(timeout=self.seconds + 120)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+            return [(abuser_of(self.name), self.name, self.seconds, "abuser process did not finish", time.time())]
+        if not self.out.exists():
+            return [(abuser_of(self.name), self.name, self.seconds,
+                     f"abuser process failed (exit {self.proc.exitcode})", time.time())]
+        return [tuple(row) for row in json.loads(self.out.read_text())]
 
 
 def attack(name: str, svc, log: Log, stop: threading.Event) -> None:
@@ -524,20 +551,26 @@ def main() -> int:
         phases = ["baseline", *attacks]
         ledger, cpu_by_phase = CpuLedger(), {}
         try:
-            for phase in phases:
+            abuser: AbuserProcess | None = None  # the phase's, spawned in the drain before it, let go at its start
+            for i, phase in enumerate(phases):
                 log.phase = phase
                 log.started[phase] = time.time()
                 print(f"# phase {phase}", flush=True)
                 ledger.start()
-                if phase == "baseline":
+                if abuser is None:
                     time.sleep(args.phase)
                 else:
-                    for who, op, secs, code, ended in run_abuser(phase, cfg, secret, args.phase, Path(tmp)):
+                    for who, op, secs, code, ended in abuser.run():
                         log.add(who, op, secs, code, ended_at=ended)
                 cpu_by_phase[phase] = ledger.mark(phase)
                 log.lasted[phase] = time.time() - log.started[phase]
                 log.phase = f"drain after {phase}"
-                time.sleep(args.drain)
+                t_drain = time.monotonic()
+                abuser = None
+                if i + 1 < len(phases):
+                    abuser = AbuserProcess(phases[i + 1], cfg, secret, args.phase, Path(tmp))
+                    abuser.start()
+                time.sleep(max(0.0, args.drain - (time.monotonic() - t_drain)))
         finally:
             stop.set()
             for w in workers:

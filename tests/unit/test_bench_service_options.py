@@ -468,3 +468,24 @@ def test_the_noisy_neighbour_report_says_when_each_phase_s_slowest_request_began
     assert "| kv_flood | 2 | 500 | 2,000 | 1.00x | 1 | 400 | 400 | 1.00x | 108.0 / 5.0 |" in text
     assert f"| kv_flood | 150.0 | 29.2 | 179.2 | 112 | {179.2 / (112 * cores):.0%} |" in text
     assert f"| baseline | 30.0 | 6.0 | 36.0 | 45 | {36.0 / (45 * cores):.0%} |" in text
+
+
+def test_the_noisy_neighbour_abuser_starts_before_its_phase_and_attacks_only_when_let_go(tmp_path):
+    """The abuser's process is spawned and has imported its clients before its phase (its ~1 s of start-up, at the
+    engine's niceness, had fallen in the phase's first seconds, where the slowest well-behaved requests of three
+    attacks were); its first request is sent only once the phase lets it go. Against a port nothing listens on: every
+    request a connection error, every one recorded."""
+    import bench.noisy_neighbour as noisy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    abuser = noisy.AbuserProcess("filter", SimpleNamespace(grpc_port=port, http_port=port), "s" * 40, 0.5, tmp_path)
+    abuser.start()
+    assert abuser.ready.is_set() and abuser.proc.is_alive() and not abuser.out.exists()
+    time.sleep(0.3)
+    let_go = time.time()
+    rows = abuser.run()
+    assert rows and all(who == noisy.abuser_of("filter") for who, *_ in rows)
+    assert all(ended - secs >= let_go - 0.05 for _, _, secs, _, ended in rows)  # none began before the phase
+    assert {code for *_, code, _ in rows} == {"ConnectError"}
