@@ -62,9 +62,28 @@ async def ttft(engine, prompt: str, tag: str) -> float:
     raise RuntimeError("no token")
 
 
-async def measure_cap(cap: int, args, tokenizer) -> dict:
+async def stream_arrivals(llm, tokens: int, request_id: str, arrivals: list[float], started: asyncio.Event) -> None:
+    """Streams a short request of `tokens` tokens (EOS ignored) on the AsyncLLM `llm`, appending each token's arrival
+    time to `arrivals`; sets `started` once it has streamed 8 (bench/write_landing.py uses it too)."""
     from vllm import SamplingParams
 
+    sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    async for out in llm.generate("Count slowly from one upwards:", sp, request_id=request_id):
+        arrivals.extend([time.perf_counter()] * (len(out.outputs[0].token_ids) - len(arrivals)))
+        if len(arrivals) >= 8:
+            started.set()
+
+
+def stream_gaps(arrivals: list[float], t0: float, t1: float) -> dict:
+    """The stream's gaps between two tokens: the largest of those overlapping [t0, t1] (0 if none), how many did,
+    and the median of all."""
+    gaps = [(a, b) for a, b in zip(arrivals, arrivals[1:])]
+    during = [b - a for a, b in gaps if b > t0 and a < t1]
+    return {"largest_gap_s": max(during or [0.0]), "gaps_during": len(during),
+            "median_gap_s": statistics.median([b - a for a, b in gaps])}
+
+
+async def measure_cap(cap: int, args, tokenizer) -> dict:
     engine = start_engine(cap, args.dtype, args.max_model_len)
     try:
         await ttft(engine, "Warm up the engine with a short prompt.", "warm")
@@ -73,13 +92,6 @@ async def measure_cap(cap: int, args, tokenizer) -> dict:
         started = asyncio.Event()
         beside: dict[str, float] = {}
 
-        async def short():
-            sp = SamplingParams(max_tokens=args.short_tokens, ignore_eos=True)
-            async for out in engine.generate("Count slowly from one upwards:", sp, request_id=f"short-{cap}"):
-                arrivals.extend([time.perf_counter()] * (len(out.outputs[0].token_ids) - len(arrivals)))
-                if len(arrivals) >= 8:
-                    started.set()
-
         async def long():
             await started.wait()
             t0 = time.perf_counter()
@@ -87,13 +99,11 @@ async def measure_cap(cap: int, args, tokenizer) -> dict:
             beside["ttft"] = await ttft(engine, long_prompt(f"beside-{cap}", args.long_tokens, tokenizer), "beside")
             beside["t1"] = t0 + beside["ttft"]
 
-        await asyncio.gather(short(), long())
+        await asyncio.gather(stream_arrivals(engine, args.short_tokens, f"short-{cap}", arrivals, started), long())
     finally:
         engine.shutdown()
-    gaps_during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > beside["t0"] and a < beside["t1"]]
-    gaps_all = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"cap": cap, "alone_s": alone, "beside_s": beside["ttft"], "largest_gap_s": max(gaps_during or [0.0]),
-            "median_gap_s": statistics.median(gaps_all), "gaps_during": len(gaps_during)}
+    return {"cap": cap, "alone_s": alone, "beside_s": beside["ttft"],
+            **stream_gaps(arrivals, beside["t0"], beside["t1"])}
 
 
 def report(rows: list[dict], args, cpu: str) -> str:

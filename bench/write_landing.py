@@ -51,23 +51,14 @@ def random_facts(n: int, tokens: int, like) -> list:
 
 async def measure(engine, mode: str, facts: list, args) -> dict:
     """The short stream's gaps while `facts` are put the `mode` way."""
-    from vllm import SamplingParams
-
+    from bench.long_prefill import stream_arrivals, stream_gaps
     from inferscale_server.engine_replica.books import ResidentKV
     from inferscale_server.engine_replica.kv_path import Background, KVPath
 
-    kv = KVPath(engine, None, None, None, None, ResidentKV(1 << 40),
-                  collections.defaultdict(int), Background())
+    kv = KVPath(engine, None, None, None, None, ResidentKV(1 << 40), collections.defaultdict(int), Background())
     arrivals: list[float] = []
     started = asyncio.Event()
     put: dict[str, float] = {}
-
-    async def short() -> None:
-        sp = SamplingParams(max_tokens=args.short_tokens, ignore_eos=True)
-        async for out in engine.engine.generate("Count slowly from one upwards:", sp, request_id=f"short-{mode}"):
-            arrivals.extend([time.perf_counter()] * (len(out.outputs[0].token_ids) - len(arrivals)))
-            if len(arrivals) >= 8:
-                started.set()
 
     async def land() -> None:
         await started.wait()
@@ -78,11 +69,8 @@ async def measure(engine, mode: str, facts: list, args) -> dict:
             await asyncio.gather(*kv.background.tasks)
         put["t1"] = time.perf_counter()
 
-    await asyncio.gather(short(), land())
-    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > put["t0"] and a < put["t1"]]
-    return {"mode": mode, "largest_gap_s": max(during or [0.0]), "gaps_during": len(during),
-            "median_gap_s": statistics.median([b - a for a, b in zip(arrivals, arrivals[1:])]),
-            "put_s": put["t1"] - put["t0"]}
+    await asyncio.gather(stream_arrivals(engine.engine, args.short_tokens, f"short-{mode}", arrivals, started), land())
+    return {"mode": mode, **stream_gaps(arrivals, put["t0"], put["t1"]), "put_s": put["t1"] - put["t0"]}
 
 
 async def run(args) -> list[dict]:
