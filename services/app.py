@@ -96,7 +96,15 @@ GATEWAY_MAX_QUEUED = 1024  # requests waiting for a gateway replica before Serve
 # MALLOC_MMAP_THRESHOLD_ fixed at 1 MiB: glibc's dynamic threshold climbs to 32 MiB after the first large free,
 # after which a forward's variable-sized activations come from the heap and fragment it (a slow RSS rise);
 # fixed, they are mapped and unmapped (BENCHMARKS.md, "The oneDNN-cache guess, tested", run D).
-ENCODER_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+# GOMP_SPINCOUNT: how long a thread of torch's OpenMP runtime (libgomp in torch's wheels) spins at a barrier before
+# it sleeps; 300,000 iterations by default. The pool's forwards run a thread per core, each a series of parallel
+# regions ending in a barrier; on a CPU node the engine and the light work hold cores too, and the thread that
+# arrived first spun through its core's time slice while the other waited for a core: beside a generating engine
+# the pool encoded at half the speed with 2.6x the CPU per fact, and the engine lost a third of its tokens/s
+# (bench/omp_wait.py, BENCHMARKS.md "The encoder's OpenMP threads at a barrier"). A short spin keeps a free
+# core's barriers fast (alone, the pool encodes as fast as with the default) and sleeps when a core is taken.
+# libgomp reads it when the process starts.
+ENCODER_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "1048576", "GOMP_SPINCOUNT": "1000"}
 
 
 @dataclass

@@ -100,3 +100,28 @@ def test_the_encoder_pools_process_starts_with_few_malloc_arenas():
     assert arenas(ENCODER_ENV) <= int(ENCODER_ENV["MALLOC_ARENA_MAX"]) == 2
     options = deployment_options(ServiceConfig())["EncoderPool"]["ray_actor_options"]
     assert options["runtime_env"] == {"env_vars": ENCODER_ENV}
+
+
+def test_the_encoder_pools_openmp_threads_spin_briefly_at_a_barrier():
+    """torch's OpenMP runtime (libgomp in torch's wheels) reads GOMP_SPINCOUNT from services/app.py's ENCODER_ENV
+    when the process starts: the pool's threads spin 1,000 iterations at a barrier, then sleep, instead of the
+    default 300,000 that burned a core the engine or the light work needed (bench/omp_wait.py). If torch ever
+    ships another runtime, or libgomp stops reading the variable, this fails and the setting needs its new name."""
+    import os
+    import subprocess
+    import sys
+
+    from inferscale_server.app import ENCODER_ENV
+
+    def spincount(env: dict) -> str:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOMP_", "OMP_"))}
+        out = subprocess.run([sys.executable, "-c", "import torch; torch.ones(64, 64) @ torch.ones(64, 64)"],
+                             capture_output=True, text=True, timeout=120,
+                             env={**clean, **env, "OMP_DISPLAY_ENV": "verbose"})
+        assert out.returncode == 0, out.stderr
+        shown = [line.split("=", 1)[1].strip(" '") for line in out.stderr.splitlines() if "GOMP_SPINCOUNT" in line]
+        assert len(shown) == 1, out.stderr[-2000:]  # the runtime torch loaded is libgomp and displayed its settings
+        return shown[0]
+
+    assert spincount({}) == "300000"  # the default the setting replaces (the test has teeth)
+    assert spincount(ENCODER_ENV) == ENCODER_ENV["GOMP_SPINCOUNT"] == "1000"

@@ -291,9 +291,10 @@ def test_mem0_client_search_filters_and_threshold_on_the_running_service(service
     assert sorted(f.fact_id for f in service.client.list("dana")) == before
 
 
-def test_the_encoder_pool_starts_with_its_malloc_arena_cap(service):
-    """services/app.py gives the EncoderPool's Ray worker ENCODER_ENV from its start (glibc reads it then;
-    tests/engine/test_encoder_threads.py: 8 threads share 2 arenas), merged with the job's environment, not instead."""
+def test_the_encoder_pool_starts_with_its_process_environment(service):
+    """services/app.py gives the EncoderPool's Ray worker ENCODER_ENV from its start (glibc and libgomp read it
+    then; tests/engine/test_encoder_threads.py: 8 threads share 2 arenas, the OpenMP threads spin briefly), merged
+    with the job's environment, not instead."""
     import psutil
 
     from inferscale_core.vllm_env import vllm_cpu_env
