@@ -83,7 +83,7 @@ def _encoder(conn) -> None:
     """The encoder pool's forwards (FactEncoder, a torch thread per core, float32, batches of 8 facts behind 5
     neighbours) at the heavy niceness; answers ("measure", seconds) with (facts, wall s, CPU s)."""
     os.nice(HEAVY_NICENESS)
-    from services.encoder_pool import FactEncoder
+    from inferscale_server.encoder_pool import FactEncoder
 
     encoder = FactEncoder(dtype="float32", device="cpu")
     items = [(FACT.format(i=i), WINDOW) for i in range(8)]
