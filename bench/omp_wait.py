@@ -81,7 +81,7 @@ def _light(stop) -> None:
 
 def _encoder(conn) -> None:
     """The encoder pool's forwards (FactEncoder, a torch thread per core, float32, batches of 8 facts behind 5
-    neighbours) at the heavy niceness; answers ("measure", seconds) with (facts, wall s, CPU s)."""
+    neighbours) at the heavy niceness; answers a window's seconds with (facts, wall s, CPU s), None ends it."""
     os.nice(HEAVY_NICENESS)
     from inferscale_server.encoder_pool import FactEncoder
 
@@ -90,10 +90,9 @@ def _encoder(conn) -> None:
     encoder.encode(items)  # warm
     conn.send("ready")
     while True:
-        msg = conn.recv()
-        if msg is None:
+        seconds = conn.recv()
+        if seconds is None:
             return
-        seconds = msg[1]
         r0, t0, facts = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), 0
         while time.perf_counter() - t0 < seconds:
             encoder.encode(items)
@@ -164,21 +163,19 @@ def main(argv: list[str] | None = None) -> int:
                     generating.set()
                     time.sleep(2.0)
                 try:
-                    for label in [None, *encoders]:  # None: the engine without the encoder
+                    # "no encoder": the engine's own rate in this setting (none to measure when it is idle)
+                    for label in ([] if setting == "alone" else ["no encoder"]) + list(encoders):
                         t0, n0 = time.perf_counter(), tokens.value
-                        if label is None:
-                            if setting == "alone":
-                                continue
+                        if label == "no encoder":
                             time.sleep(a.seconds)
                             facts = wall = cpu = 0.0
                         else:
-                            encoders[label][1].send(("measure", a.seconds))
+                            encoders[label][1].send(a.seconds)
                             facts, wall, cpu = encoders[label][1].recv()
                         tps = (tokens.value - n0) / (time.perf_counter() - t0)
-                        rows.setdefault((setting, label or "no encoder"), []).append(
-                            (facts / wall if wall else 0.0, cpu / facts if facts else 0.0, tps))
-                        print(f"  round {r + 1} {setting} / {label or 'no encoder'}: {rows[setting, label or 'no encoder'][-1]}",
-                              flush=True)
+                        row = (facts / wall if wall else 0.0, cpu / facts if facts else 0.0, tps)
+                        rows.setdefault((setting, label), []).append(row)
+                        print(f"  round {r + 1} {setting} / {label}: {row}", flush=True)
                 finally:
                     generating.clear()
                     stop.set()

@@ -79,22 +79,29 @@ with tempfile.NamedTemporaryFile() as f:
 """
 
 
-def test_the_encoder_pools_process_starts_with_few_malloc_arenas():
-    """glibc gives every allocating thread an arena of its own, which keeps freed memory (the encoder pool's
-    threads: ~230 MB of RSS, BENCHMARKS.md). The pool's Ray worker gets services/app.py's ENCODER_ENV in its
-    environment from the start (a runtime_env), which is when glibc reads it: 8 threads then share 2 arenas."""
+def fresh_python(code: str, env: dict, drop: tuple[str, ...]) -> str:
+    """Runs `code` in a new interpreter whose environment is this one's without the variables starting with `drop`,
+    plus `env` (what the encoder pool's process starts with: glibc and libgomp read them only then); its stdout and
+    stderr together."""
     import os
     import subprocess
     import sys
 
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**clean, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout + out.stderr
+
+
+def test_the_encoder_pools_process_starts_with_few_malloc_arenas():
+    """glibc gives every allocating thread an arena of its own, which keeps freed memory (the encoder pool's
+    threads: ~230 MB of RSS, BENCHMARKS.md). The pool's Ray worker gets services/app.py's ENCODER_ENV in its
+    environment from the start (a runtime_env), which is when glibc reads it: 8 threads then share 2 arenas."""
     from inferscale_server.app import ENCODER_ENV, ServiceConfig, deployment_options
 
     def arenas(env: dict) -> int:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-        out = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT], capture_output=True, text=True, timeout=120,
-                             env={**clean, **env})
-        assert out.returncode == 0, out.stderr
-        return int(out.stdout.strip().splitlines()[-1])
+        return int(fresh_python(ARENAS_SCRIPT, env, ("MALLOC_",)).strip().splitlines()[-1])
 
     assert arenas({}) > 4  # 8 threads: their own arenas (the test has teeth)
     assert arenas(ENCODER_ENV) <= int(ENCODER_ENV["MALLOC_ARENA_MAX"]) == 2
@@ -107,20 +114,13 @@ def test_the_encoder_pools_openmp_threads_spin_briefly_at_a_barrier():
     when the process starts: the pool's threads spin 1,000 iterations at a barrier, then sleep, instead of the
     default 300,000 that burned a core the engine or the light work needed (bench/omp_wait.py). If torch ever
     ships another runtime, or libgomp stops reading the variable, this fails and the setting needs its new name."""
-    import os
-    import subprocess
-    import sys
-
     from inferscale_server.app import ENCODER_ENV
 
     def spincount(env: dict) -> str:
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOMP_", "OMP_"))}
-        out = subprocess.run([sys.executable, "-c", "import torch; torch.ones(64, 64) @ torch.ones(64, 64)"],
-                             capture_output=True, text=True, timeout=120,
-                             env={**clean, **env, "OMP_DISPLAY_ENV": "verbose"})
-        assert out.returncode == 0, out.stderr
-        shown = [line.split("=", 1)[1].strip(" '") for line in out.stderr.splitlines() if "GOMP_SPINCOUNT" in line]
-        assert len(shown) == 1, out.stderr[-2000:]  # the runtime torch loaded is libgomp and displayed its settings
+        out = fresh_python("import torch; torch.ones(64, 64) @ torch.ones(64, 64)",
+                           {**env, "OMP_DISPLAY_ENV": "verbose"}, ("GOMP_", "OMP_"))
+        shown = [line.split("=", 1)[1].strip(" '") for line in out.splitlines() if "GOMP_SPINCOUNT" in line]
+        assert len(shown) == 1, out[-2000:]  # the runtime torch loaded is libgomp and displayed its settings
         return shown[0]
 
     assert spincount({}) == "300000"  # the default the setting replaces (the test has teeth)
