@@ -2,13 +2,16 @@
 streamed from the engine as AnswerPiece messages and one AnswerEnd (services/messages.py), for the gRPC Answer and
 for OpenAI chat (n choices, logprobs, stop, structured outputs, forced tool calls); plain chat without memory
 (Mem0's extraction step). The facts are the caller's business (core.py syncs them and makes their KV reachable).
-Pieces after each choice's first are gathered `stream_interval` tokens at a time (PieceCoalescer)."""
+Pieces after each choice's first are gathered `stream_interval` tokens at a time (PieceCoalescer); at most
+CHOICES_AT_ONCE of a request's choices decode at a time (choice_outputs)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 
@@ -18,6 +21,68 @@ from ..messages import AnswerEnd, AnswerPiece, AnswerRequest, Choice
 from ..modes import wire_mode
 from ..openai_params import logprobs_content, request, tool_calls
 from .engine import ServingEngine, engine_timings, ms
+
+# A request's choices (OpenAI's n) that decode at once; the others start as those finish. Why: every running
+# sequence makes each engine step longer for everyone beside it, and one request may ask for 128 choices. On the
+# reference node (one core of an AMD EPYC for the engine, fp32), small answers streamed beside one request of n x 780
+# tokens took 1.12x (n=4), 1.45x (n=8), 2.11x (n=16) their time alone (bench/choices_beside.py, BENCHMARKS.md
+# "Noisy neighbour"); logprobs added little to that. At 4, a request of n=16 takes about 4x longer for its own
+# caller, and no longer for the others.
+CHOICES_AT_ONCE = 4
+
+
+async def choice_outputs(generate: Callable[[Any], AsyncIterator[Any]], sampling, at_once: int = CHOICES_AT_ONCE
+                         ) -> AsyncIterator[tuple[int, Any, Any]]:
+    """Every choice's outputs of a request with `sampling` (vLLM's SamplingParams, n choices) as (choice index,
+    CompletionOutput, the RequestOutput it came in), from `generate(sampling_params)` (one vLLM request). Up to
+    `at_once` choices: one request of n, as vLLM runs it. More: a request per choice, `at_once` of them decoding at a
+    time, each with what vLLM gives its own children of an n-choice request (parallel_sampling.ParentRequest: n=1,
+    the seed + the choice's index when a seed is set), so the choices are the same as vLLM's n would make them.
+    Closing this iterator (the caller gone) ends every request it started; a choice's error ends it and is raised."""
+    n = sampling.n
+    if n <= at_once:
+        async for out in generate(sampling):
+            for c in out.outputs:
+                yield c.index, c, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    todo = iter(range(n))
+    done = object()
+
+    async def run_choices() -> None:
+        for index in todo:  # shared: each runner takes the next choice not yet started
+            child = copy.copy(sampling)
+            child.n = 1
+            if sampling.seed is not None:
+                child.seed = sampling.seed + index
+            async for out in generate(child):
+                for c in out.outputs:
+                    await queue.put((index, c, out))
+
+    async def runner() -> None:
+        try:
+            await run_choices()
+        except BaseException as e:  # handed to the consumer, which raises it and ends the other runners
+            await queue.put(e)
+            raise
+        finally:
+            await queue.put(done)
+
+    runners = [asyncio.create_task(runner()) for _ in range(min(at_once, n))]
+    try:
+        running = len(runners)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in runners:
+            t.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
 
 
 class PieceCoalescer:
@@ -114,21 +179,21 @@ class Answering:
             t_submit = time.perf_counter()
             ttft, final = None, None
             try:
-                async for out in self.engine.generate(p, sp):
-                    final = out
-                    for c in out.outputs:
-                        if ttft is None and c.token_ids:
-                            ttft = time.perf_counter() - t_submit
-                        logprobs = (logprobs_content(c.token_ids, c.logprobs, oai.top_logprobs, tokenizer)
-                                    if oai.top_logprobs is not None and c.logprobs else None)
-                        texts[c.index] += c.text
-                        counts[c.index] += len(c.token_ids)
-                        finish[c.index] = c.finish_reason or finish[c.index]
-                        if c.text or logprobs is not None:
-                            piece = pieces.add(AnswerPiece(c.text, c.index, logprobs), tokens=len(c.token_ids),
-                                               finished=c.finish_reason is not None)
-                            if piece is not None:
-                                yield piece
+                async for index, c, out in choice_outputs(lambda s: self.engine.generate(p, s), sp):
+                    if index == 0 or n <= CHOICES_AT_ONCE:  # the request (or the first choice's) that prefilled
+                        final = out
+                    if ttft is None and c.token_ids:
+                        ttft = time.perf_counter() - t_submit
+                    logprobs = (logprobs_content(c.token_ids, c.logprobs, oai.top_logprobs, tokenizer)
+                                if oai.top_logprobs is not None and c.logprobs else None)
+                    texts[index] += c.text
+                    counts[index] += len(c.token_ids)
+                    finish[index] = c.finish_reason or finish[index]
+                    if c.text or logprobs is not None:
+                        piece = pieces.add(AnswerPiece(c.text, index, logprobs), tokens=len(c.token_ids),
+                                           finished=c.finish_reason is not None)
+                        if piece is not None:
+                            yield piece
             except ValueError as e:  # vLLM's input checks (e.g. more logprobs than the engine's max_logprobs)
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0][:500]) from None
         for piece in pieces.flush():

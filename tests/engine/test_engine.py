@@ -180,8 +180,27 @@ def test_async_engine_serves_the_same_answers(engine, smollm2_path):
     """AsyncLLM (engine core in its own process) over the same Memory: facts Memory already holds are pushed
     at start, injection works across processes, and time to first token is measured. The warm-up the engine replica
     runs before traffic (warm_up: vLLM's first request with logprobs) received logprobs, so the path it pays for
-    ran, and the engine answers as before after it."""
+    ran, and the engine answers as before after it. An OpenAI request of more choices than decode at once, run as a
+    request per choice (services/engine_replica/answering.py choice_outputs), makes the same choices as vLLM's own
+    n-choice request with that seed, memory injected in each."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
     from inferscale_core.engine import AsyncMemoryEngine
+    from inferscale_core.requests import Query
+    from inferscale_core.serving_engine import AsyncInjectingEngine
+    from inferscale_server.engine_replica.answering import choice_outputs
+
+    async def choices(aeng, p, at_once: int) -> tuple[dict[int, str], int]:
+        """Each choice's text of a seeded 5-choice request, and the injected tokens of the (first) request."""
+        sp = SamplingParams(n=5, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+        texts: dict[int, str] = {}
+        cached = None
+        async for index, c, out in choice_outputs(lambda s: AsyncInjectingEngine.generate(aeng, p, s), sp, at_once):
+            texts[index] = texts.get(index, "") + c.text
+            cached = out.num_cached_tokens if cached is None else cached
+        return texts, cached
 
     async def run():
         aeng = await AsyncMemoryEngine(engine.memory, smollm2_path,
@@ -193,13 +212,20 @@ def test_async_engine_serves_the_same_answers(engine, smollm2_path):
             kv = await aeng.generate("dave", "What is Dave's dog called?", k=2, sampling_params=greedy())
             pi = await aeng.generate("dave", "What is Dave's dog called?", k=2, mode="pi", sampling_params=greedy())
             alice = await aeng.generate("alice", "What is the name of Alice's cat?", k=3, sampling_params=greedy())
+            p = aeng.core.prepare(Query("alice", "Tell me about Alice.", 3, 0))
+            as_vllm = await choices(aeng, p, at_once=5)  # one request of n=5: vLLM's children
+            one_by_one = await choices(aeng, p, at_once=2)  # a request per choice, two at a time
             metrics = await aeng.metrics()
             await aeng.delete_user("dave")
-            return kv, pi, alice, metrics
+            return kv, pi, alice, metrics, as_vllm, one_by_one, p
         finally:
             aeng.shutdown()
 
-    kv, pi, alice, metrics = asyncio.run(run())
+    kv, pi, alice, metrics, as_vllm, one_by_one, p = asyncio.run(run())
+    assert sorted(as_vllm[0]) == list(range(5)) and len(set(as_vllm[0].values())) > 1  # sampled: choices differ
+    assert one_by_one[0] == as_vllm[0]  # the same choices, index by index
+    assert as_vllm[1] >= injectable_tokens(len(p.prompt_ids), p.memory_len) > 0  # the memory injected, not prefilled
+    assert one_by_one[1] >= injectable_tokens(len(p.prompt_ids), p.memory_len)
     assert kv.num_cached_tokens == injectable_tokens(kv.prompt_len, kv.memory_len) > 0
     assert pi.num_cached_tokens < kv.num_cached_tokens and kv.ttft_s is not None and kv.ttft_s > 0
     same = engine.generate("alice", "What is the name of Alice's cat?", k=3, sampling_params=greedy())

@@ -159,7 +159,8 @@ def test_user_and_safety_identifier_follow_the_token(service):
 
 
 def test_sampling_parameters_reach_vllm(service):
-    """stop, seed, top_p, n and logprobs through the official client, each with an effect that can fail."""
+    """stop, seed, top_p, n (fewer and more than decode at once) and logprobs through the official client, each with
+    an effect that can fail."""
     c = _client(service)
     ask = {"model": "inferscale", "max_completion_tokens": 12, "messages": [{"role": "user", "content": CAT_Q}]}
     lp = c.chat.completions.create(**ask, temperature=0, logprobs=True, top_logprobs=3)
@@ -177,6 +178,11 @@ def test_sampling_parameters_reach_vllm(service):
     assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]  # same seed
     assert a.usage.completion_tokens >= 2
     assert any(ch.message.content != greedy for ch in a.choices)  # it did sample...
+    # more choices than decode at once (answering.CHOICES_AT_ONCE, 4): a request per choice, seeded as vLLM seeds
+    # its own children, so the first two are the n=2 request's
+    wide = c.chat.completions.create(**{**sampled, "n": 6})
+    assert [ch.index for ch in wide.choices] == list(range(6)) and wide.usage.completion_tokens >= 6
+    assert [ch.message.content for ch in wide.choices[:2]] == [ch.message.content for ch in a.choices]
     narrow = c.chat.completions.create(**{**sampled, "n": 1}, top_p=1e-6)
     assert narrow.choices[0].message.content == greedy  # ...and top_p=1e-6 leaves only the greedy token
 
