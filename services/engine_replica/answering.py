@@ -175,12 +175,14 @@ class Answering:
         tokenizer = self.engine.tokenizer()
         texts, counts, finish = [""] * n, [0] * n, [None] * n
         pieces = PieceCoalescer(self.stream_interval)
-        with self.admission.admit(req.user_id, min(len(p.prompt_ids) + n * sp.max_tokens, n * self.max_model_len)):
+        running = min(n, CHOICES_AT_ONCE)  # choices holding KV at once (choice_outputs)
+        with self.admission.admit(req.user_id, min(len(p.prompt_ids) + running * sp.max_tokens,
+                                                   running * self.max_model_len)):
             t_submit = time.perf_counter()
             ttft, final = None, None
             try:
                 async for index, c, out in choice_outputs(lambda s: self.engine.generate(p, s), sp):
-                    if index == 0 or n <= CHOICES_AT_ONCE:  # the request (or the first choice's) that prefilled
+                    if index == 0 or n == running:  # the request (or the first choice's) that prefilled
                         final = out
                     if ttft is None and c.token_ids:
                         ttft = time.perf_counter() - t_submit

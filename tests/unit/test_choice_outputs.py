@@ -35,7 +35,7 @@ class SeededEngine:
                 outs = [SimpleNamespace(index=i, text=f"s{(sp.seed or 0) + i}t{step} ", token_ids=[step],
                                         finish_reason="length" if step == self.steps - 1 else None)
                         for i in range(sp.n)]
-                yield SimpleNamespace(outputs=outs)
+                yield SimpleNamespace(outputs=outs, num_cached_tokens=0)
         finally:
             self.running -= 1
             self.ended += 1
@@ -91,3 +91,53 @@ def test_closing_the_stream_ends_every_choice_it_started():
 
     got = asyncio.run(run())
     assert len(got) == 5 and engine.started == 4 and engine.ended == 4 and engine.running == 0
+
+
+class ChoicesEngine(SeededEngine):
+    """The rest of what Answering asks a ServingEngine for an OpenAI request: `generate(p, sp)`, its sizes,
+    sampling defaults and tokenizer; records the admission's tokens in flight while a choice runs."""
+
+    def __init__(self, admission):
+        super().__init__(steps=2)
+        self.admission, self.in_flight_seen = admission, set()
+
+    def max_model_len(self) -> int:
+        return 4096
+
+    def sampling_defaults(self) -> dict:
+        return {}
+
+    def tokenizer(self):
+        return None
+
+    def generate(self, p, sp):  # type: ignore[override]
+        self.in_flight_seen.add(self.admission.in_flight_tokens)
+        return super().generate(sp)
+
+
+@pytest.mark.parametrize("n", [2, 16])
+def test_an_openai_answer_holds_admission_for_the_choices_that_run_at_once(n):
+    """Answering.stream admits an OpenAI request for its prompt and the max_tokens of the choices that decode at once
+    (min(n, CHOICES_AT_ONCE)), not all n: the others start as those finish and hold their KV then."""
+    from inferscale_core.types import Mode
+    from inferscale_server.admission import Admission
+    from inferscale_server.engine_replica.answering import Answering
+    from inferscale_server.messages import AnswerEnd, AnswerRequest, OpenAIChat
+
+    admission = Admission(100_000, 2.0)
+    engine = ChoicesEngine(admission)
+    metrics = SimpleNamespace(ttft=SimpleNamespace(observe=lambda *a, **k: None))
+    answering = Answering(engine, admission, metrics, stream_interval=1)
+    p = SimpleNamespace(prompt_ids=list(range(10)), fact_ids=[])
+    chat = OpenAIChat(sampling={"n": n, "max_completion_tokens": 100, "seed": 3},
+                      messages=[{"role": "user", "content": "q?"}])
+    req = AnswerRequest("u", "q?", [], 100, 1.0, Mode.KV, openai=chat)
+
+    async def run():
+        return [x async for x in answering.stream(p, req, 0.0, {})]
+
+    out = asyncio.run(run())
+    end = out[-1]
+    assert isinstance(end, AnswerEnd) and [c.index for c in end.choices] == list(range(n))
+    assert engine.in_flight_seen == {10 + min(n, CHOICES_AT_ONCE) * 100} and admission.in_flight_tokens == 0
+    assert engine.started == (1 if n <= CHOICES_AT_ONCE else n)
