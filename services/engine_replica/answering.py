@@ -7,9 +7,10 @@ CHOICES_AT_ONCE of a request's choices decode at a time (choice_outputs)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,7 +33,7 @@ CHOICES_AT_ONCE = 4
 
 
 async def choice_outputs(generate: Callable[[Any], AsyncIterator[Any]], sampling, at_once: int = CHOICES_AT_ONCE
-                         ) -> AsyncIterator[tuple[int, Any, Any]]:
+                         ) -> AsyncGenerator[tuple[int, Any, Any], None]:
     """Every choice's outputs of a request with `sampling` (vLLM's SamplingParams, n choices) as (choice index,
     CompletionOutput, the RequestOutput it came in), from `generate(sampling_params)` (one vLLM request). Up to
     `at_once` choices: one request of n, as vLLM runs it. More: a request per choice, `at_once` of them decoding at a
@@ -139,8 +140,9 @@ class Answering:
 
         self.check_fits(len(p.prompt_ids))
         if req.openai is not None:
-            async for piece in self._stream_openai(p, req, t_in, hops):
-                yield piece
+            async with contextlib.aclosing(self._stream_openai(p, req, t_in, hops)) as pieces_of_openai:
+                async for piece in pieces_of_openai:
+                    yield piece
             return
         sp = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens)
         pieces = PieceCoalescer(self.stream_interval)
@@ -181,21 +183,24 @@ class Answering:
             t_submit = time.perf_counter()
             ttft, final = None, None
             try:
-                async for index, c, out in choice_outputs(lambda s: self.engine.generate(p, s), sp):
-                    if index == 0 or n == running:  # the request (or the first choice's) that prefilled
-                        final = out
-                    if ttft is None and c.token_ids:
-                        ttft = time.perf_counter() - t_submit
-                    logprobs = (logprobs_content(c.token_ids, c.logprobs, oai.top_logprobs, tokenizer)
-                                if oai.top_logprobs is not None and c.logprobs else None)
-                    texts[index] += c.text
-                    counts[index] += len(c.token_ids)
-                    finish[index] = c.finish_reason or finish[index]
-                    if c.text or logprobs is not None:
-                        piece = pieces.add(AnswerPiece(c.text, index, logprobs), tokens=len(c.token_ids),
-                                           finished=c.finish_reason is not None)
-                        if piece is not None:
-                            yield piece
+                # closed as soon as this answer ends or its caller leaves, not when it is garbage-collected: every
+                # choice it started is aborted in vLLM then
+                async with contextlib.aclosing(choice_outputs(lambda s: self.engine.generate(p, s), sp)) as outputs:
+                    async for index, c, out in outputs:
+                        if index == 0 or n == running:  # the request (or the first choice's) that prefilled
+                            final = out
+                        if ttft is None and c.token_ids:
+                            ttft = time.perf_counter() - t_submit
+                        logprobs = (logprobs_content(c.token_ids, c.logprobs, oai.top_logprobs, tokenizer)
+                                    if oai.top_logprobs is not None and c.logprobs else None)
+                        texts[index] += c.text
+                        counts[index] += len(c.token_ids)
+                        finish[index] = c.finish_reason or finish[index]
+                        if c.text or logprobs is not None:
+                            piece = pieces.add(AnswerPiece(c.text, index, logprobs), tokens=len(c.token_ids),
+                                               finished=c.finish_reason is not None)
+                            if piece is not None:
+                                yield piece
             except ValueError as e:  # vLLM's input checks (e.g. more logprobs than the engine's max_logprobs)
                 raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0][:500]) from None
         for piece in pieces.flush():

@@ -97,8 +97,8 @@ class ChoicesEngine(SeededEngine):
     """The rest of what Answering asks a ServingEngine for an OpenAI request: `generate(p, sp)`, its sizes,
     sampling defaults and tokenizer; records the admission's tokens in flight while a choice runs."""
 
-    def __init__(self, admission):
-        super().__init__(steps=2)
+    def __init__(self, admission, steps: int = 2):
+        super().__init__(steps=steps)
         self.admission, self.in_flight_seen = admission, set()
 
     def max_model_len(self) -> int:
@@ -115,23 +115,30 @@ class ChoicesEngine(SeededEngine):
         return super().generate(sp)
 
 
-@pytest.mark.parametrize("n", [2, 16])
-def test_an_openai_answer_holds_admission_for_the_choices_that_run_at_once(n):
-    """Answering.stream admits an OpenAI request for its prompt and the max_tokens of the choices that decode at once
-    (min(n, CHOICES_AT_ONCE)), not all n: the others start as those finish and hold their KV then."""
+def openai_answering(n: int, steps: int = 2):
+    """(admission, engine double, Answering, prepared request, AnswerRequest) for an OpenAI chat of n choices."""
     from inferscale_core.types import Mode
     from inferscale_server.admission import Admission
     from inferscale_server.engine_replica.answering import Answering
-    from inferscale_server.messages import AnswerEnd, AnswerRequest, OpenAIChat
+    from inferscale_server.messages import AnswerRequest, OpenAIChat
 
     admission = Admission(100_000, 2.0)
-    engine = ChoicesEngine(admission)
+    engine = ChoicesEngine(admission, steps)
     metrics = SimpleNamespace(ttft=SimpleNamespace(observe=lambda *a, **k: None))
     answering = Answering(engine, admission, metrics, stream_interval=1)
     p = SimpleNamespace(prompt_ids=list(range(10)), fact_ids=[])
     chat = OpenAIChat(sampling={"n": n, "max_completion_tokens": 100, "seed": 3},
                       messages=[{"role": "user", "content": "q?"}])
-    req = AnswerRequest("u", "q?", [], 100, 1.0, Mode.KV, openai=chat)
+    return admission, engine, answering, p, AnswerRequest("u", "q?", [], 100, 1.0, Mode.KV, openai=chat)
+
+
+@pytest.mark.parametrize("n", [2, 16])
+def test_an_openai_answer_holds_admission_for_the_choices_that_run_at_once(n):
+    """Answering.stream admits an OpenAI request for its prompt and the max_tokens of the choices that decode at once
+    (min(n, CHOICES_AT_ONCE)), not all n: the others start as those finish and hold their KV then."""
+    from inferscale_server.messages import AnswerEnd
+
+    admission, engine, answering, p, req = openai_answering(n)
 
     async def run():
         return [x async for x in answering.stream(p, req, 0.0, {})]
@@ -141,3 +148,18 @@ def test_an_openai_answer_holds_admission_for_the_choices_that_run_at_once(n):
     assert isinstance(end, AnswerEnd) and [c.index for c in end.choices] == list(range(n))
     assert engine.in_flight_seen == {10 + min(n, CHOICES_AT_ONCE) * 100} and admission.in_flight_tokens == 0
     assert engine.started == (1 if n <= CHOICES_AT_ONCE else n)
+
+
+def test_an_openai_answer_whose_caller_leaves_ends_its_choices_at_once():
+    """The caller gone (the answer's stream closed after a few pieces): every choice it started has ended when the
+    close returns, not when the garbage collector gets to it, and its admission is released."""
+    admission, engine, answering, p, req = openai_answering(16, steps=1000)
+
+    async def run():
+        stream = answering.stream(p, req, 0.0, {})
+        got = [await stream.__anext__() for _ in range(3)]
+        await stream.aclose()
+        return got, engine.started, engine.running, admission.in_flight_tokens
+
+    got, started, running, in_flight = asyncio.run(run())
+    assert len(got) == 3 and started == CHOICES_AT_ONCE and running == 0 and in_flight == 0
