@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import sys
@@ -70,8 +71,7 @@ async def big_request(engine, condition: str, args, tokenizer, stop: asyncio.Eve
                         logprobs=TOP_LOGPROBS if condition != "choices" else None,
                         output_kind=RequestOutputKind.DELTA)
     rid, tokens = f"{tag}-big", 0
-
-    prompt, ids = "Tell me a very long story about a lighthouse keeper.", iter(range(1 << 30))
+    prompt, ids = "Tell me a very long story about a lighthouse keeper.", itertools.count()
 
     def generate(s):
         return engine.generate(prompt, s, request_id=f"{rid}-{next(ids)}")

@@ -26,7 +26,7 @@ from .engine import ServingEngine, engine_timings, ms
 # A request's choices (OpenAI's n) that decode at once; the others start as those finish. Why: every running
 # sequence makes each engine step longer for everyone beside it, and one request may ask for 128 choices. On the
 # reference node (one core of an AMD EPYC for the engine, fp32), small answers streamed beside one request of n x 780
-# tokens took 1.12x (n=4), 1.45x (n=8), 2.11x (n=16) their time alone (bench/choices_beside.py, BENCHMARKS.md
+# tokens took 1.12x (n=4), 1.45x (n=8), 1.89-2.11x (n=16, two runs) their time alone (bench/choices_beside.py, BENCHMARKS.md
 # "Noisy neighbour"); logprobs added little to that. At 4, a request of n=16 takes about 4x longer for its own
 # caller, and no longer for the others.
 CHOICES_AT_ONCE = 4
