@@ -701,7 +701,7 @@ def render() -> str:
             "left to the light work (`cores_beside_light_work`). Any other `VLLM_*` variable is vLLM's own and passes "
             "through (on Kubernetes: the chart's `ray.extraEnv`). `serve_start_env` is what `inferscale serve` "
             "gives its local Ray; the chart and ray_cluster.yaml set the same `RAY_SERVE_*` values for theirs "
-            "(`SERVE_START_ENV`; tests/packaging/test_chart.py and tests/service/test_ray_cluster.py check they agree); `ENCODER_ENV` goes into the encoder "
+            "(`SERVE_START_ENV`; tests/packaging/test_chart.py and tests/service/ray_nodes/test_ray_cluster.py check they agree); `ENCODER_ENV` goes into the encoder "
             "pool's runtime_env.", ""]
     out += table(("variable", "value", "set by"), set_rows) + [""]
 

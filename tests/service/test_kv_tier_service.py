@@ -89,7 +89,7 @@ def service(registry_cluster, mooncake, tmp_path_factory, jwt_secret):
     # Every fact injected (no fact recomputed by design at small k): a fact missing from every tier is then a
     # failed load that vLLM recomputes, which the tests below count. Writes do not warm the replica here, so each
     # test's first answer reads what it names from the cluster tier (the path under test); the default, a
-    # write that warms, is tested through the service in test_node_failure.py.
+    # write that warms, is tested through the service in ray_nodes/test_node_failure.py.
     cfg = ServiceConfig(registry_url=registry_url(registry_cluster), kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=free_port(), grpc_port=free_port(), deployments=deployments,
                         cluster_store={**mooncake.config, "warm_at_write": False},

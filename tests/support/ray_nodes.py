@@ -1,5 +1,5 @@
-"""Ray clusters of several nodes on this machine, started with the `ray` CLI as a cluster file's commands do
-(tests/service/test_ray_cluster.py, test_node_failure.py), and ended without `ray stop` (which would end every Ray here)."""
+"""Ray clusters of several nodes on this machine, started with the `ray` CLI as ray_cluster.yaml's commands do
+(tests/service/ray_nodes/), and ended without `ray stop` (which would end every Ray here)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_FILE = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+REDIS_PORT = 6390  # ray_cluster.yaml's Redis port; Ray's GCS has 6379
+
+
+def file_command(key: str, needle: str) -> str:
+    """The one command of ray_cluster.yaml's `key` list that contains `needle`."""
+    (cmd,) = [c for c in CLUSTER_FILE[key] if needle in c]
+    return cmd
 
 
 def ray_cli(*args: str, env: dict, timeout: float = 180) -> None:

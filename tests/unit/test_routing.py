@@ -1,7 +1,7 @@
 """services/routing.py's choice of engine replica, without Ray: a user's home is a rendezvous hash over the
 replicas' stable slots, the same in every process and after a restart; it spreads users and moves only the users
 of a replica that comes or goes; an overloaded home is passed over for the next replica in the user's order.
-(tests/service/two_engines/test_multi_replica.py, tests/service/test_node_failure.py and
+(tests/service/two_engines/test_multi_replica.py, tests/service/ray_nodes/test_node_failure.py and
 tests/service/test_kv_tier_service.py run it inside Serve.)"""
 from __future__ import annotations
 

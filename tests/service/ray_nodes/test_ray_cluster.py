@@ -1,24 +1,16 @@
 """ray_cluster.yaml (the cluster launcher config): valid for Ray's own schema, and the shape it describes (a head
-with no CPUs running Redis with a password, a worker joining with `ray start --address`) runs the app as two
-Ray nodes on this machine, all on 127.0.0.1."""
+with no CPUs running Redis with a password, workers joining with `ray start --address`) runs the app as Ray nodes on
+this machine, all on 127.0.0.1 (the folder's cluster, conftest.py; test_node_failure kills one of its nodes after)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from support.ray_nodes import ray_cli, reload_ray_auth, stop_ray
-
-from inferscale_server.local_processes import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-RAW = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
-REDIS_PORT = 6390  # ray_cluster.yaml's Redis port; Ray's GCS has 6379
+from support.ray_nodes import CLUSTER_FILE as RAW
+from support.ray_nodes import REDIS_PORT, ROOT, file_command
 
 
 def _commands(*keys: str) -> str:
@@ -108,94 +100,43 @@ def test_ray_ports_require_the_clusters_token():
     assert "RAY_AUTH_TOKEN=" not in yaml.safe_dump(RAW)
 
 
-@pytest.fixture()
-def two_node_ray(tmp_path, monkeypatch):
-    """Redis started by ray_cluster.yaml's own command (on a free port, loopback only), a head with no CPUs and
-    a worker node that joins it with `ray start --address`, both on 127.0.0.1, the secrets handed to Ray by
-    environment variable as the cluster file does. Yields (gcs address, redis url, jwt secret)."""
-    from inferscale_core.vllm_env import vllm_cpu_env
+def test_the_nodes_start_with_the_apps_serve_settings():
+    """The head exports Serve's start-up timeouts (SERVE_START_ENV); every worker the request path's settings, the
+    gRPC message limit and the proxy callback (its replicas and proxies run there): the values `inferscale serve`
+    gives its own Ray (the cluster in conftest.py starts its nodes with them)."""
     from inferscale_server.app import SERVE_REQUEST_PATH_ENV, SERVE_START_ENV
     from inferscale_server.proxy_setup import TRANSPORT_MAX_MESSAGE_BYTES
 
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed (Debian package redis-server)")
-    home = tmp_path / "home"
-    secrets = home / "inferscale-secrets"
-    secrets.mkdir(parents=True)
-    (secrets / "redis-password").write_text(os.urandom(24).hex() + "\n")
-    (secrets / "jwt-secret").write_text(os.urandom(32).hex() + "\n")
-    (secrets / "ray-token").write_text(os.urandom(32).hex() + "\n")
-    redis_port, gcs_port = free_port(), free_port()
-    (redis_cmd,) = [c for c in RAW["head_start_ray_commands"] if "redis-server" in c]
-    redis_cmd = (redis_cmd.replace(f"--port {REDIS_PORT}", f"--port {redis_port}")
-                 .replace("$(hostname -I | awk '{print $1}')", ""))  # loopback only in a test
-    (start_head,) = [c for c in RAW["head_start_ray_commands"] if "ray start" in c]
-    for name, value in SERVE_START_ENV.items():  # the cluster file exports the same start-up timeouts
+    start_head = file_command("head_start_ray_commands", "ray start")
+    for name, value in SERVE_START_ENV.items():
         assert f"{name}={value}" in start_head
-    (start_worker,) = [c for c in RAW["worker_start_ray_commands"] if "ray start" in c]
+    start_worker = file_command("worker_start_ray_commands", "ray start")
     for name, value in {**SERVE_REQUEST_PATH_ENV, "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(TRANSPORT_MAX_MESSAGE_BYTES),
                         "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH":
                             SERVE_START_ENV["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]}.items():
-        assert f"{name}={value}" in start_worker  # the replicas and the node's proxies run there
-    env = {**os.environ, "HOME": str(home)}
-    password = (secrets / "redis-password").read_text().strip()
-    # Ray's own token auth, with this cluster's token: ray 2.60 turns token auth on for any local ray.init()
-    # (RAY_AUTH_MODE=token in that process's environment, the token in the real ~/.ray), so the mode must not
-    # depend on which tests ran before this one in the same process.
-    ray_env = {**env, **vllm_cpu_env(), **SERVE_START_ENV, "INFERSCALE_REDIS_PASSWORD": password,
-               "INFERSCALE_JWT_SECRET_FILE": str(secrets / "jwt-secret"), "RAY_USAGE_STATS_ENABLED": "0",
-               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(secrets / "ray-token")}  # as the file does
-    ray_env.pop("RAY_AUTH_TOKEN", None)
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # this process's driver joins with the same token
-    monkeypatch.setenv("RAY_AUTH_TOKEN", (secrets / "ray-token").read_text().strip())
-    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
-    reload_ray_auth()
-    subprocess.run(["bash", "-c", redis_cmd], env=env, check=True, timeout=30)
-    temp_dir = Path("/tmp") / f"isr{os.getpid()}"  # short (unix socket paths) and private to this test
-    common = ["--node-ip-address", "127.0.0.1", "--object-store-memory", str(400 << 20), "--disable-usage-stats"]
-    try:
-        ray_cli("start", "--head", "--port", str(gcs_port), "--num-cpus", "0", "--include-dashboard", "false",
-             "--temp-dir", str(temp_dir), "--dashboard-agent-listen-port", str(free_port()), *common, env=ray_env)
-        ray_cli("start", "--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "2",
-             "--dashboard-agent-listen-port", str(free_port()), *common, env=ray_env)
-        yield f"127.0.0.1:{gcs_port}", f"redis://127.0.0.1:{redis_port}/0", (secrets / "jwt-secret")
-    finally:
-        monkeypatch.undo()
-        reload_ray_auth()  # later tests in this process see the token state they had before
-        stop_ray([str(temp_dir), f"127.0.0.1:{gcs_port}"])
-        subprocess.run(["redis-cli", "-p", str(redis_port), "-a", password, "--no-auth-warning", "shutdown", "nosave"],
-                       capture_output=True, timeout=30)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert f"{name}={value}" in start_worker
 
 
 @pytest.mark.slow
-def test_two_ray_nodes_run_the_app(two_node_ray, tmp_path):
-    """The app on a head with no CPUs + a worker node: every replica lands on the worker (all of them ask for
-    CPU), the request enters through the head's gRPC proxy, the replicas reach the password-protected Redis
-    with the password from their environment, and the answer uses the stored fact."""
+def test_the_files_shape_runs_the_app(cluster):
+    """The app on a head with no CPUs and worker nodes that joined it with `ray start --address` (conftest.py):
+    every replica lands on a worker (all of them ask for CPU), the request enters through the head's gRPC proxy,
+    the replicas reach the password-protected Redis (started by the file's own command) with the password from
+    their environment and check tokens with the secret file the environment names, and the answer uses the stored
+    fact."""
     import ray
-    from ray import serve
 
     from inferscale_client import MemoryClient
-    from inferscale_server.app import ServiceConfig, single_node_deployments, start_service
     from inferscale_server.auth import mint
 
-    gcs, redis_url, jwt_secret = two_node_ray
-    cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(tmp_path / "kv"), max_model_len=2048,
-                        http_port=free_port(), grpc_port=free_port(), deployments=single_node_deployments())
-    assert "@" not in cfg.app_args()["registry_url"]  # the password is not in the app's config
-    ray.init(address=gcs, logging_level="ERROR")
-    try:
-        assert len([n for n in ray.nodes() if n["Alive"]]) == 2 and ray.cluster_resources()["CPU"] == 2
-        start_service(cfg, proxy_location="HeadOnly")  # two nodes on one address: one proxy
-        wanted = sum(spec.num_cpus for spec in cfg.deployments.values())
-        assert ray.available_resources().get("CPU", 0) == pytest.approx(2 - wanted)  # all on the worker node
-        token = mint(jwt_secret.read_bytes().strip(), "dana")
-        with MemoryClient(f"127.0.0.1:{cfg.grpc_port}", timeout_s=300, token=token) as client:
-            (fact,) = client.add_facts("dana", ["Dana adopted a grey cat named Pixel in March."])
-            chunks = list(client.answer("dana", "What is the name of Dana's cat?", max_tokens=24))
-        assert chunks[-1].final and chunks[-1].fact_ids == [fact.fact_id]
-        assert "Pixel" in "".join(c.text for c in chunks)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    cfg = cluster["cfg"]
+    assert "@" not in cfg.app_args()["registry_url"] and not cfg.auth  # neither secret is in the app's config
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 3 and "CPU" not in nodes[cluster["head"]]["Resources"] and ray.cluster_resources()["CPU"] == 4
+    wanted = sum(spec.num_cpus * spec.min_replicas for spec in cfg.deployments.values())
+    assert ray.available_resources().get("CPU", 0) == pytest.approx(4 - wanted)  # every replica placed, off the head
+    with MemoryClient(f"127.0.0.1:{cfg.grpc_port}", timeout_s=300, token=mint(cluster["jwt_secret"], "dana")) as client:
+        (fact,) = client.add_facts("dana", ["Dana adopted a grey cat named Pixel in March."])
+        chunks = list(client.answer("dana", "What is the name of Dana's cat?", max_tokens=24))
+    assert chunks[-1].final and chunks[-1].fact_ids == [fact.fact_id]
+    assert "Pixel" in "".join(c.text for c in chunks)
