@@ -219,7 +219,11 @@ class MemoryClient:
         """Yields AnswerChunk messages; the last has final=True with ttft_ms and fact_ids. `messages`: the
         conversation before the query ({"role", "content"} each, oldest first), placed after the memory."""
         req = answer_request(user_id, query, k, max_tokens, temperature, mode, messages)
-        yield from self.stub.Answer(req, **self._kw())
+        call = self.stub.Answer(req, **self._kw())
+        try:
+            yield from call
+        finally:  # a caller that stops reading (break, close) ends the answer at once, not when the call is collected
+            call.cancel()  # once the stream has ended: nothing to cancel, no effect
 
     def health(self):
         return self.stub.Health(pb2.HealthRequest(), **self._kw())
@@ -299,8 +303,12 @@ class AsyncMemoryClient:
     async def answer(self, user_id: str, query: str, k: int = 0, max_tokens: int = 0, temperature: float = 0.0,
                      mode: str = "", messages: Sequence[Mapping[str, str]] | None = None) -> AsyncIterator:
         req = answer_request(user_id, query, k, max_tokens, temperature, mode, messages)
-        async for chunk in self.stub.Answer(req, **self._kw()):
-            yield chunk
+        call = self.stub.Answer(req, **self._kw())
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:  # as MemoryClient.answer: a caller that stops reading (aclose) ends the answer at once
+            call.cancel()
 
     async def health(self):
         return await self.stub.Health(pb2.HealthRequest(), **self._kw())

@@ -62,7 +62,8 @@ def default_sampling(max_tokens: int = 64):
 
 
 def vllm_metrics() -> dict[str, float]:
-    """InferScale counters and prompt tokens by source from this process's vLLM metrics registry."""
+    """InferScale counters, prompt tokens by source and the requests the scheduler ran at its last step
+    (`requests_running`, a gauge) from this process's vLLM metrics registry."""
     from vllm.v1.metrics.reader import get_metrics_snapshot
 
     out: dict[str, float] = {}
@@ -71,6 +72,8 @@ def vllm_metrics() -> dict[str, float]:
             key = m.name.removeprefix(METRIC_PREFIX)
         elif m.name == "vllm:prompt_tokens_by_source":
             key = f"prompt_tokens_{m.labels['source']}"
+        elif m.name == "vllm:num_requests_running":
+            key = "requests_running"
         else:
             continue
         out[key] = out.get(key, 0) + getattr(m, "value", 0)

@@ -23,11 +23,19 @@ services/app.py:SERVE_START_ENV), before the proxy opens its ports.
 - gRPC error details: Serve's proxy answers an error the Gateway raised with its code and message only; for
   the Gateway's errors (errors.ApiError) it also sends their google.rpc details and retry pushback
   (services/error_details.py:error_trailers), unary and streaming RPCs alike.
+- A stream its caller leaves: Serve's proxy cancels the replica's call only when the caller's cancel reaches it
+  while it waits for the replica's next item; when the cancel comes while the proxy is handing an item to gRPC (its
+  generator suspended at `yield`), the generator is closed, the call is dropped uncancelled and the replica's answer
+  decodes to its end (measured: a gRPC Answer left by `break` in a reading loop went on for its remaining 16 s in
+  vLLM, 2 runs of 2). Every ProxyResponseGenerator the proxy makes now cancels its call when the proxy's task for
+  the request ends before the stream did (`_cancel_streams_left_between_items`); a stream that ended, failed or was
+  cancelled by Serve itself is left alone.
 
-The receive window and the last two patch Ray Serve 2.60 internals (`DEFAULT_GRPC_SERVER_OPTIONS`;
+The receive window and the last three patch Ray Serve 2.60 internals (`DEFAULT_GRPC_SERVER_OPTIONS`;
 `RayServegRPCContext.__init__`; `get_grpc_response_status` and `set_grpc_code_and_details` as
-ray.serve._private.proxy uses them): check them when Ray is upgraded; tests/service/test_grpc_serve_proxy.py
-fails if any stops working.
+ray.serve._private.proxy uses them; its `ProxyResponseGenerator`): check them when Ray is upgraded;
+tests/service/test_grpc_serve_proxy.py and tests/service/one_app/test_openai_compat.py
+(`test_a_caller_that_leaves_ends_its_answers_in_the_engine_at_once`) fail if any stops working.
 """
 from __future__ import annotations
 
@@ -212,6 +220,41 @@ def _send_error_details() -> None:
     proxy.get_grpc_response_status, proxy.set_grpc_code_and_details = get_grpc_response_status, set_grpc_code_and_details
 
 
+def _cancel_streams_left_between_items() -> None:
+    """Every ProxyResponseGenerator ray.serve._private.proxy makes cancels its deployment call when the proxy's task
+    for the request ends before the stream did (see the module's docstring). Not when the generator is dropped: the
+    proxy's closed generator ends in an error whose traceback keeps it, and with it the call, until the garbage
+    collector's next cycle. Idempotent."""
+    from ray.serve._private import proxy
+
+    plain = proxy.ProxyResponseGenerator
+    if getattr(plain, "_inferscale_cancel_when_left", False):
+        return
+
+    class CancelledWhenLeft(plain):  # type: ignore[valid-type,misc]  # Serve's class, patched in this process
+        _inferscale_cancel_when_left = True
+
+        def __init__(self, response, **kw):
+            super().__init__(response, **kw)
+            self._ended = False
+            task = asyncio.current_task()  # the proxy's task for this request: made in it, iterated in it
+            if task is not None:
+                task.add_done_callback(self._cancel_if_left)
+
+        async def __anext__(self):
+            try:
+                return await super().__anext__()
+            except BaseException:  # the stream ended here: its end, an error, a timeout or Serve's own cancel
+                self._ended = True
+                raise
+
+        def _cancel_if_left(self, _task) -> None:
+            if not self._ended and not self._response.cancelled():
+                self._response.cancel()
+
+    proxy.ProxyResponseGenerator = CancelledWhenLeft  # type: ignore[misc]  # the patch this function exists for
+
+
 def max_body_bytes() -> int:
     try:
         return int(os.environ.get(MAX_BODY_ENV, TRANSPORT_MAX_MESSAGE_BYTES))
@@ -238,4 +281,5 @@ def proxy_setup() -> list:
     _fix_grpc_receive_window()
     _carry_grpc_deadline()
     _send_error_details()
+    _cancel_streams_left_between_items()
     return [Middleware(BodyLimit, max_bytes=max_body_bytes(), timeout_s=body_timeout_s())]

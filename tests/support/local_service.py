@@ -133,9 +133,11 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
 def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None,
                     http: dict | None = None, engine_health_check_period_s: float | None = None, **ray_init):
     """The application on a fresh local Ray (2 CPUs, one replica of each deployment), as tests/service/one_app/
-    shares it. `http`: the HTTP front door's settings (ServiceConfig.http); `engine_health_check_period_s`: the engine
-    replica's (None: the shipped default); `ray_init`: more ray.init arguments."""
-    from inferscale_server.app import ServiceConfig, single_node_deployments
+    shares it, its Serve proxies set up as `inferscale serve` sets them (serve_start_env: the proxy callback's body
+    limits, deadlines, error details and cancels, Serve's request path). `http`: the HTTP front door's settings
+    (ServiceConfig.http); `engine_health_check_period_s`: the engine replica's (None: the shipped default);
+    `ray_init`: more ray.init arguments."""
+    from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments
 
     deployments = single_node_deployments()
     if engine_health_check_period_s is not None:
@@ -143,7 +145,8 @@ def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | N
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=free_port(), grpc_port=free_port(), deployments=deployments,
                         auth={"hs256_secret_file": str(jwt_secret[0])}, http=dict(http or {}))
-    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env_vars, **ray_init) as svc:
+    env = {**serve_start_env("127.0.0.1"), **(env_vars or {})}
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env, **ray_init) as svc:
         yield svc
 
 
