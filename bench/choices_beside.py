@@ -181,19 +181,12 @@ def main() -> int:
     if args.conditions[0] != "alone" or not set(args.conditions) <= set(CONDITIONS):
         ap.error(f"--conditions: `alone` first, then any of {', '.join(CONDITIONS[1:])}")
 
-    from inferscale_core.vllm_env import engine_bind_env, set_vllm_cpu_env, usable_cpus
+    from bench.engine_alone import measure_and_report
+    from inferscale_core.vllm_env import engine_bind_env, usable_cpus
 
     core = args.core if args.core is not None else usable_cpus()[-1]
     os.environ.update(engine_bind_env([core]))
-    set_vllm_cpu_env(1)
-    from bench.service import cpu_description, cpu_line
-
-    rows = asyncio.run(run(args))
-    text = report(rows, args, cpu_line(cpu_description()))
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return measure_and_report(lambda cpu: report(asyncio.run(run(args)), args, cpu), args.out)
 
 
 if __name__ == "__main__":

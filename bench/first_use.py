@@ -110,17 +110,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from inferscale_core.vllm_env import set_vllm_cpu_env
+    from bench.engine_alone import measure_and_report
 
-    set_vllm_cpu_env(1)
-    from bench.service import cpu_description, cpu_line
-
-    firsts, after = asyncio.run(measure())
-    text = report(firsts, after, cpu_line(cpu_description()))
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return measure_and_report(lambda cpu: report(*asyncio.run(measure()), cpu), args.out)
 
 
 if __name__ == "__main__":

@@ -138,23 +138,19 @@ def main() -> int:
     args = ap.parse_args()
     if not 0 < args.long_tokens < args.max_model_len:
         ap.error("--long-tokens must be above 0 and below --max-model-len")
-    from inferscale_core.vllm_env import set_vllm_cpu_env
+    from bench.engine_alone import measure_and_report
 
-    set_vllm_cpu_env(1)
-    from transformers import AutoTokenizer
+    def measure(cpu: str) -> str:
+        from transformers import AutoTokenizer
 
-    from bench.service import cpu_description, cpu_line
-    from inferscale_core.models import default_model_path
-    from inferscale_server.engine_replica.config import LONG_PREFILL_TOKENS
+        from inferscale_core.models import default_model_path
+        from inferscale_server.engine_replica.config import LONG_PREFILL_TOKENS
 
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
-    cap = LONG_PREFILL_TOKENS if args.cap is None else args.cap
-    rows = [asyncio.run(measure_cap(c, args, tokenizer)) for c in (0, cap)]
-    text = report(rows, args, cpu_line(cpu_description()))
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+        tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
+        cap = LONG_PREFILL_TOKENS if args.cap is None else args.cap
+        return report([asyncio.run(measure_cap(c, args, tokenizer)) for c in (0, cap)], args, cpu)
+
+    return measure_and_report(measure, args.out)
 
 
 if __name__ == "__main__":

@@ -129,17 +129,9 @@ def main() -> int:
     if not 1 <= args.facts <= 4096 or not 1 <= args.fact_tokens <= 512 or not 1 <= args.repeats <= 10:
         ap.error("--facts 1..4096, --fact-tokens 1..512, --repeats 1..10")
 
-    from inferscale_core.vllm_env import set_vllm_cpu_env
+    from bench.engine_alone import measure_and_report
 
-    set_vllm_cpu_env(1)
-    from bench.service import cpu_description, cpu_line
-
-    rows = asyncio.run(run(args))
-    text = report(rows, args, cpu_line(cpu_description()))
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return measure_and_report(lambda cpu: report(asyncio.run(run(args)), args, cpu), args.out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from support.auth_fixture import token_for
+from support.mooncake_fixture import mooncake_store
 from support.ray_nodes import REDIS_PORT, file_command, ray_cli, reload_ray_auth, stop_ray
 from support.serve_specs import spec_with
 from support.shared_app import order_folder
@@ -44,13 +45,8 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="package")
 def mooncake():
     """The cluster tier for the whole folder (tests/support/mooncake_fixture.py's is one per module)."""
-    from inferscale_server.local_mooncake import MooncakeMissing, local_mooncake
-
-    try:
-        with local_mooncake() as store:
-            yield store
-    except MooncakeMissing as e:  # raised before anything starts
-        pytest.fail(f"{e}; the cluster KV tier tests need it (and Debian's libibverbs1)")
+    with mooncake_store() as store:
+        yield store
 
 
 def _raylet_of(node_id: str) -> int:
