@@ -16,7 +16,7 @@ each time, and what each module checks holds on the same cluster:
 All nodes on 127.0.0.1 with Ray's token auth, each with a home of its own (kv_dir "~/kv" is a disk per node, as on
 separate machines). The fixture is package-scoped: the cluster starts before the folder's first test that asks for
 it and ends after its last. Order (tests/support/shared_app.py's order_folder): test_ray_cluster first, then
-test_node_failure, which kills the engine node.
+test_node_failure, which kills the engine node; the folder runs after every other module (pytest_collection_modifyitems).
 """
 from __future__ import annotations
 
@@ -154,4 +154,9 @@ def cluster(mooncake, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
+    """The folder's modules in MODULE_ORDER, after every other module of the run: test_grpc_serve_proxy, run right
+    after this folder in one process, found no Serve proxy among its own local Ray's raylet's children (2026-12-03,
+    twice; not understood), where as two modules these ran after it and passed."""
     order_folder(items, HERE, MODULE_ORDER)
+    mine = {id(item) for item in items if HERE in Path(str(item.fspath)).parents}
+    items[:] = [item for item in items if id(item) not in mine] + [item for item in items if id(item) in mine]
