@@ -156,7 +156,7 @@ def cluster(mooncake, tmp_path_factory):
 def pytest_collection_modifyitems(items):
     """The folder's modules in MODULE_ORDER, after every other module of the run: test_grpc_serve_proxy, run right
     after this folder in one process, found no Serve proxy among its own local Ray's raylet's children (2026-12-03,
-    twice; not understood), where as two modules these ran after it and passed."""
+    once; not understood), where as two modules these ran after it and passed."""
     order_folder(items, HERE, MODULE_ORDER)
     mine = {id(item) for item in items if HERE in Path(str(item.fspath)).parents}
     items[:] = [item for item in items if id(item) not in mine] + [item for item in items if id(item) in mine]
