@@ -106,14 +106,17 @@ def ray_head_log_tails() -> str:
 @contextlib.contextmanager
 def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_vars: dict | None = None,
                          **ray_init):
-    """The application `cfg` on a fresh local Ray (`num_cpus` logical CPUs, vLLM's CPU settings in every worker),
-    shut down with it; used by every test module that runs the whole app. `ray_init`: more ray.init arguments."""
+    """The application `cfg` on a fresh local Ray (`num_cpus` logical CPUs, vLLM's CPU settings in every worker,
+    Serve's proxies set up as `inferscale serve` sets them: serve_start_env), shut down with it; used by every test
+    module that runs the whole app. `env_vars` go on top. `ray_init`: more ray.init arguments."""
     from inferscale_core.vllm_env import vllm_cpu_env
+    from inferscale_server.app import serve_start_env
 
     for spec in cfg.deployments.values():  # stopped with nothing in flight: no 2 s drain window per replica
         spec.graceful_shutdown_wait_loop_s = DRAIN_POLL_S
     start_local_ray(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-                    runtime_env={"env_vars": {**vllm_cpu_env(), **(env_vars or {})}}, **ray_init)
+                    runtime_env={"env_vars": {**vllm_cpu_env(), **serve_start_env("127.0.0.1"), **(env_vars or {})}},
+                    **ray_init)
     # Ray's head processes (its dashboard and autoscaler monitor) bind ports of their own at ray.init, after the
     # test picked cfg's: seen twice in full runs, Serve's gRPC proxy then failed all its attempts to bind a port
     # Ray's dashboard held (test_metrics). Ports taken meanwhile are picked again.
@@ -133,11 +136,9 @@ def service_on_local_ray(cfg, kv_dir: Path, jwt_secret, num_cpus: int = 2, env_v
 def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | None = None,
                     http: dict | None = None, engine_health_check_period_s: float | None = None, **ray_init):
     """The application on a fresh local Ray (2 CPUs, one replica of each deployment), as tests/service/one_app/
-    shares it, its Serve proxies set up as `inferscale serve` sets them (serve_start_env: the proxy callback's body
-    limits, deadlines, error details and cancels, Serve's request path). `http`: the HTTP front door's settings
-    (ServiceConfig.http); `engine_health_check_period_s`: the engine replica's (None: the shipped default);
-    `ray_init`: more ray.init arguments."""
-    from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments
+    shares it. `http`: the HTTP front door's settings (ServiceConfig.http); `engine_health_check_period_s`: the engine
+    replica's (None: the shipped default); `ray_init`: more ray.init arguments."""
+    from inferscale_server.app import ServiceConfig, single_node_deployments
 
     deployments = single_node_deployments()
     if engine_health_check_period_s is not None:
@@ -145,8 +146,7 @@ def running_service(redis_url: str, kv_dir: Path, jwt_secret, env_vars: dict | N
     cfg = ServiceConfig(registry_url=redis_url, kv_dir=str(kv_dir), max_model_len=2048,
                         http_port=free_port(), grpc_port=free_port(), deployments=deployments,
                         auth={"hs256_secret_file": str(jwt_secret[0])}, http=dict(http or {}))
-    env = {**serve_start_env("127.0.0.1"), **(env_vars or {})}
-    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env, **ray_init) as svc:
+    with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env_vars, **ray_init) as svc:
         yield svc
 
 

@@ -7,7 +7,7 @@ same app, so its settings are the union of theirs:
   metrics export port             Ray's metrics agent on a port the test scrapes (test_metrics)
   engine health check every 2 s   a dead engine is noticed in seconds (test_service_e2e's replacement test)
   Serve's proxies as shipped      serve_start_env, as `inferscale serve` starts them: the proxy callback cancels
-                                  a stream its caller left (test_openai_compat; support.local_service.running_service)
+                                  a stream its caller left (test_openai_compat; support.local_service.service_on_local_ray)
 
 The fixture is package-scoped: the app starts before the folder's first test and stops after its last, so no other
 module's Ray overlaps it. Order (tests/support/shared_app.py's order_folder): test_service_e2e first (it counts its
