@@ -236,20 +236,14 @@ def _cancel_streams_left_between_items() -> None:
 
         def __init__(self, response, **kw):
             super().__init__(response, **kw)
-            self._ended = False
             task = asyncio.current_task()  # the proxy's task for this request: made in it, iterated in it
             if task is not None:
                 task.add_done_callback(self._cancel_if_left)
 
-        async def __anext__(self):
-            try:
-                return await super().__anext__()
-            except BaseException:  # the stream ended here: its end, an error, a timeout or Serve's own cancel
-                self._ended = True
-                raise
-
         def _cancel_if_left(self, _task) -> None:
-            if not self._ended and not self._response.cancelled():
+            # Serve's own `_done`: set when the stream ended in __anext__ (its end, an error, a timeout, a unary
+            # result); a stream Serve cancelled itself is `cancelled()`
+            if not self._done and not self._response.cancelled():
                 self._response.cancel()
 
     proxy.ProxyResponseGenerator = CancelledWhenLeft  # type: ignore[misc]  # the patch this function exists for

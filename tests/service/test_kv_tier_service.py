@@ -78,7 +78,7 @@ def registry_cluster():
 @pytest.fixture(scope="module")
 def service(registry_cluster, mooncake, tmp_path_factory, jwt_secret):
 
-    from inferscale_server.app import ServiceConfig, serve_start_env, single_node_deployments
+    from inferscale_server.app import ServiceConfig, single_node_deployments
     from inferscale_server.local_processes import free_port
 
     deployments = single_node_deployments()
@@ -94,9 +94,9 @@ def service(registry_cluster, mooncake, tmp_path_factory, jwt_secret):
                         http_port=free_port(), grpc_port=free_port(), deployments=deployments,
                         cluster_store={**mooncake.config, "warm_at_write": False},
                         auth={"hs256_secret_file": str(jwt_secret[0])}, store_options={"recompute_facts": 0})
-    # Serve's proxies set up as `inferscale serve` sets them (serve_start_env): the failover test reads the retry
-    # pushback that services/proxy_setup.py adds to the Gateway's errors.
-    env = {"INFERSCALE_ENGINE_MAX_USERS": "2", **serve_start_env("127.0.0.1")}
+    # Serve's proxies are set up as `inferscale serve` sets them (service_on_local_ray: serve_start_env): the failover
+    # test reads the retry pushback that services/proxy_setup.py adds to the Gateway's errors.
+    env = {"INFERSCALE_ENGINE_MAX_USERS": "2"}
     with service_on_local_ray(cfg, kv_dir, jwt_secret, env_vars=env) as svc:
         svc.answers = {}
         yield svc
