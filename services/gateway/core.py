@@ -54,7 +54,7 @@ from ..registry import (
 from .principal_limits import PrincipalLimit, PrincipalLimits, pause_before_refusal
 from .work_budget import Resource, WorkBudget, WorkLimit, query_units, scan_units, text_units
 
-if TYPE_CHECKING:  # mem0ai loads on the first infer=true request, not at import
+if TYPE_CHECKING:  # mem0ai loads in GatewayCore.build_extractor, not at import
     from ..mem0_provider import Mem0Extractor
 
 log = logging.getLogger("inferscale.gateway")
@@ -166,8 +166,14 @@ class WatchSlots:
 
 
 def _new_extractor(sink, embedder_path) -> "Mem0Extractor":
-    """GatewayCore._extractor_built's work, in the extraction thread: mem0ai is imported here, not at import."""
+    """GatewayCore.build_extractor's work, in the extraction thread: mem0ai is imported here, not at import. Mem0
+    embeds with its own copy of the embedder in this process, on the CPU: with one torch thread, as retrieval's
+    queries (vllm_env.one_thread_beside_the_engine), not a thread per core whose barriers wait for the engine's."""
+    from inferscale_core.vllm_env import one_thread_beside_the_engine
+
     from ..mem0_provider import Mem0Extractor
+
+    one_thread_beside_the_engine("cpu")
     return Mem0Extractor(sink, embedder_path)
 
 
@@ -215,7 +221,8 @@ class GatewayCore:
         """`auth` is required: Authenticator.insecure() is the explicit way to run without it."""
         self.registry, self.backends, self.limits, self.auth = registry, backends, limits, auth
         self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
-        self._extractor: Mem0Extractor | None = None  # built on the first infer=true request
+        self._extractor: Mem0Extractor | None = None  # build_extractor (the Gateway replica's start)
+        self._extractor_missing: str | None = None  # why it cannot be built (mem0ai not installed)
         self._extractor_lock = asyncio.Lock()
         self._sink: GatewaySink | None = None
         # Mem0 runs one extraction at a time (its vector store is bound to the call's user): one thread of its own.
@@ -511,20 +518,33 @@ class GatewayCore:
             recs = [fixed.get(r.fact_id, r) for r in recs]
         return recs
 
+    def build_extractor(self) -> None:
+        """Builds Mem0's extractor (AddMemory with infer=true) now, blocking, on the extraction thread: the Gateway
+        replica calls it in its constructor, before Serve sends it a request. Importing mem0ai loads torch, and
+        Mem0 its own embedder (~7 s and ~540 MB on a 2-core node); the import holds the GIL for most of that, so
+        built on the first infer=true request, as it was, it stalled the replica's event loop, and every other
+        tenant's request on it, up to 1.35 s at a time (BENCHMARKS.md, "The first extraction"). Without mem0ai
+        nothing is built and infer=true answers UNIMPLEMENTED."""
+        if self._extractor is not None or self._extractor_missing is not None:
+            return
+        sink = GatewaySink(self)
+        try:
+            self._extractor = self._mem0_pool.submit(_new_extractor, sink, self.embedder_path).result()
+            self._sink = sink
+        except ImportError as e:
+            self._extractor_missing = str(e)
+            log.warning("AddMemory with infer=true is not served: %s", e)
+
     async def _extractor_built(self) -> Mem0Extractor:
-        """The extractor, built once (the first infer=true request) in the extraction thread: importing mem0ai
-        loads torch with it (2.7 s on a 2-core AVX2 node), which on the event loop held every request of the
-        replica meanwhile."""
+        """The extractor: the one build_extractor made, else built now in the extraction thread (a GatewayCore
+        made outside a Gateway replica: tests, tools)."""
         async with self._extractor_lock:
+            if self._extractor is None and self._extractor_missing is None:
+                await asyncio.get_running_loop().run_in_executor(None, self.build_extractor)
             if self._extractor is None:
-                self._sink = GatewaySink(self, asyncio.get_running_loop())
-                try:
-                    self._extractor = await asyncio.get_running_loop().run_in_executor(
-                        self._mem0_pool, _new_extractor, self._sink, self.embedder_path)
-                except ImportError as e:
-                    raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
-                                   f"AddMemory with infer=true needs mem0ai 2.2 in the service's image ({e}); "
-                                   "send infer=false or use AddFacts") from None
+                raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
+                               f"AddMemory with infer=true needs mem0ai 2.2 in the service's image "
+                               f"({self._extractor_missing}); send infer=false or use AddFacts")
             return self._extractor
 
     async def _extract(self, user_id: str, messages: list[dict], metadata: dict,
@@ -849,12 +869,16 @@ class GatewaySink:
     and backend calls are run on the gateway's event loop, so they take the same path as the RPCs (checked,
     quota, all or nothing), and each checks there, on the loop, that its extraction was not stopped."""
 
-    def __init__(self, core: GatewayCore, loop: asyncio.AbstractEventLoop, timeout_s: float = 300.0):
+    def __init__(self, core: GatewayCore, loop: asyncio.AbstractEventLoop | None = None, timeout_s: float = 300.0):
+        """`loop`: the gateway's event loop; None: the one `running` is first called on (the sink is made in the
+        replica's constructor, before the loop serves)."""
         self.core, self.loop, self.timeout_s = core, loop, timeout_s
         self._local = threading.local()
 
     def running(self, call: ExtractionCall, fn):
         """`fn` for the extraction thread, with `call` as the sink's current extraction."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
         def run(*args):
             self._local.call = call
             try:
@@ -880,6 +904,7 @@ class GatewaySink:
             finally:
                 call.writes.discard(task)
 
+        assert self.loop is not None  # set by running(), which every extraction goes through
         return asyncio.run_coroutine_threadsafe(guarded(), self.loop).result(self.timeout_s)
 
     def add(self, user_id, facts):
