@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .background_prefill import BACKGROUND_PREFIX
 from .connector import check_vllm_version
 from .errors import check_id
 from .requests import Answer, Prepared, Query, RequestCore
@@ -213,16 +214,18 @@ class AsyncInjectingEngine:
             raise RuntimeError("the vLLM engine is not running")
         await self.engine.check_health()
 
-    async def chat(self, prompt: dict, sampling_params=None) -> tuple[str, int, int]:
+    async def chat(self, prompt: dict, sampling_params=None, background: bool = False) -> tuple[str, int, int]:
         """Plain chat generation without memory (e.g. Mem0's fact extraction with the serving model) of a prompt
-        from chat_prompt; returns (text, prompt tokens, completion tokens)."""
-        c = (await self._finished(prompt, sampling_params or default_sampling())).outputs[0]
+        from chat_prompt; returns (text, prompt tokens, completion tokens). `background`: its prefill runs in the
+        steps other requests leave (background_prefill.py; the engine's scheduler_cls must be that one)."""
+        c = (await self._finished(prompt, sampling_params or default_sampling(), background)).outputs[0]
         return c.text, len(prompt["prompt_token_ids"]), len(c.token_ids)
 
-    async def _finished(self, prompt: dict, sampling_params):
+    async def _finished(self, prompt: dict, sampling_params, background: bool = False):
         """vLLM's finished RequestOutput of a plain prompt (no memory), its stream read to the end."""
         final = None
-        async for final in self._started().generate(prompt, sampling_params, request_id=uuid.uuid4().hex):
+        request_id = (BACKGROUND_PREFIX if background else "") + uuid.uuid4().hex
+        async for final in self._started().generate(prompt, sampling_params, request_id=request_id):
             pass
         assert final is not None  # generate yields at least the finished output
         return final

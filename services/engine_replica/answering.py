@@ -235,7 +235,8 @@ class Answering:
                             structured_outputs=StructuredOutputsParams(**structured) if structured else None)
         prompt = await asyncio.to_thread(self.engine.chat_prompt, messages, user_id)
         with self.admission.admit(user_id, min(len(prompt["prompt_token_ids"]) + max_tokens, self.max_model_len)):
-            text, _, _ = await self.engine.chat(prompt, sp)
+            # Background: its ~1.5k-token prompt prefills in the steps the answers leave (background_prefill.py).
+            text, _, _ = await self.engine.chat(prompt, sp, background=True)
         return text
 
     async def chat_room(self, user_id: str, messages: list[dict]) -> int:

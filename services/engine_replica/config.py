@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from inferscale_core.background_prefill import SCHEDULER_CLS as BACKGROUND_SCHEDULER
 from inferscale_core.cluster_store import ClusterConfig
 from inferscale_core.vllm_env import machine_memory_bytes, usable_cpus
 
@@ -98,11 +99,13 @@ class EngineReplicaConfig:
 
     def vllm_engine_args(self) -> dict:
         """The vLLM engine arguments this replica adds to the injection engine's own: the long-prefill cap (never
-        above max_model_len, which vLLM refuses), then `engine_overrides`, which win."""
+        above max_model_len, which vLLM refuses), the scheduler that prefills background work (Mem0's extraction
+        prompts) in the steps the answers leave (inferscale_core/background_prefill.py), then `engine_overrides`,
+        which win."""
         cap = self.long_prefill_tokens
         if self.max_model_len is not None:
             cap = min(cap, self.max_model_len)
-        return {"long_prefill_token_threshold": cap, **self.engine_overrides}
+        return {"long_prefill_token_threshold": cap, "scheduler_cls": BACKGROUND_SCHEDULER, **self.engine_overrides}
 
     def kv_budget(self) -> int:
         """ResidentKV's budget: the one given, else the default for this replica's share of its node."""

@@ -42,6 +42,7 @@ class DictEngine:
 
         self.core = RequestCore(template, prefix)
         self.prefix = prefix
+        self.chats: list[bool] = []  # each plain chat's `background`
         self.store = {("__inferscale_shared__", self.core.prefix_id): prefix}
         self.capacity_tokens = capacity_tokens
         self.cluster = cluster
@@ -147,7 +148,8 @@ class DictEngine:
     def chat_prompt(self, messages, user_id) -> dict:
         return self.core.chat_prompt(messages, user_id)
 
-    async def chat(self, prompt, sampling_params=None) -> tuple[str, int, int]:
+    async def chat(self, prompt, sampling_params=None, background: bool = False) -> tuple[str, int, int]:
+        self.chats.append(background)
         return "ok", len(prompt["prompt_token_ids"]), 1
 
     def sampling_defaults(self) -> dict:
@@ -321,18 +323,33 @@ def test_a_long_prompt_takes_at_most_its_share_of_a_step_beside_other_requests()
     long_prefill_token_threshold, which vLLM lifts for a request alone), never above max_model_len (vLLM refuses
     that); an operator's engine_overrides win; 0 turns it off. bench/service.py's engine-alone phase takes the same
     arguments (vllm_engine_args), so its comparison with the service stays like for like."""
+    from inferscale_core.background_prefill import SCHEDULER_CLS
     from inferscale_server.app import ServiceConfig
     from inferscale_server.engine_replica import EngineReplicaConfig
     from inferscale_server.engine_replica.config import LONG_PREFILL_TOKENS
 
     assert 0 < LONG_PREFILL_TOKENS <= 512
-    assert EngineReplicaConfig().vllm_engine_args() == {"long_prefill_token_threshold": LONG_PREFILL_TOKENS}
+    assert EngineReplicaConfig().vllm_engine_args() == {"long_prefill_token_threshold": LONG_PREFILL_TOKENS,
+                                                        "scheduler_cls": SCHEDULER_CLS}
     assert ServiceConfig().engine_replica_config(None).vllm_engine_args() == EngineReplicaConfig().vllm_engine_args()
     assert EngineReplicaConfig(max_model_len=128).vllm_engine_args()["long_prefill_token_threshold"] == 128
-    assert EngineReplicaConfig(long_prefill_tokens=0).vllm_engine_args() == {"long_prefill_token_threshold": 0}
-    made = ServiceConfig(engine_overrides={"long_prefill_token_threshold": 64, "max_num_seqs": 8})
+    assert EngineReplicaConfig(long_prefill_tokens=0).vllm_engine_args()["long_prefill_token_threshold"] == 0
+    made = ServiceConfig(engine_overrides={"long_prefill_token_threshold": 64, "max_num_seqs": 8,
+                                           "scheduler_cls": None})  # None: vLLM's own scheduler
     assert made.engine_replica_config(None).vllm_engine_args() == {"long_prefill_token_threshold": 64,
-                                                                   "max_num_seqs": 8}
+                                                                   "max_num_seqs": 8, "scheduler_cls": None}
+
+
+def test_mem0s_extraction_prompts_go_to_the_engine_as_background_work(parts):
+    """The replica's plain chat (Mem0's extraction step) is background work: its long prompt prefills in the steps
+    the answers leave (inferscale_core/background_prefill.py; the real scheduler: tests/engine/)."""
+    from inferscale_server.registry import open_registry
+
+    async def go():
+        core = await started(parts, open_registry(None))
+        text = await core.chat(USER, [{"role": "user", "content": "I live in Oslo."}], 16, 0.0, None)
+        return text, core.engine.chats
+    assert asyncio.run(go()) == ("ok", [True])
 
 
 def test_engine_replicas_splitting_a_node_split_its_kv_budget(parts, monkeypatch):
