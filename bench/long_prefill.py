@@ -90,7 +90,7 @@ def stream_gaps(arrivals: list[float], t0: float, t1: float) -> dict:
     # What an answer of ANSWER_TOKENS tokens would lose at worst: the most any run of that many gaps lost.
     window = [sum(lost[i:i + ANSWER_TOKENS]) for i in range(max(1, len(lost) - ANSWER_TOKENS + 1))]
     return {"largest_gap_s": max(during or [0.0]), "gaps_during": len(during), "median_gap_s": median,
-            "lost_s": sum(max(0.0, g - median) for g in during), "worst_answer_lost_s": max(window)}
+            "lost_s": sum(x for (a, b), x in zip(gaps, lost) if b > t0 and a < t1), "worst_answer_lost_s": max(window)}
 
 
 async def measure_cap(cap: int, args, tokenizer, background: bool = False) -> dict:

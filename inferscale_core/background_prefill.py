@@ -39,10 +39,16 @@ class BackgroundPrefillMixin:
     max_num_running_reqs: int
     max_num_scheduled_tokens: int
     scheduler_config: Any
-    _held_steps: dict[str, int]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._held_steps: dict[str, int] = {}  # request id -> steps held in a row
 
     def schedule(self, *args, **kwargs):
-        held_running, held_waiting = self._hold_background()
+        running_bg = [r for r in self.running if is_background(r.request_id)]
+        waiting_bg = [r for r in self.waiting if is_background(r.request_id)]
+        others = len(running_bg) < len(self.running) or len(waiting_bg) < len(self.waiting)
+        held_running, held_waiting = self._hold_background(running_bg, waiting_bg, others)
         # The requests it admits this step may fill the running list only up to what the held ones leave: put
         # back, they must not take it past vLLM's cap (its schedule asserts it).
         self.max_num_running_reqs -= len(held_running)
@@ -51,7 +57,7 @@ class BackgroundPrefillMixin:
         # progress, 1,500 tokens in one step (~3.2 s on one core) against 256 (~0.6 s).
         budget = self.max_num_scheduled_tokens
         cap = self.scheduler_config.long_prefill_token_threshold
-        if cap > 0 and self._only_background():
+        if cap > 0 and not others and (running_bg or waiting_bg):
             self.max_num_scheduled_tokens = min(budget, cap)
         try:
             return super().schedule(*args, **kwargs)
@@ -64,42 +70,34 @@ class BackgroundPrefillMixin:
             if held_waiting:
                 self.waiting.prepend_requests(held_waiting)
 
-    def _only_background(self) -> bool:
-        """Every request this step may run is background work (and there is one)."""
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        return bool(ids) and all(map(is_background, ids))
-
-    def _hold_background(self) -> tuple[list, list]:
-        held_steps = self.__dict__.setdefault("_held_steps", {})
-        background = [r for r in self.running if is_background(r.request_id) and _prefilling(r)]
-        waiting_background = [r for r in self.waiting if is_background(r.request_id)]
-        if not background and not waiting_background:
-            held_steps.clear()
+    def _hold_background(self, running_bg: list, waiting_bg: list, others: bool) -> tuple[list, list]:
+        """Takes the background requests to hold this step out of the running list and the waiting queue; returns
+        them. `others`: a request that is not background runs or waits."""
+        prefilling = [r for r in running_bg if _prefilling(r)]
+        if not prefilling and not waiting_bg:
+            self._held_steps.clear()
             return [], []
-        others = any(not is_background(r.request_id) for r in self.running) or \
-            any(not is_background(r.request_id) for r in self.waiting)
         if not others:
             return [], []
-        held_running = [r for r in background if self._hold(r, held_steps)]
-        held_waiting = [r for r in waiting_background if self._hold(r, held_steps)]
+        held_running = [r for r in prefilling if self._hold(r)]
+        held_waiting = [r for r in waiting_bg if self._hold(r)]
         if held_running:
             held_ids = {id(r) for r in held_running}
             self.running = [r for r in self.running if id(r) not in held_ids]
         if held_waiting:
             self.waiting.remove_requests(held_waiting)
-        live = {r.request_id for r in background} | {r.request_id for r in waiting_background}
-        for rid in [rid for rid in held_steps if rid not in live]:
-            del held_steps[rid]
+        live = {r.request_id for r in prefilling} | {r.request_id for r in waiting_bg}
+        for rid in [rid for rid in self._held_steps if rid not in live]:
+            del self._held_steps[rid]
         return held_running, held_waiting
 
-    @staticmethod
-    def _hold(request, held_steps: dict[str, int]) -> bool:
+    def _hold(self, request) -> bool:
         """Whether to hold `request` out of this step: yes, unless it was held the last BACKGROUND_EVERY_STEPS - 1."""
-        n = held_steps.get(request.request_id, 0)
+        n = self._held_steps.get(request.request_id, 0)
         if n >= BACKGROUND_EVERY_STEPS - 1:
-            held_steps[request.request_id] = 0
+            self._held_steps[request.request_id] = 0
             return False
-        held_steps[request.request_id] = n + 1
+        self._held_steps[request.request_id] = n + 1
         return True
 
 

@@ -165,18 +165,6 @@ class WatchSlots:
                 del self.by_peer[peer]
 
 
-def _new_extractor(sink, embedder_path) -> "Mem0Extractor":
-    """GatewayCore.build_extractor's work, in the extraction thread: mem0ai is imported here, not at import. Mem0
-    embeds with its own copy of the embedder in this process, on the CPU: with one torch thread, as retrieval's
-    queries (vllm_env.one_thread_beside_the_engine), not a thread per core whose barriers wait for the engine's."""
-    from inferscale_core.vllm_env import one_thread_beside_the_engine
-
-    from ..mem0_provider import Mem0Extractor
-
-    one_thread_beside_the_engine("cpu")
-    return Mem0Extractor(sink, embedder_path)
-
-
 def _blocking(fn, *args, **kw):
     """Registry calls are short blocking I/O: keep them off the event loop."""
     return asyncio.to_thread(fn, *args, **kw)
@@ -521,26 +509,37 @@ class GatewayCore:
     def build_extractor(self) -> None:
         """Builds Mem0's extractor (AddMemory with infer=true) now, blocking, on the extraction thread: the Gateway
         replica calls it in its constructor, before Serve sends it a request. Importing mem0ai loads torch, and
-        Mem0 its own embedder (~7 s and ~540 MB on a 2-core node); the import holds the GIL for most of that, so
-        built on the first infer=true request, as it was, it stalled the replica's event loop, and every other
-        tenant's request on it, up to 1.35 s at a time (BENCHMARKS.md, "The first extraction"). Without mem0ai
-        nothing is built and infer=true answers UNIMPLEMENTED."""
+        Mem0 its own embedder (~7 s and ~540 MB on a 2-core node): built on the first infer=true request, as it
+        was, that request took 11.6 s instead of 3.1 (BENCHMARKS.md, "The first extraction's build, before
+        requests"). Without mem0ai nothing is built and infer=true answers UNIMPLEMENTED."""
+        self._mem0_pool.submit(self._build_extractor_here).result()
+
+    def _build_extractor_here(self) -> None:
+        """build_extractor's work, on the extraction thread (once; a missing mem0ai is remembered): mem0ai is
+        imported here, not at import. Mem0 embeds with its own copy of the embedder in this process, on the CPU: with
+        one torch thread, as retrieval's queries (vllm_env.one_thread_beside_the_engine), not a thread per core
+        whose barriers wait for the engine's."""
+        from inferscale_core.vllm_env import one_thread_beside_the_engine
+
         if self._extractor is not None or self._extractor_missing is not None:
             return
         sink = GatewaySink(self)
         try:
-            self._extractor = self._mem0_pool.submit(_new_extractor, sink, self.embedder_path).result()
+            from ..mem0_provider import Mem0Extractor
+
+            one_thread_beside_the_engine("cpu")
+            self._extractor = Mem0Extractor(sink, self.embedder_path)
             self._sink = sink
         except ImportError as e:
             self._extractor_missing = str(e)
             log.warning("AddMemory with infer=true is not served: %s", e)
 
     async def _extractor_built(self) -> Mem0Extractor:
-        """The extractor: the one build_extractor made, else built now in the extraction thread (a GatewayCore
+        """The extractor: the one build_extractor made, else built now on the extraction thread (a GatewayCore
         made outside a Gateway replica: tests, tools)."""
         async with self._extractor_lock:
             if self._extractor is None and self._extractor_missing is None:
-                await asyncio.get_running_loop().run_in_executor(None, self.build_extractor)
+                await asyncio.get_running_loop().run_in_executor(self._mem0_pool, self._build_extractor_here)
             if self._extractor is None:
                 raise ApiError(grpc.StatusCode.UNIMPLEMENTED,
                                f"AddMemory with infer=true needs mem0ai 2.2 in the service's image "

@@ -183,7 +183,7 @@ class Gateway:
         self.core = GatewayCore(open_registry(registry_url, index_owners=not authenticator.enabled), backends,
                                 Limits(**(limits or {})), embedder_path, auth=authenticator)
         if backends is not None:  # infer=true needs the engine: registry-only mode refuses it without an extractor
-            self.core.build_extractor()  # before the first request: its build stalls the event loop (see there)
+            self.core.build_extractor()  # before the first request, which would otherwise wait ~8 s for it
 
     async def stats(self, subject: str | None = None) -> dict:
         """This replica's work budget (work_budget.WorkBudget.stats; with `subject`, that caller's balance and net

@@ -411,10 +411,10 @@ def _first_extractor(mode: str) -> dict:
 
 def test_the_extractor_is_built_before_requests_on_its_thread_with_one_torch_thread():
     """The Gateway replica builds mem0's extractor in its constructor (GatewayCore.build_extractor): importing
-    mem0ai loads torch and mem0 its own embedder, seconds during which the importing thread holds the GIL, so built
-    on the first AddMemory with infer=true it stalled every other request of the replica (BENCHMARKS.md, "The first
-    extraction"). In a fresh interpreter: mem0ai is imported once, on the extraction thread; a request's path finds
-    the extractor built; mem0's embedder runs torch with one thread (the engine holds the other cores)."""
+    mem0ai loads torch and mem0 its own embedder, seconds that the first AddMemory with infer=true waited for
+    (BENCHMARKS.md, "The first extraction's build, before requests"). In a fresh interpreter: mem0ai is imported
+    once, on the extraction thread, never on the event loop; a request's path finds the extractor built; mem0's
+    embedder runs torch with one thread (the engine holds the other cores)."""
     r = _first_extractor("with_mem0")
     assert not r["loaded_before"] and len(r["imported_on"]) == 1, r
     assert r["imported_on"][0].startswith("mem0-extract"), r
