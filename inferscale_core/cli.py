@@ -68,7 +68,7 @@ def demo(args) -> int:
 
 
 def demo_log_path() -> Path:
-    from .models import cache_dir
+    from .cache import cache_dir
 
     return cache_dir() / "demo.log"
 

@@ -10,15 +10,10 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_dir
 from .model_spec import ModelSpec
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("INFERSCALE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "inferscale")
-    return Path(root)
 
 
 def smollm2_gguf_path() -> Path:

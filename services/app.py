@@ -410,8 +410,8 @@ def build_app(cfg: ServiceConfig):
     engine = serve.deployment(name="EngineReplica", **opts["EngineReplica"])(EngineReplica).bind(
         encoder, cfg.engine_replica_config(registry_url))
     gateway = serve.deployment(name="Gateway", **opts["Gateway"])(serve.ingress(http_app)(Gateway))
-    return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits,
-                        embedder_path=cfg.embedder_path, auth=cfg.auth, http=cfg.http)
+    return gateway.bind(encoder, retrieval, engine, registry_url=registry_url, limits=cfg.limits, auth=cfg.auth,
+                        http=cfg.http)
 
 
 def app_builder(args: dict):

@@ -440,7 +440,7 @@ def _https_or_local(url: str) -> bool:
 
 
 def dev_secret_path() -> Path:
-    from inferscale_core.models import cache_dir
+    from inferscale_core.cache import cache_dir
 
     return cache_dir() / DEV_SECRET_NAME
 

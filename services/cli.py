@@ -393,7 +393,7 @@ def _reap() -> None:
 def _serve(args, stack: contextlib.ExitStack) -> int:
     import ray
 
-    from inferscale_core.models import cache_dir
+    from inferscale_core.cache import cache_dir
 
     from .app import ServiceConfig, serve_start_env, single_node_deployments
     from .registry import redacted

@@ -5,12 +5,12 @@ the user, one LLM extraction call, JSON parsing, hash dedup, insert, history) wi
                 the engine replicas' KV stores: a fact mem0 inserts gets ONE fact_id, used by its registry
                 record, its index entry and its KV (encoded once by the encoder pool).
   LLM           `ServingLLM` (mem0's LLMBase): plain chat generation on the serving model (no memory).
-  embedder      mem0's `huggingface` provider on the MiniLM folder retrieval uses, so mem0's vectors and the
-                index's are the same vectors.
+  embedder      `ServiceEmbedder` (mem0's EmbeddingBase): the retrieval replicas' embedder, so mem0's vectors
+                are the index's own, and the gateway loads no model (no torch: its start stays ~2 s, not ~15).
 
 mem0ai 2.2 validates providers against fixed lists and has no hook for a custom vector store, so the
-`mem0.Memory` is built from inert built-in parts (an in-memory Qdrant client and an OpenAI config that is
-never called) and its `vector_store` and `llm` are then replaced; `check_mem0_version` pins the API this was
+`mem0.Memory` is built from inert built-in parts (an in-memory Qdrant client and OpenAI configs that are
+never called) and its `vector_store`, `llm` and `embedding_model` are then replaced; `check_mem0_version` pins the API this was
 written against. mem0ai 2.2's `add` is additive: its events are ADD only (duplicates are dropped by hash).
 
 Small models: mem0's extraction system prompt is ~8.5k tokens, longer than SmolLM2's whole context. When
@@ -37,19 +37,21 @@ from .registry import FactRecord, NewFact
 def _mem0_env() -> None:
     """mem0 reads these when it is first imported: no telemetry to posthog (no phoning home from a
     service), and its files (~/.mem0 otherwise) under the InferScale cache."""
-    from inferscale_core.models import cache_dir
+    from inferscale_core.cache import cache_dir
 
     os.environ.setdefault("MEM0_TELEMETRY", "false")
     os.environ.setdefault("MEM0_DIR", str(cache_dir() / "mem0"))
 
 
 _mem0_env()
-from mem0.llms.base import LLMBase  # noqa: E402 - mem0 reads the environment _mem0_env sets when first imported
+from mem0.embeddings.base import EmbeddingBase  # noqa: E402 - mem0 reads the environment _mem0_env sets first
+from mem0.llms.base import LLMBase  # noqa: E402
 from mem0.vector_stores.base import VectorStoreBase  # noqa: E402
 
 log = logging.getLogger("inferscale.mem0")
 SUPPORTED_MEM0 = (2, 2)
 MEM0_KEYS_DROPPED = ("data", "text_lemmatized")  # payload keys kept elsewhere (text) or derivable
+EMBEDDING_DIMS = 384  # the service's embedder, all-MiniLM-L6-v2 (mem0's configs want the size before any vector)
 
 COMPACT_SYSTEM_PROMPT = (
     "Extract facts about the user from the New Messages below, one short sentence per fact. Skip facts "
@@ -82,6 +84,9 @@ class FactSink(Protocol):
         """Registry write, then index + KV under the same ids."""
 
     def search(self, user_id: str, vector: list[float], k: int) -> list[tuple[str, float]]: ...
+
+    def embed(self, texts: builtins.list[str], as_query: bool) -> builtins.list[builtins.list[float]]:
+        """The service's embeddings of `texts`: as search queries, or as facts (what the index stores)."""
 
     def get(self, user_id: str, fact_id: str) -> FactRecord: ...
 
@@ -222,33 +227,48 @@ class ServingLLM(LLMBase):
         return self.sink.chat(user, messages, self.max_tokens, self.temperature, structured)
 
 
+class ServiceEmbedder(EmbeddingBase):
+    """mem0's embedder interface over the service's (FactSink.embed): mem0 embeds a search's query as a query
+    and what it inserts or updates as a fact, as SearchMemories and AddFacts do."""
+
+    def __init__(self, sink: FactSink):
+        super().__init__()
+        self.sink = sink
+
+    def embed(self, text, memory_action=None):
+        return self.embed_batch([text], memory_action)[0]
+
+    def embed_batch(self, texts, memory_action="add"):
+        return self.sink.embed(list(texts), as_query=memory_action == "search")
+
+
 # ------------------------------------------------------------------------------------------------ extractor
 class Mem0Extractor:
     """One mem0.Memory per gateway replica (the embedder loads once); calls run one at a time because the
     vector store is bound to the user of the call in progress."""
 
-    def __init__(self, sink: FactSink, embedder_path: str | None = None, max_tokens: int = 256):
+    def __init__(self, sink: FactSink, max_tokens: int = 256):
         check_mem0_version()
         from mem0 import Memory
         from mem0.configs.base import MemoryConfig
         from qdrant_client import QdrantClient
 
-        from inferscale_core.embedder import default_model_path
-
-        path = str(embedder_path or default_model_path())
+        unused = "http://127.0.0.1:9/unused"
         config = MemoryConfig(
-            embedder={"provider": "huggingface", "config": {"model": path, "model_kwargs": {"device": "cpu"}}},
             # Built and then replaced (see the module docstring): never called.
+            embedder={"provider": "openai", "config": {"api_key": "unused", "openai_base_url": unused,
+                                                       "embedding_dims": EMBEDDING_DIMS}},
             vector_store={"provider": "qdrant", "config": {"client": QdrantClient(":memory:"),
                                                            "collection_name": "unused",
-                                                           "embedding_model_dims": 384}},
+                                                           "embedding_model_dims": EMBEDDING_DIMS}},
             llm={"provider": "openai", "config": {"model": "inferscale-serving", "api_key": "unused",
-                                                  "openai_base_url": "http://127.0.0.1:9/unused"}},
+                                                  "openai_base_url": unused}},
             history_db_path=":memory:")
         self.memory = Memory(config)
         self.sink = sink
         self.llm = ServingLLM(sink, max_tokens=max_tokens)
         self.memory.llm = self.llm
+        self.memory.embedding_model = ServiceEmbedder(sink)
         self._lock = threading.Lock()
 
     def add(self, user_id: str, messages: list[dict], metadata: dict | None = None) -> list[dict[str, Any]]:

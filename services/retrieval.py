@@ -200,6 +200,16 @@ class RetrievalCore:
                 rows.append(self.embedder.embed(texts[start:start + FACT_EMBED_CHUNK]))
         return torch.cat(rows) if rows else self.embedder.embed([])
 
+    def embed_texts(self, texts: list[str], as_query: bool) -> list[list[float]]:
+        """Embeddings for a pipeline that embeds for itself (Mem0's extraction, in the gateway): as queries
+        (batched with the searches waiting, in the query dtype) or as facts (float32, the rows the index holds).
+        A vector the gateway hands back to search_vector, or stores with a fact, is then the one this replica
+        would have computed."""
+        if as_query:
+            rows = [self.queries.embed(t) for t in texts]
+            return [r.float().tolist() for r in rows]
+        return self._embed(list(texts)).float().tolist()
+
     def _embed_queries(self, texts: list[str]) -> torch.Tensor:
         with self._embed_lock:
             return self.query_embedder.embed(texts)
@@ -427,6 +437,13 @@ class Retrieval:
         with self.metrics.request("search_vector"):
             await self._user(user_id)
             return await asyncio.to_thread(self.core.search_vector, user_id, vector, k)
+
+    async def embed_texts(self, texts: list[str], as_query: bool) -> list[list[float]]:
+        """RetrievalCore.embed_texts: no user's index is read, so any replica answers (no multiplexed id)."""
+        with self.metrics.request("embed_texts"):
+            pool = self._searches if as_query else self._writes
+            return await asyncio.get_running_loop().run_in_executor(pool, self.core.embed_texts, list(texts),
+                                                                    as_query)
 
     async def index_facts(self, user_id: str, facts: list[tuple[str, int, str]]) -> int:
         with self.metrics.request("index_facts"):

@@ -96,6 +96,10 @@ class Backends(Protocol):
     async def search_vector(self, user_id: str, vector: list[float], k: int) -> list[tuple[str, float]]:
         """Top-k by a query embedding the caller computed (Mem0's pipeline embeds for itself)."""
 
+    async def embed(self, texts: list[str], as_query: bool) -> list[list[float]]:
+        """The retrieval replicas' embeddings of `texts`, as queries or as facts (Mem0's pipeline embeds for
+        itself, with the service's embedder rather than a copy of the model in the gateway)."""
+
     async def chat(self, user_id: str, messages: list[dict], max_tokens: int, temperature: float,
                    structured: dict | None) -> str:
         """Plain chat generation on the serving model for `user_id` (no memory; the prompt under the user's
@@ -204,11 +208,10 @@ def _fingerprint(facts: list[NewFact]) -> str:
 
 
 class GatewayCore:
-    def __init__(self, registry: Registry, backends: Backends | None = None, limits: Limits = Limits(),
-                 embedder_path: str | None = None, *, auth: Authenticator):
+    def __init__(self, registry: Registry, backends: Backends | None = None, limits: Limits = Limits(), *,
+                 auth: Authenticator):
         """`auth` is required: Authenticator.insecure() is the explicit way to run without it."""
         self.registry, self.backends, self.limits, self.auth = registry, backends, limits, auth
-        self.embedder_path = embedder_path  # Mem0's embedder: the same model as retrieval's
         self._extractor: Mem0Extractor | None = None  # build_extractor (the Gateway replica's start)
         self._extractor_missing: str | None = None  # why it cannot be built (mem0ai not installed)
         self._extractor_lock = asyncio.Lock()
@@ -508,27 +511,24 @@ class GatewayCore:
 
     def build_extractor(self) -> None:
         """Builds Mem0's extractor (AddMemory with infer=true) now, blocking, on the extraction thread: the Gateway
-        replica calls it in its constructor, before Serve sends it a request. Importing mem0ai loads torch, and
-        Mem0 its own embedder (~7 s and ~540 MB on a 2-core node): built on the first infer=true request, as it
-        was, that request took 11.6 s instead of 3.1 (BENCHMARKS.md, "The first extraction's build, before
-        requests"). Without mem0ai nothing is built and infer=true answers UNIMPLEMENTED."""
+        replica calls it in its constructor, before Serve sends it a request (importing mem0ai and building its
+        Memory takes ~2 s on a 2-core node; on the first infer=true request it would add that to the request).
+        Mem0 embeds through the retrieval replicas (Backends.embed), so no model, and no torch, is loaded here:
+        with its own copy of the embedder the replica's start took ~13 s more and ~540 MB (BENCHMARKS.md, "The
+        first extraction's build, before requests"). Without mem0ai nothing is built and infer=true answers
+        UNIMPLEMENTED."""
         self._mem0_pool.submit(self._build_extractor_here).result()
 
     def _build_extractor_here(self) -> None:
         """build_extractor's work, on the extraction thread (once; a missing mem0ai is remembered): mem0ai is
-        imported here, not at import. Mem0 embeds with its own copy of the embedder in this process, on the CPU: with
-        one torch thread, as retrieval's queries (vllm_env.one_thread_beside_the_engine), not a thread per core
-        whose barriers wait for the engine's."""
-        from inferscale_core.vllm_env import one_thread_beside_the_engine
-
+        imported here, not at import."""
         if self._extractor is not None or self._extractor_missing is not None:
             return
         sink = GatewaySink(self)
         try:
             from ..mem0_provider import Mem0Extractor
 
-            one_thread_beside_the_engine("cpu")
-            self._extractor = Mem0Extractor(sink, self.embedder_path)
+            self._extractor = Mem0Extractor(sink)
             self._sink = sink
         except ImportError as e:
             self._extractor_missing = str(e)
@@ -914,6 +914,9 @@ class GatewaySink:
 
     def search(self, user_id, vector, k):
         return self._run(lambda: self.core.backends.search_vector(user_id, vector, k))
+
+    def embed(self, texts, as_query):
+        return self._run(lambda: self.core.backends.embed(texts, as_query))
 
     def get(self, user_id, fact_id):
         return self.core.registry.get(user_id, fact_id)

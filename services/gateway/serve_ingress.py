@@ -109,6 +109,10 @@ class ServeBackends:
     async def search_vector(self, user_id, vector, k):
         return await within_deadline(self._r(user_id).search_vector.remote(user_id, vector, k), self.timeout_s)
 
+    async def embed(self, texts, as_query):
+        # No user's index is read: any retrieval replica will do.
+        return await within_deadline(self.retrieval.embed_texts.remote(list(texts), as_query), self.timeout_s)
+
     async def chat(self, user_id, messages, max_tokens, temperature, structured):
         # Plain chat holds no user's KV: any engine replica will do.
         return await within_deadline(self.engine.chat.remote(user_id, messages, max_tokens, temperature, structured),
@@ -166,8 +170,7 @@ class Gateway:
     status code and details on that context."""
 
     def __init__(self, encoder=None, retrieval=None, engine=None, registry_url: str | None = None,
-                 limits: dict | None = None, embedder_path: str | None = None, auth: dict | None = None,
-                 http: dict | None = None):
+                 limits: dict | None = None, auth: dict | None = None, http: dict | None = None):
 
         # No handles at all: registry-only mode (CRUD works, Search/Answer answer UNAVAILABLE).
         handles = (encoder, retrieval, engine)
@@ -181,9 +184,9 @@ class Gateway:
             log.warning("AUTHENTICATION IS OFF (insecure_no_auth): any caller can read and change any user's memory")
         # Without authentication Mem0's clients name a memory by its id alone: only then is its owner indexed.
         self.core = GatewayCore(open_registry(registry_url, index_owners=not authenticator.enabled), backends,
-                                Limits(**(limits or {})), embedder_path, auth=authenticator)
+                                Limits(**(limits or {})), auth=authenticator)
         if backends is not None:  # infer=true needs the engine: registry-only mode refuses it without an extractor
-            self.core.build_extractor()  # before the first request, which would otherwise wait ~8 s for it
+            self.core.build_extractor()  # before the first request, which would otherwise wait ~2 s for it
 
     async def stats(self, subject: str | None = None) -> dict:
         """This replica's work budget (work_budget.WorkBudget.stats; with `subject`, that caller's balance and net

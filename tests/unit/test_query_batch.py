@@ -120,6 +120,15 @@ def test_queries_go_to_the_query_embedder_and_facts_to_the_fact_embedder():
     assert seen["queries"] == ["what is my dog's name?"]
     stored = torch.as_tensor(registry.get("u", dog.fact_id).embedding)
     torch.testing.assert_close(stored, default_embedder().embed(["My dog is called Rex"])[0], rtol=0, atol=1e-6)
+    # embed_texts (Mem0's pipeline in the gateway embeds here): a query row from the query embedder, fact rows
+    # from the fact embedder, equal to what a search and the index compute
+    (as_query,) = core.embed_texts(["what is my dog's name?"], as_query=True)
+    as_facts = core.embed_texts(["My dog is called Rex", "I like green tea"], as_query=False)
+    assert seen["queries"][-1] == "what is my dog's name?" and seen["facts"][-2:] == ["My dog is called Rex",
+                                                                                    "I like green tea"]
+    torch.testing.assert_close(torch.tensor(as_query), low.embed(["what is my dog's name?"])[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(as_facts[0]), stored, rtol=0, atol=1e-6)
+    assert [f for f, _ in core.search_vector("u", as_query, 1)] == [dog.fact_id]
 
 
 def test_the_query_dtype_follows_the_replicas_hardware_unless_set():

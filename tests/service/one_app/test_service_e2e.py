@@ -231,7 +231,7 @@ def test_add_memory_with_inference_runs_mem0_on_the_serving_model(service):
         assert got.text == e.text and got.user_id == "dana" and got.version == 1
         assert got.metadata["session"] == "s1" and got.metadata["hash"]  # ours and mem0's metadata
     assert sorted(f.fact_id for f in c.list("dana")) == sorted(ids)
-    for e in events:  # in the index under the same id (mem0's own embedding of the text)
+    for e in events:  # in the index under the same id (embedded by the retrieval replicas, for mem0)
         assert c.search("dana", e.text, k=5)[0].fact.fact_id == e.fact_id
     assert service.engine_holds("dana", [(i, 1) for i in ids]) == [True] * len(ids)  # KV, same id
     _, final = service.ask("dana", "Where do I live?", k=5, max_tokens=8)

@@ -19,7 +19,10 @@ from support.local_service import APP, NAMES, facts_of
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
-RAMP = [(1, 4), (8, 64), (1, 2)]  # (concurrent clients, Answers) per step
+# (concurrent clients, Answers) per step. The heavy step lasts until a deployment runs 2 replicas or UP_BY_S has
+# passed, at most its count: a count alone ended it before a replica that takes seconds to start was running, and
+# on a slower machine Serve stopped that replica, still starting, once the load was gone (CI at 0d85f04).
+RAMP = [(1, 4), (8, 2000), (1, 2)]
 UP_BY_S, DOWN_BY_S = 240, 120     # bounds: a replica added within UP_BY_S of the ramp's start, gone DOWN_BY_S later
 
 
@@ -66,6 +69,8 @@ def test_replicas_rise_under_load_and_fall_back(service):
             with ThreadPoolExecutor(clients) as pool:
                 list(pool.map(one, range(answers)))
             stop_load.set()
+            if watcher.is_alive():
+                watcher.join()  # before the next step clears stop_load
         marks.append((time.monotonic() - t0, 0))
         t_idle = time.monotonic()
         while time.monotonic() - t_idle < DOWN_BY_S and not _back_to_one(timeline, scaled):
@@ -81,12 +86,12 @@ def test_replicas_rise_under_load_and_fall_back(service):
 
 
 def _stop_when_scaled(timeline, scaled, stop_load: threading.Event, deadline: float) -> None:
-    """Ends the heavy step once some deployment runs 2 replicas (or at the deadline): the load has done its job."""
+    """Ends the heavy step once some deployment runs 2 replicas (the load has done its job), or at the deadline."""
     while not stop_load.is_set() and time.monotonic() < deadline:
         if any(timeline.peak(d) == 2 for d in scaled):
-            stop_load.set()
-            return
+            break
         time.sleep(0.5)
+    stop_load.set()
 
 
 def _back_to_one(timeline, scaled) -> bool:
