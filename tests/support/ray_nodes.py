@@ -36,28 +36,38 @@ def reload_ray_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+def processes() -> dict[int, tuple[int, str]]:
+    """This machine's processes, read from /proc: pid -> (parent pid, command line); one that ends while it is
+    read is left out."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            out[int(d.name)] = (ppid, cmd)
+    return out
+
+
+def with_descendants(pids: set[int], table: dict[int, tuple[int, str]]) -> set[int]:
+    """`pids` and every descendant of theirs in `table` (processes())."""
+    out, grew = set(pids), True
+    while grew:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in out} - out
+        grew = bool(more)
+        out |= more
+    return out
+
+
 def stop_ray(markers: list[str]) -> None:
     """Ends this test's Ray processes only: those whose command line names its temp dir or GCS address, and
     their children (`ray stop` would end every Ray on the machine, other people's included)."""
-    def procs() -> dict[int, tuple[int, str]]:
-        out = {}
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-                out[int(d.name)] = (ppid, cmd)
-        return out
-
-    table = procs()
-    mine = {pid for pid, (_, cmd) in table.items() if any(m in cmd for m in markers) and pid != os.getpid()}
-    grew = True
-    while grew:
-        children = {pid for pid, (ppid, _) in table.items() if ppid in mine} - mine - {os.getpid()}
-        grew = bool(children)
-        mine |= children
+    table = processes()
+    me = os.getpid()
+    mine = with_descendants({pid for pid, (_, cmd) in table.items() if any(m in cmd for m in markers) and pid != me},
+                            {pid: row for pid, row in table.items() if pid != me})
     # SIGKILL at once: the cluster is thrown away, and its raylets, GCS, log monitor and runtime-env agents outwaited
     # every SIGTERM grace they were given (15 s, then 5 s: all of it, every time, a wait in every teardown);
     # SIGKILL ends them within a second.

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from support.auth_fixture import token_for
 from support.mooncake_fixture import mooncake_store
-from support.ray_nodes import REDIS_PORT, file_command, ray_cli, reload_ray_auth, stop_ray
+from support.ray_nodes import REDIS_PORT, file_command, processes, ray_cli, reload_ray_auth, stop_ray
 from support.serve_specs import spec_with
 from support.shared_app import order_folder
 
@@ -50,15 +50,7 @@ def mooncake():
 
 
 def _raylet_of(node_id: str) -> int:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "raylet" in cmd and f"--node_id={node_id}" in cmd:
-                pids.append(int(d.name))
+    pids = [pid for pid, (_, cmd) in processes().items() if "raylet" in cmd and f"--node_id={node_id}" in cmd]
     assert len(pids) == 1, f"the raylet of node {node_id}: {pids}"
     return pids[0]
 

@@ -30,12 +30,12 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 from support.local_service import NAMES, deployment_handle, facts_of, object_keys, stats_by_replica
 from support.mooncake_fixture import raw_client
+from support.ray_nodes import processes, with_descendants
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -53,23 +53,6 @@ def big_facts(name: str) -> tuple[list[str], list[list[str]]]:
     so that encoding 100+ facts costs seconds, not minutes, on 2 cores (the encoder pool is the test's cost)."""
     texts = [f"{name} adopted a grey cat named Pixel."] + [f"Locker {i} code: {1000 + 7 * i}." for i in range(BIG_FACTS - 1)]
     return texts, [[f"{name}'s notes."]] * BIG_FACTS
-
-
-def _children(pid: int) -> set[int]:
-    """pid and all its descendants."""
-    table = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                table[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    out, grew = {pid}, True
-    while grew:
-        more = {p for p, pp in table.items() if pp in out} - out
-        grew = bool(more)
-        out |= more
-    return out
 
 
 def home_of(name: str, slots: list[int]) -> int:
@@ -130,7 +113,7 @@ def test_a_dead_node_loses_no_request_and_no_fact(cluster, mooncake):
         if len(users) >= 4 and min(len(set(s["users"]) & set(users)) for s in stats_by_replica(2).values()) >= 2:
             break
     stats = stats_by_replica(2)
-    node_pids = _children(cluster["engine_raylet"])  # the engine node's processes
+    node_pids = with_descendants({cluster["engine_raylet"]}, processes())  # the engine node's processes
     on_node = [s for s in stats.values() if s["pid"] in node_pids]
     assert len(on_node) == 1, [(s["pid"], s["replica_id"]) for s in stats.values()]
     moving = set(on_node[0]["users"]) & set(users)  # this module's users whose engine dies with the node
